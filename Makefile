@@ -1,0 +1,53 @@
+# Everything a fresh clone needs: `make demo` and `make test` install what they use first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+EXTRAS := fast,test,stateful,devserver,image
+COMPOSE := docker compose -f docker/docker-compose.yml --env-file docker/minio.env
+
+.PHONY: install install-bench test unit-test integration-test demo bench minio-up minio-down clean
+
+install: $(STAMP)
+
+# torch first and pinned: the CPU wheel this machine carries; an unpinned torch pulls a
+# multi-GB CUDA build. The rest is pinned through constraints.txt (aioboto3 and botocore
+# pin each other tightly; unpinned installs have backtracked to 2018 releases).
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $@
+
+install-bench: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS),bench]"
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest tests integration -q
+
+unit-test: install
+	$(BIN)/python -m pytest tests -q
+
+integration-test: install
+	$(BIN)/python -m pytest integration -q
+
+demo: install
+	$(BIN)/python -m loader demo
+
+bench: install-bench
+	$(BIN)/python -m bench.run
+
+minio-up:
+	$(COMPOSE) up -d --wait
+	@echo "MinIO is up. Point the tests at it with:  set -a; . docker/minio.env; set +a; make integration-test"
+
+minio-down:
+	$(COMPOSE) down -v
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

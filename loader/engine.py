@@ -1,0 +1,446 @@
+"""``FetchEngine``: many requests in flight, a bounded buffer, and a plain iterator on top.
+
+The engine is the only place with concurrency. It runs an anyio event loop in one background
+thread (an ``anyio.from_thread.BlockingPortal``) of the process that iterates, runs *jobs* there
+(a job is an async function that fetches something and ``emit``s zero or more items), and hands
+the items to the synchronous caller through a buffer bounded by item count and bytes.
+
+Why not an anyio memory object stream for the buffer: it bounds items, not bytes, and delivers
+in completion order only. The buffer here keeps one deque per job so that ``ordered=True`` can
+deliver in job order (a reorder window: later jobs run ahead, their items wait their turn), and
+admission checks both limits before a new job starts, so a slow consumer stops new requests.
+
+Memory bound: ``queue_bytes`` + ``max_inflight`` x (largest item), plus at most one item per
+job at the head of the order (it may always deliver, or ordered delivery could deadlock).
+
+Lifecycle: nothing starts in ``__init__``. Iterating starts the thread; exhaustion, ``break``,
+an exception, ``close()``, garbage collection and interpreter exit all cancel the jobs, close
+the store inside the loop, stop the loop and join the thread. A forked child forgets engines
+inherited from its parent (their thread does not exist there) instead of touching them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import anyio
+from anyio.from_thread import start_blocking_portal
+
+from .errors import ConfigError
+from .retry import RetryPolicy
+from .stores import ObjectStore
+
+DEFAULT_MAX_INFLIGHT = 64
+DEFAULT_QUEUE_BYTES = 256 << 20
+DEFAULT_QUEUE_ITEMS = 1024
+TAKE_BATCH = 256  # items handed across the thread boundary per call: amortises the portal hop
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineLimits:
+    """How much the engine may fetch ahead: concurrency and the buffer's two bounds."""
+
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    queue_bytes: int = DEFAULT_QUEUE_BYTES
+    queue_items: int = DEFAULT_QUEUE_ITEMS
+    ordered: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight", "queue_bytes", "queue_items"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+class EngineStats(NamedTuple):
+    """A snapshot of the engine's counters (read without locking, so approximately consistent)."""
+
+    jobs_started: int
+    jobs_done: int
+    inflight: int
+    peak_inflight: int
+    buffered_items: int
+    buffered_bytes: int
+    peak_buffered_bytes: int
+    delivered_items: int
+    delivered_bytes: int
+    retries: int
+    consumer_wait_s: float
+
+
+class JobContext:
+    """What a job sees: the store, ``emit`` for its results, and a retry counter."""
+
+    __slots__ = ("store", "retry", "_core", "_slot")
+
+    def __init__(self, core: _Core, slot: _Slot, store: ObjectStore, retry: RetryPolicy):
+        self.store = store
+        self.retry = retry
+        self._core = core
+        self._slot = slot
+
+    async def emit(self, item: Any, nbytes: int) -> None:
+        """Hand one item to the consumer; waits while the buffer is full (backpressure)."""
+        await self._core.emit(self._slot, item, nbytes)
+
+    def retried(self, exc: BaseException) -> None:
+        """Count one retry (passed as ``on_retry`` to ``call_with_retries``)."""
+        self._core.retries += 1
+
+
+Job = Callable[[JobContext], Awaitable[None]]
+
+
+class _Slot:
+    """One job's place in the delivery order: its pending items and how it ended."""
+
+    __slots__ = ("index", "items", "done", "error")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.items: deque[tuple[Any, int]] = deque()
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class FetchEngine:
+    """Runs ``jobs`` with bounded concurrency in a background event loop; iterate for the items.
+
+    ``store_factory`` is awaited inside the loop to create the one store all jobs share; the
+    engine closes it. Errors raised by a job reach the consumer (in order, after the items
+    emitted before them when ``ordered``); the engine then stops starting new jobs.
+
+    The loop thread holds only the ``_Core`` (buffer, counters, tasks), never this handle, so
+    dropping the last reference to an engine garbage-collects it and ``__del__`` shuts it down.
+    """
+
+    def __init__(
+        self,
+        jobs: Iterable[Job],
+        store_factory: Callable[[], Awaitable[ObjectStore]],
+        *,
+        limits: EngineLimits | None = None,
+        retry: RetryPolicy | None = None,
+        name: str = "loader-engine",
+    ) -> None:
+        self.limits = limits or EngineLimits()
+        self.retry = retry or RetryPolicy()
+        self._core = _Core(jobs, store_factory, self.limits, self.retry)
+        self._name = name
+        self._stack: contextlib.ExitStack | None = None
+        self._portal: Any = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._consumer_wait = 0.0
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield items until every job is done; re-raises the first job error in order."""
+        self.start()
+        portal, take = self._portal, self._core.take
+        try:
+            while True:
+                started = time.perf_counter()
+                batch = portal.call(take, TAKE_BATCH)
+                self._consumer_wait += time.perf_counter() - started
+                if not batch:
+                    return
+                yield from batch
+        finally:
+            self.close()
+
+    def start(self) -> None:
+        """Start the event-loop thread and the jobs (idempotent)."""
+        if self._closed:
+            raise RuntimeError("this FetchEngine is closed; build a new one for another pass")
+        if self._portal is not None:
+            return
+        _track(self)
+        stack = contextlib.ExitStack()
+        self._portal = stack.enter_context(start_blocking_portal(name=self._name))
+        self._stack = stack
+        self._portal.start_task_soon(self._core.main)
+
+    def close(self) -> None:
+        """Cancel all jobs, close the store, stop the loop, join the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        portal, stack = self._portal, self._stack
+        self._portal = self._stack = None
+        if portal is None or os.getpid() != self._pid:
+            return  # never started, or inherited through fork: that thread is not ours
+        if threading.current_thread().name == self._name:
+            raise RuntimeError("FetchEngine.close() called from its own event-loop thread")
+        with contextlib.suppress(RuntimeError):  # already stopped
+            portal.call(portal.stop, True)
+        stack.close()
+
+    def __enter__(self) -> FetchEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._closed and self._portal is not None and os.getpid() == self._pid:
+            warnings.warn(
+                f"unclosed {self!r}; close() it or exhaust the iterator", ResourceWarning, stacklevel=2
+            )
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._portal else "not started")
+        return f"<FetchEngine {self._name} {state} {self.limits}>"
+
+    def statistics(self) -> EngineStats:
+        """Counters for ``dataset.stats()`` and for tests that measure the bounds."""
+        core = self._core
+        return EngineStats(
+            jobs_started=core.launched,
+            jobs_done=core.jobs_done,
+            inflight=core.inflight,
+            peak_inflight=core.peak_inflight,
+            buffered_items=core.buffered_items,
+            buffered_bytes=core.buffered_bytes,
+            peak_buffered_bytes=core.peak_buffered_bytes,
+            delivered_items=core.delivered_items,
+            delivered_bytes=core.delivered_bytes,
+            retries=core.retries,
+            consumer_wait_s=self._consumer_wait,
+        )
+
+
+class _Core:
+    """The loop-side half of an engine: job launching, the buffer and its counters.
+
+    Touched only from the engine thread, except for the plain-int counters that
+    ``statistics()`` reads (approximately consistent, which is all statistics need).
+    """
+
+    def __init__(
+        self,
+        jobs: Iterable[Job],
+        store_factory: Callable[[], Awaitable[ObjectStore]],
+        limits: EngineLimits,
+        retry: RetryPolicy,
+    ) -> None:
+        self.jobs = jobs
+        self.store_factory = store_factory
+        self.limits = limits
+        self.retry = retry
+        self.slots: dict[int, _Slot] = {}
+        self.ready: deque[tuple[Any, int]] = deque()  # as-completed delivery
+        self.head = 0
+        self.launch_done = False
+        self.failed = False
+        self.fatal: BaseException | None = None
+        self.changed: anyio.Event | None = None
+        self.launched = 0
+        self.jobs_done = 0
+        self.inflight = 0
+        self.peak_inflight = 0
+        self.buffered_items = 0
+        self.buffered_bytes = 0
+        self.peak_buffered_bytes = 0
+        self.delivered_items = 0
+        self.delivered_bytes = 0
+        self.retries = 0
+
+    async def main(self) -> None:
+        store = None
+        try:
+            store = await self.store_factory()
+            async with anyio.create_task_group() as tg:
+                await self.launch_all(tg, store)
+        except Exception as exc:
+            self.fatal = exc
+        finally:
+            self.launch_done = True
+            self.notify()
+            if store is not None:
+                with anyio.CancelScope(shield=True):
+                    await store.aclose()
+
+    async def launch_all(self, tg: anyio.abc.TaskGroup, store: ObjectStore) -> None:
+        limiter = anyio.Semaphore(self.limits.max_inflight)  # acquired here, released by the job
+        for index, job in enumerate(self.jobs):
+            await self.wait_for_room(index)
+            await limiter.acquire()
+            if self.failed:
+                limiter.release()
+                break
+            slot = _Slot(index)
+            self.slots[index] = slot
+            self.launched += 1
+            tg.start_soon(self.run_job, job, JobContext(self, slot, store, self.retry), limiter)
+        self.launch_done = True
+        self.notify()
+
+    async def run_job(self, job: Job, ctx: JobContext, limiter: anyio.Semaphore) -> None:
+        slot = ctx._slot
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        try:
+            await job(ctx)
+        except Exception as exc:
+            slot.error = exc
+            self.failed = True
+            if not self.limits.ordered:
+                self.ready.append((_Failure(exc), 0))
+        finally:
+            self.inflight -= 1
+            self.jobs_done += 1
+            slot.done = True
+            limiter.release()
+            self.notify()
+
+    def full(self) -> bool:
+        return (
+            self.buffered_items >= self.limits.queue_items
+            or self.buffered_bytes >= self.limits.queue_bytes
+        )
+
+    async def wait_for_room(self, index: int) -> None:
+        window = self.limits.queue_items
+        ordered = self.limits.ordered
+        while not self.failed and (self.full() or (ordered and index >= self.head + window)):
+            await self.wait_change()
+
+    async def emit(self, slot: _Slot, item: Any, nbytes: int) -> None:
+        # The head job may always deliver one item when it has none buffered: the consumer is
+        # waiting for exactly that item, so making it wait for room would deadlock.
+        ordered = self.limits.ordered
+        while self.full() and not (ordered and slot.index == self.head and not slot.items):
+            await self.wait_change()
+        (slot.items if ordered else self.ready).append((item, nbytes))
+        self.buffered_items += 1
+        self.buffered_bytes += nbytes
+        self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
+        self.notify()
+
+    async def take(self, max_items: int) -> list[Any]:
+        """Runs in the loop on behalf of the consumer: the next items, ``[]`` at the end."""
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            out = self.pop_ordered(max_items) if self.limits.ordered else self.pop_any(max_items)
+            if out:
+                self.notify()
+                return out
+            if self.finished():
+                return []
+            await self.wait_change()
+
+    def pop_ordered(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < max_items:
+            slot = self.slots.get(self.head)
+            if slot is None:
+                break
+            if slot.items:
+                out.append(self.account(slot.items.popleft()))
+                continue
+            if not slot.done:
+                break
+            if slot.error is not None and out:
+                break  # deliver what came before the error first
+            del self.slots[self.head]
+            self.head += 1
+            if slot.error is not None:
+                raise slot.error
+        return out
+
+    def pop_any(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while self.ready and len(out) < max_items:
+            item, _ = self.ready[0]
+            if isinstance(item, _Failure):
+                if out:
+                    break
+                self.ready.popleft()
+                raise item.error
+            out.append(self.account(self.ready.popleft()))
+        return out
+
+    def account(self, entry: tuple[Any, int]) -> Any:
+        item, nbytes = entry
+        self.buffered_items -= 1
+        self.buffered_bytes -= nbytes
+        self.delivered_items += 1
+        self.delivered_bytes += nbytes
+        return item
+
+    def finished(self) -> bool:
+        if not self.launch_done or self.jobs_done < self.launched:
+            return False
+        return not self.ready and not any(slot.items for slot in self.slots.values())
+
+    def notify(self) -> None:
+        if self.changed is not None:
+            self.changed.set()
+            self.changed = None
+
+    async def wait_change(self) -> None:
+        if self.changed is None:
+            self.changed = anyio.Event()
+        await self.changed.wait()
+
+
+class _Failure(NamedTuple):
+    """A job error queued in completion order (``ordered=False``)."""
+
+    error: BaseException
+
+
+# --------------------------------------------------------------------- process-wide hygiene
+# Registered on first use, not at import (importing the package must have no side effects).
+
+_live: weakref.WeakSet[FetchEngine] = weakref.WeakSet()
+_hooks_installed = False
+
+
+def _track(engine: FetchEngine) -> None:
+    global _hooks_installed
+    if not _hooks_installed:
+        _hooks_installed = True
+        os.register_at_fork(after_in_child=_forget_inherited)
+        atexit.register(_close_all)
+    _live.add(engine)
+
+
+_orphans: list[Any] = []
+
+
+def _forget_inherited() -> None:
+    """In a forked child: disown engines whose loop thread stayed behind in the parent.
+
+    Their portals must never be finalized here: closing one waits for a thread that does not
+    exist in this process and hangs. So their parts are parked in ``_orphans`` for good.
+    """
+    for engine in list(_live):
+        _orphans.append((engine._portal, engine._stack))
+        engine._portal = engine._stack = None
+        engine._closed = True
+    _live.clear()
+
+
+def _close_all() -> None:
+    for engine in list(_live):
+        with contextlib.suppress(Exception):
+            engine.close()
+
+
+def live_engines() -> int:
+    """How many engines of this process are still running (for tests and leak checks)."""
+    return sum(1 for engine in _live if not engine._closed)

@@ -1,0 +1,111 @@
+"""Every error the loader raises, in one tree.
+
+Backend errors (botocore, aiohttp, obstore) are translated into these in exactly one place per
+backend (``loader/stores/*``), always with ``raise ... from exc`` so the original stays reachable.
+Each class also subclasses the builtin it really is, so ``except FileNotFoundError`` works too::
+
+    LoaderError
+    ├── ConfigError (ValueError)            bad setting or environment variable; raised before any I/O
+    ├── StoreError                          something went wrong talking to the object store
+    │   ├── TransientStoreError             worth retrying: 5xx, SlowDown, reset, timeout, short body
+    │   │   └── EndpointUnreachableError (ConnectionError)
+    │   │                                   nothing answers at the endpoint (after retries: permanent)
+    │   ├── AccessDeniedError (PermissionError)  403: wrong credentials or missing permission
+    │   ├── NoSuchBucketError (FileNotFoundError)
+    │   ├── NoSuchKeyError (FileNotFoundError)
+    │   └── InvalidRangeError (ValueError)
+    ├── EmptyDatasetError (ValueError)      a prefix or manifest with nothing in it
+    ├── ShardFormatError (ValueError)       a tar shard that is truncated, corrupt or not a tar
+    └── SampleError                         a sample failed after fetching (e.g. in ``transform``);
+                                            names the key, keeps the original as ``__cause__``
+
+Messages name the bucket, key (and shard offset) at fault and say what to do. Secrets never
+appear in them.
+"""
+
+from __future__ import annotations
+
+
+class LoaderError(Exception):
+    """Base class of every error raised by this package."""
+
+
+class ConfigError(LoaderError, ValueError):
+    """A setting or environment variable is invalid; the message names it and shows how to fix it."""
+
+
+class StoreError(LoaderError):
+    """A request to the object store failed; ``bucket`` and ``key`` say for what."""
+
+    def __init__(self, message: str, *, bucket: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.key = key
+
+    def __reduce__(self):  # keep bucket/key when crossing a DataLoader worker boundary
+        return (_rebuild_store_error, (type(self), str(self), self.bucket, self.key))
+
+
+def _rebuild_store_error(cls, message, bucket, key):
+    return cls(message, bucket=bucket, key=key)
+
+
+class TransientStoreError(StoreError):
+    """A fault that may go away on its own (5xx, SlowDown, reset, timeout, truncated body)."""
+
+
+class EndpointUnreachableError(TransientStoreError, ConnectionError):
+    """Nothing answered at the endpoint; transient until the retry deadline passes."""
+
+
+class AccessDeniedError(StoreError, PermissionError):
+    """403: the credentials are wrong, expired or lack permission for this bucket/key."""
+
+
+class NoSuchBucketError(StoreError, FileNotFoundError):
+    """The bucket does not exist at this endpoint."""
+
+
+class NoSuchKeyError(StoreError, FileNotFoundError):
+    """The key does not exist in the bucket."""
+
+
+class InvalidRangeError(StoreError, ValueError):
+    """A ranged GET asked for bytes past the end of the object."""
+
+
+class EmptyDatasetError(LoaderError, ValueError):
+    """A prefix listing or manifest produced no objects."""
+
+
+class ShardFormatError(LoaderError, ValueError):
+    """A tar shard is truncated, corrupt or not a tar at all; names the shard URL and byte offset."""
+
+    def __init__(self, message: str, *, url: str = "", offset: int | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.offset = offset
+
+    def __reduce__(self):
+        return (_rebuild_shard_error, (type(self), str(self), self.url, self.offset))
+
+
+def _rebuild_shard_error(cls, message, url, offset):
+    return cls(message, url=url, offset=offset)
+
+
+class SampleError(LoaderError):
+    """Turning a fetched object into a sample failed (e.g. ``transform`` raised)."""
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+
+    def __reduce__(self):
+        return (_rebuild_sample_error, (type(self), str(self), self.url, self.__cause__))
+
+
+def _rebuild_sample_error(cls, message, url, cause):
+    err = cls(message, url=url)
+    err.__cause__ = cause
+    return err

@@ -1,0 +1,104 @@
+"""When and how long to retry a failed request.
+
+Which faults are transient is decided once, by type: the store backends translate their
+library's errors into ``TransientStoreError`` (5xx, SlowDown, RequestTimeout, resets, timeouts,
+bodies shorter than their Content-Length) or a permanent ``StoreError`` (403, 404, bad range).
+Everything here is pure except ``call_with_retries``, which only sleeps.
+
+Backoff is exponential with *full jitter* (a uniform draw in ``[0, min(cap, base * 2**n))``),
+which spreads a thundering herd of DataLoader workers best; see the AWS architecture blog post
+"Exponential Backoff And Jitter".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+
+from .errors import ConfigError, TransientStoreError
+
+T = TypeVar("T")
+
+DEFAULT_MAX_ATTEMPTS = 8
+DEFAULT_BASE_DELAY = 0.05
+DEFAULT_MAX_DELAY = 5.0
+DEFAULT_DEADLINE = 120.0
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 30.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Limits for retrying one request.
+
+    ``max_attempts`` counts the first try; ``deadline`` bounds all attempts of one request
+    together (seconds from the first try); ``read_timeout`` is how long a response may send no
+    bytes before it counts as stalled and is retried; ``connect_timeout`` bounds opening a
+    connection.
+    """
+
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    base_delay: float = DEFAULT_BASE_DELAY
+    max_delay: float = DEFAULT_MAX_DELAY
+    deadline: float = DEFAULT_DEADLINE
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError(f"RetryPolicy.max_attempts={self.max_attempts!r} must be at least 1")
+        for name in ("base_delay", "max_delay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must not be negative")
+        for name in ("deadline", "connect_timeout", "read_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must be positive")
+
+
+def backoff_delay(attempt: int, policy: RetryPolicy, rng: random.Random) -> float:
+    """Seconds to wait after failed attempt number ``attempt`` (0-based), full jitter."""
+    cap = min(policy.max_delay, policy.base_delay * (2 ** min(attempt, 62)))
+    return rng.uniform(0.0, cap)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is worth another attempt."""
+    return isinstance(exc, TransientStoreError)
+
+
+async def call_with_retries(
+    attempt: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    on_retry: Callable[[BaseException], None] | None = None,
+    rng: random.Random | None = None,
+) -> T:
+    """Run ``attempt()`` until it succeeds, a permanent error occurs, or the limits are spent.
+
+    The last transient error is re-raised with the number of attempts and seconds spent added
+    to its message, so a user sees that retrying happened and gave up.
+    """
+    rng = rng or random.Random()
+    started = time.monotonic()
+    for n in range(policy.max_attempts):
+        try:
+            return await attempt()
+        except TransientStoreError as exc:
+            elapsed = time.monotonic() - started
+            delay = backoff_delay(n, policy, rng)
+            if n + 1 >= policy.max_attempts or elapsed + delay >= policy.deadline:
+                raise type(exc)(
+                    f"{exc} (gave up after {n + 1} attempt(s) over {elapsed:.1f}s; "
+                    "see RetryPolicy to allow more)",
+                    bucket=exc.bucket,
+                    key=exc.key,
+                ) from exc
+            if on_retry is not None:
+                on_retry(exc)
+            await anyio.sleep(delay)
+    raise AssertionError("unreachable: the loop returns or raises")

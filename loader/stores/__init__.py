@@ -1,0 +1,46 @@
+"""Object store backends behind the one ``ObjectStore`` protocol (see ``base.py``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+
+from ..config import S3Config
+from ..errors import ConfigError
+from ..retry import RetryPolicy
+from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "BACKENDS", "ObjectInfo", "ObjectStore", "StoreFactory", "open_store",
+           "resolve_backend"]
+
+StoreFactory = Callable[[], Awaitable[ObjectStore]]
+BACKENDS = ("aioboto3", "obstore")
+STORE_ENV = "LOADER_STORE"
+
+
+def resolve_backend(name: str | None) -> str:
+    """``store=`` wins, then ``$LOADER_STORE``, then the default (aioboto3)."""
+    chosen = name or os.environ.get(STORE_ENV) or "aioboto3"
+    if chosen not in BACKENDS:
+        source = "store" if name else STORE_ENV
+        raise ConfigError(f"{source}={chosen!r} is not a known backend; use one of {BACKENDS}")
+    return chosen
+
+
+async def open_store(
+    backend: str, config: S3Config, *, max_connections: int, retry: RetryPolicy
+) -> ObjectStore:
+    """Create a backend inside the running event loop (never earlier: clients bind to a loop)."""
+    if backend == "aioboto3":
+        from .aioboto3_store import Aioboto3Store
+
+        return await Aioboto3Store.open(config, max_connections=max_connections, retry=retry)
+    if backend == "obstore":
+        try:
+            from .obstore_store import ObstoreStore
+        except ImportError as exc:
+            raise ConfigError(
+                "store='obstore' needs the optional extra: pip install 'loader[fast]'"
+            ) from exc
+        return await ObstoreStore.open(config, max_connections=max_connections, retry=retry)
+    raise ConfigError(f"store={backend!r} is not a known backend; use one of {BACKENDS}")

@@ -1,0 +1,248 @@
+"""The default ``ObjectStore``: aioboto3 (botocore signing over aiohttp).
+
+One client per engine, its connection pool sized to the engine's concurrency, created inside the
+engine's event loop and closed there. botocore's own retries are off: ``loader.retry`` retries
+one level up, where a truncated body (which botocore does not retry) is handled too. Request
+checksums and parameter validation are off because they cost CPU on every GET and buy nothing
+for reads over TLS-or-loopback. Every botocore/aiohttp error is translated in ``_translate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiobotocore.config import AioConfig
+from botocore import exceptions as bce
+
+from ..config import S3Config
+from ..errors import (
+    AccessDeniedError,
+    ConfigError,
+    EndpointUnreachableError,
+    InvalidRangeError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    StoreError,
+    TransientStoreError,
+)
+from ..retry import RetryPolicy
+from ..uri import object_url
+from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
+
+_TRANSIENT_CODES = {
+    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
+    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "503", "500", "502", "504",
+}
+_DENIED_CODES = {
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+    "ExpiredToken", "AllAccessDisabled", "403",
+}
+_STREAM_ERRORS = (
+    bce.ResponseStreamingError,
+    bce.IncompleteReadError,
+    bce.ReadTimeoutError,
+    bce.ConnectionClosedError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    asyncio.TimeoutError,
+    ConnectionError,
+)
+
+
+class Aioboto3Store:
+    """``ObjectStore`` over one aiobotocore S3 client; build it with ``await Aioboto3Store.open()``."""
+
+    def __init__(self, client: Any, stack: contextlib.AsyncExitStack, endpoint: str) -> None:
+        self._client = client
+        self._stack = stack
+        self._endpoint = endpoint
+
+    @classmethod
+    async def open(
+        cls, config: S3Config, *, max_connections: int = 64, retry: RetryPolicy | None = None
+    ) -> Aioboto3Store:
+        """Create the client inside the running event loop."""
+        import aioboto3  # imported here: it is slow to import and only the engine thread needs it
+
+        config.require_credentials()
+        retry = retry or RetryPolicy()
+        boto_config = AioConfig(
+            max_pool_connections=max(1, max_connections),
+            connect_timeout=retry.connect_timeout,
+            read_timeout=retry.read_timeout,
+            retries={"max_attempts": 1, "mode": "standard"},
+            s3={"addressing_style": "path" if config.path_style else "auto"},
+            parameter_validation=False,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            tcp_keepalive=True,
+        )
+        session = aioboto3.Session(
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            aws_session_token=config.session_token,
+            region_name=config.region,
+        )
+        stack = contextlib.AsyncExitStack()
+        client = await stack.enter_async_context(
+            session.client(
+                "s3", endpoint_url=config.endpoint_url, config=boto_config, verify=config.verify
+            )
+        )
+        return cls(client, stack, config.endpoint_url or "AWS S3")
+
+    async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                page = await self._client.list_objects_v2(**kwargs)
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            for item in page.get("Contents", ()):
+                yield ObjectInfo(item["Key"], int(item["Size"]))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    async def get(self, bucket: str, key: str) -> bytes:
+        return await self._read(bucket, key, None)
+
+    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
+        if end is not None and end <= start:
+            return b""
+        return await self._read(bucket, key, _range_header(start, end))
+
+    async def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+        kwargs = {"Bucket": bucket, "Key": key}
+        if byte_range:
+            kwargs["Range"] = byte_range
+        try:
+            response = await self._client.get_object(**kwargs)
+            async with response["Body"] as body:  # returns the connection even on error
+                return await body.read()  # verifies Content-Length: short bodies raise
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+
+    async def stream(
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> AsyncIterator[bytes]:
+        kwargs = {"Bucket": bucket, "Key": key}
+        if start:
+            kwargs["Range"] = _range_header(start, None)
+        try:
+            response = await self._client.get_object(**kwargs)
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+        expected = int(response.get("ContentLength", -1))
+        received = 0
+        async with response["Body"] as body:
+            while True:
+                try:
+                    chunk = await body.read(chunk_size)
+                except Exception as exc:
+                    raise self._translate(exc, bucket, key) from exc
+                if not chunk:
+                    break
+                received += len(chunk)
+                yield chunk
+        if expected >= 0 and received < expected:
+            raise TransientStoreError(
+                f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
+                f"{expected - received} short of its Content-Length",
+                bucket=bucket,
+                key=key,
+            )
+
+    async def put(self, bucket: str, key: str, data: bytes) -> None:
+        try:
+            await self._client.put_object(Bucket=bucket, Key=key, Body=data)
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
+
+    def _translate(
+        self, exc: BaseException, bucket: str, key: str, *, listing: bool = False
+    ) -> BaseException:
+        """Map a botocore/aiohttp error to ``loader.errors`` with a message that gives advice."""
+        return translate_error(exc, bucket=bucket, key=key, endpoint=self._endpoint, listing=listing)
+
+
+def translate_error(
+    exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
+) -> BaseException:
+    """The one place where aiobotocore's and aiohttp's errors become ours."""
+    if isinstance(exc, (StoreError, asyncio.CancelledError)):
+        return exc
+    what = f"s3://{bucket}/{key}" + (" (listing)" if listing else "")
+    if isinstance(exc, bce.ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if code == "NoSuchBucket":
+            return NoSuchBucketError(
+                f"bucket {bucket!r} does not exist at {endpoint}; create it or fix the URI "
+                f"(asked for {what})",
+                bucket=bucket, key=key,
+            )
+        if code in ("NoSuchKey", "NotFound") or status == 404:
+            return NoSuchKeyError(
+                f"no object {key!r} in bucket {bucket!r} at {endpoint} (HTTP 404); "
+                "check the key list or manifest",
+                bucket=bucket, key=key,
+            )
+        if code in _DENIED_CODES or status == 403:
+            return AccessDeniedError(
+                f"access denied to {what} at {endpoint} ({code or status}): the credentials were "
+                "rejected or lack permission; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                "(or MINIO_ACCESS_KEY / MINIO_SECRET_KEY) and the bucket policy",
+                bucket=bucket, key=key,
+            )
+        if code == "InvalidRange" or status == 416:
+            return InvalidRangeError(
+                f"{what}: the requested byte range is past the end of the object",
+                bucket=bucket, key=key,
+            )
+        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+            return TransientStoreError(
+                f"{what}: the server answered {code or status} (HTTP {status}); will retry",
+                bucket=bucket, key=key,
+            )
+        return StoreError(f"{what}: the server answered {code} (HTTP {status})", bucket=bucket, key=key)
+    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
+        return EndpointUnreachableError(
+            f"cannot connect to {endpoint} for {what}; is the server running and is "
+            "AWS_ENDPOINT_URL right?",
+            bucket=bucket, key=key,
+        )
+    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return ConfigError(
+            "no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or pass S3Config(access_key_id=..., secret_access_key=...))"
+        )
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return EndpointUnreachableError(
+            f"cannot connect to {endpoint} for {what}: {exc.os_error.strerror or exc}",
+            bucket=bucket, key=key,
+        )
+    if isinstance(exc, _STREAM_ERRORS):
+        return TransientStoreError(
+            f"{what}: the connection failed mid-request ({type(exc).__name__}); will retry",
+            bucket=bucket, key=key,
+        )
+    return StoreError(f"{what}: unexpected {type(exc).__name__}: {exc}", bucket=bucket, key=key)
+
+
+def _range_header(start: int, end: int | None) -> str:
+    if start < 0:
+        raise ValueError(f"range start {start!r} must not be negative")
+    return f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"

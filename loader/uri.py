@@ -1,0 +1,85 @@
+"""``s3://bucket/key`` URIs and WebDataset brace patterns (``train-{00000..00127}.tar``).
+
+Pure string work, so errors here come before any request and name the URI at fault.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import NamedTuple
+
+from .errors import ConfigError
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
+_BRACE_RE = re.compile(r"\{([^{}]*)\}")
+_RANGE_RE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+MAX_EXPANSION = 10_000_000
+
+
+class S3Uri(NamedTuple):
+    """A parsed ``s3://bucket/key`` (key may be a prefix or empty)."""
+
+    bucket: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+def parse_s3_uri(uri: str) -> S3Uri:
+    """Split ``s3://bucket/key`` into bucket and key; reject anything else with advice."""
+    if not isinstance(uri, str) or not uri.startswith("s3://"):
+        raise ConfigError(f"{uri!r} is not an S3 URI; write it as 's3://bucket/prefix/'")
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise ConfigError(
+            f"{uri!r}: {bucket!r} is not a valid bucket name "
+            "(3-255 lowercase letters, digits, '.', '-', '_')"
+        )
+    return S3Uri(bucket, key)
+
+
+def object_url(bucket: str, key: str) -> str:
+    """The ``s3://`` URL of one object (what samples carry as ``__url__``)."""
+    return f"s3://{bucket}/{key}"
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand every ``{a..b}`` (zero padding kept) and ``{x,y,z}`` group, left to right.
+
+    >>> expand_braces("s-{00..02}.tar")
+    ['s-00.tar', 's-01.tar', 's-02.tar']
+    >>> expand_braces("{a,b}-{1..2}")
+    ['a-1', 'a-2', 'b-1', 'b-2']
+    """
+    pieces: list[list[str]] = []
+    pos = 0
+    total = 1
+    for match in _BRACE_RE.finditer(pattern):
+        pieces.append([pattern[pos:match.start()]])
+        options = _expand_group(match.group(1), pattern)
+        total *= len(options)
+        if total > MAX_EXPANSION:
+            raise ConfigError(f"{pattern!r} expands to more than {MAX_EXPANSION:,} names")
+        pieces.append(options)
+        pos = match.end()
+    pieces.append([pattern[pos:]])
+    rest = pattern[pos:]
+    if "{" in rest or "}" in rest:
+        raise ConfigError(f"{pattern!r} has an unbalanced or nested brace")
+    return ["".join(parts) for parts in itertools.product(*pieces)]
+
+
+def _expand_group(body: str, pattern: str) -> list[str]:
+    match = _RANGE_RE.match(body)
+    if match:
+        lo_text, hi_text = match.groups()
+        lo, hi = int(lo_text), int(hi_text)
+        if hi < lo:
+            raise ConfigError(f"{pattern!r}: range {{{body}}} runs backwards; write {{{hi_text}..{lo_text}}}")
+        width = len(lo_text) if lo_text.startswith("0") and len(lo_text) > 1 else 0
+        return [str(i).zfill(width) for i in range(lo, hi + 1)]
+    if "," in body:
+        return body.split(",")
+    raise ConfigError(f"{pattern!r}: {{{body}}} is neither a range {{a..b}} nor a list {{x,y}}")

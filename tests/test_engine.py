@@ -1,0 +1,210 @@
+"""FetchEngine against the in-memory store: bounds measured by the store, order, errors, cleanup."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+
+import pytest
+
+from conftest import payloads, reusable
+from fakes import FakeStore
+from loader.engine import EngineLimits, FetchEngine, live_engines
+from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError
+
+BUCKET = "b"
+
+
+def fetch_jobs(keys):
+    """Jobs that GET each key and emit ``(position, bytes)``."""
+
+    def job_for(position, key):
+        async def job(ctx):
+            data = await ctx.store.get(BUCKET, key)
+            await ctx.emit((position, data), len(data))
+
+        return job
+
+    return (job_for(position, key) for position, key in enumerate(keys))
+
+
+def make(n=200, size=100, **store_options):
+    objects = payloads(n, size)
+    return objects, FakeStore.with_objects(BUCKET, objects, **store_options)
+
+
+def test_ordered_delivery_returns_every_item_in_job_order(no_leaked_threads):
+    objects, fake = make(300, latency=lambda key: random.uniform(0, 0.005))
+    keys = sorted(objects)
+    with FetchEngine(fetch_jobs(keys), reusable(fake), limits=EngineLimits(max_inflight=16)) as engine:
+        got = list(engine)
+    assert [position for position, _ in got] == list(range(len(keys)))
+    assert [data for _, data in got] == [objects[key] for key in keys]
+    assert fake.closed, "the engine must close the store it opened"
+
+
+def test_as_completed_delivery_returns_every_item_once(no_leaked_threads):
+    objects, fake = make(300, latency=lambda key: random.uniform(0, 0.005))
+    keys = sorted(objects)
+    limits = EngineLimits(max_inflight=16, ordered=False)
+    got = list(FetchEngine(fetch_jobs(keys), reusable(fake), limits=limits))
+    assert sorted(position for position, _ in got) == list(range(len(keys)))
+    assert fake.requests == len(keys)
+
+
+@pytest.mark.parametrize("max_inflight", [1, 4, 32])
+def test_inflight_requests_never_exceed_max_inflight(max_inflight, no_leaked_threads):
+    objects, fake = make(200, latency=0.002)
+    limits = EngineLimits(max_inflight=max_inflight)
+    assert len(list(FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=limits))) == 200
+    assert fake.peak_inflight <= max_inflight
+    assert fake.peak_inflight == max_inflight, "with enough work the limit should be reached"
+
+
+def test_slow_consumer_pauses_fetching_and_bounds_buffered_bytes(no_leaked_threads):
+    size, budget, inflight = 10_000, 50_000, 4
+    objects, fake = make(500, size=size)
+    limits = EngineLimits(max_inflight=inflight, queue_bytes=budget, queue_items=1000)
+    engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=limits)
+    iterator = iter(engine)
+    next(iterator)  # consumer takes one item, then stops reading
+    time.sleep(0.3)
+    requests_when_paused = fake.requests
+    time.sleep(0.3)
+    assert fake.requests == requests_when_paused, "the store kept receiving requests"
+    # The documented bound: budget + in-flight requests (+ one batch handed to the consumer).
+    assert requests_when_paused <= budget // size + inflight + 1 + 256
+    stats = engine.statistics()
+    assert stats.buffered_bytes <= budget + inflight * size
+    assert stats.peak_buffered_bytes <= budget + inflight * size
+    rest = list(iterator)  # resuming the consumer resumes fetching, nothing lost
+    assert len(rest) == 499
+    assert engine.statistics().peak_buffered_bytes <= budget + inflight * size
+
+
+def test_item_count_bound_pauses_fetching(no_leaked_threads):
+    objects, fake = make(500, size=10)
+    limits = EngineLimits(max_inflight=4, queue_items=20)
+    engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=limits)
+    iterator = iter(engine)
+    next(iterator)
+    time.sleep(0.3)
+    assert engine.statistics().peak_buffered_bytes <= (20 + 4) * 10
+    assert fake.requests <= 20 + 4 + 256 + 1
+    engine.close()
+
+
+def test_break_after_ten_items_leaves_no_thread_task_or_engine(no_leaked_threads):
+    objects, fake = make(1000, latency=0.001)
+    engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake))
+    for count, _ in enumerate(engine, start=1):
+        if count == 10:
+            break
+    del _
+    gc.collect()
+    assert live_engines() == 0
+    assert fake.closed
+    assert fake.inflight == 0, "cancelled requests must finish their cleanup"
+    assert fake.requests < 1000, "breaking early must stop fetching"
+
+
+def test_dropping_the_iterator_closes_the_engine(no_leaked_threads):
+    objects, fake = make(1000, latency=0.001)
+    iterator = iter(FetchEngine(fetch_jobs(sorted(objects)), reusable(fake)))
+    next(iterator)
+    del iterator
+    gc.collect()
+    assert live_engines() == 0
+    assert fake.closed
+
+
+def test_a_started_engine_that_is_never_closed_warns():
+    objects, fake = make(10)
+    engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake))
+    engine.start()
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        del engine
+        gc.collect()
+    assert live_engines() == 0
+
+
+def test_a_fetch_error_names_the_key_after_earlier_items_are_delivered(no_leaked_threads):
+    objects, fake = make(50, fail={"train/000020.bin": AccessDeniedError("denied: train/000020.bin", bucket=BUCKET, key="train/000020.bin")})
+    got = []
+    with pytest.raises(AccessDeniedError, match="000020") as info:
+        for item in FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=EngineLimits(max_inflight=8)):
+            got.append(item[0])
+    assert got == list(range(20)), "everything before the failing key must be delivered first"
+    assert info.value.key == "train/000020.bin"
+
+
+def test_a_missing_key_fails_fast_in_as_completed_mode(no_leaked_threads):
+    objects, fake = make(50)
+    keys = sorted(objects) + ["train/missing.bin"]
+    with pytest.raises(NoSuchKeyError, match="missing.bin"):
+        list(FetchEngine(fetch_jobs(keys), reusable(fake), limits=EngineLimits(ordered=False)))
+
+
+def test_a_store_that_cannot_open_reports_why(no_leaked_threads):
+    async def broken():
+        raise ConfigError("no credentials for endpoint 'http://127.0.0.1:1'")
+
+    with pytest.raises(ConfigError, match="no credentials"):
+        list(FetchEngine(fetch_jobs(["k"]), broken))
+
+
+def test_no_jobs_means_an_empty_iteration(no_leaked_threads):
+    _, fake = make(0)
+    assert list(FetchEngine(iter(()), reusable(fake))) == []
+
+
+@pytest.mark.parametrize("name,value", [("max_inflight", 0), ("max_inflight", -3), ("queue_bytes", 0), ("queue_items", 1.5)])
+def test_invalid_limits_are_rejected_at_construction(name, value):
+    with pytest.raises(ConfigError, match=name):
+        EngineLimits(**{name: value})
+
+
+def test_a_closed_engine_cannot_be_iterated_again():
+    objects, fake = make(5)
+    engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake))
+    assert len(list(engine)) == 5
+    with pytest.raises(RuntimeError, match="closed"):
+        list(engine)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_fork_after_three_engine_runs_does_not_hang(no_leaked_threads):
+    """The hazard from FIELD_NOTES: engines run in the parent, then a forked child runs one."""
+    objects, fake = make(100, latency=0.0005)
+    for _ in range(3):
+        assert len(list(FetchEngine(fetch_jobs(sorted(objects)), reusable(fake)))) == 100
+    # Also an engine still running at fork time: the child must forget it, not touch it.
+    running = iter(FetchEngine(fetch_jobs(sorted(objects)), reusable(fake)))
+    next(running)
+    pid = os.fork()
+    if pid == 0:  # child: run a fresh engine; exit code says whether it worked
+        code = 1
+        try:
+            signal.alarm(20)
+            code = 0 if len(list(FetchEngine(fetch_jobs(sorted(objects)), reusable(fake)))) == 100 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("forked child hung")
+    del running
+    gc.collect()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert threading.active_count() >= 1

@@ -1,0 +1,244 @@
+"""Property tests for ``loader.partition``: exactly-once, balance and determinism.
+
+The model is s3torchconnector's hypothesis test: draw a job shape (items, ranks, workers, seed,
+epoch), compute every (rank, worker) share, and check the union against the whole data set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.partition import (
+    DEFAULT_SEED,
+    ShardAssignment,
+    epoch_order,
+    epoch_seed,
+    needs_sample_split,
+    partition,
+    rank_length,
+    rank_share,
+    shard_assignments,
+    slot_of,
+    worker_share,
+)
+
+sizes = st.integers(0, 5000)
+world_sizes = st.integers(1, 16)
+worker_counts = st.integers(0, 8)
+seeds = st.integers(-(2**70), 2**70)
+epochs = st.integers(0, 10_000)
+policies = st.sampled_from(["pad", "drop"])
+
+
+def all_shares(n, seed, epoch, shuffle, world_size, num_workers, policy):
+    """``{(rank, worker): items}`` for a whole job, computing the epoch order once."""
+    order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
+    shares = {}
+    for rank in range(world_size):
+        mine = rank_share(order, rank, world_size, policy)
+        for worker in range(max(1, num_workers)):
+            shares[rank, worker] = worker_share(mine, worker, num_workers)
+    return order, shares
+
+
+# ----------------------------------------------------------------------------- item mode
+
+
+@given(n=sizes, seed=seeds, epoch=epochs, shuffle=st.booleans(), world_size=world_sizes,
+       num_workers=worker_counts, policy=policies, data=st.data())
+def test_union_balance_and_composition(n, seed, epoch, shuffle, world_size, num_workers, policy, data):
+    order, shares = all_shares(n, seed, epoch, shuffle, world_size, num_workers, policy)
+    union = Counter(item for items in shares.values() for item in items)
+    per_rank = rank_length(n, world_size, policy)
+
+    if policy == "pad":
+        # Every item at least once; the only repeats are the padding, taken from the order's start.
+        pad = per_rank * world_size - n
+        expected = Counter(order) + Counter(order[i % n] for i in range(pad)) if n else Counter()
+        assert union == expected
+        assert sum(union.values()) == world_size * -(-n // world_size)
+        assert set(union) == set(range(n))
+    else:
+        assert all(count == 1 for count in union.values())  # disjoint
+        assert sum(union.values()) == world_size * (n // world_size)
+        assert set(union) <= set(range(n))
+
+    workers = max(1, num_workers)
+    for rank in range(world_size):
+        lengths = [len(shares[rank, w]) for w in range(workers)]
+        assert sum(lengths) == per_rank  # equal length per rank
+        assert max(lengths) - min(lengths) <= 1  # workers balanced within a rank
+
+    rank = data.draw(st.integers(0, world_size - 1), label="rank")
+    worker = data.draw(st.integers(0, workers - 1), label="worker")
+    kwargs = dict(seed=seed, epoch=epoch, shuffle=shuffle, rank=rank, world_size=world_size,
+                  worker=worker, num_workers=num_workers, policy=policy)
+    assert partition(n, **kwargs) == shares[rank, worker]
+    assert partition(n, **kwargs) == partition(n, **kwargs)  # deterministic
+
+
+@given(n=sizes, seed=seeds, epoch=epochs)
+def test_order_is_a_permutation_and_identity_without_shuffle(n, seed, epoch):
+    shuffled = epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
+    assert sorted(shuffled) == list(range(n))
+    assert shuffled == epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
+    assert epoch_order(n, seed=seed, epoch=epoch, shuffle=False) == list(range(n))
+
+
+@given(n=sizes, world_size=world_sizes, policy=policies)
+def test_unshuffled_ranks_stride_the_identity(n, world_size, policy):
+    total = rank_length(n, world_size, policy) * world_size
+    for rank in range(world_size):
+        share = partition(n, seed=DEFAULT_SEED, epoch=0, shuffle=False, rank=rank,
+                          world_size=world_size, worker=0, num_workers=0, policy=policy)
+        assert share == [i % n for i in range(rank, total, world_size)]
+
+
+@pytest.mark.parametrize("n", [10, 100, 5000])
+@pytest.mark.parametrize("seed", [DEFAULT_SEED, 1, 42, -7])
+def test_epochs_and_seeds_give_different_orders(n, seed):
+    orders = [tuple(epoch_order(n, seed=seed, epoch=e, shuffle=True)) for e in range(6)]
+    assert len(set(orders)) == len(orders)
+    assert all(order != tuple(range(n)) for order in orders)
+    other_seed = epoch_order(n, seed=seed + 1, epoch=0, shuffle=True)
+    assert tuple(other_seed) != orders[0]
+
+
+def test_epoch_seed_is_pinned():
+    """Golden values: a change here would make old and new processes disagree on the order."""
+    assert epoch_seed(0, 0) == 7422961589448188785
+    assert epoch_order(10, seed=0, epoch=0, shuffle=True) == [2, 9, 1, 3, 8, 5, 0, 4, 7, 6]
+    assert 0 <= epoch_seed(-(2**100), 10**9) < 2**64
+    assert epoch_seed(0, 1) != epoch_seed(1, 0)
+
+
+def test_order_agrees_across_processes_with_different_hash_seeds():
+    """Fresh interpreters with different ``hash()`` salts compute the same order.
+
+    The child loads ``partition.py`` by path: it imports nothing from the package, so this test
+    does not depend on the rest of ``loader`` importing.
+    """
+    import loader.partition
+
+    code = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('partition', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "print(module.epoch_order(50, seed=3, epoch=2, shuffle=True))\n"
+    )
+    outputs = set()
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        result = subprocess.run([sys.executable, "-c", code, loader.partition.__file__], env=env,
+                                capture_output=True, text=True, check=True)
+        outputs.add(result.stdout)
+    assert outputs == {str(epoch_order(50, seed=3, epoch=2, shuffle=True)) + "\n"}
+
+
+def test_small_examples():
+    order = list(range(7))
+    assert [rank_share(order, r, 3) for r in range(3)] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
+    assert [rank_share(order, r, 3, "drop") for r in range(3)] == [[0, 3], [1, 4], [2, 5]]
+    assert [rank_share([5], r, 4) for r in range(4)] == [[5], [5], [5], [5]]
+    assert [rank_share([], r, 4) for r in range(4)] == [[], [], [], []]
+    assert worker_share("abcdefg", 1, 3) == ["b", "e"]
+    assert worker_share([1, 2, 3], 0, 0) == [1, 2, 3]
+    assert rank_length(10, 4, "pad") == 3 and rank_length(10, 4, "drop") == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: rank_share([1, 2], 2, 2), r"rank=2 is outside \[0, world_size=2\)"),
+        (lambda: rank_share([1, 2], -1, 2), r"rank=-1 is outside"),
+        (lambda: rank_share([1, 2], 0, 0), r"world_size=0 must be >= 1"),
+        (lambda: rank_share([1], 0, 1, "keep"), r"policy='keep' is not one of"),
+        (lambda: worker_share([1], 1, 0), r"worker=1 is outside \[0, max\(1, num_workers\)=1\)"),
+        (lambda: worker_share([1], 0, -1), r"num_workers=-1 must be >= 0"),
+        (lambda: epoch_order(-1, seed=0, epoch=0, shuffle=True), r"n=-1 must be >= 0"),
+        (lambda: epoch_order(3, seed=0, epoch=-1, shuffle=False), r"epoch=-1 must be >= 0"),
+        (lambda: epoch_order(3, seed="0", epoch=0, shuffle=True), r"seed='0' is not an int"),
+        (lambda: epoch_order(3, seed=0, epoch=1.0, shuffle=True), r"epoch=1.0 is not an int"),
+        (lambda: rank_length(3, True), r"world_size=True is not an int"),
+        (lambda: shard_assignments(-1, seed=0, epoch=0, shuffle=False, rank=0, world_size=1,
+                                   worker=0, num_workers=0), r"num_shards=-1 must be >= 0"),
+    ],
+)
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ----------------------------------------------------------------------------- shard mode
+
+
+@settings(max_examples=200)
+@given(num_shards=st.integers(1, 64), world_size=world_sizes, num_workers=worker_counts,
+       seed=seeds, epoch=epochs, shuffle=st.booleans(), data=st.data())
+def test_shard_samples_are_covered_exactly_once(num_shards, world_size, num_workers, seed, epoch,
+                                                shuffle, data):
+    counts = data.draw(st.lists(st.integers(0, 40), min_size=num_shards, max_size=num_shards),
+                       label="samples per shard")
+    workers = max(1, num_workers)
+    slots = world_size * workers
+    seen = Counter()
+    per_slot = {}
+    for rank in range(world_size):
+        for worker in range(workers):
+            got = shard_assignments(num_shards, seed=seed, epoch=epoch, shuffle=shuffle, rank=rank,
+                                    world_size=world_size, worker=worker, num_workers=num_workers)
+            per_slot[slot_of(rank, world_size, worker, num_workers)[0]] = got
+            for a in got:
+                assert isinstance(a, ShardAssignment) and 0 <= a.phase < a.stride
+                seen.update((a.shard, i) for i in range(counts[a.shard]) if a.keeps(i))
+
+    assert set(per_slot) == set(range(slots))
+    everything = {(shard, i) for shard, count in enumerate(counts) for i in range(count)}
+    assert set(seen) == everything
+    assert all(c == 1 for c in seen.values())
+
+    if needs_sample_split(num_shards, slots):
+        assert num_shards < slots
+        assert all(len(got) == 1 for got in per_slot.values())  # nobody idle, one shard each
+        downloads = Counter(a.shard for got in per_slot.values() for a in got)
+        assert all(downloads[a.shard] == a.stride for got in per_slot.values() for a in got)
+        assert max(downloads.values()) - min(downloads.values()) <= 1
+    else:
+        assert all(a.stride == 1 and a.phase == 0 for got in per_slot.values() for a in got)
+        lengths = [len(got) for got in per_slot.values()]
+        assert max(lengths) - min(lengths) <= 1
+        assert sorted(a.shard for got in per_slot.values() for a in got) == list(range(num_shards))
+
+
+def test_shard_examples():
+    def plan(num_shards, world_size, num_workers, **kw):
+        return [
+            shard_assignments(num_shards, seed=0, epoch=0, shuffle=False, rank=r,
+                              world_size=world_size, worker=w, num_workers=num_workers, **kw)
+            for r in range(world_size) for w in range(max(1, num_workers))
+        ]
+
+    assert plan(5, 2, 1) == [[(0, 1, 0), (2, 1, 0), (4, 1, 0)], [(1, 1, 0), (3, 1, 0)]]
+    # 3 shards over 2 ranks x 2 workers = 4 slots: shard 0 is read twice, sample-split.
+    assert plan(3, 2, 2) == [[(0, 2, 0)], [(1, 1, 0)], [(2, 1, 0)], [(0, 2, 1)]]
+    assert plan(0, 2, 2) == [[], [], [], []]
+    assert slot_of(1, 2, 3, 4) == (7, 8)
+    assert slot_of(1, 2, 0, 0) == (1, 2)
+    assert not needs_sample_split(0, 4) and needs_sample_split(3, 4) and not needs_sample_split(4, 4)
+
+
+def test_shard_order_follows_the_epoch():
+    def first(epoch):
+        return [shard_assignments(100, seed=1, epoch=epoch, shuffle=True, rank=0, world_size=1,
+                                  worker=0, num_workers=0)]
+
+    assert first(0) != first(1)
+    assert first(0) == first(0)
