@@ -133,6 +133,8 @@ class S3Config:
             out["AWS_SECRET_ACCESS_KEY"] = self.secret_access_key or ""
         if self.session_token:
             out["AWS_SESSION_TOKEN"] = self.session_token
+        if isinstance(self.verify, str):
+            out["AWS_CA_BUNDLE"] = self.verify
         return out
 
 
@@ -143,7 +145,19 @@ def resolve_config(config: S3Config | None) -> S3Config:
 
 def _check_endpoint(value: str, name: str) -> str:
     value = value.strip()
-    parts = urlsplit(value)
+    if "@" in value:  # user:password@host would leak the secret into repr and messages
+        raise ConfigError(
+            f"{name} contains '@' (credentials in the URL?); give only scheme, host and port and "
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for the credentials"
+        )
+    try:
+        parts = urlsplit(value)
+        parts.port  # a non-numeric or out-of-range port raises ValueError here, not in botocore
+    except ValueError as exc:
+        raise ConfigError(
+            f"{name}={value!r} is not a valid URL ({exc}); set it to scheme, host and port "
+            "(e.g. http://127.0.0.1:9000 for a local MinIO)"
+        ) from exc
     if parts.scheme not in ("http", "https") or not parts.netloc:
         hint = f"'http://{value}'" if "://" not in value else "an http:// or https:// URL"
         raise ConfigError(

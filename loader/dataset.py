@@ -10,9 +10,11 @@ only a statistics snapshot is kept: nothing that points at an event loop survive
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import random
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -20,11 +22,21 @@ from torch.utils.data import IterableDataset
 
 from . import partition, topology
 from .config import S3Config, resolve_config
-from .engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, EngineLimits, EngineStats, FetchEngine
+from .engine import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_QUEUE_BYTES,
+    DEFAULT_QUEUE_ITEMS,
+    Delivery,
+    EngineLimits,
+    EngineStats,
+    FetchEngine,
+)
 from .errors import ConfigError, SampleError
 from .jobs import object_job
 from .retry import RetryPolicy
-from .sources import check_keys, list_prefix, read_manifest
+from .shards import END, ShardEnd, ShardOptions, ShardRef, shard_job
+from .shuffle import shuffled
+from .sources import check_keys, list_prefix, read_manifest, resolve_shards, shard_specs
 from .stores import StoreFactory, open_store, resolve_backend
 from .uri import parse_s3_uri
 
@@ -53,8 +65,7 @@ class LoaderOptions:
     pad_policy: partition.PadPolicy = "pad"
 
     def __post_init__(self) -> None:
-        EngineLimits(max_inflight=self.max_inflight, queue_bytes=self.queue_bytes,
-                     queue_items=self.queue_items, ordered=self.ordered)
+        self.limits("ordered")  # validates the engine settings now, not in a worker later
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         if self.transform is not None and not callable(self.transform):
@@ -69,10 +80,10 @@ class LoaderOptions:
             object.__setattr__(self, "store", resolve_backend(self.store))
             object.__setattr__(self, "config", resolve_config(self.config))
 
-    @property
-    def limits(self) -> EngineLimits:
-        return EngineLimits(max_inflight=self.max_inflight, queue_bytes=self.queue_bytes,
-                            queue_items=self.queue_items, ordered=self.ordered)
+    def limits(self, delivery: Delivery, max_inflight: int | None = None) -> EngineLimits:
+        return EngineLimits(max_inflight=max_inflight or self.max_inflight,
+                            queue_bytes=self.queue_bytes, queue_items=self.queue_items,
+                            delivery=delivery)
 
     @property
     def effective_seed(self) -> int:
@@ -95,33 +106,45 @@ class LoaderOptions:
 
 
 class AsyncS3Dataset(IterableDataset):
-    """Stream samples from S3 with many concurrent GETs; build with ``from_prefix``/``from_keys``.
+    """Stream samples from S3 with many requests in flight. Build it with a constructor:
+
+    * ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)``, ``from_manifest(path)``:
+      one object per sample, one GET each, ``max_inflight`` at a time;
+    * ``from_shards("s3://b/train-{0000..0127}.tar")``: WebDataset tar shards streamed and
+      parsed on the fly, ``shards_inflight`` at a time, samples mixed by a shuffle buffer.
 
     Samples are dicts in the WebDataset convention (``__key__``, ``__url__``, extension → bytes),
-    passed through ``transform`` when given. Call ``set_epoch(e)`` before each epoch for a new
-    deterministic order (with ``shuffle=True``). ``len()`` is the number of samples this rank
-    yields per epoch.
+    passed through ``transform`` when given. Call ``set_epoch(e)`` before each epoch: with
+    ``shuffle=True`` it picks that epoch's order from ``(seed, epoch)``, the same on every rank.
     """
 
     def __init__(
         self,
-        bucket: str,
         *,
+        bucket: str | None = None,
         keys: Iterable[str] | None = None,
         prefix: str | None = None,
+        shards: str | Iterable[str] | None = None,
         options: LoaderOptions | None = None,
+        shard_options: ShardOptions | None = None,
     ) -> None:
         super().__init__()
-        if (keys is None) == (prefix is None):
-            raise ConfigError("give exactly one of keys=... or prefix=...")
+        given = [name for name, value in (("keys", keys), ("prefix", prefix), ("shards", shards))
+                 if value is not None]
+        if len(given) != 1:
+            raise ConfigError(f"give exactly one of keys=, prefix= or shards= (got {given or 'none'})")
+        self.mode = "shards" if shards is not None else "objects"
         self.bucket = bucket
         self.prefix = prefix
         self.options = options or LoaderOptions()
+        self.shard_options = shard_options or ShardOptions()
         self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
+        self._shard_specs = None if shards is None else shard_specs(shards)
+        self._shards: list[ShardRef] | None = None
         self.epoch = 0
         self._resume: dict[str, Any] | None = None
-        self._delivered: list[int] = []
-        self._last_stats: EngineStats | None = None
+        self._progress = _Progress()
+        self._last_stats: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------- constructors
 
@@ -129,57 +152,91 @@ class AsyncS3Dataset(IterableDataset):
     def from_prefix(cls, uri: str, **options: Any) -> AsyncS3Dataset:
         """Every object under ``s3://bucket/prefix/``, listed once when first needed."""
         bucket, prefix = parse_s3_uri(uri)
-        return cls(bucket, prefix=prefix, options=LoaderOptions(**options))
+        return cls(bucket=bucket, prefix=prefix, options=LoaderOptions(**options))
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], **options: Any) -> AsyncS3Dataset:
         """Exactly these keys of ``bucket`` (no listing, no HEAD: one GET per sample)."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        return cls(bucket, keys=keys, options=LoaderOptions(**options))
+        return cls(bucket=bucket, keys=keys, options=LoaderOptions(**options))
 
     @classmethod
     def from_manifest(cls, path: str, bucket: str | None = None, **options: Any) -> AsyncS3Dataset:
         """Keys from a text file, one per line (plain keys with ``bucket=``, or ``s3://`` URIs)."""
         bucket, keys = read_manifest(path, bucket)
-        return cls(bucket, keys=keys, options=LoaderOptions(**options))
+        return cls(bucket=bucket, keys=keys, options=LoaderOptions(**options))
 
-    # ----------------------------------------------------------------------- epoch control
+    @classmethod
+    def from_shards(cls, shards: str | Iterable[str], **options: Any) -> AsyncS3Dataset:
+        """Tar shards: a brace pattern, a list of URIs/patterns, or a prefix (every ``.tar``).
+
+        Shard options (see ``ShardOptions``): ``shards_inflight``, ``shuffle_buffer``,
+        ``on_error``, ``part_size``, ``parts_inflight``, ``chunk_size``; the rest as usual.
+        """
+        names = {field.name for field in dataclasses.fields(ShardOptions)}
+        shard_options = ShardOptions(**{k: options.pop(k) for k in list(options) if k in names})
+        return cls(shards=shards, options=LoaderOptions(**options), shard_options=shard_options)
+
+    # ----------------------------------------------------------------------- what to read
 
     def keys(self) -> tuple[str, ...]:
-        """The full key list, listing the prefix now if that has not happened yet."""
+        """Per-object mode: the full key list, listing the prefix now if not done yet."""
+        if self.mode != "objects":
+            raise TypeError("keys() is for per-object datasets; this one reads shards (see shards())")
         if self._keys is None:
-            found = list_prefix(
-                f"s3://{self.bucket}/{self.prefix}", factory=self.options.store_factory(),
-                retry=self.options.retry,
-            )
+            found = list_prefix(f"s3://{self.bucket}/{self.prefix}",
+                                factory=self.options.store_factory(), retry=self.options.retry)
             self._keys = tuple(info.key for info in found)
             log.info("listed %d objects under s3://%s/%s", len(self._keys), self.bucket, self.prefix)
         return self._keys
 
+    def shards(self) -> list[ShardRef]:
+        """Shard mode: the shard list, listing prefixes now if not done yet."""
+        if self.mode != "shards":
+            raise TypeError("shards() is for shard datasets; this one reads objects (see keys())")
+        if self._shards is None:
+            self._shards = resolve_shards(self._shard_specs, factory=self.options.store_factory(),
+                                          retry=self.options.retry)
+        return self._shards
+
+    def resolve(self) -> None:
+        """List now (keys or shards), so that DataLoader workers inherit the result."""
+        self.keys() if self.mode == "objects" else self.shards()
+
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows (also lists, if needed, so
-        that DataLoader workers inherit the key list instead of each listing again)."""
-        if not isinstance(epoch, int) or epoch < 0:
+        """Choose the epoch whose order the next iteration follows (and list, if needed)."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
-        self.keys()
+        self.resolve()
         if epoch != self.epoch:
             self._resume = None
         self.epoch = epoch
 
     def __len__(self) -> int:
+        """Samples this rank yields per epoch (per-object mode; unknown for shards)."""
+        if self.mode == "shards":
+            raise TypeError("the number of samples in tar shards is unknown until they are read")
         _, world_size = self.options.world()
         return partition.rank_length(len(self.keys()), world_size, self.options.pad_policy)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into spawned workers: list here, once, rather than in every worker.
-        self.keys()
+        self.resolve()
         return self.__dict__.copy()
 
     # ----------------------------------------------------------------------- iteration
 
+    def __iter__(self) -> Iterator[Any]:
+        self._progress = _Progress()
+        tagged = self._iter_objects() if self.mode == "objects" else self._iter_shards()
+        with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
+            for tag, sample in tagged:
+                self._progress.delivered.append(tag)
+                yield self._transform(sample)
+
     def plan(self) -> list[int]:
-        """Positions (into ``keys()``) that this rank and worker read this epoch, in order."""
+        """Per-object mode: positions in ``keys()`` this rank and worker read this epoch."""
         rank, world_size = self.options.world()
         worker, num_workers = topology.worker()
         return partition.partition(
@@ -188,22 +245,66 @@ class AsyncS3Dataset(IterableDataset):
             worker=worker, num_workers=num_workers, policy=self.options.pad_policy,
         )
 
-    def __iter__(self) -> Iterator[Any]:
+    def _iter_objects(self) -> Iterator[tuple[Any, dict[str, Any]]]:
         keys = self.keys()
-        slots = list(enumerate(self.plan()))  # (slot in this worker's plan, position in keys)
-        done = self._resumed_slots(len(slots))
-        self._delivered = sorted(done)
-        todo = [(slot, pos) for slot, pos in slots if slot not in done]
+        done = set(self._resumed().get("delivered", ()))
+        todo = [(slot, pos) for slot, pos in enumerate(self.plan()) if slot not in done]
+        self._progress.delivered.extend(sorted(done))
         jobs = (object_job(self.bucket, keys[pos], slot) for slot, pos in todo)
-        engine = FetchEngine(jobs, self.options.store_factory(), limits=self.options.limits,
+        delivery = "ordered" if self.options.ordered else "completed"
+        yield from self._run(jobs, self.options.limits(delivery))
+
+    def _iter_shards(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+        shards = self.shards()
+        rank, world_size = self.options.world()
+        worker, num_workers = topology.worker()
+        seed = self.options.effective_seed
+        assignments = partition.shard_assignments(
+            len(shards), seed=seed, epoch=self.epoch, shuffle=self.options.shuffle,
+            rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
+        )
+        slot, slots = partition.slot_of(rank, world_size, worker, num_workers)
+        if partition.needs_sample_split(len(shards), slots):
+            _warn_sample_split(len(shards), slots)
+        state = self._resumed()
+        delivered: dict[int, set[int]] = {}
+        for position, index in state.get("delivered", ()):
+            delivered.setdefault(position, set()).add(index)
+        counts = dict(state.get("shard_samples", ()))
+        progress = self._progress
+        progress.delivered.extend(tuple(tag) for tag in state.get("delivered", ()))
+        progress.shard_samples.update(counts)
+        jobs = [
+            shard_job(shards[a.shard], position, a, self.shard_options,
+                      skip=frozenset(delivered.get(position, ())))
+            for position, a in enumerate(assignments)
+            if not _shard_complete(a, counts.get(position), delivered.get(position, ()))
+        ]
+        delivery = "interleave" if self.options.ordered else "completed"
+        limits = self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight)
+
+        def samples() -> Iterator[tuple[Tag, dict[str, Any]]]:
+            for tag, item in self._run(jobs, limits):
+                if tag[1] == END:
+                    progress.shard_samples[tag[0]] = item.samples
+                    progress.shards_skipped += item.skipped
+                else:
+                    yield tag, item
+
+        size = self.shard_options.shuffle_buffer if self.options.shuffle else 0
+        rng = random.Random(partition.epoch_seed(seed, self.epoch) ^ (slot << 20))
+        with contextlib.closing(samples()) as stream:
+            yield from shuffled(stream, size, rng)
+
+    def _run(self, jobs: Iterable[Any], limits: EngineLimits) -> Iterator[Any]:
+        engine = FetchEngine(jobs, self.options.store_factory(), limits=limits,
                              retry=self.options.retry, name="loader-engine")
         try:
-            for slot, sample in engine:
-                self._delivered.append(slot)
-                yield self._transform(sample)
+            yield from engine
         finally:
             engine.close()
-            self._last_stats = engine.statistics()
+            self._last_stats = {**engine.statistics()._asdict(),
+                                "shards_skipped": self._progress.shards_skipped}
             self._resume = None
 
     def _transform(self, sample: dict[str, Any]) -> Any:
@@ -215,44 +316,91 @@ class AsyncS3Dataset(IterableDataset):
         except Exception as exc:
             raise SampleError(
                 f"transform {getattr(transform, '__name__', transform)!r} failed on "
-                f"{sample.get('__url__')}: {type(exc).__name__}: {exc}",
+                f"{sample.get('__url__')} (key {sample.get('__key__')!r}): "
+                f"{type(exc).__name__}: {exc}",
                 url=sample.get("__url__", ""),
             ) from exc
 
     # ----------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this process is in the epoch: enough to skip what it already delivered."""
+        """Where this process is in the epoch: enough to skip exactly what it delivered."""
         return {
             "version": STATE_VERSION,
+            "mode": self.mode,
             "epoch": self.epoch,
             "seed": self.options.effective_seed,
-            "num_keys": len(self.keys()),
-            "delivered": list(self._delivered),
+            "size": self._size(),
+            "delivered": list(self._progress.delivered),
+            "shard_samples": sorted(self._progress.shard_samples.items()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state["epoch"]`` skips the samples already delivered."""
-        if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"state version {state.get('version')!r} is not {STATE_VERSION}")
-        if state["num_keys"] != len(self.keys()) or state["seed"] != self.options.effective_seed:
+        if state.get("version") != STATE_VERSION or state.get("mode") != self.mode:
             raise ConfigError(
-                "this state was saved for a different data set or seed "
-                f"({state['num_keys']} keys, seed {state['seed']}); resume with the same ones"
+                f"this state (version {state.get('version')!r}, mode {state.get('mode')!r}) is not "
+                f"for a {self.mode} dataset of version {STATE_VERSION}"
+            )
+        if state["size"] != self._size() or state["seed"] != self.options.effective_seed:
+            raise ConfigError(
+                f"this state was saved for a different data set or seed (size {state['size']}, "
+                f"seed {state['seed']}); resume with the same ones"
             )
         self.epoch = state["epoch"]
         self._resume = state
 
-    def _resumed_slots(self, plan_length: int) -> set[int]:
-        if self._resume is None or self._resume["epoch"] != self.epoch:
-            return set()
-        return {slot for slot in self._resume["delivered"] if 0 <= slot < plan_length}
+    def _size(self) -> int:
+        return len(self.keys()) if self.mode == "objects" else len(self.shards())
 
-    def stats(self) -> EngineStats | None:
+    def _resumed(self) -> dict[str, Any]:
+        if self._resume is None or self._resume["epoch"] != self.epoch:
+            return {}
+        return self._resume
+
+    def stats(self) -> dict[str, Any] | None:
         """Counters of the last finished iteration in this process (None before the first)."""
         return self._last_stats
 
     def __repr__(self) -> str:
-        what = f"{len(self._keys)} keys" if self._keys is not None else f"prefix {self.prefix!r}"
-        return (f"AsyncS3Dataset(s3://{self.bucket}, {what}, shuffle={self.options.shuffle}, "
+        if self.mode == "shards":
+            what = f"{len(self._shards)} shards" if self._shards is not None else f"shards {self._shard_specs[:2]}"
+        else:
+            what = f"{len(self._keys)} keys" if self._keys is not None else f"prefix {self.prefix!r}"
+        return (f"AsyncS3Dataset({what}, bucket={self.bucket!r}, shuffle={self.options.shuffle}, "
                 f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
+
+
+Tag = tuple[int, int]
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What this process delivered in the current epoch (the basis of ``state_dict``)."""
+
+    delivered: list[Any] = dataclasses.field(default_factory=list)
+    shard_samples: dict[int, int] = dataclasses.field(default_factory=dict)
+    shards_skipped: int = 0
+
+
+def _shard_complete(assignment: partition.ShardAssignment, samples: int | None,
+                    delivered: Iterable[int]) -> bool:
+    """Whether a resumed shard has nothing left for this slot (so it is not read again)."""
+    if samples is None:
+        return False
+    wanted = len(range(assignment.phase, samples, assignment.stride))
+    return len(set(delivered)) >= wanted
+
+
+_warned_split = False
+
+
+def _warn_sample_split(num_shards: int, slots: int) -> None:
+    global _warned_split
+    if not _warned_split:
+        _warned_split = True
+        log.warning(
+            "%d shard(s) for %d rank x worker slots: each slot reads a whole shard and keeps every "
+            "n-th sample, so each shard is downloaded up to %d times; use at least %d shards "
+            "to read each once", num_shards, slots, -(-slots // num_shards), slots,
+        )

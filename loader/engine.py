@@ -31,7 +31,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import anyio
 from anyio.from_thread import start_blocking_portal
@@ -44,18 +44,28 @@ DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_QUEUE_ITEMS = 1024
 TAKE_BATCH = 256  # items handed across the thread boundary per call: amortises the portal hop
+Delivery = Literal["ordered", "interleave", "completed"]
+DELIVERIES = ("ordered", "interleave", "completed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineLimits:
-    """How much the engine may fetch ahead: concurrency and the buffer's two bounds."""
+    """How much the engine may fetch ahead, and in which order it delivers.
+
+    ``delivery``: ``"ordered"`` gives every item of job 0, then of job 1, ...;
+    ``"interleave"`` takes one item at a time from ``max_inflight`` jobs in turn (round robin
+    over lanes; a finished job's lane takes the next job), deterministic like ``"ordered"``
+    but mixing streams; ``"completed"`` gives items as they arrive (fastest, not repeatable).
+    """
 
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     queue_bytes: int = DEFAULT_QUEUE_BYTES
     queue_items: int = DEFAULT_QUEUE_ITEMS
-    ordered: bool = True
+    delivery: Delivery = "ordered"
 
     def __post_init__(self) -> None:
+        if self.delivery not in DELIVERIES:
+            raise ConfigError(f"delivery={self.delivery!r} is not one of {DELIVERIES}")
         for name in ("max_inflight", "queue_bytes", "queue_items"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -239,9 +249,14 @@ class _Core:
         self.store_factory = store_factory
         self.limits = limits
         self.retry = retry
-        self.slots: dict[int, _Slot] = {}
-        self.ready: deque[tuple[Any, int]] = deque()  # as-completed delivery
-        self.head = 0
+        self.delivery = limits.delivery
+        self.slots: dict[int, _Slot] = {}  # launched and not yet drained
+        self.ready: deque[tuple[Any, int]] = deque()  # "completed" delivery
+        self.head = 0  # "ordered": the job being delivered
+        self.wanted = 0  # the job whose next item the consumer is waiting for
+        self.lanes = list(range(limits.max_inflight))  # "interleave": job index per lane
+        self.cursor = 0  # "interleave": the lane whose turn it is
+        self.next_index = limits.max_inflight  # "interleave": the job the next free lane takes
         self.launch_done = False
         self.failed = False
         self.fatal: BaseException | None = None
@@ -296,12 +311,14 @@ class _Core:
         except Exception as exc:
             slot.error = exc
             self.failed = True
-            if not self.limits.ordered:
+            if self.delivery == "completed":
                 self.ready.append((_Failure(exc), 0))
         finally:
             self.inflight -= 1
             self.jobs_done += 1
             slot.done = True
+            if self.delivery == "completed":
+                del self.slots[slot.index]
             limiter.release()
             self.notify()
 
@@ -311,19 +328,28 @@ class _Core:
             or self.buffered_bytes >= self.limits.queue_bytes
         )
 
+    def room_for(self, index: int) -> bool:
+        """Whether job ``index`` may start now (always in job order)."""
+        if self.delivery == "interleave":
+            # Every job a lane holds must run, or the round robin could wait on one that never
+            # starts; memory stays bounded because emit() waits while the buffer is full.
+            return index < self.next_index
+        if self.delivery == "ordered" and index >= self.head + self.limits.queue_items:
+            return False  # the reorder window
+        return not self.full()
+
     async def wait_for_room(self, index: int) -> None:
-        window = self.limits.queue_items
-        ordered = self.limits.ordered
-        while not self.failed and (self.full() or (ordered and index >= self.head + window)):
+        while not self.failed and not self.room_for(index):
             await self.wait_change()
 
     async def emit(self, slot: _Slot, item: Any, nbytes: int) -> None:
-        # The head job may always deliver one item when it has none buffered: the consumer is
-        # waiting for exactly that item, so making it wait for room would deadlock.
-        ordered = self.limits.ordered
-        while self.full() and not (ordered and slot.index == self.head and not slot.items):
+        # The job the consumer waits for may always deliver one item when it has none buffered:
+        # making it wait for room would deadlock (the room is held by other jobs' items).
+        while self.full() and not (
+            self.delivery != "completed" and slot.index == self.wanted and not slot.items
+        ):
             await self.wait_change()
-        (slot.items if ordered else self.ready).append((item, nbytes))
+        (self.ready if self.delivery == "completed" else slot.items).append((item, nbytes))
         self.buffered_items += 1
         self.buffered_bytes += nbytes
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
@@ -334,7 +360,7 @@ class _Core:
         while True:
             if self.fatal is not None:
                 raise self.fatal
-            out = self.pop_ordered(max_items) if self.limits.ordered else self.pop_any(max_items)
+            out = self.pop[self.delivery](self, max_items)
             if out:
                 self.notify()
                 return out
@@ -345,6 +371,7 @@ class _Core:
     def pop_ordered(self, max_items: int) -> list[Any]:
         out: list[Any] = []
         while len(out) < max_items:
+            self.wanted = self.head
             slot = self.slots.get(self.head)
             if slot is None:
                 break
@@ -361,7 +388,32 @@ class _Core:
                 raise slot.error
         return out
 
-    def pop_any(self, max_items: int) -> list[Any]:
+    def pop_interleave(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < max_items and self.lanes:
+            self.cursor %= len(self.lanes)
+            index = self.wanted = self.lanes[self.cursor]
+            slot = self.slots.get(index)
+            if slot is None:
+                if self.launch_done and index >= self.launched:
+                    del self.lanes[self.cursor]  # no such job: the lane retires
+                    continue
+                break  # not started yet
+            if slot.items:
+                out.append(self.account(slot.items.popleft()))
+                self.cursor += 1
+                continue
+            if not slot.done or (slot.error is not None and out):
+                break
+            del self.slots[index]
+            if slot.error is not None:
+                raise slot.error
+            self.lanes[self.cursor] = self.next_index  # the lane takes the next job
+            self.next_index += 1
+            self.notify()  # the launcher may be waiting for that
+        return out
+
+    def pop_completed(self, max_items: int) -> list[Any]:
         out: list[Any] = []
         while self.ready and len(out) < max_items:
             item, _ = self.ready[0]
@@ -381,10 +433,15 @@ class _Core:
         self.delivered_bytes += nbytes
         return item
 
+    pop = {"ordered": pop_ordered, "interleave": pop_interleave, "completed": pop_completed}
+
     def finished(self) -> bool:
-        if not self.launch_done or self.jobs_done < self.launched:
-            return False
-        return not self.ready and not any(slot.items for slot in self.slots.values())
+        return (
+            self.launch_done
+            and self.jobs_done == self.launched
+            and not self.ready
+            and not self.slots
+        )
 
     def notify(self) -> None:
         if self.changed is not None:

@@ -53,10 +53,10 @@ class RetryPolicy:
         if self.max_attempts < 1:
             raise ConfigError(f"RetryPolicy.max_attempts={self.max_attempts!r} must be at least 1")
         for name in ("base_delay", "max_delay"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must not be negative")
         for name in ("deadline", "connect_timeout", "read_timeout"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # also rejects NaN
                 raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must be positive")
 
 

@@ -17,7 +17,8 @@ from anyio.from_thread import start_blocking_portal
 from .errors import ConfigError, EmptyDatasetError
 from .retry import RetryPolicy, call_with_retries
 from .stores import ObjectInfo, ObjectStore
-from .uri import parse_s3_uri
+from .shards import ShardRef
+from .uri import expand_braces, parse_s3_uri
 
 T = TypeVar("T")
 
@@ -124,3 +125,37 @@ def check_keys(bucket: str, keys: Iterable[str]) -> tuple[str, ...]:
         if not isinstance(key, str) or not key:
             raise ConfigError(f"keys[{position}]={key!r} is not a non-empty string")
     return out
+
+
+def shard_specs(spec: str | Iterable[str]) -> list[str]:
+    """Expand a shard spec into URIs or prefixes: brace patterns, lists of them, or a prefix.
+
+    A string ending in ``.tar`` (after brace expansion) names shards; anything else is a prefix
+    whose ``.tar`` objects are the shards (``resolve_shards`` lists it).
+    """
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    if not specs:
+        raise EmptyDatasetError("the shard list is empty")
+    out: list[str] = []
+    for item in specs:
+        if not isinstance(item, str):
+            raise ConfigError(f"shard {item!r} is not an s3:// URI string")
+        out.extend(expand_braces(item))
+    for uri in out:
+        parse_s3_uri(uri)  # fail now, with the URI named, not in a worker later
+    return out
+
+
+def resolve_shards(
+    specs: list[str], *, factory: Callable[[], Awaitable[ObjectStore]], retry: RetryPolicy
+) -> list[ShardRef]:
+    """Turn shard URIs and prefixes into ``ShardRef``s; prefixes are listed (sizes known)."""
+    shards: list[ShardRef] = []
+    for uri in specs:
+        bucket, key = parse_s3_uri(uri)
+        if key.endswith(".tar"):
+            shards.append(ShardRef(bucket, key))
+        else:
+            found = list_prefix(uri, factory=factory, retry=retry, suffix=".tar")
+            shards.extend(ShardRef(bucket, info.key, info.size) for info in found)
+    return shards

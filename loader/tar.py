@@ -236,7 +236,12 @@ class TarStreamParser:
         self._reset(offset)
 
     def feed(self, chunk: bytes | bytearray | memoryview) -> list[TarMember]:
-        """Parse ``chunk`` and return the members it completed, in stream order."""
+        """Parse ``chunk`` and return the members it completed, in stream order.
+
+        A format error is raised at once, unless members completed earlier in the same chunk:
+        then they are returned and the error is raised by the next ``feed()`` or ``close()``, so
+        that no parsed member is lost and :attr:`resume_offset` (the bad header) stays exact.
+        """
         if self._error is not None:
             raise self._error
         if self._closed:
@@ -261,8 +266,10 @@ class TarStreamParser:
                     self._offset += end - pos
                     pos = end
         except ShardFormatError as exc:
-            self._error = exc
-            raise
+            self._error = exc  # raised again by every later feed() and close()
+            if not out:
+                raise
+            # Members completed before the error are delivered first; the error comes next call.
         return out
 
     def close(self) -> None:

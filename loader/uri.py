@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from .errors import ConfigError
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{2,254}$")
 _BRACE_RE = re.compile(r"\{([^{}]*)\}")
 _RANGE_RE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 MAX_EXPANSION = 10_000_000
@@ -57,7 +57,10 @@ def expand_braces(pattern: str) -> list[str]:
     pos = 0
     total = 1
     for match in _BRACE_RE.finditer(pattern):
-        pieces.append([pattern[pos:match.start()]])
+        literal = pattern[pos:match.start()]
+        if "{" in literal or "}" in literal:
+            raise ConfigError(f"{pattern!r} has an unbalanced or nested brace")
+        pieces.append([literal])
         options = _expand_group(match.group(1), pattern)
         total *= len(options)
         if total > MAX_EXPANSION:
@@ -78,7 +81,11 @@ def _expand_group(body: str, pattern: str) -> list[str]:
         lo, hi = int(lo_text), int(hi_text)
         if hi < lo:
             raise ConfigError(f"{pattern!r}: range {{{body}}} runs backwards; write {{{hi_text}..{lo_text}}}")
-        width = len(lo_text) if lo_text.startswith("0") and len(lo_text) > 1 else 0
+        if hi - lo + 1 > MAX_EXPANSION:  # check before building the list, not after
+            raise ConfigError(f"{pattern!r} expands to more than {MAX_EXPANSION:,} names")
+        # zero padding as in bash and braceexpand: a leading zero on either end pads to the wider end
+        padded = any(t.lstrip("-").startswith("0") and t.lstrip("-") != "0" for t in (lo_text, hi_text))
+        width = max(len(lo_text), len(hi_text)) if padded else 0
         return [str(i).zfill(width) for i in range(lo, hi + 1)]
     if "," in body:
         return body.split(",")

@@ -51,7 +51,7 @@ def test_ordered_delivery_returns_every_item_in_job_order(no_leaked_threads):
 def test_as_completed_delivery_returns_every_item_once(no_leaked_threads):
     objects, fake = make(300, latency=lambda key: random.uniform(0, 0.005))
     keys = sorted(objects)
-    limits = EngineLimits(max_inflight=16, ordered=False)
+    limits = EngineLimits(max_inflight=16, delivery="completed")
     got = list(FetchEngine(fetch_jobs(keys), reusable(fake), limits=limits))
     assert sorted(position for position, _ in got) == list(range(len(keys)))
     assert fake.requests == len(keys)
@@ -147,7 +147,7 @@ def test_a_missing_key_fails_fast_in_as_completed_mode(no_leaked_threads):
     objects, fake = make(50)
     keys = sorted(objects) + ["train/missing.bin"]
     with pytest.raises(NoSuchKeyError, match="missing.bin"):
-        list(FetchEngine(fetch_jobs(keys), reusable(fake), limits=EngineLimits(ordered=False)))
+        list(FetchEngine(fetch_jobs(keys), reusable(fake), limits=EngineLimits(delivery="completed")))
 
 
 def test_a_store_that_cannot_open_reports_why(no_leaked_threads):
@@ -208,3 +208,58 @@ def test_fork_after_three_engine_runs_does_not_hang(no_leaked_threads):
     gc.collect()
     assert os.waitstatus_to_exitcode(status) == 0
     assert threading.active_count() >= 1
+
+
+def stream_jobs(lengths, latency=0.0):
+    """Jobs that emit ``(job, i)`` for i in range(length), sleeping a random bit between items."""
+    import anyio
+
+    def job_for(position, length):
+        async def job(ctx):
+            rng = random.Random(position)
+            for i in range(length):
+                if latency:
+                    await anyio.sleep(rng.uniform(0, latency))
+                await ctx.emit((position, i), 10)
+
+        return job
+
+    return [job_for(position, length) for position, length in enumerate(lengths)]
+
+
+def test_interleave_is_round_robin_over_lanes_and_repeatable(no_leaked_threads):
+    lengths = [5, 1, 3, 0, 7, 2, 4]
+    runs = []
+    for _ in range(3):
+        limits = EngineLimits(max_inflight=3, delivery="interleave", queue_items=4)
+        runs.append(list(FetchEngine(stream_jobs(lengths, latency=0.002), reusable(FakeStore()), limits=limits)))
+    assert runs[0] == runs[1] == runs[2], "interleaving must not depend on timing"
+    got = runs[0]
+    assert sorted(got) == sorted((j, i) for j, n in enumerate(lengths) for i in range(n))
+    assert got[:3] == [(0, 0), (1, 0), (2, 0)], "one item from each of the first three jobs in turn"
+    for job in range(len(lengths)):
+        assert [i for j, i in got if j == job] == list(range(lengths[job])), "each job stays in order"
+
+
+def test_interleave_bounds_the_buffer_with_a_slow_consumer(no_leaked_threads):
+    limits = EngineLimits(max_inflight=4, delivery="interleave", queue_items=10_000, queue_bytes=200)
+    engine = FetchEngine(stream_jobs([1000] * 8), reusable(FakeStore()), limits=limits)
+    iterator = iter(engine)
+    next(iterator)
+    time.sleep(0.3)
+    assert engine.statistics().peak_buffered_bytes <= 200 + 10, "at most one item over the budget"
+    assert len(list(iterator)) == 7999
+
+
+def test_jobs_that_fail_in_interleave_mode_raise_after_earlier_items(no_leaked_threads):
+    async def boom(ctx):
+        await ctx.emit(("boom", 0), 1)
+        raise NoSuchKeyError("no object 'shard-3.tar'", bucket=BUCKET, key="shard-3.tar")
+
+    jobs = stream_jobs([2, 2, 2]) + [boom]
+    limits = EngineLimits(max_inflight=2, delivery="interleave")
+    got = []
+    with pytest.raises(NoSuchKeyError, match="shard-3.tar"):
+        for item in FetchEngine(jobs, reusable(FakeStore()), limits=limits):
+            got.append(item)
+    assert ("boom", 0) in got

@@ -506,11 +506,15 @@ def test_corrupt_header_in_the_middle():
     stream = bytearray(tar_bytes([("a.txt", b"a" * 600), ("b.txt", b"b")]))
     stream[3 * BLOCK_SIZE + 3] ^= 0xFF  # the second member's name
     parser = TarStreamParser(URL)
+    # The member before the damage is delivered first; the error comes with the next call.
+    assert [m.name for m in parser.feed(bytes(stream))] == ["a.txt"]
     with pytest.raises(ShardFormatError, match="corrupt tar header at byte 1536") as info:
-        parser.feed(bytes(stream))
+        parser.feed(b"more")
     assert info.value.offset == 3 * BLOCK_SIZE
     with pytest.raises(ShardFormatError):  # the parser stays failed
-        parser.feed(b"more")
+        parser.close()
+    with pytest.raises(ShardFormatError, match="byte 1536"):  # chunk starting with the damage
+        parse_members([bytes(stream[: 3 * BLOCK_SIZE]), bytes(stream[3 * BLOCK_SIZE :])])
 
 
 def test_restart_after_a_corrupt_header_rereads_it():
@@ -518,12 +522,35 @@ def test_restart_after_a_corrupt_header_rereads_it():
     damaged = bytearray(stream)
     damaged[3 * BLOCK_SIZE + 3] ^= 0xFF
     parser = TarStreamParser(URL)
+    assert [m.name for m in parser.feed(bytes(damaged))] == ["a.txt"]
     with pytest.raises(ShardFormatError):
-        parser.feed(bytes(damaged))
+        parser.close()
     assert parser.resume_offset == 3 * BLOCK_SIZE  # the bad header: a retry may get good bytes
     parser.restart_at(3 * BLOCK_SIZE)
     assert [m.name for m in parser.feed(stream[3 * BLOCK_SIZE :])] == ["b.txt"]
     parser.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fmt=st.sampled_from(FORMATS),
+    flips=st.lists(st.tuples(st.integers(0, 6 * BLOCK_SIZE), st.integers(1, 255)), max_size=6),
+    chunk=st.integers(1, 2000),
+)
+def test_damaged_streams_raise_only_shard_format_errors(fmt, flips, chunk):
+    stream = bytearray(
+        tar_bytes(
+            [("d" * 60 + "/" + "ü" * 40 + ".txt", b"t" * 700), ("k.cls", b"1"), ("k", b"", tarfile.DIRTYPE)],
+            fmt=fmt,
+        )
+    )
+    for pos, mask in flips:
+        stream[pos] ^= mask
+    chunks = [bytes(stream[i : i + chunk]) for i in range(0, len(stream), chunk)]
+    try:
+        list(iter_samples(chunks, URL))
+    except ShardFormatError as err:  # anything else (struct, unicode, IndexError...) fails
+        assert err.url == URL and isinstance(err.offset, int) and URL in str(err)
 
 
 def test_bad_size_field():

@@ -1,0 +1,253 @@
+"""Shard mode: stream WebDataset tar shards from S3 and parse them on the fly.
+
+One engine job per shard: it reads the shard as a byte stream (one GET, or parallel ranged GETs
+reassembled in order for a large shard of known size), feeds ``TarStreamParser``, groups members
+into samples and emits the ones its slot keeps. The shard is never whole in memory and never on
+disk. A dropped connection resumes with a ranged GET at the first byte of the member being
+parsed, so no sample is lost or repeated. After its last sample a job emits a ``ShardEnd`` so
+the dataset knows how many samples the shard held (for exact mid-epoch resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+import warnings
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, NamedTuple
+
+import anyio
+
+from .engine import Job, JobContext
+from .errors import ConfigError, InvalidRangeError, ShardFormatError, TransientStoreError
+from .partition import ShardAssignment
+from .retry import backoff_delay, call_with_retries
+from .tar import SampleGrouper, TarMember, TarStreamParser
+from .uri import object_url
+
+log = logging.getLogger(__name__)
+
+OnError = Literal["raise", "skip_shard", "warn"]
+DEFAULT_SHARDS_INFLIGHT = 4
+DEFAULT_SHUFFLE_BUFFER = 1000
+DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_PARTS_INFLIGHT = 4
+DEFAULT_CHUNK_SIZE = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardOptions:
+    """How shards are read.
+
+    ``shards_inflight``: shards streamed at once per worker (their samples interleave).
+    ``shuffle_buffer``: samples mixed after reading (0 = off); costs that many samples of RAM.
+    ``on_error``: a corrupt or truncated shard raises (default), is skipped quietly
+    (``"skip_shard"``) or skipped with a warning (``"warn"``); skips are counted in stats.
+    ``part_size``/``parts_inflight``: a shard of known size above two parts is fetched as
+    ranged GETs of ``part_size`` bytes, ``parts_inflight`` at a time, reassembled in order.
+    """
+
+    shards_inflight: int = DEFAULT_SHARDS_INFLIGHT
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    on_error: OnError = "raise"
+    part_size: int = DEFAULT_PART_SIZE
+    parts_inflight: int = DEFAULT_PARTS_INFLIGHT
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+    def __post_init__(self) -> None:
+        for name in ("shards_inflight", "part_size", "parts_inflight", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
+            raise ConfigError(f"shuffle_buffer={self.shuffle_buffer!r} must be 0 (off) or more")
+        if self.on_error not in ("raise", "skip_shard", "warn"):
+            raise ConfigError(f"on_error={self.on_error!r} must be 'raise', 'skip_shard' or 'warn'")
+
+
+class ShardRef(NamedTuple):
+    """One shard: where it is and, when a listing told us, its size."""
+
+    bucket: str
+    key: str
+    size: int | None = None
+
+    @property
+    def url(self) -> str:
+        return object_url(self.bucket, self.key)
+
+
+class ShardEnd(NamedTuple):
+    """Emitted after a shard's last sample: how many samples it held, and whether it was skipped."""
+
+    samples: int
+    skipped: bool
+
+
+Tag = tuple[int, int]  # (shard position in this slot's plan, sample index in the shard)
+END = -1  # the sample index that tags a ShardEnd
+
+
+def sample_nbytes(sample: dict[str, Any]) -> int:
+    """Bytes a sample holds (what the engine's byte budget counts)."""
+    return sum(len(value) for value in sample.values() if isinstance(value, (bytes, bytearray)))
+
+
+def shard_job(
+    shard: ShardRef,
+    position: int,
+    assignment: ShardAssignment,
+    options: ShardOptions,
+    skip: frozenset[int] = frozenset(),
+) -> Job:
+    """Stream one shard; emit ``((position, index), sample)`` for each sample the slot keeps
+    (and has not delivered before a resume), then ``((position, END), ShardEnd)``."""
+
+    async def job(ctx: JobContext) -> None:
+        grouper = SampleGrouper(shard.url)
+        count = 0
+
+        async def deliver(sample: dict[str, Any] | None) -> None:
+            nonlocal count
+            if sample is None:
+                return
+            index = sample.pop("__index__")
+            count = index + 1
+            if assignment.keeps(index) and index not in skip:
+                await ctx.emit(((position, index), sample), sample_nbytes(sample))
+
+        async def on_member(member: TarMember) -> None:
+            await deliver(grouper.add(member))
+
+        try:
+            await read_members(ctx, shard, options, on_member)
+            await deliver(grouper.flush())
+        except ShardFormatError as exc:
+            if options.on_error == "raise":
+                raise
+            message = f"skipping the rest of shard {shard.url} (on_error={options.on_error!r}): {exc}"
+            if options.on_error == "warn":
+                warnings.warn(message, RuntimeWarning, stacklevel=1)
+            log.warning(message)
+            await ctx.emit(((position, END), ShardEnd(count, skipped=True)), 0)
+            return
+        await ctx.emit(((position, END), ShardEnd(count, skipped=False)), 0)
+
+    return job
+
+
+async def read_members(
+    ctx: JobContext,
+    shard: ShardRef,
+    options: ShardOptions,
+    on_member: Callable[[TarMember], Awaitable[None]],
+) -> None:
+    """Parse the whole shard, handing each member to ``on_member`` as soon as it is complete."""
+    parser = TarStreamParser(shard.url)
+
+    async def feed(chunk: bytes) -> None:
+        for member in parser.feed(chunk):
+            await on_member(member)
+
+    if shard.size is not None and shard.size > 2 * options.part_size and options.parts_inflight > 1:
+        await _read_parts(ctx, shard, options, feed)
+    else:
+        await _read_stream(ctx, shard, options, parser, feed)
+    parser.close()
+
+
+async def _read_stream(
+    ctx: JobContext,
+    shard: ShardRef,
+    options: ShardOptions,
+    parser: TarStreamParser,
+    feed: Callable[[bytes], Awaitable[None]],
+) -> None:
+    """One GET; on a transient fault, a ranged GET from the parser's resume offset.
+
+    Each resumed request gets the full attempt budget again once the previous one made
+    progress, so a long shard over a flaky link still finishes; an attempt that makes no
+    progress counts toward ``RetryPolicy.max_attempts`` and its deadline.
+    """
+    policy, rng = ctx.retry, random.Random()
+    failures, first_failure = 0, 0.0
+    while True:
+        start = parser.resume_offset
+        before = parser.offset
+        try:
+            async with contextlib.aclosing(
+                ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size)
+            ) as chunks:
+                async for chunk in chunks:
+                    await feed(chunk)
+            return
+        except InvalidRangeError:
+            if start > 0:
+                return  # resumed exactly at the end: nothing was left to read
+            raise
+        except TransientStoreError as exc:
+            if parser.offset > before:
+                failures = 0
+            if failures == 0:
+                first_failure = time.monotonic()
+            failures += 1
+            elapsed = time.monotonic() - first_failure
+            if failures >= policy.max_attempts or elapsed >= policy.deadline:
+                raise type(exc)(
+                    f"{exc} (gave up on {shard.url} at byte {parser.resume_offset} after "
+                    f"{failures} attempt(s) without progress)",
+                    bucket=shard.bucket,
+                    key=shard.key,
+                ) from exc
+            ctx.retried(exc)
+            await anyio.sleep(backoff_delay(failures - 1, policy, rng))
+            parser.restart_at(parser.resume_offset)
+
+
+async def _read_parts(
+    ctx: JobContext,
+    shard: ShardRef,
+    options: ShardOptions,
+    feed: Callable[[bytes], Awaitable[None]],
+) -> None:
+    """Ranged GETs of ``part_size``, ``parts_inflight`` ahead, fed to the parser in order.
+
+    Each part is retried whole on a transient fault. Memory: ``parts_inflight`` parts.
+    """
+    size, part = shard.size, options.part_size
+    count = -(-size // part)
+    results: dict[int, bytes | BaseException] = {}
+    arrived: dict[int, anyio.Event] = {}
+
+    async def fetch(i: int) -> None:
+        end = min(size, (i + 1) * part)
+        try:
+            results[i] = await call_with_retries(
+                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end),
+                ctx.retry,
+                on_retry=ctx.retried,
+            )
+        except Exception as exc:  # handed to the reader below, which raises it in order
+            results[i] = exc
+        arrived[i].set()
+
+    failure: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+        started = 0
+        for i in range(count):
+            while started < count and started < i + options.parts_inflight:
+                arrived[started] = anyio.Event()
+                tg.start_soon(fetch, started)
+                started += 1
+            await arrived.pop(i).wait()
+            data = results.pop(i)
+            if isinstance(data, BaseException):
+                failure = data
+                tg.cancel_scope.cancel()
+                break
+            await feed(data)
+    if failure is not None:
+        raise failure
