@@ -141,6 +141,7 @@ class AsyncS3Dataset(IterableDataset):
         self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
         self._shard_specs = None if shards is None else shard_specs(shards)
         self._shards: list[ShardRef] | None = None
+        self._sample_counts: dict[str, int] | None = None
         self.epoch = 0
         self._resume: dict[str, Any] | None = None
         self._progress = _Progress()
@@ -176,7 +177,10 @@ class AsyncS3Dataset(IterableDataset):
         """
         names = {field.name for field in dataclasses.fields(ShardOptions)}
         shard_options = ShardOptions(**{k: options.pop(k) for k in list(options) if k in names})
-        return cls(shards=shards, options=LoaderOptions(**options), shard_options=shard_options)
+        counts = options.pop("sample_counts", None)
+        dataset = cls(shards=shards, options=LoaderOptions(**options), shard_options=shard_options)
+        dataset._sample_counts = None if counts is None else _check_counts(counts)
+        return dataset
 
     # ----------------------------------------------------------------------- what to read
 
@@ -214,11 +218,27 @@ class AsyncS3Dataset(IterableDataset):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (per-object mode; unknown for shards)."""
-        if self.mode == "shards":
-            raise TypeError("the number of samples in tar shards is unknown until they are read")
+        """Samples this rank yields per epoch (shards: only when ``sample_counts`` was given)."""
         _, world_size = self.options.world()
+        if self.mode == "shards":
+            counts = self.shard_counts()
+            if counts is None:
+                raise TypeError("the number of samples in these tar shards is unknown until they "
+                                "are read; pass from_shards(..., sample_counts={url: n})")
+            return partition.rank_length(sum(counts), world_size, self.options.pad_policy)
         return partition.rank_length(len(self.keys()), world_size, self.options.pad_policy)
+
+    def shard_counts(self) -> list[int] | None:
+        """Samples per shard in ``shards()`` order, when given; every shard must be covered."""
+        if self._sample_counts is None:
+            return None
+        counts = []
+        for shard in self.shards():
+            count = self._sample_counts.get(shard.url, self._sample_counts.get(shard.key))
+            if count is None:
+                raise ConfigError(f"sample_counts has no entry for shard {shard.url}")
+            counts.append(count)
+        return counts
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into spawned workers: list here, once, rather than in every worker.
@@ -259,13 +279,16 @@ class AsyncS3Dataset(IterableDataset):
         rank, world_size = self.options.world()
         worker, num_workers = topology.worker()
         seed = self.options.effective_seed
-        assignments = partition.shard_assignments(
-            len(shards), seed=seed, epoch=self.epoch, shuffle=self.options.shuffle,
-            rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
-        )
+        where = dict(seed=seed, epoch=self.epoch, shuffle=self.options.shuffle, rank=rank,
+                     world_size=world_size, worker=worker, num_workers=num_workers)
         slot, slots = partition.slot_of(rank, world_size, worker, num_workers)
-        if partition.needs_sample_split(len(shards), slots):
-            _warn_sample_split(len(shards), slots)
+        counts = self.shard_counts()
+        if counts is not None:  # equal length per rank, exactly once (up to the pad policy)
+            assignments = partition.balanced_shard_ranges(counts, policy=self.options.pad_policy, **where)
+        else:
+            assignments = partition.shard_assignments(len(shards), **where)
+            if partition.needs_sample_split(len(shards), slots):
+                _warn_sample_split(len(shards), slots)
         state = self._resumed()
         delivered: dict[int, set[int]] = {}
         for position, index in state.get("delivered", ()):
@@ -388,8 +411,17 @@ def _shard_complete(assignment: partition.ShardAssignment, samples: int | None,
     """Whether a resumed shard has nothing left for this slot (so it is not read again)."""
     if samples is None:
         return False
-    wanted = len(range(assignment.phase, samples, assignment.stride))
-    return len(set(delivered)) >= wanted
+    return len(set(delivered)) >= assignment.wanted(samples)
+
+
+def _check_counts(counts: Any) -> dict[str, int]:
+    """``sample_counts``: a mapping of shard URL (or key) to its number of samples."""
+    if not isinstance(counts, dict):
+        raise ConfigError(f"sample_counts must map shard URL -> sample count, not {type(counts).__name__}")
+    for url, count in counts.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ConfigError(f"sample_counts[{url!r}]={count!r} must be a non-negative integer")
+    return dict(counts)
 
 
 _warned_split = False

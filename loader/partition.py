@@ -28,9 +28,13 @@ reads shard ``order[s % num_shards]`` and keeps only the samples whose index wit
 ``% stride == phase``, where ``stride`` is the number of slots reading that shard and ``phase``
 is this slot's place among them. Every sample still goes to exactly one slot and no slot sits
 idle, at a price: each such shard is downloaded ``stride`` times (once per slot reading it).
-Shard mode does not give equal sample counts per rank by itself (shards hold different numbers
-of samples, and slots may hold one shard more than others); the dataset evens ranks out with a
-sample budget.
+Round-robin dealing does not give equal sample counts per rank (shards hold different numbers
+of samples, and slots may hold one shard more than others). When the sample count of every shard
+is known (``from_shards(..., sample_counts=...)``), :func:`balanced_shard_ranges` does better:
+it lays the epoch's shards end to end and gives each rank a contiguous run of exactly
+``rank_length(total, W, policy)`` samples, and each worker a contiguous part of its rank's run.
+A shard on the border of two runs is read by both slots, each keeping its own sample range
+(the first stops reading at its range's end), so the overhead is at most one shard per slot.
 """
 
 from __future__ import annotations
@@ -160,10 +164,19 @@ class ShardAssignment(NamedTuple):
     shard: int
     stride: int
     phase: int
+    start: int = 0
+    stop: int | None = None
 
     def keeps(self, sample_index: int) -> bool:
         """Whether the ``sample_index``-th sample of the shard belongs to this slot."""
+        if sample_index < self.start or (self.stop is not None and sample_index >= self.stop):
+            return False
         return sample_index % self.stride == self.phase
+
+    def wanted(self, samples: int) -> int:
+        """How many of a shard's ``samples`` this assignment keeps."""
+        stop = samples if self.stop is None else min(self.stop, samples)
+        return sum(1 for i in range(self.start, stop) if i % self.stride == self.phase)
 
 
 def slot_of(rank: int, world_size: int, worker: int, num_workers: int) -> tuple[int, int]:
@@ -207,3 +220,54 @@ def shard_assignments(
     position = slot % num_shards
     stride = len(range(position, slots, num_shards))  # slots that read this shard
     return [ShardAssignment(order[position], stride, slot // num_shards)]
+
+
+def balanced_shard_ranges(
+    counts: Sequence[int],
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    rank: int,
+    world_size: int,
+    worker: int,
+    num_workers: int,
+    policy: PadPolicy = "pad",
+) -> list[ShardAssignment]:
+    """Equal-length shard splitting when every shard's sample count is known.
+
+    The shards, in epoch order, form one sequence of ``sum(counts)`` samples. Rank ``r`` reads
+    positions ``[r * L, (r + 1) * L)`` with ``L = rank_length(total, world_size, policy)``
+    (``"pad"`` wraps around to the start, repeating at most ``world_size - 1`` samples); its
+    workers split that run into contiguous parts differing by at most one sample. The result
+    lists, in reading order, the sample range of each shard this slot reads.
+    """
+    for position, count in enumerate(counts):
+        _check_int(f"counts[{position}]", count, minimum=0)
+    workers = _effective_workers(num_workers)
+    slot_of(rank, world_size, worker, num_workers)  # validates rank and worker
+    total = sum(counts)
+    length = rank_length(total, world_size, policy)
+    if total == 0 or length == 0:
+        return []
+    lo = rank * length + (worker * length) // workers
+    hi = rank * length + ((worker + 1) * length) // workers
+    order = epoch_order(len(counts), seed=seed, epoch=epoch, shuffle=shuffle)
+    starts = []  # where each shard (in epoch order) begins in the sample sequence
+    at = 0
+    for shard in order:
+        starts.append(at)
+        at += counts[shard]
+    out: list[ShardAssignment] = []
+    position = lo
+    while position < hi:
+        wrapped = position % total
+        cycle_end = position - wrapped + total  # the sequence repeats (pad) past ``total``
+        for place, shard in enumerate(order):
+            begin, end = starts[place], starts[place] + counts[shard]
+            if begin <= wrapped < end:
+                stop = min(end, wrapped + (hi - position), cycle_end)
+                out.append(ShardAssignment(shard, 1, 0, wrapped - begin, stop - begin))
+                position += stop - wrapped
+                break
+    return out

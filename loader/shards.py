@@ -87,6 +87,10 @@ class ShardEnd(NamedTuple):
     skipped: bool
 
 
+class _RangeDone(Exception):
+    """Raised inside a shard job once its sample range is read; ends the stream early."""
+
+
 Tag = tuple[int, int]  # (shard position in this slot's plan, sample index in the shard)
 END = -1  # the sample index that tags a ShardEnd
 
@@ -109,15 +113,19 @@ def shard_job(
     async def job(ctx: JobContext) -> None:
         grouper = SampleGrouper(shard.url)
         count = 0
+        fields: frozenset[str] | None = None  # the field names of the last complete sample
 
         async def deliver(sample: dict[str, Any] | None) -> None:
-            nonlocal count
+            nonlocal count, fields
             if sample is None:
                 return
             index = sample.pop("__index__")
             count = index + 1
+            fields = frozenset(sample)
             if assignment.keeps(index) and index not in skip:
                 await ctx.emit(((position, index), sample), sample_nbytes(sample))
+            if assignment.stop is not None and count >= assignment.stop:
+                raise _RangeDone  # the rest of the shard belongs to another slot: stop reading
 
         async def on_member(member: TarMember) -> None:
             await deliver(grouper.add(member))
@@ -125,9 +133,18 @@ def shard_job(
         try:
             await read_members(ctx, shard, options, on_member)
             await deliver(grouper.flush())
+        except _RangeDone:
+            pass
         except ShardFormatError as exc:
             if options.on_error == "raise":
                 raise
+            # The sample being collected when the shard broke off is complete when the break came
+            # in a later sample's member; the parser does not say whose, so keep it when it has
+            # every field the sample before it had (members past the break may have been its own).
+            pending = grouper.flush()
+            if pending is not None and frozenset(pending) - {"__index__"} == fields:
+                with contextlib.suppress(_RangeDone):
+                    await deliver(pending)
             message = f"skipping the rest of shard {shard.url} (on_error={options.on_error!r}): {exc}"
             if options.on_error == "warn":
                 warnings.warn(message, RuntimeWarning, stacklevel=1)
@@ -176,7 +193,6 @@ async def _read_stream(
     failures, first_failure = 0, 0.0
     while True:
         start = parser.resume_offset
-        before = parser.offset
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size)
@@ -189,7 +205,7 @@ async def _read_stream(
                 return  # resumed exactly at the end: nothing was left to read
             raise
         except TransientStoreError as exc:
-            if parser.offset > before:
+            if parser.resume_offset > start:  # a member completed (bytes alone are no progress)
                 failures = 0
             if failures == 0:
                 first_failure = time.monotonic()
@@ -222,7 +238,7 @@ async def _read_parts(
     results: dict[int, bytes | BaseException] = {}
     arrived: dict[int, anyio.Event] = {}
 
-    async def fetch(i: int) -> None:
+    async def fetch(i: int, done: anyio.Event) -> None:
         end = min(size, (i + 1) * part)
         try:
             results[i] = await call_with_retries(
@@ -232,7 +248,7 @@ async def _read_parts(
             )
         except Exception as exc:  # handed to the reader below, which raises it in order
             results[i] = exc
-        arrived[i].set()
+        done.set()  # not arrived[i]: the reader pops that entry as soon as it starts waiting
 
     failure: BaseException | None = None
     async with anyio.create_task_group() as tg:
@@ -240,7 +256,7 @@ async def _read_parts(
         for i in range(count):
             while started < count and started < i + options.parts_inflight:
                 arrived[started] = anyio.Event()
-                tg.start_soon(fetch, started)
+                tg.start_soon(fetch, started, arrived[started])
                 started += 1
             await arrived.pop(i).wait()
             data = results.pop(i)
@@ -248,6 +264,11 @@ async def _read_parts(
                 failure = data
                 tg.cancel_scope.cancel()
                 break
-            await feed(data)
+            try:
+                await feed(data)
+            except Exception as exc:  # raised below, bare: the task group would wrap it in a group
+                failure = exc
+                tg.cancel_scope.cancel()
+                break
     if failure is not None:
         raise failure

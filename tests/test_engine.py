@@ -101,7 +101,8 @@ def test_item_count_bound_pauses_fetching(no_leaked_threads):
 
 def test_break_after_ten_items_leaves_no_thread_task_or_engine(no_leaked_threads):
     objects, fake = make(1000, latency=0.001)
-    engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake))
+    limits = EngineLimits(max_inflight=8, queue_items=50)  # so that fetching must wait for us
+    engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=limits)
     for count, _ in enumerate(engine, start=1):
         if count == 10:
             break

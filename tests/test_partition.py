@@ -221,8 +221,9 @@ def test_shard_samples_are_covered_exactly_once(num_shards, world_size, num_work
 def test_shard_examples():
     def plan(num_shards, world_size, num_workers, **kw):
         return [
-            shard_assignments(num_shards, seed=0, epoch=0, shuffle=False, rank=r,
-                              world_size=world_size, worker=w, num_workers=num_workers, **kw)
+            [a[:3] for a in shard_assignments(num_shards, seed=0, epoch=0, shuffle=False, rank=r,
+                                              world_size=world_size, worker=w,
+                                              num_workers=num_workers, **kw)]
             for r in range(world_size) for w in range(max(1, num_workers))
         ]
 
@@ -242,3 +243,45 @@ def test_shard_order_follows_the_epoch():
 
     assert first(0) != first(1)
     assert first(0) == first(0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 300), min_size=0, max_size=40),
+    world_size=st.integers(1, 16),
+    num_workers=st.integers(0, 8),
+    seed=st.integers(0, 2**32),
+    epoch=st.integers(0, 50),
+    policy=st.sampled_from(["pad", "drop"]),
+)
+def test_balanced_shard_ranges_are_exactly_once_and_equal_per_rank(
+    counts, world_size, num_workers, seed, epoch, policy
+):
+    from collections import Counter
+
+    from loader.partition import balanced_shard_ranges, rank_length
+
+    total = sum(counts)
+    seen: Counter = Counter()
+    for rank in range(world_size):
+        per_rank = 0
+        for worker in range(max(1, num_workers)):
+            ranges = balanced_shard_ranges(counts, seed=seed, epoch=epoch, shuffle=True, rank=rank,
+                                           world_size=world_size, worker=worker,
+                                           num_workers=num_workers, policy=policy)
+            again = balanced_shard_ranges(counts, seed=seed, epoch=epoch, shuffle=True, rank=rank,
+                                          world_size=world_size, worker=worker,
+                                          num_workers=num_workers, policy=policy)
+            assert ranges == again, "deterministic"
+            for a in ranges:
+                assert 0 <= a.start < a.stop <= counts[a.shard]
+                seen.update((a.shard, i) for i in range(a.start, a.stop))
+                per_rank += a.stop - a.start
+        assert per_rank == rank_length(total, world_size, policy), "equal length per rank"
+    every = {(shard, i) for shard, n in enumerate(counts) for i in range(n)}
+    if policy == "pad":
+        assert set(seen) == every, "every sample at least once"
+        assert sum(seen.values()) - total == (-total) % world_size if total else True
+    else:
+        assert set(seen) <= every and max(seen.values(), default=1) == 1, "no sample twice"
+        assert len(seen) == world_size * (total // world_size)

@@ -538,12 +538,12 @@ def test_restart_after_a_corrupt_header_rereads_it():
     chunk=st.integers(1, 2000),
 )
 def test_damaged_streams_raise_only_shard_format_errors(fmt, flips, chunk):
-    stream = bytearray(
-        tar_bytes(
-            [("d" * 60 + "/" + "ü" * 40 + ".txt", b"t" * 700), ("k.cls", b"1"), ("k", b"", tarfile.DIRTYPE)],
-            fmt=fmt,
-        )
-    )
+    entries = [
+        ("d" * 60 + "/" + "ü" * 40 + ".txt", b"t" * 700),  # prefix in ustar, L in GNU, x in pax
+        ("k.cls", b"1"),
+        ("k", b"", tarfile.DIRTYPE),
+    ]
+    stream = bytearray(tar_bytes(entries, fmt=fmt))
     for pos, mask in flips:
         stream[pos] ^= mask
     chunks = [bytes(stream[i : i + chunk]) for i in range(0, len(stream), chunk)]

@@ -1,0 +1,395 @@
+"""Unit and property tests for ``loader.retry``: the policy, full-jitter backoff, and the retry loop.
+
+Every async test runs under ``anyio.fail_after`` so a bug shows up as a failure, not a hang. Tests
+that count attempts against the deadline use a fake clock and a fake sleep, so they are exact
+and take no time; one test uses the real clock with loose bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import random
+import re
+import types
+
+import anyio
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import loader.retry as retry_module
+from loader.errors import (
+    AccessDeniedError,
+    ConfigError,
+    EndpointUnreachableError,
+    InvalidRangeError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    StoreError,
+    TransientStoreError,
+)
+from loader.retry import (
+    DEFAULT_BASE_DELAY,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DEADLINE,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_DELAY,
+    DEFAULT_READ_TIMEOUT,
+    RetryPolicy,
+    backoff_delay,
+    call_with_retries,
+    is_transient,
+)
+
+DEADLINE = 5.0  # seconds any async test may take before it fails instead of hanging
+FAST = dict(base_delay=0.001, max_delay=0.001)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Flaky:
+    """An attempt that raises ``errors`` in turn, then returns ``value``; counts its calls."""
+
+    def __init__(self, errors=(), value="ok"):
+        self.errors = list(errors)
+        self.value = value
+        self.calls = 0
+
+    async def __call__(self):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return self.value
+
+
+def transient(i=0, cls=TransientStoreError):
+    return cls(f"503 SlowDown #{i}", bucket="bkt", key=f"train/{i:06d}.tar")
+
+
+class FakeTime:
+    """Stands in for ``time`` in ``loader.retry``: a clock that only moves when told to."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.fixture
+def fake_sleep(monkeypatch):
+    """Replace ``anyio.sleep`` as seen by ``loader.retry``; returns the list of requested delays."""
+    delays = []
+
+    async def sleep(seconds):
+        delays.append(seconds)
+        await anyio.lowlevel.checkpoint()
+
+    monkeypatch.setattr(retry_module, "anyio", types.SimpleNamespace(sleep=sleep))
+    return delays
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    clock = FakeTime()
+    monkeypatch.setattr(retry_module, "time", clock)
+    return clock
+
+
+# ------------------------------------------------------------------------------ RetryPolicy
+
+
+def test_defaults():
+    policy = RetryPolicy()
+    assert policy.max_attempts == DEFAULT_MAX_ATTEMPTS
+    assert policy.base_delay == DEFAULT_BASE_DELAY
+    assert policy.max_delay == DEFAULT_MAX_DELAY
+    assert policy.deadline == DEFAULT_DEADLINE
+    assert policy.connect_timeout == DEFAULT_CONNECT_TIMEOUT
+    assert policy.read_timeout == DEFAULT_READ_TIMEOUT
+
+
+def test_policy_is_keyword_only_frozen_and_pickles():
+    with pytest.raises(TypeError):
+        RetryPolicy(3)  # type: ignore[misc]
+    policy = RetryPolicy(max_attempts=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.max_attempts = 4  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(policy)) == policy
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_attempts": 1},
+        {"base_delay": 0.0},
+        {"max_delay": 0.0},
+        {"base_delay": 0, "max_delay": 0},
+        {"deadline": math.inf},
+        {"deadline": 1e-9, "connect_timeout": 0.001, "read_timeout": 0.001},
+    ],
+)
+def test_valid_edge_policies(kwargs):
+    RetryPolicy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [
+        ("max_attempts", 0, "must be at least 1"),
+        ("max_attempts", -3, "must be at least 1"),
+        ("base_delay", -0.001, "must not be negative"),
+        ("base_delay", math.nan, "must not be negative"),
+        ("max_delay", -1.0, "must not be negative"),
+        ("max_delay", math.nan, "must not be negative"),
+        ("deadline", 0, "must be positive"),
+        ("deadline", -1.0, "must be positive"),
+        ("deadline", math.nan, "must be positive"),
+        ("connect_timeout", 0.0, "must be positive"),
+        ("connect_timeout", math.nan, "must be positive"),
+        ("read_timeout", -5, "must be positive"),
+    ],
+)
+def test_invalid_policy_names_the_field_and_value(field, value, rule):
+    with pytest.raises(ConfigError, match=rf"^RetryPolicy\.{field}={re.escape(repr(value))} {rule}$"):
+        RetryPolicy(**{field: value})
+
+
+def test_invalid_policy_is_a_value_error():
+    with pytest.raises(ValueError):
+        RetryPolicy(max_attempts=0)
+
+
+# ------------------------------------------------------------------------------ backoff_delay
+
+
+policies = st.builds(
+    RetryPolicy,
+    base_delay=st.floats(0, 10, allow_nan=False),
+    max_delay=st.floats(0, 1000, allow_nan=False),
+)
+
+
+@given(attempt=st.integers(0, 200), policy=policies, seed=st.integers(0, 2**64))
+def test_backoff_is_within_the_full_jitter_bounds(attempt, policy, seed):
+    delay = backoff_delay(attempt, policy, random.Random(seed))
+    assert 0.0 <= delay <= min(policy.max_delay, policy.base_delay * 2**attempt)
+    assert math.isfinite(delay)
+
+
+@given(attempt=st.integers(0, 200), policy=policies, seed=st.integers(0, 2**64))
+def test_backoff_is_deterministic_for_a_seeded_rng(attempt, policy, seed):
+    assert backoff_delay(attempt, policy, random.Random(seed)) == backoff_delay(
+        attempt, policy, random.Random(seed)
+    )
+
+
+@given(policy=policies, seed=st.integers(0, 2**64))
+def test_backoff_sequence_is_deterministic_for_a_seeded_rng(policy, seed):
+    first, second = random.Random(seed), random.Random(seed)
+    assert [backoff_delay(n, policy, first) for n in range(20)] == [
+        backoff_delay(n, policy, second) for n in range(20)
+    ]
+
+
+def test_backoff_is_zero_without_base_delay():
+    rng = random.Random(1)
+    assert {backoff_delay(n, RetryPolicy(base_delay=0), rng) for n in range(100)} == {0.0}
+
+
+def test_backoff_uses_the_whole_jitter_range():
+    """Full jitter: draws spread over [0, cap), not clustered at the cap (seeded, so exact)."""
+    policy = RetryPolicy(base_delay=1.0, max_delay=4.0)
+    rng = random.Random(0)
+    first = [backoff_delay(0, policy, rng) for _ in range(1000)]
+    assert min(first) < 0.05 and max(first) > 0.95 and 0.4 < sum(first) / 1000 < 0.6
+    late = [backoff_delay(10, policy, rng) for _ in range(1000)]  # capped at max_delay
+    assert max(late) <= 4.0 and max(late) > 3.8 and 1.8 < sum(late) / 1000 < 2.2
+
+
+def test_backoff_of_a_huge_attempt_number_is_capped():
+    assert backoff_delay(10**6, RetryPolicy(max_delay=2.0), random.Random(3)) <= 2.0
+
+
+def test_is_transient():
+    assert is_transient(transient())
+    assert is_transient(transient(cls=EndpointUnreachableError))
+    for exc in (NoSuchKeyError("x"), AccessDeniedError("x"), StoreError("x"), ValueError(), KeyboardInterrupt()):
+        assert not is_transient(exc)
+
+
+# ------------------------------------------------------------------------------ call_with_retries
+
+
+@pytest.mark.anyio
+async def test_success_on_first_try():
+    attempt, retried = Flaky(value=42), []
+    with anyio.fail_after(DEADLINE):
+        assert await call_with_retries(attempt, RetryPolicy(**FAST), on_retry=retried.append) == 42
+    assert attempt.calls == 1 and retried == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("failures", [1, 2, 5])
+async def test_succeeds_after_k_transient_failures(failures):
+    errors = [transient(i) for i in range(failures)]
+    attempt, retried = Flaky(errors, value=b"payload"), []
+    with anyio.fail_after(DEADLINE):
+        result = await call_with_retries(
+            attempt, RetryPolicy(max_attempts=failures + 1, **FAST), on_retry=retried.append
+        )
+    assert result == b"payload"
+    assert attempt.calls == failures + 1
+    assert [str(e) for e in retried] == [f"503 SlowDown #{i}" for i in range(failures)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("max_attempts", [1, 2, 4])
+@pytest.mark.parametrize("cls", [TransientStoreError, EndpointUnreachableError])
+async def test_gives_up_after_max_attempts_with_the_same_type(max_attempts, cls):
+    errors = [transient(i, cls) for i in range(max_attempts + 3)]
+    attempt, retried = Flaky(errors), []
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(cls) as info:
+            await call_with_retries(attempt, RetryPolicy(max_attempts=max_attempts, **FAST),
+                                    on_retry=retried.append)
+    err = info.value
+    last = max_attempts - 1
+    assert type(err) is cls
+    assert attempt.calls == max_attempts
+    assert len(retried) == max_attempts - 1  # once per retry, not for the final failure
+    assert re.match(
+        rf"^503 SlowDown #{last} \(gave up after {max_attempts} attempt\(s\) over \d+\.\ds; "
+        r"see RetryPolicy to allow more\)$",
+        str(err),
+    )
+    assert (err.bucket, err.key) == ("bkt", f"train/{last:06d}.tar")
+    assert err.__cause__ is not None and str(err.__cause__) == f"503 SlowDown #{last}"
+    back = pickle.loads(pickle.dumps(err))  # still intact across a worker boundary
+    assert type(back) is cls and (back.bucket, back.key) == (err.bucket, err.key)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "error",
+    [
+        NoSuchKeyError("no such key", bucket="bkt", key="k"),
+        AccessDeniedError("403 Forbidden", bucket="bkt", key="k"),
+        NoSuchBucketError("no such bucket", bucket="bkt"),
+        InvalidRangeError("bad range", bucket="bkt", key="k"),
+        StoreError("plain store error"),
+        RuntimeError("a bug in the attempt"),
+        KeyError("k"),
+    ],
+)
+async def test_permanent_errors_are_not_retried(error):
+    attempt, retried = Flaky([error, transient()]), []
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(type(error)) as info:
+            await call_with_retries(attempt, RetryPolicy(max_attempts=5, **FAST), on_retry=retried.append)
+    assert info.value is error  # re-raised untouched, no "gave up" message
+    assert attempt.calls == 1
+    assert retried == []
+
+
+@pytest.mark.anyio
+async def test_permanent_error_after_transient_ones_stops_at_once():
+    missing = NoSuchKeyError("gone", bucket="bkt", key="k")
+    attempt, retried = Flaky([transient(0), transient(1), missing, transient(3)]), []
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(NoSuchKeyError) as info:
+            await call_with_retries(attempt, RetryPolicy(max_attempts=10, **FAST), on_retry=retried.append)
+    assert info.value is missing
+    assert attempt.calls == 3 and len(retried) == 2
+
+
+@pytest.mark.anyio
+async def test_on_retry_is_optional():
+    attempt = Flaky([transient(0)])
+    with anyio.fail_after(DEADLINE):
+        assert await call_with_retries(attempt, RetryPolicy(**FAST)) == "ok"
+    assert attempt.calls == 2
+
+
+@pytest.mark.anyio
+async def test_sleeps_are_the_seeded_backoff_delays(fake_sleep):
+    policy = RetryPolicy(max_attempts=6, base_delay=0.5, max_delay=3.0, deadline=1e9)
+    attempt = Flaky([transient(i) for i in range(5)])
+    with anyio.fail_after(DEADLINE):
+        await call_with_retries(attempt, policy, rng=random.Random(1234))
+    reference = random.Random(1234)
+    assert fake_sleep == [backoff_delay(n, policy, reference) for n in range(5)]
+
+
+@pytest.mark.anyio
+async def test_a_delay_past_the_deadline_gives_up_without_sleeping(fake_sleep, fake_time):
+    """With every draw at the cap (1 s) and a 0.5 s deadline, the first failure is the last."""
+
+    class TopOfRange(random.Random):
+        def uniform(self, a, b):
+            return b
+
+    attempt, retried = Flaky([transient(i) for i in range(10)]), []
+    policy = RetryPolicy(max_attempts=10, base_delay=1.0, max_delay=1.0, deadline=0.5)
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(TransientStoreError, match=r"gave up after 1 attempt\(s\) over 0\.0s"):
+            await call_with_retries(attempt, policy, on_retry=retried.append, rng=TopOfRange())
+    assert attempt.calls == 1 and retried == [] and fake_sleep == []
+
+
+@pytest.mark.anyio
+async def test_deadline_counts_time_spent_in_attempts(fake_sleep, fake_time):
+    """Each attempt takes 1 s of (fake) time; a 3.5 s deadline allows exactly 4 attempts of 100."""
+
+    async def slow_failure():
+        slow_failure.calls += 1
+        fake_time.now += 1.0
+        raise transient(slow_failure.calls)
+
+    slow_failure.calls = 0
+    retried = []
+    policy = RetryPolicy(max_attempts=100, deadline=3.5, **FAST)
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(TransientStoreError, match=r"^503 SlowDown #4 \(gave up after 4 attempt\(s\) over 4\.0s"):
+            await call_with_retries(slow_failure, policy, on_retry=retried.append, rng=random.Random(0))
+    assert slow_failure.calls == 4
+    assert len(retried) == 3 and len(fake_sleep) == 3
+
+
+@pytest.mark.anyio
+async def test_deadline_stops_retrying_early_in_real_time():
+    async def slow_failure():
+        slow_failure.calls += 1
+        await anyio.sleep(0.02)
+        raise transient(slow_failure.calls)
+
+    slow_failure.calls = 0
+    policy = RetryPolicy(max_attempts=1000, deadline=0.1, **FAST)
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(TransientStoreError, match=r"gave up after (\d+) attempt\(s\)") as info:
+            await call_with_retries(slow_failure, policy)
+    n = int(re.search(r"gave up after (\d+)", str(info.value)).group(1))
+    assert n == slow_failure.calls
+    assert 1 <= n < 20  # stopped by the deadline, far short of max_attempts
+
+
+@pytest.mark.anyio
+async def test_cancellation_during_backoff_propagates():
+    """A cancelled caller is not held up by the backoff sleep and gets no store error."""
+    attempt, retried = Flaky([transient(i) for i in range(10)]), []
+    policy = RetryPolicy(max_attempts=10, base_delay=60.0, max_delay=60.0, deadline=1e6)
+
+    class Late(random.Random):
+        def uniform(self, a, b):
+            return b  # a 60 s sleep that only cancellation can end
+
+    with anyio.fail_after(DEADLINE):
+        with anyio.move_on_after(0.05) as scope:
+            await call_with_retries(attempt, policy, on_retry=retried.append, rng=Late())
+    assert scope.cancelled_caught
+    assert attempt.calls == 1 and len(retried) == 1
