@@ -33,6 +33,7 @@ from .engine import (
 )
 from .errors import ConfigError, SampleError
 from .jobs import object_job
+from .progress import Watermark, consumed_per_worker
 from .retry import RetryPolicy
 from .shards import END, ShardEnd, ShardOptions, ShardRef, shard_job
 from .shuffle import shuffled
@@ -145,6 +146,7 @@ class AsyncS3Dataset(IterableDataset):
         self.epoch = 0
         self._resume: dict[str, Any] | None = None
         self._progress = _Progress()
+        self._fast_forward: tuple[int, int, int, bool] | None = None
         self._last_stats: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------- constructors
@@ -248,11 +250,14 @@ class AsyncS3Dataset(IterableDataset):
     # ----------------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[Any]:
-        self._progress = _Progress()
-        tagged = self._iter_objects() if self.mode == "objects" else self._iter_shards()
+        self._progress = _Progress.from_state(self._resumed())
+        skip = self._fast_forward_count()
+        tagged = self._iter_objects(skip) if self.mode == "objects" else self._iter_shards()
+        if self.mode == "shards" and skip:
+            tagged = _drop(tagged, skip, self._progress)
         with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
             for tag, sample in tagged:
-                self._progress.delivered.append(tag)
+                self._progress.add(tag)
                 yield self._transform(sample)
 
     def plan(self) -> list[int]:
@@ -265,11 +270,12 @@ class AsyncS3Dataset(IterableDataset):
             worker=worker, num_workers=num_workers, policy=self.options.pad_policy,
         )
 
-    def _iter_objects(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+    def _iter_objects(self, skip: int = 0) -> Iterator[tuple[Any, dict[str, Any]]]:
         keys = self.keys()
-        done = set(self._resumed().get("delivered", ()))
+        done = self._progress.objects
+        for slot in range(skip):  # plain-DataLoader resume: the first ``skip`` were delivered
+            done.add(slot)
         todo = [(slot, pos) for slot, pos in enumerate(self.plan()) if slot not in done]
-        self._progress.delivered.extend(sorted(done))
         jobs = (object_job(self.bucket, keys[pos], slot) for slot, pos in todo)
         delivery = "ordered" if self.options.ordered else "completed"
         yield from self._run(jobs, self.options.limits(delivery))
@@ -289,19 +295,12 @@ class AsyncS3Dataset(IterableDataset):
             assignments = partition.shard_assignments(len(shards), **where)
             if partition.needs_sample_split(len(shards), slots):
                 _warn_sample_split(len(shards), slots)
-        state = self._resumed()
-        delivered: dict[int, set[int]] = {}
-        for position, index in state.get("delivered", ()):
-            delivered.setdefault(position, set()).add(index)
-        counts = dict(state.get("shard_samples", ()))
         progress = self._progress
-        progress.delivered.extend(tuple(tag) for tag in state.get("delivered", ()))
-        progress.shard_samples.update(counts)
         jobs = [
             shard_job(shards[a.shard], position, a, self.shard_options,
-                      skip=frozenset(delivered.get(position, ())))
+                      skip=progress.shard(position))
             for position, a in enumerate(assignments)
-            if not _shard_complete(a, counts.get(position), delivered.get(position, ()))
+            if not _shard_complete(a, progress.shard_samples.get(position), progress.shard(position))
         ]
         delivery = "interleave" if self.options.ordered else "completed"
         limits = self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight)
@@ -347,15 +346,19 @@ class AsyncS3Dataset(IterableDataset):
     # ----------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this process is in the epoch: enough to skip exactly what it delivered."""
+        """Where this process is in the epoch: enough to skip exactly what it delivered.
+
+        Small and bounded (see ``progress.Watermark``), so ``StatefulDataLoader`` can take it
+        after every batch. In DataLoader workers each worker has its own; torchdata's
+        ``StatefulDataLoader`` collects and restores them per worker.
+        """
         return {
             "version": STATE_VERSION,
             "mode": self.mode,
             "epoch": self.epoch,
             "seed": self.options.effective_seed,
             "size": self._size(),
-            "delivered": list(self._progress.delivered),
-            "shard_samples": sorted(self._progress.shard_samples.items()),
+            **self._progress.to_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -372,6 +375,56 @@ class AsyncS3Dataset(IterableDataset):
             )
         self.epoch = state["epoch"]
         self._resume = state
+        self._fast_forward = None
+
+    def resume_from_batches(self, epoch: int, batches_seen: int, batch_size: int,
+                            drop_last: bool = False) -> None:
+        """Resume with a plain ``DataLoader``: skip what its first ``batches_seen`` batches held.
+
+        Each worker works out, from the DataLoader's round robin over workers, how many samples
+        it had handed over, and skips exactly those (per-object mode: without fetching them;
+        shard mode: by reading and dropping them). Needs ``ordered=True`` (the default), the same
+        seed, data set, ``batch_size``, ``drop_last``, ``num_workers`` and world size as before.
+        """
+        if not self.options.ordered:
+            raise ConfigError("resume_from_batches needs ordered=True (as-completed order is not "
+                              "repeatable); use torchdata's StatefulDataLoader instead")
+        for name, value in (("epoch", epoch), ("batches_seen", batches_seen)):
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
+        self.resolve()
+        self.epoch = epoch
+        self._resume = None
+        self._fast_forward = (epoch, batches_seen, batch_size, drop_last)
+
+    def _fast_forward_count(self) -> int:
+        """How many of this worker's samples a ``resume_from_batches`` says were delivered."""
+        plan, self._fast_forward = self._fast_forward, None
+        if plan is None or plan[0] != self.epoch:
+            return 0
+        _, batches_seen, batch_size, drop_last = plan
+        worker, num_workers = topology.worker()
+        shares = self._worker_shares(num_workers)
+        return consumed_per_worker(shares, batches_seen, batch_size, drop_last)[worker]
+
+    def _worker_shares(self, num_workers: int) -> list[int]:
+        """Samples each worker of this rank yields this epoch (shards without counts: assumed
+        equal, which holds until the first worker runs dry)."""
+        rank, world_size = self.options.world()
+        where = dict(seed=self.options.effective_seed, epoch=self.epoch,
+                     shuffle=self.options.shuffle, rank=rank, world_size=world_size,
+                     num_workers=num_workers)
+        workers = range(max(1, num_workers))
+        if self.mode == "objects":
+            return [len(partition.partition(len(self.keys()), worker=w,
+                                            policy=self.options.pad_policy, **where)) for w in workers]
+        counts = self.shard_counts()
+        if counts is None:
+            return [1 << 62 for _ in workers]
+        return [sum(a.stop - a.start for a in partition.balanced_shard_ranges(
+            counts, worker=w, policy=self.options.pad_policy, **where)) for w in workers]
 
     def _size(self) -> int:
         return len(self.keys()) if self.mode == "objects" else len(self.shards())
@@ -399,19 +452,60 @@ Tag = tuple[int, int]
 
 @dataclasses.dataclass
 class _Progress:
-    """What this process delivered in the current epoch (the basis of ``state_dict``)."""
+    """What this process delivered in the current epoch (the basis of ``state_dict``).
 
-    delivered: list[Any] = dataclasses.field(default_factory=list)
+    Per-object mode tags samples with their slot in this worker's plan; shard mode with
+    ``(shard position in the plan, sample index in the shard)``.
+    """
+
+    objects: Watermark = dataclasses.field(default_factory=Watermark)
+    shards: dict[int, Watermark] = dataclasses.field(default_factory=dict)
     shard_samples: dict[int, int] = dataclasses.field(default_factory=dict)
     shards_skipped: int = 0
 
+    def add(self, tag: Any) -> None:
+        if isinstance(tag, tuple):
+            self.shard(tag[0]).add(tag[1])
+        else:
+            self.objects.add(tag)
+
+    def shard(self, position: int) -> Watermark:
+        return self.shards.setdefault(position, Watermark())
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "delivered": self.objects.to_state(),
+            "shards": [[position, *mark.to_state()] for position, mark in sorted(self.shards.items())],
+            "shard_samples": sorted(self.shard_samples.items()),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _Progress:
+        if not state:
+            return cls()
+        return cls(
+            objects=Watermark.from_state(state["delivered"]),
+            shards={int(p): Watermark(int(low), above) for p, low, above in state["shards"]},
+            shard_samples={int(p): int(n) for p, n in state["shard_samples"]},
+        )
+
+
+def _drop(tagged: Iterator[Any], count: int, progress: _Progress) -> Iterator[Any]:
+    """Skip the first ``count`` samples (read, not transformed), recording them as delivered."""
+    with contextlib.closing(tagged):
+        for number, (tag, sample) in enumerate(tagged):
+            if number < count:
+                progress.add(tag)
+                continue
+            yield tag, sample
+
 
 def _shard_complete(assignment: partition.ShardAssignment, samples: int | None,
-                    delivered: Iterable[int]) -> bool:
+                    delivered: Watermark) -> bool:
     """Whether a resumed shard has nothing left for this slot (so it is not read again)."""
     if samples is None:
         return False
-    return len(set(delivered)) >= assignment.wanted(samples)
+    return len(delivered) >= assignment.wanted(samples)
 
 
 def _check_counts(counts: Any) -> dict[str, int]:

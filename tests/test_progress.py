@@ -1,0 +1,120 @@
+"""Resume bookkeeping: the compact delivered-set, and the plain-DataLoader batch arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from conftest import payloads, reusable
+from fakes import FakeStore
+from loader import AsyncS3Dataset, ConfigError
+from loader.progress import Watermark, consumed_per_worker
+
+
+@given(st.lists(st.integers(0, 300), max_size=400))
+def test_watermark_is_a_set(numbers):
+    mark = Watermark()
+    for n in numbers:
+        mark.add(n)
+    assert {n for n in range(301) if n in mark} == set(numbers)
+    assert len(mark) == len(set(numbers))
+    assert Watermark.from_state(mark.to_state()) == mark
+
+
+def test_watermark_state_stays_small_for_in_order_delivery():
+    mark = Watermark()
+    for n in range(100_000):
+        mark.add(n)
+    assert mark.to_state() == [100_000, []]
+
+
+class Shares(IterableDataset):
+    """Worker ``w`` yields ``shares[w]`` items tagged with its id."""
+
+    def __init__(self, shares):
+        self.shares = shares
+
+    def __iter__(self):
+        worker = get_worker_info().id
+        return iter([worker] * self.shares[worker])
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    shares=st.lists(st.integers(0, 40), min_size=2, max_size=3),
+    batch_size=st.integers(1, 7),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
+def test_consumed_per_worker_matches_the_real_dataloader(shares, batch_size, drop_last, data):
+    loader = DataLoader(Shares(shares), batch_size=batch_size, num_workers=len(shares),
+                        drop_last=drop_last, multiprocessing_context="fork")
+    batches = [batch.tolist() for batch in loader]
+    seen = data.draw(st.integers(0, len(batches)))
+    actual = [0] * len(shares)
+    for batch in batches[:seen]:
+        actual[batch[0]] += len(batch)
+    assert consumed_per_worker(shares, seen, batch_size, drop_last) == actual
+
+
+@pytest.mark.parametrize("mode", ["objects", "shards"])
+def test_resume_from_batches_with_a_plain_dataloader(mode, tmp_path):
+    objects = payloads(203, size=32)
+    fake = FakeStore.with_objects("bucket", objects)
+    if mode == "objects":
+        def make():
+            return AsyncS3Dataset.from_keys("bucket", sorted(objects), shuffle=True, seed=4,
+                                            store=reusable(fake))
+    else:
+        import io
+        import tarfile
+
+        keys = sorted(objects)
+        counts = {}
+        for number, start in enumerate(range(0, len(keys), 40)):
+            out = io.BytesIO()
+            with tarfile.open(fileobj=out, mode="w") as tar:
+                for key in keys[start:start + 40]:
+                    info = tarfile.TarInfo(key)
+                    info.size = len(objects[key])
+                    tar.addfile(info, io.BytesIO(objects[key]))
+            fake.objects["bucket", f"shards/{number}.tar"] = out.getvalue()
+            counts[f"s3://bucket/shards/{number}.tar"] = len(keys[start:start + 40])
+
+        def make():
+            return AsyncS3Dataset.from_shards("s3://bucket/shards/{0..5}.tar", shuffle=True, seed=4,
+                                              shuffle_buffer=16, store=reusable(fake),
+                                              sample_counts=counts)
+
+    def run(dataset, stop=None):
+        dataset_loader = DataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="fork",
+                                    collate_fn=lambda batch: [s["__key__"] for s in batch])
+        return list(itertools.islice(dataset_loader, stop))
+
+    first = make()
+    first.set_epoch(3)
+    head = run(first, stop=9)
+    second = make()
+    second.resume_from_batches(epoch=3, batches_seen=9, batch_size=8)
+    tail = run(second)
+    got = list(itertools.chain(*head, *tail))
+    assert sorted(got) == sorted(key.rsplit(".", 1)[0] for key in objects)
+
+
+def test_resume_from_batches_needs_ordered_delivery():
+    ds = AsyncS3Dataset.from_keys("bucket", ["a.bin"], ordered=False,
+                                  store=reusable(FakeStore.with_objects("bucket", {"a.bin": b"x"})))
+    with pytest.raises(ConfigError, match="ordered=True"):
+        ds.resume_from_batches(0, 1, 8)
+
+
+def test_state_dict_is_small_after_a_long_epoch():
+    objects = payloads(5000, size=8)
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(FakeStore.with_objects("bucket", objects)))
+    for _ in ds:
+        pass
+    assert ds.state_dict()["delivered"] == [5000, []]
