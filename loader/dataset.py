@@ -310,6 +310,7 @@ class AsyncS3Dataset(IterableDataset):
                 if tag[1] == END:
                     progress.shard_samples[tag[0]] = item.samples
                     progress.shards_skipped += item.skipped
+                    progress.shard_ends += 1
                 else:
                     yield tag, item
 
@@ -325,8 +326,10 @@ class AsyncS3Dataset(IterableDataset):
             yield from engine
         finally:
             engine.close()
-            self._last_stats = {**engine.statistics()._asdict(),
-                                "shards_skipped": self._progress.shards_skipped}
+            stats = engine.statistics()._asdict()
+            ends = self._progress.shard_ends  # end-of-shard markers are not samples
+            stats["delivered_items"] = max(0, stats["delivered_items"] - ends)
+            self._last_stats = {**stats, "shards_skipped": self._progress.shards_skipped}
             self._resume = None
 
     def _transform(self, sample: dict[str, Any]) -> Any:
@@ -462,6 +465,7 @@ class _Progress:
     shards: dict[int, Watermark] = dataclasses.field(default_factory=dict)
     shard_samples: dict[int, int] = dataclasses.field(default_factory=dict)
     shards_skipped: int = 0
+    shard_ends: int = 0  # end-of-shard markers seen in this iteration
 
     def add(self, tag: Any) -> None:
         if isinstance(tag, tuple):

@@ -10,8 +10,9 @@ in completion order only. The buffer here keeps one deque per job so that ``orde
 deliver in job order (a reorder window: later jobs run ahead, their items wait their turn), and
 admission checks both limits before a new job starts, so a slow consumer stops new requests.
 
-Memory bound: ``queue_bytes`` + ``max_inflight`` x (largest item), plus at most one item per
-job at the head of the order (it may always deliver, or ordered delivery could deadlock).
+Memory bound: ``queue_bytes`` + ``max_inflight`` x (largest item) + two items: admission stops
+at the budget, and the job the consumer waits for may always deliver one item (or ordered
+delivery could deadlock while the room is held by other jobs' items).
 
 Lifecycle: nothing starts in ``__init__``. Iterating starts the thread; exhaustion, ``break``,
 an exception, ``close()``, garbage collection and interpreter exit all cancel the jobs, close
