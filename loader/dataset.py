@@ -14,7 +14,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import random
+from multiprocessing.context import get_spawning_popen
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -143,7 +145,7 @@ class AsyncS3Dataset(IterableDataset):
         self._shard_specs = None if shards is None else shard_specs(shards)
         self._shards: list[ShardRef] | None = None
         self._sample_counts: dict[str, int] | None = None
-        self.epoch = 0
+        self._epoch: int | Any = 0  # an int, or a shared cell once set_epoch() ran (see there)
         self._resume: dict[str, Any] | None = None
         self._progress = _Progress()
         self._fast_forward: tuple[int, int, int, bool] | None = None
@@ -211,13 +213,31 @@ class AsyncS3Dataset(IterableDataset):
         self.keys() if self.mode == "objects" else self.shards()
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows (and list, if needed)."""
+        """Choose the epoch whose order the next iteration follows (and list, if needed).
+
+        The epoch lives in a shared-memory cell, so DataLoader workers kept alive across
+        epochs (``persistent_workers=True``) see it change; a plain attribute would stay
+        frozen at the value they were started with.
+        """
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
         self.resolve()
         if epoch != self.epoch:
             self._resume = None
+        if isinstance(self._epoch, int):
+            self._epoch = multiprocessing.RawValue("q", epoch)
         self.epoch = epoch
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch if isinstance(self._epoch, int) else self._epoch.value
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if isinstance(self._epoch, int):
+            self._epoch = value
+        else:
+            self._epoch.value = value
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (shards: only when ``sample_counts`` was given)."""
@@ -245,7 +265,10 @@ class AsyncS3Dataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into spawned workers: list here, once, rather than in every worker.
         self.resolve()
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        if not isinstance(self._epoch, int) and get_spawning_popen() is None:
+            state["_epoch"] = self.epoch  # shared memory travels only to processes being started
+        return state
 
     # ----------------------------------------------------------------------- iteration
 

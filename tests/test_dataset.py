@@ -176,3 +176,38 @@ def test_batches_collate_bytes_through_a_transform():
     ds, _, _ = dataset(64, transform=lambda s: torch.frombuffer(bytearray(s["bin"]), dtype=torch.uint8))
     batches = list(DataLoader(ds, batch_size=16))
     assert len(batches) == 4 and batches[0].shape == (16, 64)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(context):
+    objects = payloads(40, size=16)
+    fake = FakeStore.with_objects(BUCKET, objects)
+    if context == "spawn":
+        pytest.importorskip("fakes")
+    ds = AsyncS3Dataset.from_keys(BUCKET, sorted(objects), shuffle=True, seed=2,
+                                  store=reusable(fake) if context == "fork" else None,
+                                  config=None if context == "fork" else _unused_config())
+    if context == "spawn":
+        ds.set_epoch(3)
+        state = pickle.loads(pickle.dumps(ds))  # not a process start: the epoch is copied as an int
+        assert state.epoch == 3 and isinstance(state._epoch, int)
+        return
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context)
+    orders = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        orders.append([s["__key__"] for s in loader])
+    expected = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        expected.append([s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2,
+                                                          multiprocessing_context="fork")])
+    assert orders[0] != orders[1] != orders[2], "persistent workers must follow set_epoch"
+    assert orders == expected, "each epoch's order must be the one fresh workers would give"
+
+
+def _unused_config():
+    from loader import S3Config
+
+    return S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")

@@ -126,7 +126,9 @@ class Aioboto3Store:
             kwargs["Range"] = byte_range
         try:
             response = await self._client.get_object(**kwargs)
-            async with response["Body"] as body:  # returns the connection even on error
+            body = response["Body"]
+            async with body:  # releases the connection even on error (its __aenter__ returns
+                # the raw aiohttp response, so keep the StreamingBody, which checks the length)
                 return await body.read()  # verifies Content-Length: short bodies raise
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
@@ -143,7 +145,8 @@ class Aioboto3Store:
             raise self._translate(exc, bucket, key) from exc
         expected = int(response.get("ContentLength", -1))
         received = 0
-        async with response["Body"] as body:
+        body = response["Body"]
+        async with body:
             while True:
                 try:
                     chunk = await body.read(chunk_size)
