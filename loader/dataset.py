@@ -99,6 +99,18 @@ class LoaderOptions:
             return self.rank, self.world_size
         return topology.world()
 
+    def listing_factory(self) -> StoreFactory:
+        """The store that lists keys and shards in the process that builds the dataset.
+
+        obstore's native runtime does not survive ``fork()``: a process that used it forks
+        DataLoader workers that hang. Listing is a one-off, so it always goes through aioboto3,
+        which leaves nothing behind, and ``store="obstore"`` then works with forked workers.
+        """
+        if self.store == "obstore":
+            return functools.partial(open_store, "aioboto3", self.config, max_connections=4,
+                                     retry=self.retry)
+        return self.store_factory()
+
     def store_factory(self) -> StoreFactory:
         """How the engine opens its store: a backend by name, or a user-given async factory
         (``store=`` may be one: for custom backends and for tests with an in-memory store)."""
@@ -194,7 +206,7 @@ class AsyncS3Dataset(IterableDataset):
             raise TypeError("keys() is for per-object datasets; this one reads shards (see shards())")
         if self._keys is None:
             found = list_prefix(f"s3://{self.bucket}/{self.prefix}",
-                                factory=self.options.store_factory(), retry=self.options.retry)
+                                factory=self.options.listing_factory(), retry=self.options.retry)
             self._keys = tuple(info.key for info in found)
             log.info("listed %d objects under s3://%s/%s", len(self._keys), self.bucket, self.prefix)
         return self._keys
@@ -204,7 +216,7 @@ class AsyncS3Dataset(IterableDataset):
         if self.mode != "shards":
             raise TypeError("shards() is for shard datasets; this one reads objects (see keys())")
         if self._shards is None:
-            self._shards = resolve_shards(self._shard_specs, factory=self.options.store_factory(),
+            self._shards = resolve_shards(self._shard_specs, factory=self.options.listing_factory(),
                                           retry=self.options.retry)
         return self._shards
 

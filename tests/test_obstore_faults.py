@@ -1,0 +1,380 @@
+"""The obstore backend against a misbehaving HTTP stub on 127.0.0.1: error translation, no server.
+
+Faults a real S3 server will not produce on demand (a body cut short, 503 SlowDown, a response
+that never comes, a connection closed before any answer) are served by a tiny asyncio HTTP
+server running in the test's own event loop; obstore talks to it over loopback exactly as it
+would to S3. Behaviour against a real server lives in ``integration/test_obstore_store.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing, asynccontextmanager
+
+import anyio
+import pytest
+
+pytest.importorskip("obstore")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from loader.config import S3Config  # noqa: E402
+from loader.errors import (  # noqa: E402
+    AccessDeniedError,
+    ConfigError,
+    EndpointUnreachableError,
+    InvalidRangeError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    StoreError,
+    TransientStoreError,
+)
+from loader.retry import RetryPolicy  # noqa: E402
+from loader.stores.obstore_store import (  # noqa: E402
+    ObstoreStore,
+    _start_after,
+    forked_after_use,
+    translate_error,
+)
+
+pytestmark = pytest.mark.anyio
+SECRET = "stub-secret-do-not-show-0123456789"
+DEADLINE = 10
+XML = '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>m</Message></Error>'
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def response(status: str, body: bytes = b"", *, length: int | None = None, extra: str = "") -> bytes:
+    """Raw HTTP/1.1 response bytes; ``length`` may claim more than ``body`` holds."""
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Length: {len(body) if length is None else length}\r\n{extra}"
+        'Last-Modified: Wed, 21 Oct 2015 07:28:00 GMT\r\nETag: "e"\r\nConnection: close\r\n\r\n'
+    )
+    return head.encode() + body
+
+
+def error(status: str, code: str) -> bytes:
+    return response(status, XML.format(code=code).encode())
+
+
+class Hold(bytes):
+    """An answer to send and then keep the connection open without another byte."""
+
+
+@asynccontextmanager
+async def stub(behaviour):
+    """An HTTP server in this event loop. ``behaviour(request_head)`` answers: ``bytes`` are sent
+    and the connection closed; a ``Hold`` is sent and the connection kept silent until the test
+    ends; ``None`` sends nothing and holds the connection."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        answer = behaviour(head.decode())
+        if answer:
+            writer.write(answer)
+            await writer.drain()
+        if answer is None or isinstance(answer, Hold):
+            held.append(writer)
+            return
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def open_at(endpoint: str, **retry_options) -> ObstoreStore:
+    config = S3Config(endpoint_url=endpoint, access_key_id="STUBKEY", secret_access_key=SECRET)
+    retry = RetryPolicy(**{"connect_timeout": 2, "read_timeout": 2, "deadline": 10, **retry_options})
+    return await ObstoreStore.open(config, max_connections=4, retry=retry)
+
+
+async def fails(coro, error_type, match=None):
+    """Await ``coro`` expecting ``error_type``; check the secret stays out; return the error."""
+    with pytest.raises(error_type, match=match) as info:
+        await coro
+    assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+    return info.value
+
+
+async def drain(iterator):
+    async with aclosing(iterator) as chunks:
+        return [chunk async for chunk in chunks]
+
+
+# ----------------------------------------------------------------------- status answers
+
+
+@pytest.mark.parametrize(
+    "answer,error_type,match",
+    [
+        (error("404 Not Found", "NoSuchKey"), NoSuchKeyError,
+         r"no object 'k' in bucket 'b' at http://127\.0\.0\.1:\d+ \(HTTP 404\); check the key list"),
+        (error("404 Not Found", "NoSuchBucket"), NoSuchBucketError,
+         r"bucket 'b' does not exist at http://127\.0\.0\.1:\d+; create it or fix the URI"),
+        (error("403 Forbidden", "SignatureDoesNotMatch"), AccessDeniedError,
+         r"access denied to s3://b/k at .* \(SignatureDoesNotMatch\): the credentials were rejected"),
+        (error("403 Forbidden", "InvalidAccessKeyId"), AccessDeniedError, r"AWS_SECRET_ACCESS_KEY"),
+        (error("503 Slow Down", "SlowDown"), TransientStoreError,
+         r"s3://b/k: the server answered SlowDown \(HTTP 503\); will retry"),
+        (error("500 Internal Server Error", "InternalError"), TransientStoreError, r"HTTP 500"),
+        (response("502 Bad Gateway", b"<html>proxy</html>"), TransientStoreError, r"HTTP 502"),
+        (error("429 Too Many Requests", "TooManyRequests"), TransientStoreError, r"HTTP 429"),
+        (error("400 Bad Request", "InvalidArgument"), StoreError, r"InvalidArgument \(HTTP 400\)"),
+    ],
+)
+async def test_status_answers_become_our_errors(answer, error_type, match):
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: answer) as endpoint:
+            store = await open_at(endpoint)
+            for request in (store.get("b", "k"), store.get_range("b", "k", 2, 5),
+                            drain(store.stream("b", "k"))):
+                exc = await fails(request, error_type, match)
+                assert (exc.bucket, exc.key) == ("b", "k")
+                assert type(exc) is error_type  # not a subclass picked by accident
+            await store.aclose()
+
+
+async def test_listing_errors_name_the_prefix():
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: error("404 Not Found", "NoSuchBucket")) as endpoint:
+            store = await open_at(endpoint)
+            exc = await fails(drain(store.list("b", "train/")), NoSuchBucketError,
+                              r"asked for s3://b/train/ \(listing\)")
+            assert exc.bucket == "b"
+        async with stub(lambda line: error("403 Forbidden", "AccessDenied")) as endpoint:
+            store = await open_at(endpoint)
+            await fails(drain(store.list("b", "train/")), AccessDeniedError,
+                        r"access denied to s3://b/train/ \(listing\)")
+
+
+async def test_put_errors_are_translated():
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: error("403 Forbidden", "AccessDenied")) as endpoint:
+            store = await open_at(endpoint)
+            await fails(store.put("b", "k", b"data"), AccessDeniedError, r"s3://b/k")
+
+
+# ----------------------------------------------------------------------- broken connections
+
+
+async def test_body_shorter_than_content_length_is_transient():
+    """hyper notices the body ended early; obstore must not hand back the short body."""
+    body = bytes(range(256)) * 4
+    def behaviour(head):
+        if "\r\nrange:" in head.lower():  # object_store insists on a 206 for a ranged GET
+            return response("206 Partial Content", body[:500], length=1000,
+                            extra="Content-Range: bytes 0-999/1024\r\n")
+        return response("200 OK", body[:500], length=1000)
+
+    with anyio.fail_after(DEADLINE):
+        async with stub(behaviour) as endpoint:
+            store = await open_at(endpoint)
+            await fails(store.get("b", "k"), TransientStoreError,
+                        r"s3://b/k: the connection failed mid-request \(the body ended before its "
+                        r"Content-Length\); will retry")
+            await fails(store.get_range("b", "k", 0, 1000), TransientStoreError, "Content-Length")
+            got = []
+            with pytest.raises(TransientStoreError, match="Content-Length"):
+                async with aclosing(store.stream("b", "k", chunk_size=100)) as chunks:
+                    async for chunk in chunks:
+                        got.append(chunk)
+            assert b"".join(got) == body[: len(b"".join(got))]  # what came before the cut is right
+
+
+async def test_no_answer_times_out_as_transient():
+    """A server that accepts and never answers: RetryPolicy.read_timeout ends the attempt."""
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: None) as endpoint:
+            store = await open_at(endpoint, read_timeout=0.5)
+            started = time.monotonic()
+            await fails(store.get("b", "k"), TransientStoreError, r"timed out\); will retry")
+            assert time.monotonic() - started < 5
+
+
+async def test_stalled_body_times_out_as_transient():
+    """Headers and a little of the body, then silence: the per-read timeout fires mid-body."""
+    stalled = Hold(response("200 OK", b"x" * 10, length=1000))
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: stalled) as endpoint:
+            store = await open_at(endpoint, read_timeout=0.5)
+            started = time.monotonic()
+            await fails(store.get("b", "k"), TransientStoreError, r"timed out\); will retry")
+            with pytest.raises(TransientStoreError, match="timed out"):
+                await drain(store.stream("b", "k"))
+            assert time.monotonic() - started < 5
+
+
+async def test_connection_closed_without_answer_is_transient():
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: b"") as endpoint:
+            store = await open_at(endpoint)
+            exc = await fails(store.get("b", "k"), TransientStoreError, "will retry")
+            assert not isinstance(exc, EndpointUnreachableError)
+
+
+async def test_refused_connection_is_unreachable_and_fast():
+    with socket_that_refuses() as endpoint:
+        with anyio.fail_after(DEADLINE):
+            store = await open_at(endpoint)
+            started = time.monotonic()
+            exc = await fails(store.get("b", "k"), EndpointUnreachableError,
+                              r"cannot connect to http://127\.0\.0\.1:\d+ for s3://b/k "
+                              r"\(Connection refused\); is the server running and is "
+                              r"AWS_ENDPOINT_URL right\?")
+            assert time.monotonic() - started < 2
+            assert isinstance(exc, ConnectionError) and isinstance(exc, TransientStoreError)
+
+
+class socket_that_refuses:
+    """An endpoint on a port that was free a moment ago (nothing listens there)."""
+
+    def __enter__(self):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------- range arguments
+
+
+async def test_invalid_range_arguments_fail_before_any_request():
+    requests: list[str] = []
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: requests.append(line)) as endpoint:
+            store = await open_at(endpoint)
+            await fails(store.get_range("b", "k", -1, None), InvalidRangeError, r"\[-1, None\)")
+            await fails(store.get_range("b", "k", 5, 3), InvalidRangeError, r"\[5, 3\)")
+            await fails(drain(store.stream("b", "k", start=-2)), InvalidRangeError, "-2")
+            with pytest.raises(ValueError, match="chunk_size=0"):
+                await drain(store.stream("b", "k", chunk_size=0))
+            assert await store.get_range("b", "k", 7, 7) == b""
+            for key in ("/a", "a/"):  # object_store would drop the slash and read another object
+                for request in (store.get("b", key), store.get_range("b", key, 0, 1),
+                                drain(store.stream("b", key)), store.put("b", key, b"x")):
+                    await fails(request, StoreError, "use store='aioboto3'")
+    assert requests == []
+
+
+async def test_416_past_the_end_asks_the_size_once():
+    """A 416 is resolved with one HEAD: start == size is an empty range, beyond it an error."""
+    seen: list[str] = []
+
+    def behaviour(line):
+        seen.append(line.split()[0])
+        if line.startswith("HEAD"):
+            return response("200 OK", length=10)
+        return error("416 Range Not Satisfiable", "InvalidRange")
+
+    with anyio.fail_after(DEADLINE):
+        async with stub(behaviour) as endpoint:
+            store = await open_at(endpoint)
+            assert await store.get_range("b", "k", 10, None) == b""
+            assert await drain(store.stream("b", "k", start=10)) == []
+            await fails(store.get_range("b", "k", 11, 20), InvalidRangeError,
+                        r"s3://b/k: the requested byte range \(\[11, 20\)\) is past the end of "
+                        r"the object \(10 bytes\)")
+    assert seen == ["GET", "HEAD", "GET", "HEAD", "GET", "HEAD"]
+
+
+# ----------------------------------------------------------------------- open, repr, lifecycle
+
+
+async def test_open_requires_credentials_for_a_custom_endpoint():
+    with pytest.raises(ConfigError, match="no credentials for endpoint 'http://127.0.0.1:1'"):
+        await ObstoreStore.open(S3Config(endpoint_url="http://127.0.0.1:1"))
+
+
+async def test_repr_never_shows_the_secret():
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: error("404 Not Found", "NoSuchKey")) as endpoint:
+            store = await open_at(endpoint)
+            await fails(store.get("b", "k"), NoSuchKeyError)
+            text = repr(store) + str(store) + repr(vars(store))
+            for s3store in store._stores.values():  # obstore's own view of its settings
+                text += repr(s3store) + repr(s3store.config) + repr(s3store.credential_provider)
+            assert SECRET not in text
+            assert "ObstoreStore(endpoint='http://127.0.0.1:" in repr(store)
+
+
+async def test_requests_after_aclose_are_refused():
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: error("404 Not Found", "NoSuchKey")) as endpoint:
+            store = await open_at(endpoint)
+            await store.aclose()
+            with pytest.raises(RuntimeError, match="closed"):
+                await store.get("b", "k")
+
+
+async def test_the_process_that_made_requests_is_not_marked_forked():
+    with anyio.fail_after(DEADLINE):
+        async with stub(lambda line: error("404 Not Found", "NoSuchKey")) as endpoint:
+            store = await open_at(endpoint)
+            await fails(store.get("b", "k"), NoSuchKeyError)
+    assert not forked_after_use()
+
+
+# ----------------------------------------------------------------------- translate_error
+
+
+@pytest.mark.parametrize("exc", [NoSuchKeyError("x", bucket="b", key="k"), asyncio.CancelledError()])
+def test_translate_error_passes_ours_through(exc):
+    assert translate_error(exc, bucket="b", key="k", endpoint="e") is exc
+
+
+def test_translate_error_keeps_unknown_errors_short():
+    exc = RuntimeError("boom\n\nDebug source:\n" + "x" * 10_000)
+    out = translate_error(exc, bucket="b", key="k", endpoint="e")
+    assert type(out) is StoreError and out.key == "k"
+    assert str(out) == "s3://b/k: unexpected RuntimeError: boom"
+
+
+def test_unaddressable_keys_say_what_to_do():
+    exc = ValueError('Could not parse path: Path "a//b" contained empty path segment')
+    out = translate_error(exc, bucket="b", key="a//b", endpoint="e")
+    assert type(out) is StoreError and "store='aioboto3'" in str(out)
+
+
+# ----------------------------------------------------------------------- start-after for prefixes
+
+
+def test_start_after_examples():
+    assert _start_after("") is None
+    assert _start_after("train/") is None
+    assert _start_after("train/shard-9") == "train/shard-8~"
+    assert _start_after("train/0") == "train"  # '/' would make an empty segment: fall back
+    assert _start_after("a") is None  # '`' is not a plain character: list from the start
+    assert _start_after("/") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(prefix=st.text(min_size=1, max_size=12), suffix=st.text(max_size=6))
+def test_start_after_is_below_every_key_with_the_prefix(prefix, suffix):
+    """Correctness of ``list`` needs only this: no key with the prefix is skipped."""
+    after = _start_after(prefix)
+    if after is not None:
+        assert after < prefix + suffix
+        if "//" not in prefix and not prefix.startswith("/"):  # else no valid offset exists anyway
+            assert "//" not in after and not after.startswith("/") and not after.endswith("/")
