@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import multiprocessing
+import os
 import random
 from multiprocessing.context import get_spawning_popen
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +24,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from . import partition, topology
+from .cache import CacheStats, check_cache_options, endpoint_id_for, open_cached_store
 from .config import S3Config, resolve_config
 from .engine import (
     DEFAULT_MAX_INFLIGHT,
@@ -66,6 +68,8 @@ class LoaderOptions:
     rank: int | None = None
     world_size: int | None = None
     pad_policy: partition.PadPolicy = "pad"
+    cache_dir: str | os.PathLike[str] | None = None
+    cache_limit: int | None = None
 
     def __post_init__(self) -> None:
         self.limits("ordered")  # validates the engine settings now, not in a worker later
@@ -82,6 +86,9 @@ class LoaderOptions:
         if not callable(self.store):
             object.__setattr__(self, "store", resolve_backend(self.store))
             object.__setattr__(self, "config", resolve_config(self.config))
+        cache_dir, cache_limit = check_cache_options(self.cache_dir, self.cache_limit)
+        object.__setattr__(self, "cache_dir", cache_dir)  # absolute: workers may chdir
+        object.__setattr__(self, "cache_limit", cache_limit)  # DEFAULT_CACHE_LIMIT when not given
 
     def limits(self, delivery: Delivery, max_inflight: int | None = None) -> EngineLimits:
         return EngineLimits(max_inflight=max_inflight or self.max_inflight,
@@ -109,15 +116,22 @@ class LoaderOptions:
         if self.store == "obstore":
             return functools.partial(open_store, "aioboto3", self.config, max_connections=4,
                                      retry=self.retry)
-        return self.store_factory()
+        return self.store_factory(cached=False)
 
-    def store_factory(self) -> StoreFactory:
+    def store_factory(self, *, cached: bool = True,
+                      on_cache_close: Callable[[CacheStats], None] | None = None) -> StoreFactory:
         """How the engine opens its store: a backend by name, or a user-given async factory
-        (``store=`` may be one: for custom backends and for tests with an in-memory store)."""
+        (``store=`` may be one: for custom backends and for tests with an in-memory store),
+        wrapped in the disk cache when ``cache_dir`` is set and ``cached`` (listings are not)."""
         if callable(self.store):
-            return self.store
-        return functools.partial(open_store, self.store, self.config,
-                                 max_connections=self.max_inflight, retry=self.retry)
+            factory = self.store
+        else:
+            factory = functools.partial(open_store, self.store, self.config,
+                                        max_connections=self.max_inflight, retry=self.retry)
+        if self.cache_dir is None or not cached:
+            return factory
+        return functools.partial(open_cached_store, factory, self.cache_dir, self.cache_limit,
+                                 endpoint_id_for(self.store, self.config), on_close=on_cache_close)
 
 
 class AsyncS3Dataset(IterableDataset):
@@ -355,8 +369,9 @@ class AsyncS3Dataset(IterableDataset):
             yield from shuffled(stream, size, rng)
 
     def _run(self, jobs: Iterable[Any], limits: EngineLimits) -> Iterator[Any]:
-        engine = FetchEngine(jobs, self.options.store_factory(), limits=limits,
-                             retry=self.options.retry, name="loader-engine")
+        cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
+        engine = FetchEngine(jobs, self.options.store_factory(on_cache_close=cache_stats.append),
+                             limits=limits, retry=self.options.retry, name="loader-engine")
         try:
             yield from engine
         finally:
@@ -365,6 +380,8 @@ class AsyncS3Dataset(IterableDataset):
             ends = self._progress.shard_ends  # end-of-shard markers are not samples
             stats["delivered_items"] = max(0, stats["delivered_items"] - ends)
             self._last_stats = {**stats, "shards_skipped": self._progress.shards_skipped}
+            if cache_stats:  # this process's cache counters (hits, misses, ...) for the epoch
+                self._last_stats["cache"] = cache_stats[-1]._asdict()
             self._resume = None
 
     def _transform(self, sample: dict[str, Any]) -> Any:
