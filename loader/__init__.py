@@ -8,6 +8,7 @@ Importing this package has no side effects: no thread, connection or hook until 
 
 from .config import S3Config
 from .dataset import AsyncS3Dataset, LoaderOptions
+from .mapdataset import AsyncS3MapDataset
 from .engine import EngineLimits, EngineStats, FetchEngine
 from .errors import (
     AccessDeniedError,
@@ -28,6 +29,7 @@ from .retry import RetryPolicy
 __all__ = [
     "AccessDeniedError",
     "AsyncS3Dataset",
+    "AsyncS3MapDataset",
     "ConfigError",
     "EmptyDatasetError",
     "EndpointUnreachableError",

@@ -31,6 +31,7 @@ may be used by several event loops (engines) in turn, and read from the test's o
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -237,3 +238,23 @@ def _fresh(fault: BaseException) -> BaseException:
 def _copy_faults(table: Mapping | None) -> dict:
     """Own copies of the lists, so consuming faults never edits the caller's dict."""
     return {name: list(v) if isinstance(v, list) else v for name, v in (table or {}).items()}
+
+
+# ----------------------------------------------------------------------------- test helpers
+
+def reusable(fake: FakeStore):
+    """An async store factory that hands out ``fake`` to every engine (re-opened each time)."""
+
+    async def open_store() -> FakeStore:
+        fake.closed = False
+        return fake
+
+    return open_store
+
+
+def payloads(n: int, size: int = 100, prefix: str = "train/") -> dict[str, bytes]:
+    """``n`` objects ``prefix000000.bin`` ... with distinct contents of ``size`` bytes."""
+    return {
+        f"{prefix}{i:06d}.bin": (hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1))[:size]
+        for i in range(n)
+    }

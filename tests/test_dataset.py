@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import payloads, reusable
-from fakes import FakeStore
+
+from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, SampleError
 from loader.engine import live_engines
 

@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 
-from conftest import payloads, reusable
-from fakes import FakeStore
+
+from fakes import FakeStore, payloads, reusable
 from loader.engine import EngineLimits, FetchEngine, live_engines
 from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError
 

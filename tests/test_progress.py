@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from conftest import payloads, reusable
-from fakes import FakeStore
+
+from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, ConfigError
 from loader.progress import Watermark, consumed_per_worker
 

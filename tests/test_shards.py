@@ -22,8 +22,8 @@ import pytest
 from torch.utils.data import DataLoader, get_worker_info
 
 import loader.dataset
-from conftest import reusable
-from fakes import FakeStore
+
+from fakes import FakeStore, reusable
 from loader import AsyncS3Dataset, ConfigError
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
 from loader.retry import RetryPolicy

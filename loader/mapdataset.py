@@ -1,0 +1,448 @@
+"""``AsyncS3MapDataset``: a map-style ``Dataset`` whose batches become concurrent GETs.
+
+A sampler decides which indices are read and in what order (``RandomSampler``,
+``DistributedSampler``, a custom one); the DataLoader hands each batch of indices to
+``__getitems__``, which fetches them with up to ``max_inflight`` GETs in flight and returns the
+samples in the order of the indices. ``__getitem__`` is one GET. Samples are the same
+WebDataset-style dicts as ``AsyncS3Dataset`` gives (``__key__``, ``__url__``, extension -> bytes),
+passed through ``transform`` when given.
+
+Why this dataset keeps an event loop alive across calls, when ``AsyncS3Dataset`` does not:
+an iterable dataset owns the whole pass. ``__iter__`` knows every key of the epoch up front, so
+one engine can run ahead over the plan and live exactly as long as the iteration; when the
+iteration ends, nothing is left running. A map-style dataset sees no pass at all: calls arrive
+synchronously, one batch at a time, from a sampler whose order it does not know, and nothing
+says when the last one has come. Starting a loop thread and opening a client for every batch
+would throw away the connection pool (TCP and TLS handshakes, credential setup) every few
+milliseconds, and a batch has nothing to overlap with but itself. So each process that reads
+holds one *client*: an ``anyio`` blocking portal (one event-loop thread) and one store opened
+inside it, created on first access and reused by every later call. Between calls that thread
+sleeps in the selector and holds nothing.
+
+Its lifetime is bounded all the same:
+
+* it is created lazily in the process that reads (the main process with ``num_workers=0``, else
+  each DataLoader worker), never in ``__init__`` and never pickled: ``__getstate__`` drops it
+  (the key list is pickled, listed once in the parent);
+* ``close()`` (or ``with``) stops the loop, closes the store and joins the thread; a later access
+  opens a fresh one. Garbage collection of the dataset and interpreter exit do the same
+  (``weakref.finalize``), so a DataLoader user need not call anything;
+* a forked child never touches the client it inherited: that loop thread exists only in the
+  parent, and any call into its portal (stopping it included) waits for it forever, the hazard
+  ``engine._forget_inherited`` guards against. The child parks the parent's client for good
+  and opens its own on first access; a spawned child never sees it at all. The portal is run
+  without ``start_blocking_portal``'s generator (see ``_start_portal``), so that even freeing
+  an inherited client, at the child's exit say, cannot block.
+
+Memory: one batch's objects (batch size x object size); there is no read-ahead across batches,
+which is what a sampler-driven DataLoader asks for (``prefetch_factor`` overlaps batches across
+workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+from anyio.from_thread import BlockingPortal
+from torch.utils.data import Dataset
+
+from .dataset import LoaderOptions
+from .errors import ConfigError, SampleError
+from .jobs import object_sample
+from .retry import RetryPolicy, call_with_retries
+from .sources import check_keys, list_prefix, read_manifest
+from .stores import ObjectStore, StoreFactory
+from .uri import parse_s3_uri
+
+log = logging.getLogger(__name__)
+
+THREAD_NAME = "loader-map-client"
+
+# LoaderOptions fields that mean nothing here, and what decides instead.
+_SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy")
+_NO_QUEUE = ("queue_bytes", "queue_items")
+_DEFAULTS = LoaderOptions.__dataclass_fields__
+
+
+class AsyncS3MapDataset(Dataset):
+    """Random access to S3 objects, one sample per object. Build it with a constructor:
+
+    ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)`` or ``from_manifest(path)``.
+    Options are those of ``LoaderOptions`` that concern fetching: ``transform``, ``config``,
+    ``store``, ``retry``, ``max_inflight`` (GETs in flight per process, default 64). Order and
+    the split across ranks are the sampler's business, so ``shuffle``, ``seed``, ``ordered``,
+    ``rank``, ``world_size`` and ``pad_policy`` are rejected; so are the queue bounds, as there
+    is no queue.
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        keys: Iterable[str] | None = None,
+        prefix: str | None = None,
+        options: LoaderOptions | None = None,
+    ) -> None:
+        super().__init__()
+        if (keys is None) == (prefix is None):
+            raise ConfigError("give exactly one of keys= or prefix=")
+        self.bucket = bucket
+        self.prefix = prefix
+        self.options = options or LoaderOptions()
+        _reject_defaults_changed(self.options)
+        self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
+        self._client: _Client | None = None
+        self._closer: weakref.finalize | None = None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_prefix(cls, uri: str, **options: Any) -> AsyncS3MapDataset:
+        """Every object under ``s3://bucket/prefix/``, listed once when first needed."""
+        bucket, prefix = parse_s3_uri(uri)
+        return cls(bucket=bucket, prefix=prefix, options=_options(options))
+
+    @classmethod
+    def from_keys(cls, bucket: str, keys: Iterable[str], **options: Any) -> AsyncS3MapDataset:
+        """Exactly these keys of ``bucket``; index ``i`` is ``keys[i]``."""
+        if bucket.startswith("s3://"):
+            bucket = parse_s3_uri(bucket).bucket
+        return cls(bucket=bucket, keys=keys, options=_options(options))
+
+    @classmethod
+    def from_manifest(cls, path: str, bucket: str | None = None, **options: Any) -> AsyncS3MapDataset:
+        """Keys from a text file, one per line (plain keys with ``bucket=``, or ``s3://`` URIs)."""
+        bucket, keys = read_manifest(path, bucket)
+        return cls(bucket=bucket, keys=keys, options=_options(options))
+
+    # ----------------------------------------------------------------------- the Dataset protocol
+
+    def keys(self) -> tuple[str, ...]:
+        """The key of every index, listing the prefix now if not done yet (once)."""
+        if self._keys is None:
+            found = list_prefix(f"s3://{self.bucket}/{self.prefix}",
+                                factory=self.options.store_factory(), retry=self.options.retry)
+            self._keys = tuple(info.key for info in found)
+            log.info("listed %d objects under s3://%s/%s", len(self._keys), self.bucket, self.prefix)
+        return self._keys
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __getitem__(self, index: int) -> Any:
+        """The sample at ``index``: one GET (retried), then ``transform``."""
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices``, in that order, fetched concurrently (``max_inflight``).
+
+        The DataLoader calls this with each batch of sampler indices. An index that appears
+        more than once is fetched once and transformed once per appearance. The first failed
+        GET (after retries) cancels the rest of the batch and is raised; it names the key.
+        """
+        keys = self.keys()
+        wanted = [keys[self._check_index(index, len(keys))] for index in indices]
+        if not wanted:
+            return []
+        unique = list(dict.fromkeys(wanted))
+        fetched = dict(zip(unique, self._client_here().get_many(self.bucket, unique)))
+        return [self._transform(object_sample(self.bucket, key, fetched[key])) for key in wanted]
+
+    # ----------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Stop this process's event loop, close its store and join its thread (idempotent).
+
+        The dataset stays usable: a later access opens a new client.
+        """
+        with self._lock:
+            closer, self._closer, self._client = self._closer, None, None
+        if closer is not None:
+            closer()  # runs _Client.close once, and no more at GC or exit
+
+    def __enter__(self) -> AsyncS3MapDataset:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into spawned workers: list here, once, rather than in every worker; the
+        # client (a thread, a loop, open connections) belongs to this process alone.
+        self.keys()
+        state = self.__dict__.copy()
+        for name in ("_client", "_closer", "_lock"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._client = None
+        self._closer = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        what = f"{len(self._keys)} keys" if self._keys is not None else f"prefix {self.prefix!r}"
+        return (f"AsyncS3MapDataset({what}, bucket={self.bucket!r}, "
+                f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
+
+    # ----------------------------------------------------------------------- helpers
+
+    def _client_here(self) -> _Client:
+        """This process's client, opened on first use (and again after a fork)."""
+        client = self._client
+        if client is not None and client.pid == os.getpid() and not client.closed:
+            return client
+        with self._lock:
+            client = self._client
+            if client is not None and client.pid != os.getpid():
+                _park(client)  # inherited through fork (normally done by the fork hook already)
+            elif client is not None and not client.closed:
+                return client  # another thread opened it meanwhile
+            if self._closer is not None:
+                self._closer.detach()  # an inherited or already closed client's
+            client = _Client.open(self.options.store_factory(), self.options.max_inflight,
+                                  self.options.retry)
+            self._closer = weakref.finalize(self, client.close)
+            self._client = client
+            _track(self)
+            return client
+
+    @staticmethod
+    def _check_index(index: Any, length: int) -> int:
+        try:
+            position = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"AsyncS3MapDataset indices must be integers, not {type(index).__name__} ({index!r})"
+            ) from None
+        if not 0 <= position < length:
+            raise IndexError(
+                f"index {position} is out of range for AsyncS3MapDataset of length {length} "
+                f"(valid: 0..{length - 1}; negative indices are not supported)"
+            )
+        return position
+
+    def _transform(self, sample: dict[str, Any]) -> Any:
+        # The same wrapping as AsyncS3Dataset._transform (a method there, so not importable).
+        transform = self.options.transform
+        if transform is None:
+            return sample
+        try:
+            return transform(sample)
+        except Exception as exc:
+            raise SampleError(
+                f"transform {getattr(transform, '__name__', transform)!r} failed on "
+                f"{sample.get('__url__')} (key {sample.get('__key__')!r}): "
+                f"{type(exc).__name__}: {exc}",
+                url=sample.get("__url__", ""),
+            ) from exc
+
+
+class _Client:
+    """One process's event-loop thread (a blocking portal) and the store opened inside it.
+
+    Holds no reference to the dataset, so the dataset's ``weakref.finalize`` can close it.
+    """
+
+    def __init__(self, portal: BlockingPortal, thread: threading.Thread, retry: RetryPolicy) -> None:
+        self.pid = os.getpid()
+        self.portal = portal
+        self.thread = thread
+        self.retry = retry
+        self.store: ObjectStore | None = None
+        self.limiter: anyio.Semaphore | None = None  # shared by concurrent calls from any thread
+        self.closed = False
+
+    @classmethod
+    def open(cls, factory: StoreFactory, max_inflight: int, retry: RetryPolicy) -> _Client:
+        portal, thread = _start_portal(THREAD_NAME)
+        client = cls(portal, thread, retry)
+        try:
+            client.store, client.limiter = portal.call(_open_in_loop, factory, max_inflight)
+        except BaseException:
+            client.closed = True
+            client.stop()
+            raise
+        return client
+
+    def get_many(self, bucket: str, keys: list[str]) -> list[bytes]:
+        """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here."""
+        future = self.portal.start_task_soon(self._get_many, bucket, keys)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: do not leave the batch running
+            raise
+
+    async def _get_many(self, bucket: str, keys: list[str]) -> list[bytes]:
+        out: list[Any] = [None] * len(keys)
+        failures: list[Exception] = []
+
+        async def get(slot: int, key: str) -> None:
+            try:
+                async with self.limiter:
+                    out[slot] = await call_with_retries(
+                        functools.partial(self.store.get, bucket, key), self.retry)
+            except Exception as exc:  # the first one ends the batch; cancellation passes by
+                failures.append(exc)
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for slot, key in enumerate(keys):
+                tg.start_soon(get, slot, key)
+        if failures:
+            raise failures[0]
+        return out
+
+    def close(self) -> None:
+        """Close the store in the loop, stop the loop, join the thread (idempotent).
+
+        In a forked child this client's thread does not exist: it is parked, never touched.
+        """
+        if self.closed:
+            return
+        if self.pid != os.getpid():
+            _park(self)
+            return
+        if threading.current_thread() is self.thread:
+            # Garbage collection can run a finalizer on any thread, this loop's included; a
+            # thread cannot join itself, so another one does the closing.
+            threading.Thread(target=self.close, name=f"{THREAD_NAME}-closer", daemon=True).start()
+            return
+        self.closed = True
+        try:
+            with contextlib.suppress(RuntimeError):  # the loop is already gone
+                self.portal.call(_close_in_loop, self.store)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the loop (cancelling whatever still runs in it) and join its thread."""
+        with contextlib.suppress(RuntimeError):  # already stopped
+            self.portal.call(self.portal.stop, True)
+        self.thread.join()
+
+
+def _start_portal(name: str) -> tuple[BlockingPortal, threading.Thread]:
+    """An event loop in a new daemon thread, and the portal into it.
+
+    What ``anyio.from_thread.start_blocking_portal`` does, minus its generator: a suspended
+    generator's ``finally`` runs whenever the generator is garbage-collected, and there it
+    waits for the loop thread to stop the portal. In a forked child that thread does not
+    exist, so merely *freeing* an inherited portal context (at interpreter exit, say) would
+    hang the child. A plain portal and thread have no finalizer: dropping them is harmless.
+    """
+    ready: Future[BlockingPortal] = Future()
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    def run() -> None:
+        try:
+            anyio.run(serve)
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return ready.result(), thread
+
+
+async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[ObjectStore, anyio.Semaphore]:
+    return await factory(), anyio.Semaphore(max_inflight)
+
+
+async def _close_in_loop(store: ObjectStore) -> None:
+    with anyio.CancelScope(shield=True):
+        await store.aclose()
+
+
+def _options(given: dict[str, Any]) -> LoaderOptions:
+    """``LoaderOptions`` from constructor keywords, minus those a sampler decides."""
+    for name in given:
+        if name in _SAMPLER_DECIDES:
+            raise ConfigError(
+                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: in a map-style "
+                "dataset the sampler decides order and the split across ranks (use "
+                "DataLoader(shuffle=True), RandomSampler(generator=...) or "
+                "DistributedSampler(shuffle=..., seed=...) and its set_epoch)"
+            )
+        if name in _NO_QUEUE:
+            raise ConfigError(
+                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: it has no queue; "
+                "memory is one batch of objects (batch_size x object size)"
+            )
+    return LoaderOptions(**given)
+
+
+def _reject_defaults_changed(options: LoaderOptions) -> None:
+    """The same rule for a ``LoaderOptions`` passed to ``__init__`` directly."""
+    changed = {
+        name: getattr(options, name)
+        for name in (*_SAMPLER_DECIDES, *_NO_QUEUE)
+        if getattr(options, name) != _DEFAULTS[name].default
+    }
+    if changed:
+        _options(changed)
+
+
+# --------------------------------------------------------------------- process-wide hygiene
+# Registered on first use, not at import (importing the package must have no side effects).
+
+_owners: weakref.WeakSet[AsyncS3MapDataset] = weakref.WeakSet()
+_orphans: list[_Client] = []
+_hook_installed = False
+
+
+def _track(dataset: AsyncS3MapDataset) -> None:
+    global _hook_installed
+    if not _hook_installed:
+        _hook_installed = True
+        os.register_at_fork(after_in_child=_forget_inherited)
+    _owners.add(dataset)
+
+
+def _park(client: _Client) -> None:
+    """Disown an inherited client for good: never call into it (its loop thread is the
+    parent's, so a call would wait forever) and keep it referenced, so that its store's
+    half-owned connections are not garbage-collected here with "unclosed" complaints."""
+    client.closed = True
+    _orphans.append(client)
+
+
+def _forget_inherited() -> None:
+    """In a forked child: disown the clients whose loop thread stayed behind in the parent.
+
+    Their finalizers are detached and their parts parked in ``_orphans``, so that neither
+    garbage collection nor exit ever tries to stop a loop that does not run here. Locks are
+    replaced too: one held by another parent thread at the fork would never be released.
+    """
+    for dataset in list(_owners):
+        if dataset._closer is not None:
+            dataset._closer.detach()
+        if dataset._client is not None:
+            _park(dataset._client)
+        dataset._client = dataset._closer = None
+        dataset._lock = threading.Lock()
+    _owners.clear()
+
+
+def live_clients() -> int:
+    """How many datasets of this process hold an open client (for tests and leak checks)."""
+    return sum(1 for dataset in _owners
+               if dataset._client is not None and not dataset._client.closed)
