@@ -484,7 +484,6 @@ def test_fork_after_use_in_the_parent_does_not_hang(closing):
 
 SCRIPT = textwrap.dedent("""
     import os, sys, threading
-    from conftest import payloads
     from fakes import FakeStore, payloads, reusable
     from test_mapdataset import SharedFake
     from loader.mapdataset import AsyncS3MapDataset
