@@ -32,14 +32,13 @@ from .engine import (
     DEFAULT_QUEUE_ITEMS,
     Delivery,
     EngineLimits,
-    EngineStats,
     FetchEngine,
 )
 from .errors import ConfigError, SampleError
 from .jobs import object_job
 from .progress import Watermark, consumed_per_worker
 from .retry import RetryPolicy
-from .shards import END, ShardEnd, ShardOptions, ShardRef, shard_job
+from .shards import END, ShardOptions, ShardRef, shard_job
 from .shuffle import shuffled
 from .sources import check_keys, list_prefix, read_manifest, resolve_shards, shard_specs
 from .stores import StoreFactory, open_store, resolve_backend

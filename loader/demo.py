@@ -106,7 +106,7 @@ def run_demo(num_samples: int = 2000, epochs: int = 2, num_workers: int = 2) -> 
     """Start a server, upload, train in both modes, print a report, stop the server."""
     from .devserver import DevServer
 
-    print(f"starting the embedded S3 server (SeaweedFS) on 127.0.0.1 ...", flush=True)
+    print("starting the embedded S3 server (SeaweedFS) on 127.0.0.1 ...", flush=True)
     with DevServer(buckets=[BUCKET]) as server:
         config = server.config
         print(f"server ready at {config.endpoint_url}; making {num_samples} synthetic JPEGs ...", flush=True)

@@ -35,9 +35,9 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import anyio
-from anyio.from_thread import start_blocking_portal
 
 from .errors import ConfigError
+from .loopthread import LoopThread
 from .retry import RetryPolicy
 from .stores import ObjectStore
 
@@ -148,8 +148,7 @@ class FetchEngine:
         self.retry = retry or RetryPolicy()
         self._core = _Core(jobs, store_factory, self.limits, self.retry)
         self._name = name
-        self._stack: contextlib.ExitStack | None = None
-        self._portal: Any = None
+        self._loop: LoopThread | None = None
         self._pid = os.getpid()
         self._closed = False
         self._consumer_wait = 0.0
@@ -157,7 +156,7 @@ class FetchEngine:
     def __iter__(self) -> Iterator[Any]:
         """Yield items until every job is done; re-raises the first job error in order."""
         self.start()
-        portal, take = self._portal, self._core.take
+        portal, take = self._loop.portal, self._core.take
         try:
             while True:
                 started = time.perf_counter()
@@ -173,28 +172,23 @@ class FetchEngine:
         """Start the event-loop thread and the jobs (idempotent)."""
         if self._closed:
             raise RuntimeError("this FetchEngine is closed; build a new one for another pass")
-        if self._portal is not None:
+        if self._loop is not None:
             return
         _track(self)
-        stack = contextlib.ExitStack()
-        self._portal = stack.enter_context(start_blocking_portal(name=self._name))
-        self._stack = stack
-        self._portal.start_task_soon(self._core.main)
+        self._loop = LoopThread.start(self._name)
+        self._loop.portal.start_task_soon(self._core.main)
 
     def close(self) -> None:
         """Cancel all jobs, close the store, stop the loop, join the thread (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        portal, stack = self._portal, self._stack
-        self._portal = self._stack = None
-        if portal is None or os.getpid() != self._pid:
+        loop, self._loop = self._loop, None
+        if loop is None or os.getpid() != self._pid:
             return  # never started, or inherited through fork: that thread is not ours
-        if threading.current_thread().name == self._name:
+        if threading.current_thread() is loop.thread:
             raise RuntimeError("FetchEngine.close() called from its own event-loop thread")
-        with contextlib.suppress(RuntimeError):  # already stopped
-            portal.call(portal.stop, True)
-        stack.close()
+        loop.stop()
 
     def __enter__(self) -> FetchEngine:
         return self
@@ -203,7 +197,7 @@ class FetchEngine:
         self.close()
 
     def __del__(self) -> None:
-        if not self._closed and self._portal is not None and os.getpid() == self._pid:
+        if not self._closed and self._loop is not None and os.getpid() == self._pid:
             warnings.warn(
                 f"unclosed {self!r}; close() it or exhaust the iterator", ResourceWarning, stacklevel=2
             )
@@ -211,7 +205,7 @@ class FetchEngine:
                 self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("running" if self._portal else "not started")
+        state = "closed" if self._closed else ("running" if self._loop else "not started")
         return f"<FetchEngine {self._name} {state} {self.limits}>"
 
     def statistics(self) -> EngineStats:
@@ -477,18 +471,14 @@ def _track(engine: FetchEngine) -> None:
     _live.add(engine)
 
 
-_orphans: list[Any] = []
-
-
 def _forget_inherited() -> None:
     """In a forked child: disown engines whose loop thread stayed behind in the parent.
 
-    Their portals must never be finalized here: closing one waits for a thread that does not
-    exist in this process and hangs. So their parts are parked in ``_orphans`` for good.
+    Their portals must never be *called* here (the thread that would answer does not exist in
+    this process); dropping them is safe because ``LoopThread`` has no finalizer.
     """
     for engine in list(_live):
-        _orphans.append((engine._portal, engine._stack))
-        engine._portal = engine._stack = None
+        engine._loop = None
         engine._closed = True
     _live.clear()
 

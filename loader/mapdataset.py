@@ -31,7 +31,7 @@ Its lifetime is bounded all the same:
   parent, and any call into its portal (stopping it included) waits for it forever, the hazard
   ``engine._forget_inherited`` guards against. The child parks the parent's client for good
   and opens its own on first access; a spawned child never sees it at all. The portal is run
-  without ``start_blocking_portal``'s generator (see ``_start_portal``), so that even freeing
+  without ``start_blocking_portal``'s generator (see ``loopthread.py``), so that even freeing
   an inherited client, at the child's exit say, cannot block.
 
 Memory: one batch's objects (batch size x object size); there is no read-ahead across batches,
@@ -49,7 +49,6 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import anyio
@@ -59,6 +58,7 @@ from torch.utils.data import Dataset
 from .dataset import LoaderOptions
 from .errors import ConfigError, SampleError
 from .jobs import object_sample
+from .loopthread import LoopThread
 from .retry import RetryPolicy, call_with_retries
 from .sources import check_keys, list_prefix, read_manifest
 from .stores import ObjectStore, StoreFactory
@@ -267,7 +267,8 @@ class _Client:
 
     @classmethod
     def open(cls, factory: StoreFactory, max_inflight: int, retry: RetryPolicy) -> _Client:
-        portal, thread = _start_portal(THREAD_NAME)
+        loop = LoopThread.start(THREAD_NAME)
+        portal, thread = loop.portal, loop.thread
         client = cls(portal, thread, retry)
         try:
             client.store, client.limiter = portal.call(_open_in_loop, factory, max_inflight)
@@ -333,34 +334,6 @@ class _Client:
         with contextlib.suppress(RuntimeError):  # already stopped
             self.portal.call(self.portal.stop, True)
         self.thread.join()
-
-
-def _start_portal(name: str) -> tuple[BlockingPortal, threading.Thread]:
-    """An event loop in a new daemon thread, and the portal into it.
-
-    What ``anyio.from_thread.start_blocking_portal`` does, minus its generator: a suspended
-    generator's ``finally`` runs whenever the generator is garbage-collected, and there it
-    waits for the loop thread to stop the portal. In a forked child that thread does not
-    exist, so merely *freeing* an inherited portal context (at interpreter exit, say) would
-    hang the child. A plain portal and thread have no finalizer: dropping them is harmless.
-    """
-    ready: Future[BlockingPortal] = Future()
-
-    async def serve() -> None:
-        async with BlockingPortal() as portal:
-            ready.set_result(portal)
-            await portal.sleep_until_stopped()
-
-    def run() -> None:
-        try:
-            anyio.run(serve)
-        except BaseException as exc:
-            if not ready.done():
-                ready.set_exception(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return ready.result(), thread
 
 
 async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[ObjectStore, anyio.Semaphore]:

@@ -8,7 +8,6 @@ import random
 import signal
 import threading
 import time
-import warnings
 
 import pytest
 

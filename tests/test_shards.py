@@ -15,7 +15,6 @@ import logging
 import random
 import tarfile
 import time
-import warnings
 from collections import Counter
 
 import pytest
