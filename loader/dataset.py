@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import random
+import time
 from multiprocessing.context import get_spawning_popen
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -40,6 +41,7 @@ from .progress import Watermark, consumed_per_worker
 from .retry import RetryPolicy
 from .shards import END, ShardOptions, ShardRef, shard_job
 from .shuffle import shuffled
+from .stats import MAX_WORKERS, RequestRecorder, StatsBoard, summarize
 from .sources import check_keys, list_prefix, read_manifest, resolve_shards, shard_specs
 from .stores import StoreFactory, open_store, resolve_backend
 from .uri import parse_s3_uri
@@ -67,6 +69,7 @@ class LoaderOptions:
     rank: int | None = None
     world_size: int | None = None
     pad_policy: partition.PadPolicy = "pad"
+    log_stats: bool = False
     cache_dir: str | os.PathLike[str] | None = None
     cache_limit: int | None = None
 
@@ -118,15 +121,19 @@ class LoaderOptions:
         return self.store_factory(cached=False)
 
     def store_factory(self, *, cached: bool = True,
-                      on_cache_close: Callable[[CacheStats], None] | None = None) -> StoreFactory:
+                      on_cache_close: Callable[[CacheStats], None] | None = None,
+                      recorder: RequestRecorder | None = None) -> StoreFactory:
         """How the engine opens its store: a backend by name, or a user-given async factory
         (``store=`` may be one: for custom backends and for tests with an in-memory store),
-        wrapped in the disk cache when ``cache_dir`` is set and ``cached`` (listings are not)."""
+        wrapped in the disk cache when ``cache_dir`` is set and ``cached`` (listings are not).
+        A ``recorder`` counts the requests that reach the backend (cache hits are not)."""
         if callable(self.store):
             factory = self.store
         else:
             factory = functools.partial(open_store, self.store, self.config,
                                         max_connections=self.max_inflight, retry=self.retry)
+        if recorder is not None:
+            factory = recorder.wrap(factory)
         if self.cache_dir is None or not cached:
             return factory
         return functools.partial(open_cached_store, factory, self.cache_dir, self.cache_limit,
@@ -175,6 +182,8 @@ class AsyncS3Dataset(IterableDataset):
         self._progress = _Progress()
         self._fast_forward: tuple[int, int, int, bool] | None = None
         self._last_stats: dict[str, Any] | None = None
+        self._recorder = RequestRecorder()
+        self._board = StatsBoard()  # shared memory, no thread or connection
 
     # ----------------------------------------------------------------------- constructors
 
@@ -298,15 +307,45 @@ class AsyncS3Dataset(IterableDataset):
     # ----------------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[Any]:
+        worker, num_workers = topology.worker()
+        self._board.clear(range(worker, worker + 1))
+        if worker == 0:
+            self._board.clear(range(max(1, num_workers), MAX_WORKERS))  # rows of a bigger past run
         self._progress = _Progress.from_state(self._resumed())
+        self._recorder = RequestRecorder()
+        started, samples = time.perf_counter(), 0
         skip = self._fast_forward_count()
         tagged = self._iter_objects(skip) if self.mode == "objects" else self._iter_shards()
         if self.mode == "shards" and skip:
             tagged = _drop(tagged, skip, self._progress)
-        with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
-            for tag, sample in tagged:
-                self._progress.add(tag)
-                yield self._transform(sample)
+        try:
+            with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
+                for tag, sample in tagged:
+                    self._progress.add(tag)
+                    samples += 1
+                    yield self._transform(sample)
+        finally:
+            self._publish(worker, samples, time.perf_counter() - started)
+
+    def _publish(self, worker: int, samples: int, seconds: float) -> None:
+        """Put this pass's counters on the shared board (and in the log, if asked)."""
+        engine = self._last_stats or {}
+        cache = engine.get("cache", {})
+        recorder = self._recorder
+        counters = {
+            "samples": samples, "bytes": recorder.bytes, "requests": recorder.requests,
+            "request_errors": recorder.request_errors, "retries": engine.get("retries", 0),
+            "shards_skipped": self._progress.shards_skipped, "cache_hits": cache.get("hits", 0),
+            "cache_misses": cache.get("misses", 0),
+            "consumer_wait_s": engine.get("consumer_wait_s", 0.0), "seconds": seconds,
+        }
+        self._board.write(worker, counters, recorder.latency)
+        self._last_stats = {**engine, **summarize([(counters, recorder.latency)])}
+        if self.options.log_stats:
+            s = self._last_stats
+            log.info("worker %d: %d samples in %.1fs (%.0f/s), %d requests, %d retries, "
+                     "p50 %s p99 %s", worker, samples, seconds, samples / max(seconds, 1e-9),
+                     s["requests"], s["retries"], s["latency_p50_s"], s["latency_p99_s"])
 
     def plan(self) -> list[int]:
         """Per-object mode: positions in ``keys()`` this rank and worker read this epoch."""
@@ -369,8 +408,10 @@ class AsyncS3Dataset(IterableDataset):
 
     def _run(self, jobs: Iterable[Any], limits: EngineLimits) -> Iterator[Any]:
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
-        engine = FetchEngine(jobs, self.options.store_factory(on_cache_close=cache_stats.append),
-                             limits=limits, retry=self.options.retry, name="loader-engine")
+        factory = self.options.store_factory(on_cache_close=cache_stats.append,
+                                             recorder=self._recorder)
+        engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry,
+                             name="loader-engine")
         try:
             yield from engine
         finally:
@@ -489,8 +530,17 @@ class AsyncS3Dataset(IterableDataset):
         return self._resume
 
     def stats(self) -> dict[str, Any] | None:
-        """Counters of the last finished iteration in this process (None before the first)."""
-        return self._last_stats
+        """Counters of the last epoch: samples, bytes, requests, retries, errors skipped,
+        cache hits, request latency p50/p90/p99, time the consumer waited, throughput.
+
+        In the main process after a DataLoader epoch this sums every worker's row of the
+        shared board (``"workers"`` says how many); engine details such as
+        ``peak_buffered_bytes`` are this process's own. None before any iteration.
+        """
+        rows = self._board.read()
+        if not rows:
+            return self._last_stats
+        return {**(self._last_stats or {}), **summarize(rows)}
 
     def __repr__(self) -> str:
         if self.mode == "shards":
