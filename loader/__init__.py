@@ -8,6 +8,7 @@ Importing this package has no side effects: no thread, connection or hook until 
 
 from .config import S3Config
 from .dataset import AsyncS3Dataset, LoaderOptions
+from .decode import decode_sample
 from .mapdataset import AsyncS3MapDataset
 from .engine import EngineLimits, EngineStats, FetchEngine
 from .errors import (
@@ -47,5 +48,6 @@ __all__ = [
     "ShardFormatError",
     "StoreError",
     "TransientStoreError",
+    "decode_sample",
 ]
 __version__ = "0.1.0"

@@ -35,7 +35,8 @@ from .engine import (
     EngineLimits,
     FetchEngine,
 )
-from .errors import ConfigError, SampleError
+from .decode import apply_transform
+from .errors import ConfigError
 from .jobs import object_job
 from .progress import Watermark, consumed_per_worker
 from .retry import RetryPolicy
@@ -425,18 +426,7 @@ class AsyncS3Dataset(IterableDataset):
             self._resume = None
 
     def _transform(self, sample: dict[str, Any]) -> Any:
-        transform = self.options.transform
-        if transform is None:
-            return sample
-        try:
-            return transform(sample)
-        except Exception as exc:
-            raise SampleError(
-                f"transform {getattr(transform, '__name__', transform)!r} failed on "
-                f"{sample.get('__url__')} (key {sample.get('__key__')!r}): "
-                f"{type(exc).__name__}: {exc}",
-                url=sample.get("__url__", ""),
-            ) from exc
+        return apply_transform(self.options.transform, sample)
 
     # ----------------------------------------------------------------------- state
 

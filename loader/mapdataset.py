@@ -56,7 +56,8 @@ from anyio.from_thread import BlockingPortal
 from torch.utils.data import Dataset
 
 from .dataset import LoaderOptions
-from .errors import ConfigError, SampleError
+from .decode import apply_transform
+from .errors import ConfigError
 from .jobs import object_sample
 from .loopthread import LoopThread
 from .retry import RetryPolicy, call_with_retries
@@ -235,19 +236,7 @@ class AsyncS3MapDataset(Dataset):
         return position
 
     def _transform(self, sample: dict[str, Any]) -> Any:
-        # The same wrapping as AsyncS3Dataset._transform (a method there, so not importable).
-        transform = self.options.transform
-        if transform is None:
-            return sample
-        try:
-            return transform(sample)
-        except Exception as exc:
-            raise SampleError(
-                f"transform {getattr(transform, '__name__', transform)!r} failed on "
-                f"{sample.get('__url__')} (key {sample.get('__key__')!r}): "
-                f"{type(exc).__name__}: {exc}",
-                url=sample.get("__url__", ""),
-            ) from exc
+        return apply_transform(self.options.transform, sample)
 
 
 class _Client:
