@@ -42,12 +42,15 @@ demo: install
 bench: install-bench
 	$(BIN)/python -m bench.run
 
+# A local MinIO on 127.0.0.1:9000 (console :9001) with a bucket `train` (needs a Docker engine).
 minio-up:
-	$(COMPOSE) up -d --wait
+	$(COMPOSE) up -d --wait minio
+	$(COMPOSE) run --rm create-bucket
 	@echo "MinIO is up. Point the tests at it with:  set -a; . docker/minio.env; set +a; make integration-test"
 
+# Stop it; `$(COMPOSE) down -v` also deletes its data volume.
 minio-down:
-	$(COMPOSE) down -v
+	$(COMPOSE) down
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

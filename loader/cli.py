@@ -17,9 +17,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import IO, NoReturn
+from typing import IO, TYPE_CHECKING, NoReturn
 
 from .errors import LoaderError
+
+if TYPE_CHECKING:
+    from .devserver import DevServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -83,7 +86,7 @@ def _print_exports(env: dict[str, str], out: IO[str]) -> None:
     out.flush()
 
 
-def _wait_while_running(server, err: IO[str]) -> int:
+def _wait_while_running(server: DevServer, err: IO[str]) -> int:
     """Sleep until a signal arrives; fail if the server process dies on its own."""
     idle = threading.Event()
     while server.running:

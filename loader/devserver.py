@@ -10,11 +10,18 @@ the optional Iceberg/Lance listeners disabled. The process runs in its own sessi
 signals only it; a temporary directory is removed at ``stop()``, a given ``data_dir`` is kept and
 can be started again with its objects (and credentials) intact.
 
-SeaweedFS quirks handled here (4.48): ``weed server`` always adds gRPC Unix sockets named
-``/tmp/seaweedfs-<component>-grpc-<port>.sock`` (removed at stop); each bucket is a collection that
-pre-grows 7 volumes by default (growth set to 1 so many buckets fit); SIGTERM can hang for 15 s
-or more in the filer's shutdown, so ``stop()`` falls back to SIGKILL after ``stop_timeout``
-(objects are already in the data files by then, so a restart keeps them).
+SeaweedFS quirks handled here (4.48):
+
+* ``weed server`` always adds gRPC Unix sockets ``/tmp/seaweedfs-<component>-grpc-<port>.sock``
+  (hard-coded path); ``stop()`` removes those of our ports.
+* Each bucket is a collection that pre-grows 7 volumes; growth is set to 1 so dozens of buckets fit.
+* Without ``-master.peers=none`` the master waits ~2 s to bootstrap Raft (and a volume server that
+  asks too early retries only after 5 s), and a restart waits ~15 s for an election.
+* A full SIGTERM shutdown takes ~15 s (the filer's gRPC graceful stop waits for its own S3
+  gateway), so ``stop()`` sends SIGTERM, waits ``stop_timeout`` (2 s), then SIGKILLs the group.
+  Objects are already in the data files by then: a restart after SIGKILL keeps them (tested).
+* With ``-s3.autoCreateBucket`` (default on) a PUT to a missing bucket creates it; turned off so
+  the server answers NoSuchBucket like AWS and MinIO.
 """
 
 from __future__ import annotations
@@ -53,7 +60,6 @@ LOG_NAME = "weed.log"
 IDENTITIES_NAME = "s3-identities.json"
 DATA_SUBDIR = "data"
 _LOG_TAIL_LINES = 30
-_GRPC_SOCKET_COMPONENTS = ("master", "volume", "filer", "s3")
 # Environment the server gets: nothing of ours (no AWS_*/WEED_* credentials or overrides) leaks in.
 _CHILD_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ")
 _CHILD_ENV_FIXED = {
@@ -322,6 +328,7 @@ class DevServer:
             weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports),
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             cwd=self._run_dir, env=_child_env(self._run_dir), start_new_session=True, umask=0o077,
+            preexec_fn=_die_with_parent,
         )
         self._owner_pid = os.getpid()
         _register_for_exit(self)
@@ -477,6 +484,16 @@ def _volume_server_joined(master_port: int) -> bool:
         topology = json.load(resp).get("Topology", {})
     return any(rack.get("DataNodes") for dc in topology.get("DataCenters") or []
                for rack in dc.get("Racks") or [])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL it when the launching thread dies, so a test
+    run or demo killed with SIGKILL leaves no server behind (atexit covers normal exits)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _terminate_group(proc: subprocess.Popen[bytes], grace: float) -> None:
