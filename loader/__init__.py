@@ -6,6 +6,7 @@
 Importing this package has no side effects: no thread, connection or hook until iteration.
 """
 
+from . import checkpoint
 from .config import S3Config
 from .dataset import AsyncS3Dataset, LoaderOptions
 from .decode import decode_sample
@@ -48,6 +49,7 @@ __all__ = [
     "ShardFormatError",
     "StoreError",
     "TransientStoreError",
+    "checkpoint",
     "decode_sample",
 ]
 __version__ = "0.1.0"

@@ -24,6 +24,17 @@ Faults and pacing:
 * ``gate``: set it to an unset ``anyio.Event`` and every request waits on it after being counted,
   which holds requests in flight so a test can count how many were issued.
 
+Multipart uploads (the ``MultipartStore`` protocol, for ``loader.checkpoint``): ``uploads`` holds
+the open ones (``upload_id -> MultipartUpload``) until completed or aborted, so "nothing orphaned"
+is ``list_multipart_uploads`` coming back empty. Parts may be as small as ``min_part_size`` (1 by
+default, not S3's 5 MiB, so tests stay small); ``complete_multipart`` enforces it like S3 does
+(``EntityTooSmall``) for every part but the last. Counters: ``multipart_created``,
+``parts_uploaded`` (successful), ``parts_started``, ``parts_inflight`` / ``peak_parts_inflight``,
+``completed``, ``aborted``. Faults: ``part_fail`` (``{part_number: fault}``, same single/list
+rule as ``fail``), ``multipart_fail`` (``{"create" | "complete" | "abort" | "list": fault}``) and
+``on_part``: ``callable(part_number)`` run when a part upload starts, after it is counted as in
+flight; when it returns an awaitable, that is awaited (a hook to pace parts or to interrupt).
+
 Nothing loop-bound is created in ``__init__`` and the counters are plain ints, so one instance
 may be used by several event loops (engines) in turn, and read from the test's own thread.
 """
@@ -32,20 +43,39 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
+import itertools
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 import anyio
 import anyio.lowlevel
 
-from loader.errors import InvalidRangeError, NoSuchBucketError, NoSuchKeyError, TransientStoreError
+from loader.errors import (
+    InvalidRangeError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    StoreError,
+    TransientStoreError,
+)
 from loader.stores.base import DEFAULT_CHUNK_SIZE, ObjectInfo
 
 Latency = float | Callable[[str], float]
 Fault = BaseException | list[BaseException]
 DEFAULT_PAGE_SIZE = 1000
+_upload_numbers = itertools.count(1)
+
+
+@dataclass
+class MultipartUpload:
+    """One open multipart upload in a ``FakeStore``: where it goes and the parts so far."""
+
+    bucket: str
+    key: str
+    parts: dict[int, tuple[str, bytes]] = field(default_factory=dict)  # number -> (etag, data)
 
 
 class FakeStore:
@@ -62,6 +92,10 @@ class FakeStore:
         truncate: Mapping[str, int | list[int | None]] | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         gate: anyio.Event | None = None,
+        min_part_size: int = 1,
+        part_fail: Mapping[int, Fault] | None = None,
+        multipart_fail: Mapping[str, Fault] | None = None,
+        on_part: Callable[[int], object] | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size={page_size!r} must be >= 1")
@@ -81,6 +115,14 @@ class FakeStore:
         self.inflight = 0
         self.peak_inflight = 0
         self.gets_started: list[tuple[float, str]] = []
+        self.min_part_size = min_part_size
+        self.part_fail: dict[int, Fault] = _copy_faults(part_fail)
+        self.multipart_fail: dict[str, Fault] = _copy_faults(multipart_fail)
+        self.on_part = on_part
+        self.uploads: dict[str, MultipartUpload] = {}
+        self.multipart_created = self.parts_started = self.parts_uploaded = 0
+        self.completed = self.aborted = 0
+        self.parts_inflight = self.peak_parts_inflight = 0
 
     @classmethod
     def with_objects(cls, bucket: str, objects: Mapping[str, bytes], **options) -> FakeStore:
@@ -91,6 +133,9 @@ class FakeStore:
         """Zero the counters (``inflight`` stays: those requests are still running)."""
         self.requests = self.list_requests = self.puts = 0
         self.peak_inflight = self.inflight
+        self.multipart_created = self.parts_started = self.parts_uploaded = 0
+        self.completed = self.aborted = 0
+        self.peak_parts_inflight = self.parts_inflight
         self.requests_by_key.clear()
         self.gets_started.clear()
 
@@ -151,6 +196,85 @@ class FakeStore:
     async def aclose(self) -> None:
         self.closed = True
 
+    # ------------------------------------------------------------------------- MultipartStore
+
+    async def create_multipart(self, bucket: str, key: str) -> str:
+        self._check_open()
+        await self._respond("create", self.multipart_fail)
+        self._check_bucket(bucket)
+        upload_id = f"upload-{next(_upload_numbers)}"
+        self.uploads[upload_id] = MultipartUpload(bucket, key)
+        self.multipart_created += 1
+        return upload_id
+
+    async def upload_part(
+        self, bucket: str, key: str, upload_id: str, part_number: int, data: bytes | bytearray
+    ) -> str:
+        self._check_open()
+        self.parts_started += 1
+        self.parts_inflight += 1
+        self.peak_parts_inflight = max(self.peak_parts_inflight, self.parts_inflight)
+        try:
+            if self.on_part is not None:
+                result = self.on_part(part_number)
+                if inspect.isawaitable(result):
+                    await result
+            await self._respond(key, self.fail)
+            fault = self._take(self.part_fail, part_number)
+            if fault is not None:
+                raise _fresh(fault)
+            upload = self._upload(bucket, key, upload_id)
+            if not 1 <= part_number <= 10_000:
+                raise StoreError(f"part number {part_number} is not in 1..10000", bucket=bucket, key=key)
+            payload = bytes(data)
+            etag = '"' + hashlib.md5(payload).hexdigest() + '"'
+            upload.parts[part_number] = (etag, payload)
+            self.parts_uploaded += 1
+            return etag
+        finally:
+            self.parts_inflight -= 1
+
+    async def complete_multipart(
+        self, bucket: str, key: str, upload_id: str, parts: list[tuple[int, str]]
+    ) -> None:
+        self._check_open()
+        await self._respond("complete", self.multipart_fail)
+        upload = self._upload(bucket, key, upload_id)
+        numbers = [number for number, _ in parts]
+        if not parts or numbers != sorted(set(numbers)):
+            raise StoreError(f"parts {numbers} are not unique and ascending (InvalidPartOrder)",
+                             bucket=bucket, key=key)
+        chunks = []
+        for position, (number, etag) in enumerate(parts):
+            stored = upload.parts.get(number)
+            if stored is None or stored[0] != etag:
+                raise StoreError(f"part {number} with ETag {etag!r} was not uploaded (InvalidPart)",
+                                 bucket=bucket, key=key)
+            if position < len(parts) - 1 and len(stored[1]) < self.min_part_size:
+                raise StoreError(
+                    f"part {number} holds {len(stored[1])} bytes, less than {self.min_part_size} "
+                    "(EntityTooSmall)", bucket=bucket, key=key)
+            chunks.append(stored[1])
+        self.objects[bucket, key] = b"".join(chunks)
+        del self.uploads[upload_id]
+        self.completed += 1
+
+    async def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        self._check_open()
+        await self._respond("abort", self.multipart_fail)
+        if self.uploads.pop(upload_id, None) is not None:
+            self.aborted += 1
+
+    async def list_multipart_uploads(self, bucket: str, prefix: str = "") -> list[tuple[str, str]]:
+        self._check_open()
+        await self._respond("list", self.multipart_fail)
+        self._check_bucket(bucket)
+        return sorted(
+            (upload.key, upload_id)
+            for upload_id, upload in self.uploads.items()
+            if upload.bucket == bucket and upload.key.startswith(prefix)
+        )
+
     # ------------------------------------------------------------------------- helpers
 
     @asynccontextmanager
@@ -198,6 +322,13 @@ class FakeStore:
     def _check_bucket(self, bucket: str) -> None:
         if bucket not in self.buckets:
             raise NoSuchBucketError(f"no bucket {bucket!r}", bucket=bucket)
+
+    def _upload(self, bucket: str, key: str, upload_id: str) -> MultipartUpload:
+        upload = self.uploads.get(upload_id)
+        if upload is None or (upload.bucket, upload.key) != (bucket, key):
+            raise StoreError(f"no multipart upload {upload_id!r} for {key!r} in bucket {bucket!r} "
+                             "(NoSuchUpload)", bucket=bucket, key=key)
+        return upload
 
     def _lookup(self, bucket: str, key: str) -> bytes:
         self._check_bucket(bucket)

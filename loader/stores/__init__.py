@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 from ..config import S3Config
 from ..errors import ConfigError
 from ..retry import RetryPolicy
-from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore
+from .base import DEFAULT_CHUNK_SIZE, MultipartStore, ObjectInfo, ObjectStore
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "BACKENDS", "ObjectInfo", "ObjectStore", "StoreFactory", "open_store",
+__all__ = ["DEFAULT_CHUNK_SIZE", "BACKENDS", "MultipartStore", "ObjectInfo", "ObjectStore", "StoreFactory", "open_store",
            "resolve_backend"]
 
 StoreFactory = Callable[[], Awaitable[ObjectStore]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -75,7 +76,9 @@ class Aioboto3Store:
             max_pool_connections=max(1, max_connections),
             connect_timeout=retry.connect_timeout,
             read_timeout=retry.read_timeout,
-            retries={"max_attempts": 1, "mode": "standard"},
+            # total_max_attempts counts the first try; botocore reads a bare "max_attempts" as
+            # *retries* (+1), which silently retried 503/5xx/resets once below loader.retry
+            retries={"total_max_attempts": 1, "mode": "standard"},
             s3={"addressing_style": "path" if config.path_style else "auto"},
             parameter_validation=False,
             request_checksum_calculation="when_required",
@@ -170,6 +173,77 @@ class Aioboto3Store:
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
 
+    # ------------------------------------------------------------- MultipartStore (base.py)
+
+    async def create_multipart(self, bucket: str, key: str) -> str:
+        try:
+            response = await self._client.create_multipart_upload(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise self._translate_multipart(exc, bucket, key, None) from exc
+        return str(response["UploadId"])
+
+    async def upload_part(
+        self, bucket: str, key: str, upload_id: str, part_number: int, data: bytes | bytearray
+    ) -> str:
+        body = _PartBody(data if isinstance(data, bytes) else bytes(data))
+        try:
+            response = await self._client.upload_part(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=part_number, Body=body
+            )
+        except Exception as exc:
+            raise self._translate_multipart(exc, bucket, key, upload_id) from exc
+        return str(response["ETag"])
+
+    async def complete_multipart(
+        self, bucket: str, key: str, upload_id: str, parts: list[tuple[int, str]]
+    ) -> None:
+        listed = [{"PartNumber": number, "ETag": etag} for number, etag in parts]
+        try:  # botocore turns a "200 OK with an error in the body" into a ClientError here
+            await self._client.complete_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": listed}
+            )
+        except Exception as exc:
+            raise self._translate_multipart(exc, bucket, key, upload_id) from exc
+
+    async def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        try:
+            await self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:
+            if _error_code(exc) == "NoSuchUpload":
+                return  # already aborted or completed: nothing is left to clean up
+            raise self._translate_multipart(exc, bucket, key, upload_id) from exc
+
+    async def list_multipart_uploads(self, bucket: str, prefix: str = "") -> list[tuple[str, str]]:
+        found: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            try:
+                page = await self._client.list_multipart_uploads(
+                    Bucket=bucket, Prefix=prefix, **markers
+                )
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            found.extend((str(u["Key"]), str(u["UploadId"])) for u in page.get("Uploads", ()))
+            key_marker = page.get("NextKeyMarker")
+            if not page.get("IsTruncated") or not key_marker:
+                return found
+            markers = {"KeyMarker": key_marker}
+            if page.get("NextUploadIdMarker"):
+                markers["UploadIdMarker"] = page["NextUploadIdMarker"]
+
+    def _translate_multipart(
+        self, exc: BaseException, bucket: str, key: str, upload_id: str | None
+    ) -> BaseException:
+        """``translate_error``, except that a vanished upload is not a missing key."""
+        if _error_code(exc) == "NoSuchUpload":
+            return StoreError(
+                f"s3://{bucket}/{key}: multipart upload {upload_id!r} no longer exists at "
+                f"{self._endpoint} (aborted, completed, or expired by a lifecycle rule); "
+                "start the upload again",
+                bucket=bucket, key=key,
+            )
+        return self._translate(exc, bucket, key)
+
     async def aclose(self) -> None:
         await self._stack.aclose()
 
@@ -243,6 +317,31 @@ def translate_error(
             bucket=bucket, key=key,
         )
     return StoreError(f"{what}: unexpected {type(exc).__name__}: {exc}", bucket=bucket, key=key)
+
+
+class _PartBody(io.BytesIO):
+    """A part's body that reaches the socket without a whole copy.
+
+    A plain ``bytes`` body is copied whole on its way out (aiohttp joins it with the headers on
+    Python < 3.12.9, and asyncio buffers whatever the socket did not take at once); a
+    ``BytesIO`` is sent in small chunks, but aiohttp sizes it with ``getbuffer()``, which copies
+    a buffer shared with ``bytes``. This one answers ``getbuffer()`` with a read-only view of
+    the bytes it shares: one part in flight then costs the part, not two or three of it.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self._data = data
+
+    def getbuffer(self) -> memoryview:  # type: ignore[override]
+        return memoryview(self._data)
+
+
+def _error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ``ClientError`` ('' for anything else)."""
+    if isinstance(exc, bce.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", ""))
+    return ""
 
 
 def _range_header(start: int, end: int | None) -> str:

@@ -59,3 +59,53 @@ class ObjectStore(Protocol):
     async def aclose(self) -> None:
         """Release every connection; the store is unusable afterwards."""
         ...
+
+
+S3_MIN_PART_SIZE = 5 << 20
+"""S3's smallest part (every part but the last); a backend may accept less (``min_part_size``)."""
+S3_MAX_PART_SIZE = 5 << 30
+S3_MAX_PARTS = 10_000
+
+
+@runtime_checkable
+class MultipartStore(Protocol):
+    """Multipart uploads, for objects written as a stream of parts (``loader.checkpoint``).
+
+    A separate protocol because only writers need it: a backend offers it next to
+    ``ObjectStore`` (``Aioboto3Store`` does; ``FakeStore`` does in tests), and callers check
+    ``isinstance(store, MultipartStore)`` before using it. The rules of ``ObjectStore`` hold here
+    too (one request per call, errors translated into ``loader.errors`` naming the object).
+    Besides:
+
+    * parts are numbered from 1 and, in S3, every part but the last must hold at least
+      ``S3_MIN_PART_SIZE`` bytes; a backend that accepts smaller parts (a test fake) says so with
+      an integer attribute ``min_part_size``, and callers read it with that default;
+    * an upload that is neither completed nor aborted keeps its parts, invisibly and billed, until
+      a bucket lifecycle rule removes them: whoever creates one aborts it on every failure path;
+    * ``abort_multipart`` is idempotent: an upload that no longer exists is not an error;
+    * ``complete_multipart`` takes ``(part_number, etag)`` pairs in ascending part order.
+    """
+
+    async def create_multipart(self, bucket: str, key: str) -> str:
+        """Start an upload of ``key``; return its upload id."""
+        ...
+
+    async def upload_part(
+        self, bucket: str, key: str, upload_id: str, part_number: int, data: bytes | bytearray
+    ) -> str:
+        """Upload one part (``part_number`` from 1); return its ETag."""
+        ...
+
+    async def complete_multipart(
+        self, bucket: str, key: str, upload_id: str, parts: list[tuple[int, str]]
+    ) -> None:
+        """Join the parts into the object ``key`` (which appears only now, atomically)."""
+        ...
+
+    async def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        """Discard the upload and every part of it (no error if it is already gone)."""
+        ...
+
+    async def list_multipart_uploads(self, bucket: str, prefix: str = "") -> list[tuple[str, str]]:
+        """``(key, upload_id)`` of every upload under ``prefix`` neither completed nor aborted."""
+        ...
