@@ -11,6 +11,7 @@ from .config import S3Config
 from .dataset import AsyncS3Dataset, LoaderOptions
 from .decode import decode_sample
 from .mapdataset import AsyncS3MapDataset
+from .packing import read_index, read_index_counts
 from .engine import EngineLimits, EngineStats, FetchEngine
 from .errors import (
     AccessDeniedError,
@@ -51,5 +52,7 @@ __all__ = [
     "TransientStoreError",
     "checkpoint",
     "decode_sample",
+    "read_index",
+    "read_index_counts",
 ]
 __version__ = "0.1.0"

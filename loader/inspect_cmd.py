@@ -1,0 +1,107 @@
+"""``loader ls``: what is under a prefix (count, total size, size histogram) and whether to shard it.
+
+The listing is I/O (one paged LIST through the project's store, ``sources.list_prefix``); the
+summary and the text histogram are pure functions of the sizes, tested without a server.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from .config import S3Config, resolve_config
+from .packing import format_size
+from .retry import RetryPolicy
+from .sources import list_prefix
+from .stores import ObjectInfo, open_store, resolve_backend
+from .tar import split_key
+
+SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
+BAR_WIDTH = 40
+
+
+class Bucket(NamedTuple):
+    """Objects with ``low <= size < high`` (``low`` 0 and ``high`` 1 for empty objects)."""
+
+    low: int
+    high: int
+    count: int
+
+
+def log2_histogram(sizes: Sequence[int]) -> list[Bucket]:
+    """Counts per power-of-two size range, from the smallest to the largest occupied one."""
+    counts = Counter(0 if size <= 0 else size.bit_length() for size in sizes)
+    if not counts:
+        return []
+    lo, hi = min(counts), max(counts)
+    return [Bucket(0 if b == 0 else 1 << (b - 1), 1 if b == 0 else 1 << b, counts.get(b, 0))
+            for b in range(lo, hi + 1)]
+
+
+def render_histogram(buckets: Sequence[Bucket], width: int = BAR_WIDTH) -> list[str]:
+    """One text line per bucket: range, a bar scaled to the fullest bucket, the count; a run of
+    three or more empty buckets is one ``...`` line."""
+    most = max((b.count for b in buckets), default=0)
+    lines = []
+    empty_run = 0
+    for position, b in enumerate(buckets):
+        if not b.count:
+            empty_run += 1
+            next_full = position + 1 < len(buckets) and buckets[position + 1].count
+            if next_full and empty_run >= 3:
+                lines.append(f"  {'...':>21}  {'':<{width}}  0")
+            elif next_full:
+                lines.extend(_row(e, "", width) for e in buckets[position - empty_run + 1 : position + 1])
+            continue
+        empty_run = 0
+        bar = "█" * (round(width * b.count / most) if most else 0)
+        if b.count and not bar:
+            bar = "▏"
+        lines.append(_row(b, bar, width))
+    return lines
+
+
+def _row(b: Bucket, bar: str, width: int) -> str:
+    label = "0 B (empty)" if b.high == 1 else f"{format_size(b.low)} – {format_size(b.high)}"
+    return f"  {label:>21}  {bar:<{width}}  {b.count:,}"
+
+
+def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions: int = 6) -> list[str]:
+    """The report ``loader ls`` prints for a listing (not empty)."""
+    sizes = [info.size for info in objects]
+    total = sum(sizes)
+    median = statistics.median(sizes)
+    lines = [
+        f"{uri}: {len(objects):,} objects, {format_size(total)} ({total:,} bytes)",
+        f"object size: median {format_size(median)}, mean {format_size(total / len(sizes))}, "
+        f"smallest {format_size(min(sizes))}, largest {format_size(max(sizes))}",
+    ]
+    extensions = Counter(split_key(info.key)[1] or "(none)" for info in objects)
+    shown = ", ".join(f"{ext} {n:,}" for ext, n in extensions.most_common(top_extensions))
+    more = len(extensions) - top_extensions
+    lines.append(f"extensions: {shown}" + (f", and {more} more" if more > 0 else ""))
+    lines.append("size histogram (log2 buckets):")
+    lines.extend(render_histogram(log2_histogram(sizes)))
+    tars = extensions.get("tar", 0)
+    if tars and tars >= len(objects) / 2:
+        lines.append(f"these look like tar shards: read them with AsyncS3Dataset.from_shards({uri!r})")
+    elif median < SMALL_OBJECT:
+        dst = uri.rstrip("/") + "-shards/"
+        lines.append(
+            f"hint: the median object is {format_size(median)}; per-object loading pays one request "
+            "per sample and tops out near max_inflight / latency samples/s. Pack them into tar "
+            "shards and read those with from_shards():"
+        )
+        lines.append(f"  loader shard {uri} {dst} --target-size 256MB")
+    return lines
+
+
+def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None) -> list[ObjectInfo]:
+    """Every object under ``uri`` (sorted; an empty prefix is an ``EmptyDatasetError``)."""
+    retry = RetryPolicy()
+    factory = functools.partial(open_store, resolve_backend(store), resolve_config(config),
+                                max_connections=4, retry=retry)
+    return list_prefix(uri, factory=factory, retry=retry)

@@ -1,0 +1,441 @@
+"""Packing objects into WebDataset tar shards: the pure half of ``loader shard``, plus the index.
+
+``loader shard SRC DST`` (``loader/shardwrite.py`` does the I/O) turns a listing into shards in
+three pure, deterministic steps, so that a rerun with the same listing and options makes the
+same plan and can skip what is already uploaded::
+
+    listing ─► group_samples ─► (shuffle_samples) ─► plan_shards ─► ShardPlan(number, samples,
+    (key, size)   objects sharing a WebDataset key     greedy by size    bytes, offsets)
+
+* **Samples.** An object's member name is its key relative to the source prefix's directory
+  (``s3://b/train/x/0001.jpg`` under ``s3://b/train/`` is ``x/0001.jpg``); its WebDataset key is
+  that name up to the first dot of the basename (``loader.tar.split_key``). Objects with the same
+  key form one sample, whose members sit next to each other in a shard, so a sample never
+  straddles two shards. Samples are grouped by key, not by listing adjacency: in key order
+  ``a/b.c.jpg``, ``a/b.d/x.jpg``, ``a/b.e.jpg`` interleave two samples.
+* **Shards.** Samples fill shards greedily, in order, up to ``target_size`` bytes of tar (headers,
+  padding and the end-of-archive blocks counted exactly); a shard holds at least one sample, so
+  only a single sample larger than the target makes a shard larger than it.
+* **Layout.** Every tar byte is known before any data is read: a member is one 512-byte GNU header
+  (two more for a name over 100 bytes: a ``././@LongLink`` header and the name), its data, and
+  zero padding to 512; a shard ends with two zero blocks. So the index, with every sample's byte
+  offset, is built from the plan alone, and headers are deterministic (mtime 0, mode 0644, no
+  owner), which makes a rerun produce identical bytes.
+
+The index (``DST/index.json``) lists every shard with its URL, sample count, size and the byte
+offset of each sample's first header; ``read_index_counts(uri)`` turns it into the
+``sample_counts=`` of ``AsyncS3Dataset.from_shards`` (the only functions here that do I/O).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import re
+import tarfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .errors import ConfigError
+from .tar import BLOCK_SIZE, split_key
+
+INDEX_NAME = "index.json"
+PROGRESS_NAME = "_progress.json"
+INDEX_VERSION = 1
+PLAN_VERSION = 1  # bump when the layout of planned shards changes (resume refuses old plans)
+END_OF_ARCHIVE = 2 * BLOCK_SIZE
+DEFAULT_NAME_FORMAT = "shard-{:05d}.tar"
+_GNU_NAME_LIMIT = 100  # tarfile.LENGTH_NAME: longer names get a GNU long-name header
+_RESERVED_FIELDS = frozenset({"__key__", "__url__", "__index__"})
+
+# ------------------------------------------------------------------------ sizes
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+    "ti": 2**40, "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"256MB"``, ``"1GiB"``, ``"500k"``, ``"1.5G"`` or ``"4096"``.
+
+    Decimal units (k, KB, M, MB, G, GB, T, TB) are powers of 1000, binary ones (KiB, MiB, GiB,
+    TiB, or Ki, Mi, ...) powers of 1024; case does not matter. The result must be at least 1.
+    """
+    match = _SIZE_RE.match(text) if isinstance(text, str) else None
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"{text!r} is not a size; write a number with an optional unit, "
+            "e.g. 256MB, 1GiB, 500k or 1048576 (bytes)"
+        )
+    number, unit = match.groups()
+    value = math.floor(float(number) * _UNITS[unit.lower()])
+    if value < 1:
+        raise ConfigError(f"{text!r} is less than one byte; give a positive size such as 256MB")
+    return value
+
+
+def format_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: binary units, three significant digits."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------ tar layout
+
+
+def padding(size: int) -> int:
+    """Zero bytes after ``size`` data bytes, up to the next 512-byte block."""
+    return -size % BLOCK_SIZE
+
+
+def header_size(name: str) -> int:
+    """Bytes of the GNU header(s) ``tar_header(name, ...)`` writes (512, more for long names)."""
+    length = len(name.encode("utf-8", "surrogateescape"))
+    if length <= _GNU_NAME_LIMIT:
+        return BLOCK_SIZE
+    return 2 * BLOCK_SIZE + (length + 1) + padding(length + 1)
+
+
+def member_size(name: str, size: int) -> int:
+    """Tar bytes of one member: header(s), data and padding."""
+    return header_size(name) + size + padding(size)
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The deterministic GNU header(s) of a regular file ``name`` of ``size`` bytes."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.type = tarfile.REGTYPE
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
+
+
+def encode_member(name: str, data: bytes) -> list[bytes]:
+    """One member as pieces to write in order: header(s), data, padding."""
+    pieces = [tar_header(name, len(data)), data]
+    pad = padding(len(data))
+    if pad:
+        pieces.append(bytes(pad))
+    return pieces
+
+
+def end_of_archive() -> bytes:
+    """The two zero blocks that end a shard."""
+    return bytes(END_OF_ARCHIVE)
+
+
+# ------------------------------------------------------------------------ samples
+
+
+class Member(NamedTuple):
+    """One source object as a tar member: ``name`` in the tar, source ``key``, ``size`` in bytes."""
+
+    name: str
+    key: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """Objects sharing one WebDataset key; its members are written next to each other."""
+
+    key: str
+    members: tuple[Member, ...]
+
+    @property
+    def tar_bytes(self) -> int:
+        """Bytes the sample takes in a shard (headers, data, padding)."""
+        return sum(member_size(m.name, m.size) for m in self.members)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(m.size for m in self.members)
+
+
+class Skipped(NamedTuple):
+    """An object that cannot be a WebDataset member, and why."""
+
+    key: str
+    reason: str
+
+
+def source_directory(prefix: str) -> str:
+    """The part of a listing prefix that member names are relative to: up to its last ``/``.
+
+    ``"train/"`` -> ``"train/"``; ``"train/part-"`` -> ``"train/"`` (names keep their whole
+    basename); ``"train"`` -> ``""`` (names are whole keys).
+    """
+    return prefix[: prefix.rfind("/") + 1]
+
+
+def member_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a member of a WebDataset sample, or None when it can."""
+    if not name:
+        return "its name is empty relative to the source prefix"
+    base = name[name.rfind("/") + 1 :]
+    if base.startswith("."):
+        return "its basename starts with '.' (hidden files are skipped by WebDataset readers)"
+    key, ext = split_key(name)
+    if not ext:
+        return "its basename has no extension (a WebDataset member is named key.ext)"
+    if ext in _RESERVED_FIELDS:
+        return f"its extension {ext!r} is a reserved sample field"
+    return None
+
+
+def group_samples(
+    objects: Iterable[tuple[str, int]], prefix: str
+) -> tuple[list[Sample], list[Skipped]]:
+    """Group listed ``(key, size)`` objects into samples by WebDataset key, in key order.
+
+    Members inside a sample are in name order. Objects that cannot be members (no extension,
+    hidden basename, reserved extension) come back in the second list, in key order.
+    """
+    base = source_directory(prefix)
+    groups: dict[str, list[Member]] = {}
+    skipped: list[Skipped] = []
+    for key, size in objects:
+        if not key.startswith(base):
+            raise ConfigError(f"listed key {key!r} does not start with the prefix {prefix!r}")
+        name = key[len(base) :]
+        problem = member_problem(name)
+        if problem is not None:
+            skipped.append(Skipped(key, problem))
+            continue
+        groups.setdefault(split_key(name)[0], []).append(Member(name, key, int(size)))
+    samples = [Sample(k, tuple(sorted(groups[k]))) for k in sorted(groups)]
+    skipped.sort()
+    return samples, skipped
+
+
+def shuffle_samples(samples: Sequence[Sample], seed: int) -> list[Sample]:
+    """The samples in a seeded random order (the same for the same seed and input)."""
+    out = list(samples)
+    random.Random(seed).shuffle(out)
+    return out
+
+
+# ------------------------------------------------------------------------ shards
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """One planned shard: its number, samples, exact tar size and each sample's byte offset."""
+
+    number: int
+    samples: tuple[Sample, ...]
+    bytes: int
+    offsets: tuple[int, ...]
+
+    @property
+    def objects(self) -> int:
+        return sum(len(s.members) for s in self.samples)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(s.source_bytes for s in self.samples)
+
+    @property
+    def members(self) -> list[Member]:
+        return [m for s in self.samples for m in s.members]
+
+
+def plan_shards(samples: Iterable[Sample], target_size: int) -> list[ShardPlan]:
+    """Fill shards greedily, in order, up to ``target_size`` bytes of tar each.
+
+    A shard is closed when the next sample would take it past the target; a sample larger than
+    the target on its own gets a shard to itself. Every sample lands in exactly one shard.
+    """
+    if not isinstance(target_size, int) or target_size < 1:
+        raise ConfigError(f"target_size={target_size!r} must be a positive number of bytes")
+    plans: list[ShardPlan] = []
+    current: list[Sample] = []
+    offsets: list[int] = []
+    used = 0
+
+    def close() -> None:
+        plans.append(ShardPlan(len(plans), tuple(current), used + END_OF_ARCHIVE, tuple(offsets)))
+
+    for sample in samples:
+        size = sample.tar_bytes
+        if current and used + size + END_OF_ARCHIVE > target_size:
+            close()
+            current, offsets, used = [], [], 0
+        current.append(sample)
+        offsets.append(used)
+        used += size
+    if current:
+        close()
+    return plans
+
+
+def check_name_format(fmt: str) -> str:
+    """A shard name format: one integer field, distinct names, ending in ``.tar``."""
+    try:
+        first, second = fmt.format(0), fmt.format(1)
+    except (IndexError, KeyError, ValueError) as exc:
+        raise ConfigError(
+            f"name format {fmt!r} does not format a shard number ({exc}); "
+            "write it like 'shard-{:05d}.tar'"
+        ) from None
+    if first == second:
+        raise ConfigError(f"name format {fmt!r} gives every shard the same name; add a field such as {{:05d}}")
+    if not first.endswith(".tar"):
+        raise ConfigError(
+            f"name format {fmt!r} makes {first!r}, which does not end in '.tar'; "
+            "from_shards() finds shards under a prefix by that suffix"
+        )
+    if first.startswith("/") or "//" in first:
+        raise ConfigError(f"name format {fmt!r} makes {first!r}; shard names are relative to DST_PREFIX")
+    return fmt
+
+
+def part_size_for(shard_bytes: int, part_size: int, max_parts: int = 10_000) -> int:
+    """A multipart part size that fits ``shard_bytes`` into at most ``max_parts - 1`` parts
+    (parts are flushed when at least this full, so the last one can run over)."""
+    return max(part_size, -(-shard_bytes // (max_parts - 1)))
+
+
+# ------------------------------------------------------------------------ plan identity and progress
+
+
+def plan_fingerprint(source: str, objects: Iterable[tuple[str, int]], options: Mapping[str, Any]) -> str:
+    """A digest of everything that decides the shards' bytes: the listing and the options."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"plan": PLAN_VERSION, "source": source, **options},
+                             sort_keys=True).encode())
+    for key, size in objects:
+        digest.update(f"\n{key}\0{size}".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def progress_document(fingerprint: str, source: str, dst: str, total: int,
+                      done: Iterable[int], options: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``DST/_progress.json`` holds: the plan's identity and the shard numbers finished."""
+    return {"version": INDEX_VERSION, "fingerprint": fingerprint, "source": source,
+            "destination": dst, "options": dict(options), "shards": total, "done": sorted(done)}
+
+
+def parse_progress(document: Any, fingerprint: str, where: str) -> set[int]:
+    """The shard numbers a progress document says are done, if it belongs to this plan.
+
+    A document for another plan (the source listing or the options changed) is an error that
+    says what to do, since resuming it would mix two different packings.
+    """
+    if not isinstance(document, dict) or document.get("version") != INDEX_VERSION:
+        raise ConfigError(f"{where} is not a progress file of this version of loader shard; "
+                          "use a new DST_PREFIX, or --overwrite to start over")
+    if document.get("fingerprint") != fingerprint:
+        raise ConfigError(
+            f"{where} belongs to a different run (the source listing or the options "
+            f"{document.get('options')} changed since); rerun with the same arguments to resume "
+            "it, use a new DST_PREFIX, or pass --overwrite to repack from scratch"
+        )
+    done = document.get("done", [])
+    if not isinstance(done, list) or not all(isinstance(n, int) for n in done):
+        raise ConfigError(f"{where} has a malformed 'done' list; pass --overwrite to start over")
+    return set(done)
+
+
+# ------------------------------------------------------------------------ the index
+
+
+def build_index(source: str, bucket: str, names: Sequence[str], plans: Sequence[ShardPlan], *,
+                fingerprint: str, target_size: int, skipped: int = 0) -> dict[str, Any]:
+    """``index.json``: every shard's key, URL, samples, objects, bytes and sample offsets."""
+    shards = [
+        {"key": name, "url": f"s3://{bucket}/{name}", "samples": len(plan.samples),
+         "objects": plan.objects, "bytes": plan.bytes, "offsets": list(plan.offsets)}
+        for name, plan in zip(names, plans, strict=True)
+    ]
+    return {
+        "version": INDEX_VERSION,
+        "created_by": "loader shard",
+        "source": source,
+        "fingerprint": fingerprint,
+        "target_size": target_size,
+        "samples": sum(s["samples"] for s in shards),
+        "objects": sum(s["objects"] for s in shards),
+        "skipped_objects": skipped,
+        "bytes": sum(s["bytes"] for s in shards),
+        "shards": shards,
+    }
+
+
+def index_counts(index: Any, where: str = "the index") -> dict[str, int]:
+    """``{shard url: samples}`` from a parsed index, checked (for ``sample_counts=``)."""
+    if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
+        raise ConfigError(f"{where} is not an index written by loader shard (version {INDEX_VERSION})")
+    counts: dict[str, int] = {}
+    for position, shard in enumerate(index.get("shards", ())):
+        url = shard.get("url") if isinstance(shard, dict) else None
+        samples = shard.get("samples") if isinstance(shard, dict) else None
+        if not isinstance(url, str) or not isinstance(samples, int) or samples < 0:
+            raise ConfigError(f"{where}: shards[{position}] lacks a url or a sample count")
+        counts[url] = samples
+    return counts
+
+
+def read_index(uri: str, *, config: Any = None, store: str | Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Fetch and parse ``s3://bucket/.../index.json`` written by ``loader shard``.
+
+    Configuration comes from the environment unless ``config`` (an ``S3Config``) is given;
+    ``store`` is a backend name or an async store factory, as for the datasets.
+    """
+    import functools
+
+    from .config import resolve_config
+    from .retry import RetryPolicy, call_with_retries
+    from .sources import run_async, with_store
+    from .stores import open_store, resolve_backend
+    from .uri import parse_s3_uri
+
+    bucket, key = parse_s3_uri(uri)
+    if not key or key.endswith("/"):
+        key += INDEX_NAME
+    retry = RetryPolicy()
+    if callable(store):
+        factory = store
+    else:
+        factory = functools.partial(open_store, resolve_backend(store), resolve_config(config),
+                                    max_connections=2, retry=retry)
+
+    async def use(s: Any) -> bytes:
+        return await call_with_retries(lambda: s.get(bucket, key), retry)
+
+    where = f"s3://{bucket}/{key}"
+    raw = run_async(functools.partial(with_store, factory, use))
+    try:
+        document = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{where} is not JSON ({exc}); give the index.json that loader shard wrote") from None
+    index_counts(document, where)  # validates
+    return document
+
+
+def read_index_counts(uri: str, **options: Any) -> dict[str, int]:
+    """``{shard url: samples}`` from a ``loader shard`` index, for ``from_shards(sample_counts=)``::
+
+        counts = read_index_counts("s3://bucket/shards/index.json")
+        ds = AsyncS3Dataset.from_shards("s3://bucket/shards/", sample_counts=counts)
+
+    A prefix (``s3://bucket/shards/``) means its ``index.json``.
+    """
+    document = read_index(uri, **options)
+    return index_counts(document, uri)
