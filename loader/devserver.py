@@ -43,6 +43,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -154,6 +155,7 @@ class DevServer:
         self._ports: Ports | None = None
         self._credentials: tuple[str, str] | None = None
         self._owner_pid: int | None = None  # the process that launched weed; forks must not stop it
+        self._launcher: ThreadPoolExecutor | None = None  # the thread weed's life is tied to
         self.start_seconds: float | None = None
 
     # ---------------------------------------------------------------- public surface
@@ -233,6 +235,9 @@ class DevServer:
         try:
             self._stop_process(graceful=True)
         finally:
+            if self._launcher is not None:
+                self._launcher.shutdown(wait=True)  # after weed is gone: its death signal is moot
+                self._launcher = None
             if self._given_dir is None and self._root is not None:
                 shutil.rmtree(self._root, ignore_errors=True)
                 self._root = None
@@ -324,12 +329,18 @@ class DevServer:
         self._log = os.fdopen(fd, "ab")  # closed in _stop_process
         self._log.write(f"--- loader.devserver: starting {weed} at {time.ctime()}\n".encode())
         self._log.flush()
-        self._proc = subprocess.Popen(
-            weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports),
+        command = weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports)
+        # PR_SET_PDEATHSIG fires when the *thread* that forked weed ends, not the process: launched
+        # from restart() in a short-lived thread (how fault tests call it), weed was SIGKILLed as
+        # soon as that thread returned. So every launch runs on one thread that lives until stop().
+        if self._launcher is None or self._owner_pid != os.getpid():
+            self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="devserver-launcher")
+        self._proc = self._launcher.submit(
+            subprocess.Popen, command,
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             cwd=self._run_dir, env=_child_env(self._run_dir), start_new_session=True, umask=0o077,
             preexec_fn=_die_with_parent,
-        )
+        ).result()
         self._owner_pid = os.getpid()
         _register_for_exit(self)
 

@@ -218,12 +218,19 @@ class ObstoreStore:
     async def get(self, bucket: str, key: str) -> bytes:
         _check_key(bucket, key)
         store = self._store(bucket)
+        result = None
         try:
             result = await obstore.get_async(store, key)
             data = await result.bytes_async()
             start, stop = result.range
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
+        finally:
+            # The frame of a cancelled request lives on in its traceback, which the engine's
+            # cancellation leaves in reference cycles: without this, the response (a pooled
+            # connection) and the bucket's store (its pool, every idle connection) stayed open
+            # after a `break` until the garbage collector happened to run.
+            del store, result
         return _checked(data, stop - start, bucket, key, start)
 
     async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
@@ -234,6 +241,7 @@ class ObstoreStore:
             return await self.get(bucket, key)
         store = self._store(bucket)
         byte_range: Any = {"offset": start} if end is None else (start, end)
+        result = None
         try:
             result = await obstore.get_async(store, key, options={"range": byte_range})
             data = await result.bytes_async()
@@ -243,6 +251,8 @@ class ObstoreStore:
                 await self._past_the_end(bucket, key, start, end)
                 return b""
             raise self._translate(exc, bucket, key) from exc
+        finally:
+            del store, result  # see get()
         return _checked(data, stop - first, bucket, key, start)
 
     async def stream(
@@ -261,6 +271,8 @@ class ObstoreStore:
                 await self._past_the_end(bucket, key, start, None)
                 return  # resumed exactly at the end: nothing left to read
             raise self._translate(exc, bucket, key) from exc
+        finally:
+            del store  # see get(); the response is released below
         expected = stop - first
         received = 0
         # obstore's min_chunk_size is a minimum: a chunk may exceed it by one network read
