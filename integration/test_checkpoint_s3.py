@@ -29,7 +29,7 @@ RSS_LIMIT = 1.6  # peak RSS above the interpreter's baseline, in units of the st
 # loads ~300 MB of float32 tensors, each reproducible from its name, and reports JSON.
 CHILD = textwrap.dedent(
     """
-    import json, os, resource, sys, threading, time
+    import json, os, sys, threading, time
     import torch
     from loader import checkpoint
 
@@ -38,7 +38,11 @@ CHILD = textwrap.dedent(
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # VmHWM: this address space's high-water mark. Not ru_maxrss, which Linux carries over
+        # from the parent through fork + exec (a big pytest process would count as our peak).
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
 
     def make(name):
         kind, i = name.split(".")
