@@ -14,11 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.config import S3Config
 from loader.demo import pack_shards
-from loader.retry import RetryPolicy
-from loader.sources import run_async
-from loader.stores import open_store
 
 BUCKET = "bench"
 OBJECTS_PREFIX = "objects/"
@@ -87,26 +83,6 @@ def prepare(samples: dict[str, bytes], num_shards: int, prefix: str, directory: 
                         mean_size=sum(map(len, objects.values())) / len(objects),
                         shard_mb=sum(map(len, shards.values())) / len(shards) / 1e6)
     return described, {**objects, **shards}
-
-
-def upload(config: S3Config, objects: dict[str, bytes], bucket: str = BUCKET, concurrency: int = 32) -> None:
-    """PUT every object concurrently through the project's own store."""
-    import anyio
-
-    async def run() -> None:
-        store = await open_store("aioboto3", config, max_connections=concurrency, retry=RetryPolicy())
-        limiter = anyio.Semaphore(concurrency)
-        try:
-            async with anyio.create_task_group() as tg:
-                for key, data in objects.items():
-                    async def put(key: str = key, data: bytes = data) -> None:
-                        async with limiter:
-                            await store.put(bucket, key, data)
-                    tg.start_soon(put)
-        finally:
-            await store.aclose()
-
-    run_async(run)
 
 
 def write_blob(samples: dict[str, bytes], directory: Path) -> Path:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loader.demo import upload
+
 from .child import RESULT, START
 from .loaders import LOADERS
 
@@ -118,7 +120,7 @@ class Harness:
         groups = plan_runs(opts)
         began = time.perf_counter()
         with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="loader-bench-") as tmp:
-            self._say(f"starting the embedded S3 server (SeaweedFS) on 127.0.0.1 ...")
+            self._say("starting the embedded S3 server (SeaweedFS) on 127.0.0.1 ...")
             server = stack.enter_context(DevServer(buckets=[data.BUCKET]))
             config = server.config
             small = min(opts.decode_samples, opts.samples) if "decode" in opts.workloads else opts.samples
@@ -135,7 +137,7 @@ class Harness:
                 uploads.update(more)
             made = time.perf_counter() - t0
             t0 = time.perf_counter()
-            data.upload(config, uploads)
+            upload(config, uploads, bucket=data.BUCKET)
             uploaded = time.perf_counter() - t0
             self._say(f"{full.num_samples} objects ({full.mean_size / 1024:.0f} KiB mean) and "
                       f"{len(full.shard_keys)} shards ({full.shard_mb:.1f} MB each) made in {made:.1f}s, "

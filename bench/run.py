@@ -14,7 +14,6 @@ identical DataLoader settings. Writes ``bench/results/results.md``, ``results.js
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 

@@ -12,8 +12,6 @@ latency, num_workers 0, 2 and 4 by default. Prints a table; writes ``bench/resul
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import sys
 

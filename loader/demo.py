@@ -56,7 +56,8 @@ def pack_shards(samples: dict[str, bytes], per_shard: int) -> Iterator[tuple[str
         yield f"shards/train-{number:04d}.tar", out.getvalue()
 
 
-def upload(config: S3Config, objects: dict[str, bytes], concurrency: int = 32) -> None:
+def upload(config: S3Config, objects: dict[str, bytes], bucket: str = BUCKET,
+           concurrency: int = 32) -> None:
     """PUT every object concurrently through the project's own store."""
     import anyio
 
@@ -68,7 +69,7 @@ def upload(config: S3Config, objects: dict[str, bytes], concurrency: int = 32) -
                 for key, data in objects.items():
                     async def put(key: str = key, data: bytes = data) -> None:
                         async with limiter:
-                            await store.put(BUCKET, key, data)
+                            await store.put(bucket, key, data)
                     tg.start_soon(put)
         finally:
             await store.aclose()
