@@ -20,7 +20,7 @@ from loader.config import DEFAULT_REGION, S3Config, resolve_config
 from loader.errors import ConfigError, LoaderError
 
 # Recognisable values, so a leak shows up as a substring anywhere.
-ACCESS = "AKIAACCESSKEYID0000EXAMPLE"
+ACCESS = "test-access-key-id-0000"
 SECRET = "wJalrXUtnFEMI-K7MDENG-SECRETKEY-do-not-leak"
 TOKEN = "FwoGZXIvYXdzEJr-SESSIONTOKEN-do-not-leak"
 
