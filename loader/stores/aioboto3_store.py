@@ -91,10 +91,16 @@ class Aioboto3Store:
             aws_session_token=config.session_token,
             region_name=config.region,
         )
+        # Plain-http endpoints have nothing to verify: say so, and aiobotocore then builds no
+        # SSL context at all (it otherwise does, per engine, even for http). Besides the CPU,
+        # that keeps OpenSSL out of forked DataLoader workers, where a lock inherited from a
+        # parent thread can hang SSL_CTX_new (seen in the benchmark with forked workers).
+        plain_http = (config.endpoint_url or "").startswith("http://")
         stack = contextlib.AsyncExitStack()
         client = await stack.enter_async_context(
             session.client(
-                "s3", endpoint_url=config.endpoint_url, config=boto_config, verify=config.verify
+                "s3", endpoint_url=config.endpoint_url, config=boto_config,
+                verify=False if plain_http else config.verify,
             )
         )
         return cls(client, stack, config.endpoint_url or "AWS S3")
