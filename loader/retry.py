@@ -82,13 +82,18 @@ async def call_with_retries(
 
     The last transient error is re-raised with the number of attempts and seconds spent added
     to its message, so a user sees that retrying happened and gave up.
+
+    Without ``rng``, a fresh ``random.Random()`` (seeded from ``os.urandom``, so every process,
+    worker and call jitters independently) is made at the first retry only: seeding it costs
+    more than a whole successful request's Python work, and almost every call succeeds first.
     """
-    rng = rng or random.Random()
     started = time.monotonic()
     for n in range(policy.max_attempts):
         try:
             return await attempt()
         except TransientStoreError as exc:
+            if rng is None:
+                rng = random.Random()
             elapsed = time.monotonic() - started
             delay = backoff_delay(n, policy, rng)
             if n + 1 >= policy.max_attempts or elapsed + delay >= policy.deadline:

@@ -317,6 +317,27 @@ async def test_on_retry_is_optional():
 
 
 @pytest.mark.anyio
+async def test_an_rng_is_made_only_when_a_retry_happens(monkeypatch, fake_sleep):
+    """Seeding a ``random.Random()`` from os.urandom costs more than a GET's Python work: a call
+    that succeeds at once must not make one; a retried call makes one and reuses it."""
+    made = []
+
+    class Counting(random.Random):
+        def __init__(self, *args):
+            made.append(self)
+            super().__init__(*args)
+
+    monkeypatch.setattr(retry_module.random, "Random", Counting)
+    policy = RetryPolicy(max_attempts=5, **FAST)
+    with anyio.fail_after(DEADLINE):
+        for _ in range(3):
+            assert await call_with_retries(Flaky(), policy) == "ok"
+        assert made == []
+        assert await call_with_retries(Flaky([transient(i) for i in range(3)]), policy) == "ok"
+    assert len(made) == 1 and len(fake_sleep) == 3
+
+
+@pytest.mark.anyio
 async def test_sleeps_are_the_seeded_backoff_delays(fake_sleep):
     policy = RetryPolicy(max_attempts=6, base_delay=0.5, max_delay=3.0, deadline=1e9)
     attempt = Flaky([transient(i) for i in range(5)])
