@@ -9,6 +9,7 @@ would to S3. Behaviour against a real server lives in ``integration/test_obstore
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from contextlib import aclosing, asynccontextmanager
 
@@ -174,14 +175,27 @@ async def test_put_errors_are_translated():
 # ----------------------------------------------------------------------- broken connections
 
 
+def ranged(body: bytes, head: str, *, cut: int | None = None) -> bytes:
+    """A 206 with the part of ``body`` that ``head``'s Range asks for (clipped like S3 does),
+    or a 200 with all of it; ``cut`` sends only that many bytes of the promised length."""
+    asked = RANGE_RE.search(head)
+    if asked is None:
+        return response("200 OK", body[:cut], length=len(body))
+    first = int(asked.group(1))
+    last = min(int(asked.group(2)), len(body) - 1)
+    part = body[first:last + 1]
+    return response("206 Partial Content", part[:cut], length=len(part),
+                    extra=f"Content-Range: bytes {first}-{last}/{len(body)}\r\n")
+
+
+RANGE_RE = re.compile(r"\r\nrange: bytes=(\d+)-(\d+)\r\n", re.I)
+
+
 async def test_body_shorter_than_content_length_is_transient():
     """hyper notices the body ended early; obstore must not hand back the short body."""
     body = bytes(range(256)) * 4
     def behaviour(head):
-        if "\r\nrange:" in head.lower():  # object_store insists on a 206 for a ranged GET
-            return response("206 Partial Content", body[:500], length=1000,
-                            extra="Content-Range: bytes 0-999/1024\r\n")
-        return response("200 OK", body[:500], length=1000)
+        return ranged(body, head, cut=500)
 
     with anyio.fail_after(DEADLINE):
         async with stub(behaviour) as endpoint:
@@ -255,6 +269,93 @@ class socket_that_refuses:
 
     def __exit__(self, *exc):
         return False
+
+
+# ----------------------------------------------------------------------- whole objects
+
+
+async def test_get_is_one_ranged_request():
+    """A whole object is one GET for bytes=0-(huge), answered 206 and clipped by the server."""
+    heads: list[str] = []
+    body = bytes(range(256)) * 40
+
+    def behaviour(head):
+        heads.append(head)
+        return ranged(body, head)
+
+    with anyio.fail_after(DEADLINE):
+        async with stub(behaviour) as endpoint:
+            store = await open_at(endpoint)
+            got = await store.get("b", "k")
+            assert type(got) is bytes and got == body
+            assert await store.get_range("b", "k", 100, None) == body[100:]
+            assert await store.get_range("b", "k", 100, 200) == body[100:200]
+            assert await store.get_range("b", "k", 10_000, 20_000) == body[10_000:]
+    assert [RANGE_RE.search(h).groups() for h in heads] == [
+        ("0", str((1 << 62) - 1)), ("100", str((1 << 62) - 1)), ("100", "199"),
+        ("10000", "19999"),
+    ]
+
+
+async def test_empty_object_falls_back_to_a_plain_get():
+    """S3 answers 416 to any range of an empty object: one plain GET then reads it."""
+    seen: list[bool] = []  # whether each request had a Range header
+
+    def behaviour(head):
+        seen.append(RANGE_RE.search(head) is not None)
+        if seen[-1]:
+            return error("416 Range Not Satisfiable", "InvalidRange")
+        return response("200 OK", b"")
+
+    with anyio.fail_after(DEADLINE):
+        async with stub(behaviour) as endpoint:
+            store = await open_at(endpoint)
+            assert await store.get("b", "k") == b""
+            assert await store.get("b", "k") == b""
+    assert seen == [True, False, True, False]
+
+
+@pytest.mark.parametrize("answer", [
+    "200",  # Range ignored
+    "206 without Content-Range",
+    "206 of another range",
+])
+async def test_a_server_that_does_not_honour_ranges_gets_plain_gets(answer):
+    """The whole object still comes back; after the first such answer no range is asked for."""
+    body = b"0123456789" * 100
+    seen: list[bool] = []
+
+    def behaviour(head):
+        seen.append(RANGE_RE.search(head) is not None)
+        if not seen[-1] or answer == "200":
+            return response("200 OK", body)
+        if answer == "206 without Content-Range":
+            return response("206 Partial Content", body)
+        return response("206 Partial Content", body[:10], extra="Content-Range: bytes 0-9/1000\r\n")
+
+    with anyio.fail_after(DEADLINE):
+        async with stub(behaviour) as endpoint:
+            store = await open_at(endpoint)
+            assert await store.get("b", "k") == body
+            assert await store.get("b", "k") == body
+    assert seen == [True, False, False]
+
+
+async def test_plain_get_still_checks_the_length_against_content_length():
+    """A chunked body that ends cleanly but short of the Content-Length it also claims (a
+    server breaking HTTP/1.1, which hyper accepts): the plain GET path still refuses it."""
+    def behaviour(head):
+        chunk = b"x" * 500
+        return (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 1024\r\n"
+                b'ETag: "e"\r\nLast-Modified: Wed, 21 Oct 2015 07:28:00 GMT\r\n'
+                b"Connection: close\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk
+                + b"\r\n0\r\n\r\n")
+
+    with anyio.fail_after(DEADLINE):
+        async with stub(behaviour) as endpoint:
+            store = await open_at(endpoint)  # a 200 to the ranged GET: plain GETs from then on
+            await fails(store.get("b", "k"), TransientStoreError,
+                        r"s3://b/k: body ended after 500 bytes, 524 short of its Content-Length")
 
 
 # ----------------------------------------------------------------------- range arguments
