@@ -1,7 +1,8 @@
 """The default ``ObjectStore``: aioboto3 (botocore signing over aiohttp).
 
 One client per engine, its connection pool sized to the engine's concurrency, created inside the
-engine's event loop and closed there. botocore's own retries are off: ``loader.retry`` retries
+engine's event loop and closed there. GETs to path-style custom endpoints skip botocore's request
+pipeline (``signed_get``: same signer, a third of the CPU); everything else goes through it. botocore's own retries are off: ``loader.retry`` retries
 one level up, where a truncated body (which botocore does not retry) is handled too. Request
 checksums and parameter validation are off because they cost CPU on every GET and buy nothing
 for reads over TLS-or-loopback. Every botocore/aiohttp error is translated in ``_translate``.
@@ -33,6 +34,7 @@ from ..errors import (
 from ..retry import RetryPolicy
 from ..uri import object_url
 from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
+from .signed_get import SignedGetter, can_sign_directly
 
 _TRANSIENT_CODES = {
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
@@ -58,16 +60,32 @@ _STREAM_ERRORS = (
 class Aioboto3Store:
     """``ObjectStore`` over one aiobotocore S3 client; build it with ``await Aioboto3Store.open()``."""
 
-    def __init__(self, client: Any, stack: contextlib.AsyncExitStack, endpoint: str) -> None:
+    def __init__(
+        self,
+        client: Any,
+        stack: contextlib.AsyncExitStack,
+        endpoint: str,
+        getter: SignedGetter | None = None,
+    ) -> None:
         self._client = client
         self._stack = stack
         self._endpoint = endpoint
+        self._getter = getter  # GETs without botocore's per-request pipeline, where it applies
 
     @classmethod
     async def open(
-        cls, config: S3Config, *, max_connections: int = 64, retry: RetryPolicy | None = None
+        cls,
+        config: S3Config,
+        *,
+        max_connections: int = 64,
+        retry: RetryPolicy | None = None,
+        direct_gets: bool = True,
     ) -> Aioboto3Store:
-        """Create the client inside the running event loop."""
+        """Create the client inside the running event loop.
+
+        ``direct_gets`` sends GETs to path-style custom endpoints through ``SignedGetter``
+        (a third of botocore's CPU per request); ``False`` keeps every request on botocore.
+        """
         import aioboto3  # imported here: it is slow to import and only the engine thread needs it
 
         config.require_credentials()
@@ -103,7 +121,18 @@ class Aioboto3Store:
                 verify=False if plain_http else config.verify,
             )
         )
-        return cls(client, stack, config.endpoint_url or "AWS S3")
+        getter = None
+        if can_sign_directly(config) and direct_gets:
+            credentials = await session.get_credentials()
+            if credentials is None:
+                raise bce.NoCredentialsError()
+
+            async def frozen() -> Any:
+                return await credentials.get_frozen_credentials()  # refreshes temporary ones
+
+            getter = SignedGetter(config, frozen, max_connections=max_connections, retry=retry)
+            stack.push_async_callback(getter.aclose)
+        return cls(client, stack, config.endpoint_url or "AWS S3", getter)
 
     async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         token: str | None = None
@@ -130,6 +159,11 @@ class Aioboto3Store:
         return await self._read(bucket, key, _range_header(start, end))
 
     async def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+        if self._getter is not None:
+            try:
+                return await self._getter.get(bucket, key, byte_range)
+            except Exception as exc:
+                raise self._translate(exc, bucket, key) from exc
         kwargs = {"Bucket": bucket, "Key": key}
         if byte_range:
             kwargs["Range"] = byte_range
@@ -145,6 +179,42 @@ class Aioboto3Store:
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
     ) -> AsyncIterator[bytes]:
+        if self._getter is not None:
+            pieces = self._direct_stream(bucket, key, start, chunk_size)
+        else:
+            pieces = self._botocore_stream(bucket, key, start, chunk_size)
+        expected, received = -1, 0
+        try:
+            async for chunk, expected in pieces:
+                received += len(chunk)
+                yield chunk
+        finally:  # a consumer that stops early releases the connection now, not at GC
+            await pieces.aclose()
+        if expected >= 0 and received < expected:
+            raise TransientStoreError(
+                f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
+                f"{expected - received} short of its Content-Length",
+                bucket=bucket,
+                key=key,
+            )
+
+    async def _direct_stream(
+        self, bucket: str, key: str, start: int, chunk_size: int
+    ) -> AsyncIterator[tuple[bytes, int]]:
+        assert self._getter is not None
+        byte_range = _range_header(start, None) if start else None
+        pieces = self._getter.stream(bucket, key, byte_range, chunk_size)
+        try:
+            async for chunk, length in pieces:
+                yield chunk, -1 if length is None else length
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+        finally:
+            await pieces.aclose()
+
+    async def _botocore_stream(
+        self, bucket: str, key: str, start: int, chunk_size: int
+    ) -> AsyncIterator[tuple[bytes, int]]:
         kwargs = {"Bucket": bucket, "Key": key}
         if start:
             kwargs["Range"] = _range_header(start, None)
@@ -153,7 +223,6 @@ class Aioboto3Store:
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         expected = int(response.get("ContentLength", -1))
-        received = 0
         body = response["Body"]
         async with body:
             while True:
@@ -163,15 +232,7 @@ class Aioboto3Store:
                     raise self._translate(exc, bucket, key) from exc
                 if not chunk:
                     break
-                received += len(chunk)
-                yield chunk
-        if expected >= 0 and received < expected:
-            raise TransientStoreError(
-                f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
-                f"{expected - received} short of its Content-Length",
-                bucket=bucket,
-                key=key,
-            )
+                yield chunk, expected
 
     async def put(self, bucket: str, key: str, data: bytes) -> None:
         try:
