@@ -21,29 +21,13 @@ from aiobotocore.config import AioConfig
 from botocore import exceptions as bce
 
 from ..config import S3Config
-from ..errors import (
-    AccessDeniedError,
-    ConfigError,
-    EndpointUnreachableError,
-    InvalidRangeError,
-    NoSuchBucketError,
-    NoSuchKeyError,
-    StoreError,
-    TransientStoreError,
-)
+from ..errors import StoreError, TransientStoreError
 from ..retry import RetryPolicy
 from ..uri import object_url
+from .answers import error_for_answer, failed_mid_request, no_credentials, target, unreachable
 from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
 from .signed_get import SignedGetter, can_sign_directly
 
-_TRANSIENT_CODES = {
-    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
-    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "503", "500", "502", "504",
-}
-_DENIED_CODES = {
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
-    "ExpiredToken", "AllAccessDisabled", "403",
-}
 _STREAM_ERRORS = (
     bce.ResponseStreamingError,
     bce.IncompleteReadError,
@@ -324,66 +308,25 @@ class Aioboto3Store:
 def translate_error(
     exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> BaseException:
-    """The one place where aiobotocore's and aiohttp's errors become ours."""
+    """The one place where aiobotocore's and aiohttp's errors become ours (wording: ``answers``)."""
     if isinstance(exc, (StoreError, asyncio.CancelledError)):
         return exc
-    what = f"s3://{bucket}/{key}" + (" (listing)" if listing else "")
     if isinstance(exc, bce.ClientError):
-        error = exc.response.get("Error", {})
-        code = str(error.get("Code", ""))
+        code = str(exc.response.get("Error", {}).get("Code", ""))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        if code == "NoSuchBucket":
-            return NoSuchBucketError(
-                f"bucket {bucket!r} does not exist at {endpoint}; create it or fix the URI "
-                f"(asked for {what})",
-                bucket=bucket, key=key,
-            )
-        if code in ("NoSuchKey", "NotFound") or status == 404:
-            return NoSuchKeyError(
-                f"no object {key!r} in bucket {bucket!r} at {endpoint} (HTTP 404); "
-                "check the key list or manifest",
-                bucket=bucket, key=key,
-            )
-        if code in _DENIED_CODES or status == 403:
-            return AccessDeniedError(
-                f"access denied to {what} at {endpoint} ({code or status}): the credentials were "
-                "rejected or lack permission; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
-                "(or MINIO_ACCESS_KEY / MINIO_SECRET_KEY) and the bucket policy",
-                bucket=bucket, key=key,
-            )
-        if code == "InvalidRange" or status == 416:
-            return InvalidRangeError(
-                f"{what}: the requested byte range is past the end of the object",
-                bucket=bucket, key=key,
-            )
-        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
-            return TransientStoreError(
-                f"{what}: the server answered {code or status} (HTTP {status}); will retry",
-                bucket=bucket, key=key,
-            )
-        return StoreError(f"{what}: the server answered {code} (HTTP {status})", bucket=bucket, key=key)
+        return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
+                                listing=listing)
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
-        return EndpointUnreachableError(
-            f"cannot connect to {endpoint} for {what}; is the server running and is "
-            "AWS_ENDPOINT_URL right?",
-            bucket=bucket, key=key,
-        )
+        return unreachable(endpoint, bucket, key, listing=listing)
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
-        return ConfigError(
-            "no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-            "(or pass S3Config(access_key_id=..., secret_access_key=...))"
-        )
+        return no_credentials()
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return EndpointUnreachableError(
-            f"cannot connect to {endpoint} for {what}: {exc.os_error.strerror or exc}",
-            bucket=bucket, key=key,
-        )
+        return unreachable(endpoint, bucket, key, listing=listing,
+                           reason=exc.os_error.strerror or str(exc))
     if isinstance(exc, _STREAM_ERRORS):
-        return TransientStoreError(
-            f"{what}: the connection failed mid-request ({type(exc).__name__}); will retry",
-            bucket=bucket, key=key,
-        )
-    return StoreError(f"{what}: unexpected {type(exc).__name__}: {exc}", bucket=bucket, key=key)
+        return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
+    return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "
+                      f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
 
 
 class _PartBody(io.BytesIO):

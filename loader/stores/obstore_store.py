@@ -77,31 +77,29 @@ from obstore.store import S3Store
 
 from ..config import S3Config
 from ..errors import (
-    AccessDeniedError,
     ConfigError,
-    EndpointUnreachableError,
     InvalidRangeError,
-    NoSuchBucketError,
-    NoSuchKeyError,
     StoreError,
     TransientStoreError,
 )
 from ..retry import RetryPolicy
 from ..uri import object_url
+from .answers import (
+    DENIED_CODES,
+    error_for_answer,
+    failed_mid_request,
+    no_credentials,
+    target,
+    unreachable,
+)
 from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
 
 __all__ = ["ObstoreStore", "forked_after_use", "translate_error"]
 
 LIST_CHUNK = 1000  # ObjectMeta per batch handed to Python (one S3 page)
 
-_TRANSIENT_CODES = {
-    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
-    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted",
-}
-_DENIED_CODES = {
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
-    "ExpiredToken", "AllAccessDisabled",
-}
+# S3 error codes that say what happened even when object_store's text carries no status
+_ANSWERED_WITHOUT_STATUS = {"NoSuchBucket", "NoSuchKey", "NotFound", "InvalidRange"} | DENIED_CODES
 _STATUS_RE = re.compile(r"non-2xx status code: (\d{3})|\bstatus: (\d{3})\b")
 _CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
 _KIND_RE = re.compile(r"HttpError \{\s*kind: (\w+)")
@@ -414,67 +412,29 @@ def translate_error(
     """
     if isinstance(exc, (StoreError, ConfigError, asyncio.CancelledError)):
         return exc
-    what = f"s3://{bucket}/{key}" + (" (listing)" if listing else "")
     text = str(exc)
     status = _status_of(exc)
     code_match = _CODE_RE.search(text)
     code = code_match.group(1) if code_match else ""
-    if code == "NoSuchBucket":
-        return NoSuchBucketError(
-            f"bucket {bucket!r} does not exist at {endpoint}; create it or fix the URI "
-            f"(asked for {what})",
-            bucket=bucket, key=key,
-        )
-    if code in ("NoSuchKey", "NotFound") or status == 404 or (
-        status is None and isinstance(exc, (FileNotFoundError, obe.NotFoundError))
-    ):
-        return NoSuchKeyError(
-            f"no object {key!r} in bucket {bucket!r} at {endpoint} (HTTP 404); "
-            "check the key list or manifest",
-            bucket=bucket, key=key,
-        )
-    if code in _DENIED_CODES or status in (401, 403) or (
-        status is None and isinstance(exc, obe.PermissionDeniedError)
-    ):
-        return AccessDeniedError(
-            f"access denied to {what} at {endpoint} ({code or status}): the credentials were "
-            "rejected or lack permission; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
-            "(or MINIO_ACCESS_KEY / MINIO_SECRET_KEY) and the bucket policy",
-            bucket=bucket, key=key,
-        )
-    if status is None and isinstance(exc, obe.UnauthenticatedError):
-        return ConfigError(
-            "no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-            "(or pass S3Config(access_key_id=..., secret_access_key=...))"
-        )
-    if code == "InvalidRange" or status == 416:
-        return InvalidRangeError(
-            f"{what}: the requested byte range is past the end of the object",
-            bucket=bucket, key=key,
-        )
-    if status is not None:
-        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
-            return TransientStoreError(
-                f"{what}: the server answered {code or status} (HTTP {status}); will retry",
-                bucket=bucket, key=key,
-            )
-        return StoreError(f"{what}: the server answered {code or status} (HTTP {status})",
-                          bucket=bucket, key=key)
+    if status is None and code != "NoSuchBucket":  # the exception's class is all there is
+        if isinstance(exc, (FileNotFoundError, obe.NotFoundError)):
+            status = 404
+        elif isinstance(exc, obe.PermissionDeniedError):
+            status = 403
+        elif isinstance(exc, obe.UnauthenticatedError) and not code:
+            return no_credentials()
+    if status is not None or code in _ANSWERED_WITHOUT_STATUS:
+        return error_for_answer(code, status or 0, bucket=bucket, key=key, endpoint=endpoint,
+                                listing=listing)
     kind_match = _KIND_RE.search(text)
     kind = kind_match.group(1) if kind_match else ""
     if kind == "Connect":
         reason = _OS_MESSAGE_RE.search(text)
-        return EndpointUnreachableError(
-            f"cannot connect to {endpoint} for {what}"
-            + (f" ({reason.group(1)})" if reason else "")
-            + "; is the server running and is AWS_ENDPOINT_URL right?",
-            bucket=bucket, key=key,
-        )
+        return unreachable(endpoint, bucket, key, listing=listing,
+                           reason=reason.group(1) if reason else None)
     if kind in ("Timeout", "Interrupted", "Request", "Decode") or "IncompleteBody" in text:
-        return TransientStoreError(
-            f"{what}: the connection failed mid-request ({_failure(text, kind)}); will retry",
-            bucket=bucket, key=key,
-        )
+        return failed_mid_request(bucket, key, _failure(text, kind), listing=listing)
+    what = target(bucket, key, listing=listing)
     if isinstance(exc, (ValueError, obe.InvalidPathError)) and any(
         marker in text for marker in _PATH_ERROR_MARKERS
     ):

@@ -1,0 +1,103 @@
+"""What S3's answers mean, worded once for every backend.
+
+Each backend finds the S3 error code, the HTTP status or the kind of connection failure in its
+own exceptions; these functions turn that into ``loader.errors`` with one wording, so a user
+reads the same advice whichever ``store=`` they picked (and tests hold both to it).
+"""
+
+from __future__ import annotations
+
+from ..errors import (
+    AccessDeniedError,
+    ConfigError,
+    EndpointUnreachableError,
+    InvalidRangeError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    StoreError,
+    TransientStoreError,
+)
+
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
+    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "503", "500", "502", "504",
+})
+DENIED_CODES = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+    "ExpiredToken", "AllAccessDisabled", "403",
+})
+
+
+def target(bucket: str, key: str, *, listing: bool = False) -> str:
+    """How an error names what was asked for: the object's URI, or the prefix being listed."""
+    return f"s3://{bucket}/{key}" + (" (listing)" if listing else "")
+
+
+def error_for_answer(
+    code: str, status: int, *, bucket: str, key: str, endpoint: str, listing: bool = False
+) -> StoreError:
+    """The error for an S3 error response: its code (``""`` if none) and HTTP status."""
+    what = target(bucket, key, listing=listing)
+    if code == "NoSuchBucket":
+        return NoSuchBucketError(
+            f"bucket {bucket!r} does not exist at {endpoint}; create it or fix the URI "
+            f"(asked for {what})",
+            bucket=bucket, key=key,
+        )
+    if code in ("NoSuchKey", "NotFound") or status == 404:
+        return NoSuchKeyError(
+            f"no object {key!r} in bucket {bucket!r} at {endpoint} (HTTP 404); "
+            "check the key list or manifest",
+            bucket=bucket, key=key,
+        )
+    if code in DENIED_CODES or status in (401, 403):
+        return AccessDeniedError(
+            f"access denied to {what} at {endpoint} ({code or status}): the credentials were "
+            "rejected or lack permission; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+            "(or MINIO_ACCESS_KEY / MINIO_SECRET_KEY) and the bucket policy",
+            bucket=bucket, key=key,
+        )
+    if code == "InvalidRange" or status == 416:
+        return InvalidRangeError(
+            f"{what}: the requested byte range is past the end of the object",
+            bucket=bucket, key=key,
+        )
+    if code in TRANSIENT_CODES or status >= 500 or status == 429:
+        return TransientStoreError(
+            f"{what}: the server answered {code or status} (HTTP {status}); will retry",
+            bucket=bucket, key=key,
+        )
+    return StoreError(f"{what}: the server answered {code or status} (HTTP {status})",
+                      bucket=bucket, key=key)
+
+
+def unreachable(
+    endpoint: str, bucket: str, key: str, *, listing: bool = False, reason: str | None = None
+) -> EndpointUnreachableError:
+    """No connection could be made (refused, DNS, connect timeout): transient, but says where."""
+    return EndpointUnreachableError(
+        f"cannot connect to {endpoint} for {target(bucket, key, listing=listing)}"
+        + (f" ({reason})" if reason else "")
+        + "; is the server running and is AWS_ENDPOINT_URL right?",
+        bucket=bucket, key=key,
+    )
+
+
+def failed_mid_request(
+    bucket: str, key: str, detail: str, *, listing: bool = False
+) -> TransientStoreError:
+    """A connection that broke, stalled or ended a body early: worth another attempt."""
+    return TransientStoreError(
+        f"{target(bucket, key, listing=listing)}: the connection failed mid-request ({detail}); "
+        "will retry",
+        bucket=bucket, key=key,
+    )
+
+
+def no_credentials() -> ConfigError:
+    """Nothing to sign with: the fix is configuration, so it is not a ``StoreError``."""
+    return ConfigError(
+        "no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(or pass S3Config(access_key_id=..., secret_access_key=...))"
+    )
+
