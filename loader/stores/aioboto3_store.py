@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-from collections.abc import AsyncIterator
+import os
+import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -39,6 +41,56 @@ _STREAM_ERRORS = (
     asyncio.TimeoutError,
     ConnectionError,
 )
+
+
+class _SessionCache:
+    """aioboto3 sessions by credentials and region, lent to one store opening at a time.
+
+    A new session loads botocore's service data again: ~50 ms of CPU, paid by every engine
+    (each DataLoader worker, each epoch) before sessions were kept; a client from a warm
+    session costs ~3 ms. botocore sessions are not thread-safe, so a session is lent to one
+    opening at a time; one that finds it lent out (another engine thread, or another store
+    opening in the same event loop, where waiting on a lock would block the loop) takes a
+    fresh session instead: never a wait. A forked child starts with an empty cache and a fresh
+    lock, rather than trust a session or a lock that a parent thread held at the fork.
+    """
+
+    def __init__(self) -> None:
+        self._forget()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[tuple[str | None, ...], Any] = {}
+
+    @contextlib.contextmanager
+    def borrow(self, config: S3Config) -> Iterator[Any]:
+        if not self._lock.acquire(blocking=False):
+            yield _new_session(config)
+            return
+        try:
+            key = (config.access_key_id, config.secret_access_key, config.session_token,
+                   config.region)
+            session = self._sessions.get(key)
+            if session is None:
+                session = self._sessions[key] = _new_session(config)
+            yield session
+        finally:
+            self._lock.release()
+
+
+def _new_session(config: S3Config) -> Any:
+    import aioboto3  # imported here: it is slow to import and only the engine thread needs it
+
+    return aioboto3.Session(
+        aws_access_key_id=config.access_key_id,
+        aws_secret_access_key=config.secret_access_key,
+        aws_session_token=config.session_token,
+        region_name=config.region,
+    )
+
+
+_SESSIONS = _SessionCache()
 
 
 class Aioboto3Store:
@@ -70,8 +122,6 @@ class Aioboto3Store:
         ``direct_gets`` sends GETs to path-style custom endpoints through ``SignedGetter``
         (a third of botocore's CPU per request); ``False`` keeps every request on botocore.
         """
-        import aioboto3  # imported here: it is slow to import and only the engine thread needs it
-
         config.require_credentials()
         retry = retry or RetryPolicy()
         boto_config = AioConfig(
@@ -87,35 +137,34 @@ class Aioboto3Store:
             response_checksum_validation="when_required",
             tcp_keepalive=True,
         )
-        session = aioboto3.Session(
-            aws_access_key_id=config.access_key_id,
-            aws_secret_access_key=config.secret_access_key,
-            aws_session_token=config.session_token,
-            region_name=config.region,
-        )
         # Plain-http endpoints have nothing to verify: say so, and aiobotocore then builds no
         # SSL context at all (it otherwise does, per engine, even for http). Besides the CPU,
         # that keeps OpenSSL out of forked DataLoader workers, where a lock inherited from a
         # parent thread can hang SSL_CTX_new (seen in the benchmark with forked workers).
         plain_http = (config.endpoint_url or "").startswith("http://")
         stack = contextlib.AsyncExitStack()
-        client = await stack.enter_async_context(
-            session.client(
-                "s3", endpoint_url=config.endpoint_url, config=boto_config,
-                verify=False if plain_http else config.verify,
-            )
-        )
-        getter = None
-        if can_sign_directly(config) and direct_gets:
-            credentials = await session.get_credentials()
-            if credentials is None:
-                raise bce.NoCredentialsError()
+        try:
+            with _SESSIONS.borrow(config) as session:
+                client = await stack.enter_async_context(
+                    session.client(
+                        "s3", endpoint_url=config.endpoint_url, config=boto_config,
+                        verify=False if plain_http else config.verify,
+                    )
+                )
+                credentials = await session.get_credentials()
+            getter = None
+            if can_sign_directly(config) and direct_gets:
+                if credentials is None:
+                    raise bce.NoCredentialsError()
 
-            async def frozen() -> Any:
-                return await credentials.get_frozen_credentials()  # refreshes temporary ones
+                async def frozen() -> Any:
+                    return await credentials.get_frozen_credentials()  # refreshes temporary ones
 
-            getter = SignedGetter(config, frozen, max_connections=max_connections, retry=retry)
-            stack.push_async_callback(getter.aclose)
+                getter = SignedGetter(config, frozen, max_connections=max_connections, retry=retry)
+                stack.push_async_callback(getter.aclose)
+        except BaseException:
+            await stack.aclose()
+            raise
         return cls(client, stack, config.endpoint_url or "AWS S3", getter)
 
     async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
