@@ -44,7 +44,7 @@ from .shards import END, ShardOptions, ShardRef, shard_job
 from .shuffle import shuffled
 from .stats import MAX_WORKERS, RequestRecorder, StatsBoard, summarize
 from .sources import check_keys, list_prefix, read_manifest, resolve_shards, shard_specs
-from .stores import StoreFactory, open_store, resolve_backend
+from .stores import StoreFactory, open_store, preload_backend, resolve_backend
 from .uri import parse_s3_uri
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class LoaderOptions:
             raise ConfigError(f"rank={self.rank!r} must lie in [0, world_size={self.world_size!r})")
         if not callable(self.store):
             object.__setattr__(self, "store", resolve_backend(self.store))
+            preload_backend(self.store)
             object.__setattr__(self, "config", resolve_config(self.config))
         cache_dir, cache_limit = check_cache_options(self.cache_dir, self.cache_limit)
         object.__setattr__(self, "cache_dir", cache_dir)  # absolute: workers may chdir

@@ -11,7 +11,7 @@ from ..retry import RetryPolicy
 from .base import DEFAULT_CHUNK_SIZE, MultipartStore, ObjectInfo, ObjectStore
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "BACKENDS", "MultipartStore", "ObjectInfo", "ObjectStore", "StoreFactory", "open_store",
-           "resolve_backend"]
+           "preload_backend", "resolve_backend"]
 
 StoreFactory = Callable[[], Awaitable[ObjectStore]]
 BACKENDS = ("aioboto3", "obstore")
@@ -25,6 +25,25 @@ def resolve_backend(name: str | None) -> str:
         source = "store" if name else STORE_ENV
         raise ConfigError(f"{source}={chosen!r} is not a known backend; use one of {BACKENDS}")
     return chosen
+
+
+def preload_backend(backend: str) -> None:
+    """Import a backend's modules now, in the process that builds the dataset.
+
+    DataLoader workers forked later inherit them rather than import them each (a faster
+    worker start), and the SSL contexts aiohttp builds at import time are then built before
+    any fork, not in a worker, where OpenSSL could wait forever on a lock that another thread
+    of the parent held at the moment of the fork.
+    """
+    from . import aioboto3_store  # noqa: F401  (obstore datasets list through it too)
+
+    if backend == "obstore":
+        try:
+            from . import obstore_store  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(
+                "store='obstore' needs the optional extra: pip install 'loader[fast]'"
+            ) from exc
 
 
 async def open_store(

@@ -1,0 +1,30 @@
+"""Building a dataset imports its backend in that process, so forked workers inherit it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+_PROBE = """
+import sys
+from loader import AsyncS3Dataset, S3Config
+config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+before = {name for name in ("aiohttp", "loader.stores.aioboto3_store", "loader.stores.obstore_store")
+          if name in sys.modules}
+AsyncS3Dataset.from_keys("b", ["k"], config=config, store=sys.argv[1])
+after = {name for name in ("aiohttp", "loader.stores.aioboto3_store", "loader.stores.obstore_store")
+         if name in sys.modules}
+print(sorted(before), sorted(after))
+"""
+
+
+def probe(store: str) -> str:
+    run = subprocess.run([sys.executable, "-c", _PROBE, store], capture_output=True, text=True,
+                         timeout=120, check=True)
+    return run.stdout.strip()
+
+
+def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork():
+    assert probe("aioboto3") == "[] ['aiohttp', 'loader.stores.aioboto3_store']"
+    assert probe("obstore") == (
+        "[] ['aiohttp', 'loader.stores.aioboto3_store', 'loader.stores.obstore_store']")
