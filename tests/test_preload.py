@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from loader import AsyncS3Dataset, ConfigError, S3Config
+
 _PROBE = """
 import sys
 from loader import AsyncS3Dataset, S3Config
@@ -28,3 +32,12 @@ def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork():
     assert probe("aioboto3") == "[] ['aiohttp', 'loader.stores.aioboto3_store']"
     assert probe("obstore") == (
         "[] ['aiohttp', 'loader.stores.aioboto3_store', 'loader.stores.obstore_store']")
+
+
+def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch):
+    monkeypatch.setitem(sys.modules, "obstore", None)  # "not installed": its import raises
+    monkeypatch.delitem(sys.modules, "loader.stores.obstore_store", raising=False)
+    config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+    with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
+                                          r"pip install 'loader\[fast\]'"):
+        AsyncS3Dataset.from_keys("b", ["k"], config=config, store="obstore")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ..config import S3Config
 from ..errors import ConfigError
@@ -38,12 +39,7 @@ def preload_backend(backend: str) -> None:
     from . import aioboto3_store  # noqa: F401  (obstore datasets list through it too)
 
     if backend == "obstore":
-        try:
-            from . import obstore_store  # noqa: F401
-        except ImportError as exc:
-            raise ConfigError(
-                "store='obstore' needs the optional extra: pip install 'loader[fast]'"
-            ) from exc
+        _obstore_backend()
 
 
 async def open_store(
@@ -55,11 +51,18 @@ async def open_store(
 
         return await Aioboto3Store.open(config, max_connections=max_connections, retry=retry)
     if backend == "obstore":
-        try:
-            from .obstore_store import ObstoreStore
-        except ImportError as exc:
-            raise ConfigError(
-                "store='obstore' needs the optional extra: pip install 'loader[fast]'"
-            ) from exc
-        return await ObstoreStore.open(config, max_connections=max_connections, retry=retry)
+        return await _obstore_backend().ObstoreStore.open(
+            config, max_connections=max_connections, retry=retry
+        )
     raise ConfigError(f"store={backend!r} is not a known backend; use one of {BACKENDS}")
+
+
+def _obstore_backend() -> Any:
+    """The obstore backend's module, or advice on installing the extra it needs."""
+    try:
+        from . import obstore_store
+    except ImportError as exc:
+        raise ConfigError(
+            "store='obstore' needs the optional extra: pip install 'loader[fast]'"
+        ) from exc
+    return obstore_store
