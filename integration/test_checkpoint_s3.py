@@ -208,7 +208,7 @@ def test_exception_inside_torch_save_midway_aborts(s3_server, monkeypatch):
     assert_nothing_left(s3_server, bucket, "run/broken.pt")
 
 
-def test_keyboard_interrupt_midway_aborts(s3_server):
+def test_keyboard_interrupt_midway_aborts(s3_server, sigint_raises):
     """A real SIGINT to the main thread while part 3 uploads."""
     assert threading.current_thread() is threading.main_thread()
     bucket = s3_server.new_bucket("ckpt")

@@ -280,7 +280,7 @@ def test_torch_save_raising_aborts_and_names_the_uri():
     nothing_left(fake)
 
 
-def test_keyboard_interrupt_midway_aborts():
+def test_keyboard_interrupt_midway_aborts(sigint_raises):
     """A real SIGINT to the main thread while part 3 uploads: the upload is aborted."""
 
     def interrupt(number: int) -> None:

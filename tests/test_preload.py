@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import loader.stores
 from loader import AsyncS3Dataset, ConfigError, S3Config
 
 _PROBE = """
@@ -37,6 +38,8 @@ def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork():
 def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch):
     monkeypatch.setitem(sys.modules, "obstore", None)  # "not installed": its import raises
     monkeypatch.delitem(sys.modules, "loader.stores.obstore_store", raising=False)
+    # ``from . import obstore_store`` finds an attribute the package got at an earlier import
+    monkeypatch.delattr(loader.stores, "obstore_store", raising=False)
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
     with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
                                           r"pip install 'loader\[fast\]'"):
