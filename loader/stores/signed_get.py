@@ -79,9 +79,7 @@ class SignedGetter:
         self._region = config.region
         self._credentials = credentials
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=max(1, max_connections), ssl=ssl_setting(config), enable_cleanup_closed=False
-            ),
+            connector=aiohttp.TCPConnector(limit=max(1, max_connections), ssl=ssl_setting(config)),
             timeout=aiohttp.ClientTimeout(
                 total=None, connect=retry.connect_timeout, sock_read=retry.read_timeout
             ),
