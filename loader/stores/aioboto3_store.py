@@ -2,10 +2,11 @@
 
 One client per engine, its connection pool sized to the engine's concurrency, created inside the
 engine's event loop and closed there. GETs to path-style custom endpoints skip botocore's request
-pipeline (``signed_get``: same signer, a third of the CPU); everything else goes through it. botocore's own retries are off: ``loader.retry`` retries
-one level up, where a truncated body (which botocore does not retry) is handled too. Request
-checksums and parameter validation are off because they cost CPU on every GET and buy nothing
-for reads over TLS-or-loopback. Every botocore/aiohttp error is translated in ``_translate``.
+pipeline (``signed_get``: same signer, a third of the CPU); everything else goes through it.
+botocore's own retries are off: ``loader.retry`` retries one level up, where a truncated body
+(which botocore does not retry) is handled too. Request checksums and parameter validation are
+off because they cost CPU on every GET and buy nothing for reads over TLS-or-loopback. Every
+botocore/aiohttp error is translated in ``_translate``, worded by ``answers``.
 """
 
 from __future__ import annotations
