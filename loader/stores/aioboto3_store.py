@@ -58,7 +58,7 @@ class _SessionCache:
 
     def __init__(self) -> None:
         self._forget()
-        os.register_at_fork(after_in_child=self._forget)
+        self._fork_hook = False  # registered on first use: importing must have no side effects
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
@@ -66,6 +66,9 @@ class _SessionCache:
 
     @contextlib.contextmanager
     def borrow(self, config: S3Config) -> Iterator[Any]:
+        if not self._fork_hook:
+            self._fork_hook = True
+            os.register_at_fork(after_in_child=self._forget)
         if not self._lock.acquire(blocking=False):
             yield _new_session(config)
             return
