@@ -680,18 +680,9 @@ class CachedStore:
 
     async def get(self, bucket: str, key: str) -> bytes:
         name = self._name(bucket, key)
-        entry = await self._open(name, bucket, key)
-        if entry is not None:
-            try:
-                data = await self._read(entry, 0, entry.length)
-            except _Corrupt as exc:
-                await self._corrupt(name, entry.identity, exc, bucket, key)
-            else:
-                self.hits += 1
-                self.bytes_read_from_cache += len(data)
-                return data
-            finally:
-                entry.close()
+        data = await self._cached(name, bucket, key, 0, None)
+        if data is not None:
+            return data
         self.misses += 1
         puts = self._puts.get(name, 0)
         data = await self.inner.get(bucket, key)
@@ -707,19 +698,9 @@ class CachedStore:
         name = self._name(bucket, key)
         if end is not None and end <= start:  # nothing to read (the backends send no request either)
             return b""
-        entry = await self._open(name, bucket, key)
-        if entry is not None:
-            try:
-                _check_start(entry.length, start, bucket, key)
-                data = await self._read(entry, start, entry.length if end is None else min(end, entry.length))
-            except _Corrupt as exc:
-                await self._corrupt(name, entry.identity, exc, bucket, key)
-            else:
-                self.hits += 1
-                self.bytes_read_from_cache += len(data)
-                return data
-            finally:
-                entry.close()
+        data = await self._cached(name, bucket, key, start, end)
+        if data is not None:
+            return data
         self.misses += 1
         assembly = self._assembly(name, create=True)
         if assembly is None:
@@ -878,6 +859,26 @@ class CachedStore:
         except OSError as exc:
             self._cache_failed(exc, bucket, key)
         return None
+
+    async def _cached(
+        self, name: str, bucket: str, key: str, start: int, end: int | None
+    ) -> bytes | None:
+        """Bytes ``[start, end)`` from a complete, intact cache file, or None (a miss; a corrupt
+        file is removed on the way). A start past the object's end raises as S3 would."""
+        entry = await self._open(name, bucket, key)
+        if entry is None:
+            return None
+        try:
+            _check_start(entry.length, start, bucket, key)
+            data = await self._read(entry, start, entry.length if end is None else min(end, entry.length))
+        except _Corrupt as exc:
+            await self._corrupt(name, entry.identity, exc, bucket, key)
+            return None
+        finally:
+            entry.close()
+        self.hits += 1
+        self.bytes_read_from_cache += len(data)
+        return data
 
     async def _read(self, entry: CacheEntry, start: int, end: int) -> bytes:
         block = entry.block_size
