@@ -23,3 +23,15 @@ def sigint_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def no_leaked_threads() -> Iterator[None]:
+    """Fail a test that leaves a thread of ours running after it returns."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    for thread in leaked:
+        thread.join(timeout=5)
+    leaked = [t.name for t in leaked if t.is_alive()]
+    assert not leaked, f"threads left running: {leaked}"

@@ -193,16 +193,6 @@ def s3_client(endpoint_url: str, *, read_timeout: float = 10, access_key: str = 
     )
 
 
-@pytest.fixture
-def no_leaked_threads():
-    before = set(threading.enumerate())
-    yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-    for thread in leaked:
-        thread.join(timeout=5)
-    assert not [t.name for t in leaked if t.is_alive()]
-
-
 @dataclasses.dataclass
 class Target:
     """An upstream S3 endpoint with ``small`` and ``big`` objects in ``bucket``."""
