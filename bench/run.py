@@ -21,24 +21,22 @@ from .harness import RESULTS_DIR, Harness, Options, select_loaders
 from .report import goals, write_all
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 0,2,4") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers >= 0")
-    return values
+def _numbers(kind: type, what: str, example: str):
+    """An argparse type: comma-separated non-negative ``kind`` values, e.g. ``0,2,4``."""
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give comma-separated {what}, e.g. {example}") from None
+        if not values or any(v < 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what} >= 0")
+        return values
+    return parse
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated seconds, e.g. 0,0.02") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated seconds >= 0")
-    return values
+_ints = _numbers(int, "integers", "0,2,4")
+_floats = _numbers(float, "seconds", "0,0.02")
 
 
 def _words(allowed: tuple[str, ...]):
