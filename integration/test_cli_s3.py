@@ -24,7 +24,8 @@ import pytest
 
 from datasets import jpeg_dataset, sha256, upload_objects
 from loader import AsyncS3Dataset
-from loader.packing import format_size, read_index_counts
+from loader.tools.sizes import format_size
+from loader.formats.index import read_index_counts
 
 REPO = Path(__file__).resolve().parents[1]
 N_SAMPLES = 1000  # x 2 objects (.jpg + .cls)

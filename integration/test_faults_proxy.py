@@ -241,7 +241,7 @@ def _real_server(request, stack: contextlib.ExitStack):
     if server is not None and _loopback(server.config.endpoint_url):
         return server.kind, server.config, server.new_bucket("faults")
     try:
-        from loader.devserver import DevServer
+        from loader.tools.devserver import DevServer
     except ImportError as exc:
         pytest.skip(f"no local S3 server: {exc}")
     try:

@@ -19,7 +19,7 @@ from loader import (
     NoSuchKeyError,
     S3Config,
 )
-from loader.engine import live_engines
+from loader.engine.fetch import live_engines
 
 N = 1200
 

@@ -1,4 +1,4 @@
-"""The obstore backend against a real S3 server (the embedded SeaweedFS of ``loader.devserver``).
+"""The obstore backend against a real S3 server (the embedded SeaweedFS of ``loader.tools.devserver``).
 
 Skipped when obstore or the ``weed`` binary is missing. boto3 (``server.client()``) is the
 oracle: what obstore lists and reads must be what botocore lists and reads.
@@ -31,7 +31,7 @@ from loader import (  # noqa: E402
     S3Config,
     StoreError,
 )
-from loader.devserver import DevServer, find_weed  # noqa: E402
+from loader.tools.devserver import DevServer, find_weed  # noqa: E402
 from loader.stores import ObjectStore, open_store  # noqa: E402
 from loader.stores.obstore_store import ObstoreStore  # noqa: E402
 

@@ -53,7 +53,7 @@ from loader import (
     SampleError,
     ShardFormatError,
 )
-from loader.engine import live_engines
+from loader.engine.fetch import live_engines
 from shardsets import pack, upload_shards
 
 BACKENDS = ("aioboto3", "obstore")
@@ -301,7 +301,7 @@ RESTART_SHARDS = [130] * 8  # ~2.7 MB each with 20 KB payloads: streams last lon
 @pytest.fixture(scope="module")
 def own_server(tmp_path_factory):
     """A DevServer of this module's own on a kept data dir (it gets killed and restarted)."""
-    from loader.devserver import DevServer
+    from loader.tools.devserver import DevServer
 
     try:
         server = DevServer(data_dir=tmp_path_factory.mktemp("restartable"), buckets=["rel"]).start()

@@ -44,7 +44,7 @@ from loader import (
     S3Config,
     SampleError,
 )
-from loader.engine import live_engines
+from loader.engine.fetch import live_engines
 from shardsets import upload_shards
 
 BACKENDS = ("aioboto3", "obstore")
@@ -186,7 +186,7 @@ S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_
 @pytest.fixture
 def canary_server(tmp_path):
     """The embedded server with credentials we chose: a secret we can recognise anywhere."""
-    from loader.devserver import DevServer
+    from loader.tools.devserver import DevServer
 
     secret = "CanarySecret-" + secrets.token_hex(12)
     root = tmp_path / "canary"

@@ -22,9 +22,9 @@ import pytest
 from botocore.exceptions import ClientError
 
 from datasets import jpeg_dataset, make_jpeg, sha256
-from loader import cli
+from loader.tools import cli
 from loader.config import S3Config
-from loader.devserver import DevServer, find_weed
+from loader.tools.devserver import DevServer, find_weed
 from loader.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_a_forked_child_cannot_stop_the_server(devserver, s3client):
 
 
 def test_interpreter_exit_stops_a_forgotten_server():
-    script = ("from loader.devserver import DevServer\n"
+    script = ("from loader.tools.devserver import DevServer\n"
               "s = DevServer(); s.start(); print(s.pid, s.root, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=REPO, check=True).stdout

@@ -1,6 +1,6 @@
-"""``python -m loader``: the command-line tools (see ``loader.cli``)."""
+"""``python -m loader``: the command-line tools (see ``loader.tools.cli``)."""
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

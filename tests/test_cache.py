@@ -29,7 +29,7 @@ import pytest
 
 from fakes import FakeStore
 from loader import AsyncS3Dataset, ConfigError
-from loader.cache import (
+from loader.stores.cache import (
     HEADER_SIZE,
     CachedStore,
     CacheStats,
@@ -542,7 +542,7 @@ def test_threads_writing_one_key_leave_one_valid_file_and_readers_never_see_a_pa
 
 WRITER = textwrap.dedent("""
     import os, random, sys, time
-    from loader.cache import DiskCache
+    from loader.stores.cache import DiskCache
     directory, limit, name_count, rounds, seed, barrier, processes = sys.argv[1:]
     limit, name_count, rounds, seed, processes = map(int, (limit, name_count, rounds, seed, processes))
     cache = DiskCache(directory, limit, block_size=256)
@@ -666,7 +666,7 @@ async def test_cache_failures_fall_back_to_the_store(tmp_path, monkeypatch, capl
 
     monkeypatch.setattr(cache, "put", disk_full)
     monkeypatch.setattr(cache, "begin", disk_full)
-    with anyio.fail_after(DEADLINE), caplog.at_level(logging.WARNING, logger="loader.cache"):
+    with anyio.fail_after(DEADLINE), caplog.at_level(logging.WARNING, logger="loader.stores.cache"):
         async with session(fake, cache) as store:
             for key in data:
                 assert await store.get(BUCKET, key) == data[key]
@@ -705,9 +705,9 @@ def test_options_resolve_the_directory_and_default_the_limit(tmp_path, monkeypat
     assert check_cache_options(None, None) == (None, None)
     assert endpoint_id_for("aioboto3", type("C", (), {"endpoint_url": "http://h:9000/"})()) == "http://h:9000"
     assert endpoint_id_for("aioboto3", type("C", (), {"endpoint_url": None})()) == "aws-s3"
-    assert endpoint_id_for(open_cached_store, None) == "factory:loader.cache.open_cached_store"
+    assert endpoint_id_for(open_cached_store, None) == "factory:loader.stores.cache.open_cached_store"
     secret = functools.partial(open_cached_store, "secret-token")  # stable, and no arguments shown
-    assert endpoint_id_for(secret, None) == "factory:loader.cache.open_cached_store"
+    assert endpoint_id_for(secret, None) == "factory:loader.stores.cache.open_cached_store"
 
 
 async def test_an_unusable_directory_is_a_config_error(tmp_path):

@@ -1,7 +1,7 @@
 """``python -m loader``: help texts, one-line argument errors, and the pure packing behind ``shard``.
 
 No server here: commands that need one are checked for the errors they give before any request
-(bad URI, size, name format, no credentials), and ``loader.shardwrite.pack`` runs against the
+(bad URI, size, name format, no credentials), and ``loader.tools.shard.pack`` runs against the
 in-memory ``FakeStore`` (resume, multipart, aborts). The real-server tests are in
 ``integration/test_cli_s3.py``.
 """
@@ -21,34 +21,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes import FakeStore, reusable
-from loader import cli
+from loader.tools import cli
 from loader.errors import ConfigError, StoreError, TransientStoreError
-from loader.inspect_cmd import log2_histogram, render_histogram, summarize_listing
-from loader.packing import (
+from loader.tools.ls import log2_histogram, render_histogram, summarize_listing
+from loader.formats.packing import (
     END_OF_ARCHIVE,
-    INDEX_NAME,
     PROGRESS_NAME,
     check_name_format,
     encode_member,
     end_of_archive,
-    format_size,
     group_samples,
     header_size,
-    index_counts,
     member_problem,
     parse_progress,
-    parse_size,
     plan_fingerprint,
     plan_shards,
     progress_document,
-    read_index_counts,
     shuffle_samples,
     source_directory,
     tar_header,
 )
-from loader.shardwrite import PackOptions, pack
+from loader.formats.index import INDEX_NAME, index_counts, read_index_counts
+from loader.tools.sizes import format_size, parse_size
+from loader.tools.shard import PackOptions, pack
 from loader.stores import ObjectInfo
-from loader.tar import TarStreamParser, iter_samples, split_key
+from loader.formats.tar import TarStreamParser, iter_samples, split_key
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "serve", "ls", "shard", "bench")

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, SampleError
-from loader.engine import live_engines
+from loader.engine.fetch import live_engines
 
 BUCKET = "bucket"
 

@@ -13,7 +13,7 @@ import pytest
 
 
 from fakes import FakeStore, payloads, reusable
-from loader.engine import EngineLimits, FetchEngine, live_engines
+from loader.engine.fetch import EngineLimits, FetchEngine, live_engines
 from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError
 
 BUCKET = "b"

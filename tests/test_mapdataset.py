@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from fakes import FakeStore, payloads, reusable
 from loader import AccessDeniedError, ConfigError, LoaderOptions, NoSuchKeyError, SampleError
-from loader.mapdataset import THREAD_NAME, AsyncS3MapDataset, live_clients
+from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
 
 BUCKET = "bucket"
 LATENCY = 0.01
@@ -486,7 +486,7 @@ SCRIPT = textwrap.dedent("""
     import os, sys, threading
     from fakes import FakeStore, payloads, reusable
     from test_mapdataset import SharedFake
-    from loader.mapdataset import AsyncS3MapDataset
+    from loader.datasets.mapped import AsyncS3MapDataset
     objects = payloads(50)
     fake = FakeStore.with_objects("bucket", objects, latency=0.001)
     ds = AsyncS3MapDataset.from_keys("bucket", sorted(objects), store=SharedFake(fake))

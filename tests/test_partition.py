@@ -1,4 +1,4 @@
-"""Property tests for ``loader.partition``: exactly-once, balance and determinism.
+"""Property tests for ``loader.datasets.partition``: exactly-once, balance and determinism.
 
 The model is s3torchconnector's hypothesis test: draw a job shape (items, ranks, workers, seed,
 epoch), compute every (rank, worker) share, and check the union against the whole data set.
@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.partition import (
+from loader.datasets.partition import (
     DEFAULT_SEED,
     ShardAssignment,
     epoch_order,
@@ -35,6 +36,8 @@ worker_counts = st.integers(0, 8)
 seeds = st.integers(-(2**70), 2**70)
 epochs = st.integers(0, 10_000)
 policies = st.sampled_from(["pad", "drop"])
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def all_shares(n, seed, epoch, shuffle, world_size, num_workers, policy):
@@ -120,25 +123,17 @@ def test_epoch_seed_is_pinned():
 
 
 def test_order_agrees_across_processes_with_different_hash_seeds():
-    """Fresh interpreters with different ``hash()`` salts compute the same order.
-
-    The child loads ``partition.py`` by path: it imports nothing from the package, so this test
-    does not depend on the rest of ``loader`` importing.
-    """
-    import loader.partition
-
+    """Fresh interpreters with different ``hash()`` salts compute the same order."""
     code = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('partition', sys.argv[1])\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(module)\n"
-        "print(module.epoch_order(50, seed=3, epoch=2, shuffle=True))\n"
+        "from loader.datasets.partition import epoch_order\n"
+        "print(epoch_order(50, seed=3, epoch=2, shuffle=True))\n"
     )
     outputs = set()
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        result = subprocess.run([sys.executable, "-c", code, loader.partition.__file__], env=env,
-                                capture_output=True, text=True, check=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True, cwd=ROOT)
         outputs.add(result.stdout)
     assert outputs == {str(epoch_order(50, seed=3, epoch=2, shuffle=True)) + "\n"}
 
@@ -259,7 +254,7 @@ def test_balanced_shard_ranges_are_exactly_once_and_equal_per_rank(
 ):
     from collections import Counter
 
-    from loader.partition import balanced_shard_ranges, rank_length
+    from loader.datasets.partition import balanced_shard_ranges, rank_length
 
     total = sum(counts)
     seen: Counter = Counter()

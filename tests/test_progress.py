@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, ConfigError
-from loader.progress import Watermark, consumed_per_worker
+from loader.datasets.progress import Watermark, consumed_per_worker
 
 
 @given(st.lists(st.integers(0, 300), max_size=400))

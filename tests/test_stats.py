@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, TransientStoreError
-from loader.stats import BOUNDS, LatencyHistogram
+from loader.stores.recording import BOUNDS, LatencyHistogram
 
 
 @given(st.lists(st.floats(1e-4, 100.0), min_size=1, max_size=300), st.sampled_from([0.5, 0.9, 0.99]))

@@ -1,4 +1,4 @@
-"""Tests for loader.tar: round trips through Python's tarfile, truncation, garbage and resume."""
+"""Tests for loader.formats.tar: round trips through Python's tarfile, truncation, garbage and resume."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader.errors import ShardFormatError
-from loader.tar import (
+from loader.formats.tar import (
     BLOCK_SIZE,
     SampleGrouper,
     TarMember,

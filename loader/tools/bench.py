@@ -17,11 +17,11 @@ import random
 import time
 from typing import Any
 
-from .config import S3Config
-from .engine import DEFAULT_MAX_INFLIGHT
-from .errors import ConfigError
-from .packing import format_size
-from .uri import parse_s3_uri
+from ..config import S3Config
+from ..engine.fetch import DEFAULT_MAX_INFLIGHT
+from ..errors import ConfigError
+from .sizes import format_size
+from ..uri import parse_s3_uri
 
 DEFAULT_SAMPLES = 5000
 DEFAULT_WORKERS = 2
@@ -64,7 +64,7 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
-    from .dataset import AsyncS3Dataset
+    from ..datasets.iterable import AsyncS3Dataset
 
     options = options or BenchOptions()
     mode = "shards" if options.shards or looks_like_shards(uri) else "objects"

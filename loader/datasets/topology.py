@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def world(environ: Mapping[str, str] | None = None) -> tuple[int, int]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import Job, JobContext
-from .retry import call_with_retries
+from ..engine.fetch import Job, JobContext
+from ..retry import call_with_retries
 from .tar import split_key
-from .uri import object_url
+from ..uri import object_url
 
 NO_EXTENSION_FIELD = "data"
 

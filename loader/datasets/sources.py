@@ -12,32 +12,15 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from anyio.from_thread import start_blocking_portal
 
-from .errors import ConfigError, EmptyDatasetError
-from .retry import RetryPolicy, call_with_retries
-from .stores import ObjectInfo, ObjectStore
-from .shards import ShardRef
-from .uri import expand_braces, parse_s3_uri
+from ..errors import ConfigError, EmptyDatasetError
+from ..retry import RetryPolicy, call_with_retries
+from ..stores import ObjectInfo, ObjectStore
+from ..stores.blocking import run_async, with_store
+from ..formats.shards import ShardRef
+from ..uri import expand_braces, parse_s3_uri
 
 T = TypeVar("T")
-
-
-def run_async(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run one coroutine function to completion on a fresh loop in a helper thread."""
-    with start_blocking_portal(name="loader-oneshot") as portal:
-        return portal.call(fn)
-
-
-async def with_store(
-    factory: Callable[[], Awaitable[ObjectStore]], use: Callable[[ObjectStore], Awaitable[T]]
-) -> T:
-    """Open a store, run ``use(store)``, always close it."""
-    store = await factory()
-    try:
-        return await use(store)
-    finally:
-        await store.aclose()
 
 
 async def list_objects(

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from .errors import LoaderError
+from ..errors import LoaderError
 
 if TYPE_CHECKING:
     from .devserver import DevServer
@@ -209,7 +209,7 @@ def register_ls(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_ls(args: argparse.Namespace, out: IO[str] | None = None) -> int:
-    from .inspect_cmd import list_uri, summarize_listing
+    from .ls import list_uri, summarize_listing
 
     out = out or sys.stdout
     objects = list_uri(args.uri)
@@ -223,7 +223,7 @@ def run_ls(args: argparse.Namespace, out: IO[str] | None = None) -> int:
 
 def register_shard(subparsers: argparse._SubParsersAction) -> None:
     """``shard``: pack the objects under a prefix into WebDataset tar shards, resumably."""
-    from .packing import DEFAULT_NAME_FORMAT  # pure and light: no torch, no I/O
+    from ..formats.packing import DEFAULT_NAME_FORMAT  # pure and light: no torch, no I/O
 
     p = subparsers.add_parser(
         "shard", help="pack the objects under a prefix into WebDataset tar shards (resumable)",
@@ -245,7 +245,7 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
             "  loader shard s3://data/train/ s3://data/shuffled/ --target-size 1GiB --shuffle --seed 7\n"
             "\nthen read them with:\n"
             "  from loader import AsyncS3Dataset\n"
-            "  from loader.packing import read_index_counts\n"
+            "  from loader import read_index_counts\n"
             "  ds = AsyncS3Dataset.from_shards(\"s3://data/train-shards/\", shuffle=True,\n"
             "         sample_counts=read_index_counts(\"s3://data/train-shards/index.json\"))\n"
             "\nsizes: 256MB = 256*10^6 bytes, 1GiB = 2^30, 500k = 500*10^3."
@@ -282,7 +282,7 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
-    from .shardwrite import DEFAULT_PART_SIZE, PackOptions, pack, summary_lines
+    from .shard import DEFAULT_PART_SIZE, PackOptions, pack, summary_lines
 
     out, err = out or sys.stdout, err or sys.stderr
     options = PackOptions(
@@ -326,7 +326,7 @@ def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         print(line, file=out)
     print(f"read them with: AsyncS3Dataset.from_shards({report.destination!r}, "
           f"sample_counts=read_index_counts({report.index_url!r}))  "
-          "# from loader.packing import read_index_counts", file=out)
+          "# from loader import read_index_counts", file=out)
     return EXIT_OK
 
 
@@ -384,7 +384,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
-    from .bench_cmd import BenchOptions, bench, bench_lines
+    from .bench import BenchOptions, bench, bench_lines
 
     out = out or sys.stdout
     options = BenchOptions(samples=args.samples, workers=args.workers, batch_size=args.batch_size,
@@ -420,7 +420,7 @@ def _int(text: str) -> int:
 
 
 def _s3_uri(text: str) -> str:
-    from .uri import parse_s3_uri
+    from ..uri import parse_s3_uri
 
     try:
         parse_s3_uri(text)
@@ -430,7 +430,7 @@ def _s3_uri(text: str) -> str:
 
 
 def _size(text: str) -> int:
-    from .packing import parse_size
+    from .sizes import parse_size
 
     try:
         return parse_size(text)
@@ -439,7 +439,7 @@ def _size(text: str) -> int:
 
 
 def _name_format(text: str) -> str:
-    from .packing import check_name_format
+    from ..formats.packing import check_name_format
 
     try:
         return check_name_format(text)

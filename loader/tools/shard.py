@@ -1,7 +1,7 @@
 """``loader shard``: pack the objects under a prefix into WebDataset tar shards, resumably.
 
 The I/O half of packing; the plan (which objects go into which shard, every byte offset) is
-pure and lives in ``loader/packing.py``. One short-lived event loop in a helper thread
+pure and lives in ``loader/formats/packing.py``. One short-lived event loop in a helper thread
 (``sources.run_async``) does all of the work through the project's own store, and is gone when
 ``pack`` returns::
 
@@ -40,20 +40,17 @@ from typing import Any
 
 import anyio
 
-from .config import S3Config, resolve_config
-from .errors import ConfigError, LoaderError, StoreError
-from .packing import (
+from ..config import S3Config, resolve_config
+from ..errors import ConfigError, LoaderError, StoreError
+from ..formats.packing import (
     DEFAULT_NAME_FORMAT,
-    INDEX_NAME,
     PROGRESS_NAME,
     Member,
     ShardPlan,
     Skipped,
-    build_index,
     check_name_format,
     encode_member,
     end_of_archive,
-    format_size,
     group_samples,
     parse_progress,
     part_size_for,
@@ -62,11 +59,14 @@ from .packing import (
     progress_document,
     shuffle_samples,
 )
-from .retry import RetryPolicy, call_with_retries
-from .sources import list_objects, run_async
-from .stores import ObjectStore, StoreFactory, open_store, resolve_backend
-from .stores.base import S3_MIN_PART_SIZE, MultipartStore
-from .uri import parse_s3_uri
+from ..formats.index import INDEX_NAME, build_index
+from .sizes import format_size
+from ..retry import RetryPolicy, call_with_retries
+from ..datasets.sources import list_objects
+from ..stores.blocking import run_async
+from ..stores import ObjectStore, StoreFactory, open_store, resolve_backend
+from ..stores.base import S3_MIN_PART_SIZE, MultipartStore
+from ..uri import parse_s3_uri
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
     from exceptiongroup import BaseExceptionGroup

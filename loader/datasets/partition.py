@@ -42,7 +42,9 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, TypeVar
+from typing import Literal, TypeVar
+
+from ..formats.shards import ShardAssignment
 
 PadPolicy = Literal["pad", "drop"]
 T = TypeVar("T")
@@ -156,27 +158,6 @@ def partition(
 
 
 # ----------------------------------------------------------------------------- shard mode
-
-
-class ShardAssignment(NamedTuple):
-    """Read shard ``shard`` and keep the samples whose index ``% stride == phase``."""
-
-    shard: int
-    stride: int
-    phase: int
-    start: int = 0
-    stop: int | None = None
-
-    def keeps(self, sample_index: int) -> bool:
-        """Whether the ``sample_index``-th sample of the shard belongs to this slot."""
-        if sample_index < self.start or (self.stop is not None and sample_index >= self.stop):
-            return False
-        return sample_index % self.stride == self.phase
-
-    def wanted(self, samples: int) -> int:
-        """How many of a shard's ``samples`` this assignment keeps."""
-        stop = samples if self.stop is None else min(self.stop, samples)
-        return sum(1 for i in range(self.start, stop) if i % self.stride == self.phase)
 
 
 def slot_of(rank: int, world_size: int, worker: int, num_workers: int) -> tuple[int, int]:

@@ -19,11 +19,11 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from .config import S3Config
-from .dataset import AsyncS3Dataset
-from .sources import run_async
-from .stores import open_store
-from .retry import RetryPolicy
+from ..config import S3Config
+from ..datasets.iterable import AsyncS3Dataset
+from ..stores.blocking import run_async
+from ..stores import open_store
+from ..retry import RetryPolicy
 
 BUCKET = "demo"
 

@@ -21,12 +21,11 @@ from typing import Any, Literal, NamedTuple
 
 import anyio
 
-from .engine import Job, JobContext
-from .errors import ConfigError, InvalidRangeError, ShardFormatError, TransientStoreError
-from .partition import ShardAssignment
-from .retry import backoff_delay, call_with_retries
+from ..engine.fetch import Job, JobContext
+from ..errors import ConfigError, InvalidRangeError, ShardFormatError, TransientStoreError
+from ..retry import backoff_delay, call_with_retries
 from .tar import SampleGrouper, TarMember, TarStreamParser
-from .uri import object_url
+from ..uri import object_url
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,27 @@ DEFAULT_SHUFFLE_BUFFER = 1000
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_PARTS_INFLIGHT = 4
 DEFAULT_CHUNK_SIZE = 1 << 20
+
+
+class ShardAssignment(NamedTuple):
+    """Read shard ``shard`` and keep the samples whose index ``% stride == phase``."""
+
+    shard: int
+    stride: int
+    phase: int
+    start: int = 0
+    stop: int | None = None
+
+    def keeps(self, sample_index: int) -> bool:
+        """Whether the ``sample_index``-th sample of the shard belongs to this slot."""
+        if sample_index < self.start or (self.stop is not None and sample_index >= self.stop):
+            return False
+        return sample_index % self.stride == self.phase
+
+    def wanted(self, samples: int) -> int:
+        """How many of a shard's ``samples`` this assignment keeps."""
+        stop = samples if self.stop is None else min(self.stop, samples)
+        return sum(1 for i in range(self.start, stop) if i % self.stride == self.phase)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -36,10 +36,10 @@ from typing import Any, Literal, NamedTuple
 
 import anyio
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .loopthread import LoopThread
-from .retry import RetryPolicy
-from .stores import ObjectStore
+from ..retry import RetryPolicy
+from ..stores import ObjectStore
 
 DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_QUEUE_BYTES = 256 << 20

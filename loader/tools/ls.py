@@ -12,12 +12,12 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .config import S3Config, resolve_config
-from .packing import format_size
-from .retry import RetryPolicy
-from .sources import list_prefix
-from .stores import ObjectInfo, open_store, resolve_backend
-from .tar import split_key
+from ..config import S3Config, resolve_config
+from .sizes import format_size
+from ..retry import RetryPolicy
+from ..datasets.sources import list_prefix
+from ..stores import ObjectInfo, open_store, resolve_backend
+from ..formats.tar import split_key
 
 SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
 BAR_WIDTH = 40

@@ -1,6 +1,6 @@
 """Packing objects into WebDataset tar shards: the pure half of ``loader shard``, plus the index.
 
-``loader shard SRC DST`` (``loader/shardwrite.py`` does the I/O) turns a listing into shards in
+``loader shard SRC DST`` (``loader/tools/shard.py`` does the I/O) turns a listing into shards in
 three pure, deterministic steps, so that a rerun with the same listing and options makes the
 same plan and can skip what is already uploaded::
 
@@ -9,7 +9,7 @@ same plan and can skip what is already uploaded::
 
 * **Samples.** An object's member name is its key relative to the source prefix's directory
   (``s3://b/train/x/0001.jpg`` under ``s3://b/train/`` is ``x/0001.jpg``); its WebDataset key is
-  that name up to the first dot of the basename (``loader.tar.split_key``). Objects with the same
+  that name up to the first dot of the basename (``loader.formats.tar.split_key``). Objects with the same
   key form one sample, whose members sit next to each other in a shard, so a sample never
   straddles two shards. Samples are grouped by key, not by listing adjacency: in key order
   ``a/b.c.jpg``, ``a/b.d/x.jpg``, ``a/b.e.jpg`` interleave two samples.
@@ -22,9 +22,7 @@ same plan and can skip what is already uploaded::
   offset, is built from the plan alone, and headers are deterministic (mtime 0, mode 0644, no
   owner), which makes a rerun produce identical bytes.
 
-The index (``DST/index.json``) lists every shard with its URL, sample count, size and the byte
-offset of each sample's first header; ``read_index_counts(uri)`` turns it into the
-``sample_counts=`` of ``AsyncS3Dataset.from_shards`` (the only functions here that do I/O).
+The index written beside the shards is built and read in ``index.py``.
 """
 
 from __future__ import annotations
@@ -32,66 +30,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import random
-import re
 import tarfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .index import INDEX_VERSION
 from .tar import BLOCK_SIZE, split_key
 
-INDEX_NAME = "index.json"
 PROGRESS_NAME = "_progress.json"
-INDEX_VERSION = 1
 PLAN_VERSION = 1  # bump when the layout of planned shards changes (resume refuses old plans)
 END_OF_ARCHIVE = 2 * BLOCK_SIZE
 DEFAULT_NAME_FORMAT = "shard-{:05d}.tar"
 _GNU_NAME_LIMIT = 100  # tarfile.LENGTH_NAME: longer names get a GNU long-name header
 _RESERVED_FIELDS = frozenset({"__key__", "__url__", "__index__"})
-
-# ------------------------------------------------------------------------ sizes
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
-    "ti": 2**40, "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"256MB"``, ``"1GiB"``, ``"500k"``, ``"1.5G"`` or ``"4096"``.
-
-    Decimal units (k, KB, M, MB, G, GB, T, TB) are powers of 1000, binary ones (KiB, MiB, GiB,
-    TiB, or Ki, Mi, ...) powers of 1024; case does not matter. The result must be at least 1.
-    """
-    match = _SIZE_RE.match(text) if isinstance(text, str) else None
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ConfigError(
-            f"{text!r} is not a size; write a number with an optional unit, "
-            "e.g. 256MB, 1GiB, 500k or 1048576 (bytes)"
-        )
-    number, unit = match.groups()
-    value = math.floor(float(number) * _UNITS[unit.lower()])
-    if value < 1:
-        raise ConfigError(f"{text!r} is less than one byte; give a positive size such as 256MB")
-    return value
-
-
-def format_size(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``: binary units, three significant digits."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(value)} B"
-            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
 
 # ------------------------------------------------------------------------ tar layout
 
@@ -353,89 +306,3 @@ def parse_progress(document: Any, fingerprint: str, where: str) -> set[int]:
     return set(done)
 
 
-# ------------------------------------------------------------------------ the index
-
-
-def build_index(source: str, bucket: str, names: Sequence[str], plans: Sequence[ShardPlan], *,
-                fingerprint: str, target_size: int, skipped: int = 0) -> dict[str, Any]:
-    """``index.json``: every shard's key, URL, samples, objects, bytes and sample offsets."""
-    shards = [
-        {"key": name, "url": f"s3://{bucket}/{name}", "samples": len(plan.samples),
-         "objects": plan.objects, "bytes": plan.bytes, "offsets": list(plan.offsets)}
-        for name, plan in zip(names, plans, strict=True)
-    ]
-    return {
-        "version": INDEX_VERSION,
-        "created_by": "loader shard",
-        "source": source,
-        "fingerprint": fingerprint,
-        "target_size": target_size,
-        "samples": sum(s["samples"] for s in shards),
-        "objects": sum(s["objects"] for s in shards),
-        "skipped_objects": skipped,
-        "bytes": sum(s["bytes"] for s in shards),
-        "shards": shards,
-    }
-
-
-def index_counts(index: Any, where: str = "the index") -> dict[str, int]:
-    """``{shard url: samples}`` from a parsed index, checked (for ``sample_counts=``)."""
-    if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
-        raise ConfigError(f"{where} is not an index written by loader shard (version {INDEX_VERSION})")
-    counts: dict[str, int] = {}
-    for position, shard in enumerate(index.get("shards", ())):
-        url = shard.get("url") if isinstance(shard, dict) else None
-        samples = shard.get("samples") if isinstance(shard, dict) else None
-        if not isinstance(url, str) or not isinstance(samples, int) or samples < 0:
-            raise ConfigError(f"{where}: shards[{position}] lacks a url or a sample count")
-        counts[url] = samples
-    return counts
-
-
-def read_index(uri: str, *, config: Any = None, store: str | Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Fetch and parse ``s3://bucket/.../index.json`` written by ``loader shard``.
-
-    Configuration comes from the environment unless ``config`` (an ``S3Config``) is given;
-    ``store`` is a backend name or an async store factory, as for the datasets.
-    """
-    import functools
-
-    from .config import resolve_config
-    from .retry import RetryPolicy, call_with_retries
-    from .sources import run_async, with_store
-    from .stores import open_store, resolve_backend
-    from .uri import parse_s3_uri
-
-    bucket, key = parse_s3_uri(uri)
-    if not key or key.endswith("/"):
-        key += INDEX_NAME
-    retry = RetryPolicy()
-    if callable(store):
-        factory = store
-    else:
-        factory = functools.partial(open_store, resolve_backend(store), resolve_config(config),
-                                    max_connections=2, retry=retry)
-
-    async def use(s: Any) -> bytes:
-        return await call_with_retries(lambda: s.get(bucket, key), retry)
-
-    where = f"s3://{bucket}/{key}"
-    raw = run_async(functools.partial(with_store, factory, use))
-    try:
-        document = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{where} is not JSON ({exc}); give the index.json that loader shard wrote") from None
-    index_counts(document, where)  # validates
-    return document
-
-
-def read_index_counts(uri: str, **options: Any) -> dict[str, int]:
-    """``{shard url: samples}`` from a ``loader shard`` index, for ``from_shards(sample_counts=)``::
-
-        counts = read_index_counts("s3://bucket/shards/index.json")
-        ds = AsyncS3Dataset.from_shards("s3://bucket/shards/", sample_counts=counts)
-
-    A prefix (``s3://bucket/shards/``) means its ``index.json``.
-    """
-    document = read_index(uri, **options)
-    return index_counts(document, uri)

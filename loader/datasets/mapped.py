@@ -31,7 +31,7 @@ Its lifetime is bounded all the same:
   parent, and any call into its portal (stopping it included) waits for it forever, the hazard
   ``engine._forget_inherited`` guards against. The child parks the parent's client for good
   and opens its own on first access; a spawned child never sees it at all. The portal is run
-  without ``start_blocking_portal``'s generator (see ``loopthread.py``), so that even freeing
+  without ``start_blocking_portal``'s generator (see ``engine/loopthread.py``), so that even freeing
   an inherited client, at the child's exit say, cannot block.
 
 Memory: one batch's objects (batch size x object size); there is no read-ahead across batches,
@@ -55,15 +55,15 @@ import anyio
 from anyio.from_thread import BlockingPortal
 from torch.utils.data import Dataset
 
-from .dataset import LoaderOptions
-from .decode import apply_transform
-from .errors import ConfigError
-from .jobs import object_sample
-from .loopthread import LoopThread
-from .retry import RetryPolicy, call_with_retries
+from .options import LoaderOptions
+from ..decode import apply_transform
+from ..errors import ConfigError
+from ..formats.objects import object_sample
+from ..engine.loopthread import LoopThread
+from ..retry import RetryPolicy, call_with_retries
 from .sources import check_keys, list_prefix, read_manifest
-from .stores import ObjectStore, StoreFactory
-from .uri import parse_s3_uri
+from ..stores import ObjectStore, StoreFactory
+from ..uri import parse_s3_uri
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,88 @@
+"""The package's shape: the README's module table matches the tree, and folders import one way."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "loader"
+# lower layers first: a module may import from its own layer or any layer below it
+LAYERS = ("foundation", "stores", "engine", "formats", "datasets", "checkpoint", "tools")
+FOUNDATION = {"config", "uri", "errors", "retry", "decode", "_version"}
+
+
+def modules() -> list[str]:
+    return sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    )
+
+
+def layer(module: str) -> str:
+    """``loader.stores.cache`` -> ``stores``; top-level foundation modules -> ``foundation``."""
+    parts = module.split(".")[1:]
+    if not parts or parts[0] in FOUNDATION:
+        return "foundation"
+    if parts[0] == "__main__":
+        return "tools"
+    return parts[0]
+
+
+def imports_of(path: Path) -> set[str]:
+    """The absolute ``loader.*`` modules a file imports (relative imports resolved)."""
+    relative = path.relative_to(ROOT).with_suffix("")
+    package = list(relative.parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module and node.module.startswith("loader"):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("loader"))
+    return found
+
+
+def test_readme_module_table_matches_the_tree():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("| module | its one job |"):]
+    section = section[: section.index("\n\n")]
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", section, re.M))
+    assert listed == set(modules()), (
+        f"README module table is out of date: missing {sorted(set(modules()) - listed)}, "
+        f"stale {sorted(listed - set(modules()))}"
+    )
+
+
+def test_imports_between_folders_run_one_way():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py" and path.parent == PACKAGE:
+            continue  # the lazy public namespace re-exports from every layer
+        here = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        mine = LAYERS.index(layer(here))
+        for target in imports_of(path):
+            if LAYERS.index(layer(target)) > mine:
+                wrong.append(f"{here} imports {target}")
+    assert not wrong, "imports against the data path's direction:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_cli_and_the_package_import_without_torch():
+    code = "import sys, loader, loader.tools.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_public_names_resolve_lazily():
+    import loader
+
+    for name in loader.__all__:
+        assert getattr(loader, name) is not None, name
+    assert "AsyncS3Dataset" in dir(loader)
