@@ -21,7 +21,7 @@ from loader.decode import (
     decode_images,
     decode_sample,
 )
-from loader.demo import photo_jpeg
+from loader.tools.demo import photo_jpeg
 
 
 def jpeg(width=8, height=6):
