@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from .errors import ConfigError
@@ -90,3 +91,26 @@ def _expand_group(body: str, pattern: str) -> list[str]:
     if "," in body:
         return body.split(",")
     raise ConfigError(f"{pattern!r}: {{{body}}} is neither a range {{a..b}} nor a list {{x,y}}")
+
+
+def sibling_matches(prefix: str, keys: Iterable[str]) -> list[str]:
+    """What a folder-like prefix without its trailing slash matched besides its folder.
+
+    ``"train/imgs"`` names the folder ``train/imgs/`` but, as a prefix, matches
+    ``train/imgs-shards/...`` and ``train/imgs.txt`` too: those are returned (folders with their
+    slash, in sorted order). Nothing is returned when the prefix ends in a slash, when it is no
+    folder's full name (``"train/img0"`` is a partial name, meant to match many), or when only
+    the folder matched.
+    """
+    if not prefix or prefix.endswith("/"):
+        return []
+    folder = prefix + "/"
+    others: set[str] = set()
+    named_a_folder = False
+    for key in keys:
+        if key.startswith(folder):
+            named_a_folder = True
+            continue
+        slash = key.find("/", len(prefix))
+        others.add(key if slash < 0 else key[:slash + 1])
+    return sorted(others) if named_a_folder else []

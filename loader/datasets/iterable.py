@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import random
 import time
+import warnings
 from multiprocessing.context import get_spawning_popen
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -29,15 +30,15 @@ from ..engine.fetch import (
     FetchEngine,
 )
 from ..decode import apply_transform
-from ..errors import ConfigError
-from ..formats.objects import object_job
+from ..errors import ConfigError, SampleError
+from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job
 from .options import LoaderOptions
 from .progress import Watermark, consumed_per_worker
 from ..formats.shards import END, ShardOptions, ShardRef, shard_job
 from .shuffle import shuffled
 from .stats import MAX_WORKERS, StatsBoard, summarize
 from ..stores.recording import RequestRecorder
-from .sources import check_keys, list_prefix, read_manifest, resolve_shards, shard_specs
+from .sources import check_keys, list_keys, read_manifest, resolve_shards, shard_specs
 from ..uri import parse_s3_uri
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ class AsyncS3Dataset(IterableDataset):
     """Stream samples from S3 with many requests in flight. Build it with a constructor:
 
     * ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)``, ``from_manifest(path)``:
-      one object per sample, one GET each, ``max_inflight`` at a time;
+      objects that share a stem (``a/1.jpg``, ``a/1.cls``) form one sample, their GETs run
+      concurrently, ``max_inflight`` samples at a time; ``label_from="parent"`` adds the class
+      folder's index as ``"cls"`` (see ``classes``);
     * ``from_shards("s3://b/train-{0000..0127}.tar")``: WebDataset tar shards streamed and
       parsed on the fly, ``shards_inflight`` at a time, samples mixed by a shuffle buffer.
 
@@ -67,6 +70,9 @@ class AsyncS3Dataset(IterableDataset):
         shards: str | Iterable[str] | None = None,
         options: LoaderOptions | None = None,
         shard_options: ShardOptions | None = None,
+        group: bool = True,
+        label_from: LabelFrom | None = None,
+        labels: Iterable[int | str | None] | None = None,
     ) -> None:
         super().__init__()
         given = [name for name, value in (("keys", keys), ("prefix", prefix), ("shards", shards))
@@ -79,6 +85,12 @@ class AsyncS3Dataset(IterableDataset):
         self.options = options or LoaderOptions()
         self.shard_options = shard_options or ShardOptions()
         self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
+        self._group = group
+        self._label_from = label_from
+        self._labels = None if labels is None else tuple(labels)
+        self._index: SampleIndex | None = None
+        if self._keys is not None:
+            self._index = self._build_index()  # a bad key list fails here, not in a worker
         self._shard_specs = None if shards is None else shard_specs(shards)
         self._shards: list[ShardRef] | None = None
         self._sample_counts: dict[str, int] | None = None
@@ -93,30 +105,47 @@ class AsyncS3Dataset(IterableDataset):
     # ----------------------------------------------------------------------- constructors
 
     @classmethod
-    def from_prefix(cls, uri: str, **options: Any) -> AsyncS3Dataset:
-        """Every object under ``s3://bucket/prefix/``, listed once when first needed."""
+    def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
+                    **options: Any) -> AsyncS3Dataset:
+        """Every object under ``s3://bucket/prefix``, listed once when first needed.
+
+        Objects sharing a stem form one sample (``group=False``: one object per sample).
+        ``label_from="parent"``: the class folder of each object becomes its label (field
+        ``"cls"``, an ``int``; ``classes`` and ``class_to_idx`` name them, as in ``ImageFolder``).
+        Hidden objects (basename starting with a dot) are left out. A prefix without a trailing
+        slash matches siblings too (``imgs`` matches ``imgs-shards/``): that is warned about.
+        """
         bucket, prefix = parse_s3_uri(uri)
-        return cls(bucket=bucket, prefix=prefix, options=LoaderOptions(**options))
+        return cls(bucket=bucket, prefix=prefix, options=LoaderOptions(**options), group=group,
+                   label_from=label_from)
 
     @classmethod
-    def from_keys(cls, bucket: str, keys: Iterable[str], **options: Any) -> AsyncS3Dataset:
-        """Exactly these keys of ``bucket`` (no listing, no HEAD: one GET per sample)."""
+    def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
+                  label_from: LabelFrom | None = None, **options: Any) -> AsyncS3Dataset:
+        """Exactly these keys of ``bucket`` (no listing, no HEAD), grouped by stem as in
+        ``from_prefix``; samples come in the order their stems first appear."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        return cls(bucket=bucket, keys=keys, options=LoaderOptions(**options))
+        return cls(bucket=bucket, keys=keys, options=LoaderOptions(**options), group=group,
+                   label_from=label_from)
 
     @classmethod
-    def from_manifest(cls, path: str, bucket: str | None = None, **options: Any) -> AsyncS3Dataset:
-        """Keys from a text file, one per line (plain keys with ``bucket=``, or ``s3://`` URIs)."""
-        bucket, keys = read_manifest(path, bucket)
-        return cls(bucket=bucket, keys=keys, options=LoaderOptions(**options))
+    def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
+                      label_from: LabelFrom | None = None, **options: Any) -> AsyncS3Dataset:
+        """Keys from a file: plain text (one key or ``s3://`` URI per line), or CSV / JSON lines
+        with a ``key`` (or ``url``) column and optionally a ``label`` column (class names or
+        integers), see ``sources.read_manifest``. Grouped by stem as in ``from_prefix``."""
+        manifest = read_manifest(path, bucket)
+        return cls(bucket=manifest.bucket, keys=manifest.keys, options=LoaderOptions(**options),
+                   group=group, label_from=label_from, labels=manifest.labels)
 
     @classmethod
     def from_shards(cls, shards: str | Iterable[str], **options: Any) -> AsyncS3Dataset:
         """Tar shards: a brace pattern, a list of URIs/patterns, or a prefix (every ``.tar``).
 
         Shard options (see ``ShardOptions``): ``shards_inflight``, ``shuffle_buffer``,
-        ``on_error``, ``part_size``, ``parts_inflight``, ``chunk_size``; the rest as usual.
+        ``part_size``, ``parts_inflight``, ``chunk_size``; the rest as usual (``on_error``: a
+        corrupt shard raises, or the rest of it is skipped, quietly or with a warning).
         """
         names = {field.name for field in dataclasses.fields(ShardOptions)}
         shard_options = ShardOptions(**{k: options.pop(k) for k in list(options) if k in names})
@@ -132,11 +161,36 @@ class AsyncS3Dataset(IterableDataset):
         if self.mode != "objects":
             raise TypeError("keys() is for per-object datasets; this one reads shards (see shards())")
         if self._keys is None:
-            found = list_prefix(f"s3://{self.bucket}/{self.prefix}",
-                                factory=self.options.listing_factory(), retry=self.options.retry)
-            self._keys = tuple(info.key for info in found)
-            log.info("listed %d objects under s3://%s/%s", len(self._keys), self.bucket, self.prefix)
+            self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
+                                   retry=self.options.retry)
         return self._keys
+
+    def samples(self) -> SampleIndex:
+        """Per-object mode: which objects form each sample (the unit of an epoch), and labels."""
+        if self._index is None:
+            self.keys()
+            self._index = self._build_index()
+        return self._index
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names by index when labels come from names (``label_from="parent"`` or a
+        manifest's label column of names), sorted as ``ImageFolder`` sorts them; else None."""
+        if self.mode != "objects":
+            return None
+        classes = self.samples().classes
+        return None if classes is None else list(classes)
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        """``{class name: index}``, the inverse of ``classes`` (None without named classes)."""
+        return None if self.mode != "objects" else self.samples().class_to_idx
+
+    def _build_index(self) -> SampleIndex:
+        where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
+        root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
+        return build_index(self._keys, group=self._group, label_from=self._label_from,
+                           labels=self._labels, where=where, root=root)
 
     def shards(self) -> list[ShardRef]:
         """Shard mode: the shard list, listing prefixes now if not done yet."""
@@ -149,7 +203,7 @@ class AsyncS3Dataset(IterableDataset):
 
     def resolve(self) -> None:
         """List now (keys or shards), so that DataLoader workers inherit the result."""
-        self.keys() if self.mode == "objects" else self.shards()
+        self.samples() if self.mode == "objects" else self.shards()
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows (and list, if needed).
@@ -187,7 +241,7 @@ class AsyncS3Dataset(IterableDataset):
                 raise TypeError("the number of samples in these tar shards is unknown until they "
                                 "are read; pass from_shards(..., sample_counts={url: n})")
             return partition.rank_length(sum(counts), world_size, self.options.pad_policy)
-        return partition.rank_length(len(self.keys()), world_size, self.options.pad_policy)
+        return partition.rank_length(len(self.samples()), world_size, self.options.pad_policy)
 
     def shard_counts(self) -> list[int] | None:
         """Samples per shard in ``shards()`` order, when given; every shard must be covered."""
@@ -225,12 +279,32 @@ class AsyncS3Dataset(IterableDataset):
             tagged = _drop(tagged, skip, self._progress)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
-                for tag, sample in tagged:
+                for tag, item in tagged:
                     self._progress.add(tag)
+                    if isinstance(item, Skipped):
+                        self._skip(item.url, item.reason)
+                        continue
+                    try:
+                        sample = self._transform(item)
+                    except SampleError as exc:
+                        if self.options.on_error == "raise":
+                            raise
+                        self._skip(exc.url, str(exc))
+                        continue
                     samples += 1
-                    yield self._transform(sample)
+                    yield sample
         finally:
             self._publish(worker, samples, time.perf_counter() - started)
+
+    def _skip(self, url: str, reason: str) -> None:
+        """Count a sample that ``on_error`` skips, and say so as it asks."""
+        self._progress.samples_skipped += 1
+        message = f"skipping {url} (on_error={self.options.on_error!r}): {reason}"
+        if self.options.on_error == "warn":
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            log.warning(message)
+        else:
+            log.info(message)
 
     def _publish(self, worker: int, samples: int, seconds: float) -> None:
         """Put this pass's counters on the shared board (and in the log, if asked)."""
@@ -240,6 +314,7 @@ class AsyncS3Dataset(IterableDataset):
         counters = {
             "samples": samples, "bytes": recorder.bytes, "requests": recorder.requests,
             "request_errors": recorder.request_errors, "retries": engine.get("retries", 0),
+            "samples_skipped": self._progress.samples_skipped,
             "shards_skipped": self._progress.shards_skipped, "cache_hits": cache.get("hits", 0),
             "cache_misses": cache.get("misses", 0),
             "consumer_wait_s": engine.get("consumer_wait_s", 0.0), "seconds": seconds,
@@ -253,22 +328,23 @@ class AsyncS3Dataset(IterableDataset):
                      s["requests"], s["retries"], s["latency_p50_s"], s["latency_p99_s"])
 
     def plan(self) -> list[int]:
-        """Per-object mode: positions in ``keys()`` this rank and worker read this epoch."""
+        """Per-object mode: positions in ``samples()`` this rank and worker read this epoch."""
         rank, world_size = self.options.world()
         worker, num_workers = topology.worker()
         return partition.partition(
-            len(self.keys()), seed=self.options.effective_seed, epoch=self.epoch,
+            len(self.samples()), seed=self.options.effective_seed, epoch=self.epoch,
             shuffle=self.options.shuffle, rank=rank, world_size=world_size,
             worker=worker, num_workers=num_workers, policy=self.options.pad_policy,
         )
 
     def _iter_objects(self, skip: int = 0) -> Iterator[tuple[Any, dict[str, Any]]]:
-        keys = self.keys()
+        index = self.samples()
         done = self._progress.objects
         for slot in range(skip):  # plain-DataLoader resume: the first ``skip`` were delivered
             done.add(slot)
         todo = [(slot, pos) for slot, pos in enumerate(self.plan()) if slot not in done]
-        jobs = (object_job(self.bucket, keys[pos], slot) for slot, pos in todo)
+        on_error = self.options.on_error
+        jobs = (sample_job(index, self.bucket, pos, slot, on_error) for slot, pos in todo)
         delivery = "ordered" if self.options.ordered else "completed"
         yield from self._run(jobs, self.options.limits(delivery))
 
@@ -290,7 +366,7 @@ class AsyncS3Dataset(IterableDataset):
         progress = self._progress
         jobs = [
             shard_job(shards[a.shard], position, a, self.shard_options,
-                      skip=progress.shard(position))
+                      skip=progress.shard(position), on_error=self.options.on_error)
             for position, a in enumerate(assignments)
             if not _shard_complete(a, progress.shard_samples.get(position), progress.shard(position))
         ]
@@ -407,7 +483,7 @@ class AsyncS3Dataset(IterableDataset):
                      num_workers=num_workers)
         workers = range(max(1, num_workers))
         if self.mode == "objects":
-            return [len(partition.partition(len(self.keys()), worker=w,
+            return [len(partition.partition(len(self.samples()), worker=w,
                                             policy=self.options.pad_policy, **where)) for w in workers]
         counts = self.shard_counts()
         if counts is None:
@@ -416,7 +492,7 @@ class AsyncS3Dataset(IterableDataset):
             counts, worker=w, policy=self.options.pad_policy, **where)) for w in workers]
 
     def _size(self) -> int:
-        return len(self.keys()) if self.mode == "objects" else len(self.shards())
+        return len(self.samples()) if self.mode == "objects" else len(self.shards())
 
     def _resumed(self) -> dict[str, Any]:
         if self._resume is None or self._resume["epoch"] != self.epoch:
@@ -460,6 +536,7 @@ class _Progress:
     shards: dict[int, Watermark] = dataclasses.field(default_factory=dict)
     shard_samples: dict[int, int] = dataclasses.field(default_factory=dict)
     shards_skipped: int = 0
+    samples_skipped: int = 0  # by on_error: an object gone, a transform that raised
     shard_ends: int = 0  # end-of-shard markers seen in this iteration
 
     def add(self, tag: Any) -> None:

@@ -47,6 +47,7 @@ import logging
 import operator
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -57,11 +58,11 @@ from torch.utils.data import Dataset
 
 from .options import LoaderOptions
 from ..decode import apply_transform
-from ..errors import ConfigError
-from ..formats.objects import object_sample
+from ..errors import ConfigError, NoSuchKeyError, SampleError
+from ..formats.objects import LabelFrom, SampleIndex, build_index
 from ..engine.loopthread import LoopThread
 from ..retry import RetryPolicy, call_with_retries
-from .sources import check_keys, list_prefix, read_manifest
+from .sources import check_keys, list_keys, read_manifest
 from ..stores import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
 
@@ -76,9 +77,14 @@ _DEFAULTS = LoaderOptions.__dataclass_fields__
 
 
 class AsyncS3MapDataset(Dataset):
-    """Random access to S3 objects, one sample per object. Build it with a constructor:
+    """Random access to S3 samples. Build it with a constructor:
 
     ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)`` or ``from_manifest(path)``.
+    Samples are grouped and labelled as in ``AsyncS3Dataset`` (objects sharing a stem form one
+    sample, ``label_from="parent"``, ``classes``): index ``i`` is sample ``i``, whose objects
+    are fetched concurrently with the rest of the batch.
+    ``on_error="skip"`` / ``"warn"`` leaves a sample whose object is gone or whose transform
+    raised out of its batch (the batch is shorter); ``dataset[i]`` alone still raises.
     Options are those of ``LoaderOptions`` that concern fetching: ``transform``, ``config``,
     ``store``, ``retry``, ``max_inflight`` (GETs in flight per process, default 64). Order and
     the split across ranks are the sampler's business, so ``shuffle``, ``seed``, ``ordered``,
@@ -93,6 +99,9 @@ class AsyncS3MapDataset(Dataset):
         keys: Iterable[str] | None = None,
         prefix: str | None = None,
         options: LoaderOptions | None = None,
+        group: bool = True,
+        label_from: LabelFrom | None = None,
+        labels: Iterable[int | str | None] | None = None,
     ) -> None:
         super().__init__()
         if (keys is None) == (prefix is None):
@@ -102,6 +111,12 @@ class AsyncS3MapDataset(Dataset):
         self.options = options or LoaderOptions()
         _reject_defaults_changed(self.options)
         self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
+        self._group = group
+        self._label_from = label_from
+        self._labels = None if labels is None else tuple(labels)
+        self._index: SampleIndex | None = None
+        if self._keys is not None:
+            self._index = self._build_index()
         self._client: _Client | None = None
         self._closer: weakref.finalize | None = None
         self._lock = threading.Lock()
@@ -109,41 +124,71 @@ class AsyncS3MapDataset(Dataset):
     # ----------------------------------------------------------------------- constructors
 
     @classmethod
-    def from_prefix(cls, uri: str, **options: Any) -> AsyncS3MapDataset:
-        """Every object under ``s3://bucket/prefix/``, listed once when first needed."""
+    def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
+                    **options: Any) -> AsyncS3MapDataset:
+        """Every object under ``s3://bucket/prefix``, listed once when first needed (hidden
+        objects left out; see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
-        return cls(bucket=bucket, prefix=prefix, options=_options(options))
+        return cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
+                   label_from=label_from)
 
     @classmethod
-    def from_keys(cls, bucket: str, keys: Iterable[str], **options: Any) -> AsyncS3MapDataset:
-        """Exactly these keys of ``bucket``; index ``i`` is ``keys[i]``."""
+    def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
+                  label_from: LabelFrom | None = None, **options: Any) -> AsyncS3MapDataset:
+        """Exactly these keys of ``bucket``; index ``i`` is the ``i``-th stem to appear
+        (``keys[i]`` when no two keys share a stem, or with ``group=False``)."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        return cls(bucket=bucket, keys=keys, options=_options(options))
+        return cls(bucket=bucket, keys=keys, options=_options(options), group=group,
+                   label_from=label_from)
 
     @classmethod
-    def from_manifest(cls, path: str, bucket: str | None = None, **options: Any) -> AsyncS3MapDataset:
-        """Keys from a text file, one per line (plain keys with ``bucket=``, or ``s3://`` URIs)."""
-        bucket, keys = read_manifest(path, bucket)
-        return cls(bucket=bucket, keys=keys, options=_options(options))
+    def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
+                      label_from: LabelFrom | None = None, **options: Any) -> AsyncS3MapDataset:
+        """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
+        ``sources.read_manifest``)."""
+        manifest = read_manifest(path, bucket)
+        return cls(bucket=manifest.bucket, keys=manifest.keys, options=_options(options),
+                   group=group, label_from=label_from, labels=manifest.labels)
 
     # ----------------------------------------------------------------------- the Dataset protocol
 
     def keys(self) -> tuple[str, ...]:
-        """The key of every index, listing the prefix now if not done yet (once)."""
+        """Every object key, listing the prefix now if not done yet (once)."""
         if self._keys is None:
-            found = list_prefix(f"s3://{self.bucket}/{self.prefix}",
-                                factory=self.options.store_factory(), retry=self.options.retry)
-            self._keys = tuple(info.key for info in found)
-            log.info("listed %d objects under s3://%s/%s", len(self._keys), self.bucket, self.prefix)
+            self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
+                                   retry=self.options.retry)
         return self._keys
 
+    def samples(self) -> SampleIndex:
+        """Which objects form each index's sample, and their labels."""
+        if self._index is None:
+            self.keys()
+            self._index = self._build_index()
+        return self._index
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names by index when labels come from names (as ``ImageFolder.classes``)."""
+        classes = self.samples().classes
+        return None if classes is None else list(classes)
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        return self.samples().class_to_idx
+
+    def _build_index(self) -> SampleIndex:
+        where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
+        root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
+        return build_index(self._keys, group=self._group, label_from=self._label_from,
+                           labels=self._labels, where=where, root=root)
+
     def __len__(self) -> int:
-        return len(self.keys())
+        return len(self.samples())
 
     def __getitem__(self, index: int) -> Any:
-        """The sample at ``index``: one GET (retried), then ``transform``."""
-        return self.__getitems__([index])[0]
+        """The sample at ``index``: its objects' GETs (retried), then ``transform``."""
+        return self._fetch([index], skip=False)[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples at ``indices``, in that order, fetched concurrently (``max_inflight``).
@@ -151,14 +196,40 @@ class AsyncS3MapDataset(Dataset):
         The DataLoader calls this with each batch of sampler indices. An index that appears
         more than once is fetched once and transformed once per appearance. The first failed
         GET (after retries) cancels the rest of the batch and is raised; it names the key.
+        With ``on_error`` ``"skip"`` or ``"warn"``, a sample whose object is gone (404) or
+        whose transform raised is left out of the returned batch instead.
         """
-        keys = self.keys()
-        wanted = [keys[self._check_index(index, len(keys))] for index in indices]
+        return self._fetch(indices, skip=self.options.on_error != "raise")
+
+    def _fetch(self, indices: Sequence[int], *, skip: bool) -> list[Any]:
+        index = self.samples()
+        wanted = [self._check_index(i, len(index)) for i in indices]
         if not wanted:
             return []
-        unique = list(dict.fromkeys(wanted))
-        fetched = dict(zip(unique, self._client_here().get_many(self.bucket, unique)))
-        return [self._transform(object_sample(self.bucket, key, fetched[key])) for key in wanted]
+        unique = list(dict.fromkeys(key for i in wanted for key in index.objects(i)))
+        bodies = self._client_here().get_many(self.bucket, unique, missing_ok=skip)
+        fetched = dict(zip(unique, bodies))
+        out = []
+        for i in wanted:
+            parts = [fetched[key] for key in index.objects(i)]
+            failed = next((part for part in parts if isinstance(part, NoSuchKeyError)), None)
+            try:
+                if failed is not None:
+                    raise failed
+                out.append(self._transform(index.sample(self.bucket, i, parts)))
+            except (NoSuchKeyError, SampleError) as exc:
+                if not skip:
+                    raise
+                self._skip(exc)
+        return out
+
+    def _skip(self, exc: Exception) -> None:
+        message = f"skipping a sample (on_error={self.options.on_error!r}): {exc}"
+        if self.options.on_error == "warn":
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            log.warning(message)
+        else:
+            log.info(message)
 
     # ----------------------------------------------------------------------- lifecycle
 
@@ -181,7 +252,7 @@ class AsyncS3MapDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into spawned workers: list here, once, rather than in every worker; the
         # client (a thread, a loop, open connections) belongs to this process alone.
-        self.keys()
+        self.samples()
         state = self.__dict__.copy()
         for name in ("_client", "_closer", "_lock"):
             del state[name]
@@ -267,16 +338,19 @@ class _Client:
             raise
         return client
 
-    def get_many(self, bucket: str, keys: list[str]) -> list[bytes]:
-        """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here."""
-        future = self.portal.start_task_soon(self._get_many, bucket, keys)
+    def get_many(self, bucket: str, keys: list[str], *, missing_ok: bool = False) -> list[Any]:
+        """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here.
+
+        ``missing_ok``: an object that is gone (404) gives its ``NoSuchKeyError`` in its place
+        instead of failing the batch."""
+        future = self.portal.start_task_soon(self._get_many, bucket, keys, missing_ok)
         try:
             return future.result()
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt: do not leave the batch running
             raise
 
-    async def _get_many(self, bucket: str, keys: list[str]) -> list[bytes]:
+    async def _get_many(self, bucket: str, keys: list[str], missing_ok: bool) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
 
@@ -285,6 +359,11 @@ class _Client:
                 async with self.limiter:
                     out[slot] = await call_with_retries(
                         functools.partial(self.store.get, bucket, key), self.retry)
+            except NoSuchKeyError as exc:
+                if not missing_ok:
+                    failures.append(exc)
+                    tg.cancel_scope.cancel()
+                out[slot] = exc
             except Exception as exc:  # the first one ends the batch; cancellation passes by
                 failures.append(exc)
                 tg.cancel_scope.cancel()

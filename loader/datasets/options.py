@@ -12,6 +12,7 @@ from typing import Any
 from ..config import S3Config, resolve_config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
 from ..errors import ConfigError
+from ..formats.objects import ON_ERROR, OnError
 from ..retry import RetryPolicy
 from ..stores import StoreFactory, open_store, preload_backend, resolve_backend
 from ..stores.cache import CacheStats, check_cache_options, endpoint_id_for, open_cached_store
@@ -41,8 +42,13 @@ class LoaderOptions:
     log_stats: bool = False
     cache_dir: str | os.PathLike[str] | None = None
     cache_limit: int | None = None
+    on_error: OnError = "raise"
 
     def __post_init__(self) -> None:
+        if self.on_error == "skip_shard":  # the shard-only name it had before objects could skip
+            object.__setattr__(self, "on_error", "skip")
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(f"on_error={self.on_error!r} must be one of 'raise', 'skip', 'warn'")
         self.limits("ordered")  # validates the engine settings now, not in a worker later
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")

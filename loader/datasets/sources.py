@@ -7,10 +7,16 @@ the main thread) and DataLoader workers alike, and leaves no thread behind.
 
 from __future__ import annotations
 
+import csv
 import functools
+import io
+import json
+import logging
+import re
+import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 
 from ..errors import ConfigError, EmptyDatasetError
@@ -18,9 +24,10 @@ from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectInfo, ObjectStore
 from ..stores.blocking import run_async, with_store
 from ..formats.shards import ShardRef
-from ..uri import expand_braces, parse_s3_uri
+from ..uri import expand_braces, parse_s3_uri, sibling_matches
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 async def list_objects(
@@ -67,38 +74,119 @@ def list_prefix(
     return run_async(functools.partial(with_store, factory, use))
 
 
-def read_manifest(path: str | Path, bucket: str | None = None) -> tuple[str, list[str]]:
-    """Keys from a text file, one per line: plain keys (``bucket`` given) or ``s3://`` URIs.
+class Manifest(NamedTuple):
+    """What a manifest lists: one bucket, its keys, and a label per key when it has a column."""
 
-    Blank lines and lines starting with ``#`` are skipped. All URIs must name one bucket.
+    bucket: str
+    keys: list[str]
+    labels: list[int | str | None] | None = None
+
+
+KEY_COLUMNS = ("key", "url", "uri")
+LABEL_COLUMNS = ("label", "cls", "class")
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def read_manifest(path: str | Path, bucket: str | None = None) -> Manifest:
+    """Keys (and labels) from a manifest file; the format follows the file's suffix.
+
+    * plain text (any other suffix): one key or ``s3://`` URI per line; blank lines and lines
+      starting with ``#`` are skipped;
+    * ``.csv``: a header row naming a key column (``key``, ``url`` or ``uri``) and optionally a
+      label column (``label``, ``cls`` or ``class``); a label column of integers gives class
+      indices as they are, any other values are class names (numbered in sorted order);
+    * ``.jsonl`` / ``.ndjson``: one JSON object per line with the same names, e.g.
+      ``{"key": "train/cat/1.jpg", "label": "cat"}``.
+
+    Keys are plain (``bucket`` given) or ``s3://`` URIs, all naming one bucket. A row may leave
+    its label empty when another row of the same sample (same stem) gives it.
     """
     manifest = Path(path)
+    name = str(manifest)
     try:
-        lines = manifest.read_text(encoding="utf-8").splitlines()
+        text = manifest.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read manifest {str(manifest)!r}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read manifest {name!r}: {exc.strerror}") from exc
+    suffix = manifest.suffix.lower()
+    if suffix == ".csv":
+        rows, labeled = _csv_rows(text, name)
+    elif suffix in (".jsonl", ".ndjson"):
+        rows, labeled = _json_rows(text, name)
+    else:
+        rows = [(number, line.strip(), None) for number, line in enumerate(text.splitlines(), 1)
+                if line.strip() and not line.strip().startswith("#")]
+        labeled = False
     keys: list[str] = []
-    for number, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("s3://"):
-            uri = parse_s3_uri(line)
+    for number, key, _ in rows:
+        if key.startswith("s3://"):
+            uri = parse_s3_uri(key)
             if bucket is not None and uri.bucket != bucket:
                 raise ConfigError(
-                    f"{str(manifest)!r} line {number}: bucket {uri.bucket!r} differs from "
+                    f"{name!r} line {number}: bucket {uri.bucket!r} differs from "
                     f"{bucket!r}; one manifest serves one bucket"
                 )
             bucket = uri.bucket
-            line = uri.key
-        keys.append(line)
+            key = uri.key
+        keys.append(key)
     if bucket is None:
-        raise ConfigError(
-            f"manifest {str(manifest)!r} holds plain keys; pass bucket=... or write s3:// URIs"
-        )
+        raise ConfigError(f"manifest {name!r} holds plain keys; pass bucket=... or write s3:// URIs")
     if not keys:
-        raise EmptyDatasetError(f"manifest {str(manifest)!r} lists no keys")
-    return bucket, keys
+        raise EmptyDatasetError(f"manifest {name!r} lists no keys")
+    labels = [label for _, _, label in rows] if labeled else None
+    if labels is not None and all(label is None or isinstance(label, str) and _INTEGER.fullmatch(label)
+                                  for label in labels) and suffix == ".csv":
+        labels = [None if label is None else int(label) for label in labels]
+    return Manifest(bucket, keys, labels)
+
+
+Row = tuple[int, str, "int | str | None"]
+
+
+def _column(names: Iterable[str], wanted: tuple[str, ...]) -> str | None:
+    lowered = {name.strip().lower(): name for name in names if name}
+    return next((lowered[w] for w in wanted if w in lowered), None)
+
+
+def _csv_rows(text: str, name: str) -> tuple[list[Row], bool]:
+    reader = csv.DictReader(io.StringIO(text))
+    header = reader.fieldnames or []
+    key_column = _column(header, KEY_COLUMNS)
+    if key_column is None:
+        raise ConfigError(f"manifest {name!r}: the first row must name the columns, one of them "
+                          f"{' / '.join(KEY_COLUMNS)} (found {header!r})")
+    label_column = _column(header, LABEL_COLUMNS)
+    rows: list[Row] = []
+    for row in reader:
+        key = (row.get(key_column) or "").strip()
+        if not key:
+            continue
+        label = (row.get(label_column) or "").strip() if label_column else ""
+        rows.append((reader.line_num, key, label or None))
+    return rows, label_column is not None
+
+
+def _json_rows(text: str, name: str) -> tuple[list[Row], bool]:
+    rows: list[Row] = []
+    labeled = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"manifest {name!r} line {number}: not JSON ({exc.msg})") from exc
+        key_column = _column(row, KEY_COLUMNS) if isinstance(row, dict) else None
+        if key_column is None or not isinstance(row[key_column], str):
+            raise ConfigError(f"manifest {name!r} line {number}: expected an object with a "
+                              f"string {' / '.join(KEY_COLUMNS)} field, got {line.strip()[:80]!r}")
+        label_column = _column(row, LABEL_COLUMNS)
+        label = None if label_column is None else row[label_column]
+        if isinstance(label, bool) or not (label is None or isinstance(label, (int, str))):
+            raise ConfigError(f"manifest {name!r} line {number}: label {label!r} must be a class "
+                              "name or an integer")
+        labeled = labeled or label_column is not None
+        rows.append((number, row[key_column], label))
+    return rows, labeled
 
 
 def check_keys(bucket: str, keys: Iterable[str]) -> tuple[str, ...]:
@@ -142,5 +230,36 @@ def resolve_shards(
             shards.append(ShardRef(bucket, key))
         else:
             found = list_prefix(uri, factory=factory, retry=retry, suffix=".tar")
+            warn_siblings(bucket, key, [info.key for info in found])
             shards.extend(ShardRef(bucket, info.key, info.size) for info in found)
     return shards
+
+
+def list_keys(
+    bucket: str, prefix: str, *, factory: Callable[[], Awaitable[ObjectStore]], retry: RetryPolicy
+) -> tuple[str, ...]:
+    """The keys a per-object dataset reads under ``s3://bucket/prefix``: hidden objects (a
+    basename starting with a dot: ``.DS_Store``, ``._x.jpg``) are left out, and a prefix that
+    also matched sibling folders is warned about (``warn_siblings``)."""
+    found = [info.key for info in list_prefix(f"s3://{bucket}/{prefix}", factory=factory, retry=retry)]
+    keys = tuple(key for key in found if not key.startswith(".", key.rfind("/") + 1))
+    if len(keys) < len(found):
+        log.info("left out %d hidden objects under s3://%s/%s", len(found) - len(keys), bucket, prefix)
+    if not keys:
+        raise EmptyDatasetError(f"only hidden objects (names starting with a dot) under "
+                                f"s3://{bucket}/{prefix}")
+    warn_siblings(bucket, prefix, keys)
+    log.info("listed %d objects under s3://%s/%s", len(keys), bucket, prefix)
+    return keys
+
+
+def warn_siblings(bucket: str, prefix: str, keys: Iterable[str]) -> None:
+    """Warn, once per listing, when a prefix without its trailing slash matched more than the
+    folder it names (``s3://b/imgs`` also matches ``imgs-shards/`` and ``imgs.txt``)."""
+    others = sibling_matches(prefix, keys)
+    if others:
+        shown = ", ".join(repr(name) for name in others[:5]) + (" ..." if len(others) > 5 else "")
+        warnings.warn(
+            f"s3://{bucket}/{prefix} has no trailing slash, so it also matched {len(others)} "
+            f"sibling name(s) next to the folder {prefix + '/'!r}: {shown}; write "
+            f"s3://{bucket}/{prefix}/ to read only that folder", UserWarning, stacklevel=4)

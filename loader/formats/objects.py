@@ -1,28 +1,220 @@
-"""The units of engine work: fetch one object into a sample (shard streaming lives in ``shards.py``).
+"""Per-object samples: which objects form one sample, its class label, and the job that fetches it.
 
-A job is ``async def job(ctx: JobContext)``: it fetches through ``ctx.store`` (with retries),
-builds a WebDataset-style sample and ``emit``s it tagged with its position in the epoch plan, so
-the dataset knows exactly which samples were delivered (for resume) whatever the order.
+WebDataset's naming rule, applied to object keys instead of tar members: the *stem* is the key
+up to the first dot of its basename, the rest names the field. Objects that share a stem form
+one sample, fetched together::
+
+    imgs/00001.jpg + imgs/00001.cls  ->  {"__key__": "imgs/00001", "jpg": b"...", "cls": b"7"}
+
+A ``SampleIndex`` is the epoch's unit of work for per-object datasets: partitioning, shuffling,
+resume positions and map-style indices all count samples, not objects. It stores every key once,
+grouped, plus where each sample starts (flat arrays pickle small into DataLoader workers).
+
+Labels, when asked for, become the field ``"cls"`` as an ``int``:
+
+* ``label_from="parent"``: the name of the folder that holds the object
+  (``train/cat/001.jpg`` -> ``"cat"``). Class indices follow the sorted class names, as
+  torchvision's ``ImageFolder`` numbers its folders; ``classes`` and ``class_to_idx`` say which.
+* a label per key (a manifest's label column): class names are numbered the same way; integer
+  labels are used as they are.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from array import array
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import anyio
 
 from ..engine.fetch import Job, JobContext
+from ..errors import ConfigError, NoSuchKeyError
 from ..retry import call_with_retries
-from .tar import split_key
 from ..uri import object_url
+from .tar import split_key
 
+LabelFrom = Literal["parent"]
+LABEL_SOURCES = ("parent",)
+LABEL_FIELD = "cls"
 NO_EXTENSION_FIELD = "data"
+RESERVED_FIELDS = ("__key__", "__url__", "__index__")
+Label = int | str
+
+
+def field_of(key: str) -> str:
+    """The sample field an object fills: its extension (``"data"`` when it has none)."""
+    return split_key(key)[1] or NO_EXTENSION_FIELD
+
+
+def is_hidden(key: str) -> bool:
+    """Whether the basename starts with a dot (``.DS_Store``, ``._x.jpg``): never a sample."""
+    return key.startswith(".", key.rfind("/") + 1)
+
+
+def parent_folder(key: str) -> str | None:
+    """The name of the folder holding ``key`` (``"a/cat/1.jpg"`` -> ``"cat"``), or None at the top."""
+    folder = key.rpartition("/")[0]
+    return folder.rpartition("/")[2] if folder else None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SampleIndex:
+    """Samples over object keys: sample ``i`` is ``keys[starts[i]:starts[i + 1]]``.
+
+    ``labels`` holds one class index per sample when the samples carry a label; ``classes``
+    names the classes (index -> name) when labels came from names.
+    """
+
+    keys: tuple[str, ...]
+    starts: array
+    labels: array | None = None
+    classes: tuple[str, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def objects(self, index: int) -> tuple[str, ...]:
+        """The keys of sample ``index``, in key order."""
+        return self.keys[self.starts[index]:self.starts[index + 1]]
+
+    def stem(self, index: int) -> str:
+        return split_key(self.keys[self.starts[index]])[0]
+
+    def label(self, index: int) -> int | None:
+        return None if self.labels is None else self.labels[index]
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        return None if self.classes is None else {name: i for i, name in enumerate(self.classes)}
+
+    def sample(self, bucket: str, index: int, bodies: Sequence[bytes]) -> dict[str, Any]:
+        """The sample dict of ``index`` from its objects' bodies (in ``objects(index)`` order)."""
+        keys = self.objects(index)
+        out: dict[str, Any] = {"__key__": split_key(keys[0])[0], "__url__": object_url(bucket, keys[0])}
+        for key, body in zip(keys, bodies):
+            out[field_of(key)] = body
+        if self.labels is not None:
+            out[LABEL_FIELD] = self.labels[index]
+        return out
+
+
+def build_index(
+    keys: Sequence[str],
+    *,
+    group: bool = True,
+    label_from: LabelFrom | None = None,
+    labels: Sequence[Label | None] | None = None,
+    where: str = "",
+    root: str | None = None,
+) -> SampleIndex:
+    """Group ``keys`` into samples (first appearance of each stem decides the sample order).
+
+    ``labels``: one label per key (or None where a row gave none); every sample needs exactly
+    one value among its keys. ``where`` names the source in errors (a prefix URL, a manifest).
+    ``root``: with ``label_from="parent"``, the folder listed; objects directly in it have no
+    class folder and are an error (``ImageFolder`` reads only the class folders under its root).
+    """
+    if label_from is not None and label_from not in LABEL_SOURCES:
+        raise ConfigError(f"label_from={label_from!r} must be 'parent' or None")
+    if label_from is not None and labels is not None:
+        raise ConfigError(f"{where} carries a label column; label_from={label_from!r} would "
+                          "replace it: use one or the other")
+    if labels is not None and len(labels) != len(keys):
+        raise ValueError(f"{len(labels)} labels for {len(keys)} keys")
+    members: dict[str, list[int]] = {}
+    if group:
+        for position, key in enumerate(keys):
+            members.setdefault(split_key(key)[0], []).append(position)
+    groups = list(members.values()) if group else [[position] for position in range(len(keys))]
+    ordered: list[str] = []
+    starts = array("q", [0])
+    for positions in groups:
+        fields: dict[str, str] = {}
+        for position in positions:
+            key = keys[position]
+            field = field_of(key)
+            if field in RESERVED_FIELDS:
+                raise ConfigError(f"{_object(where, key)} has the extension {field!r}, which is a "
+                                  "reserved sample field; rename it")
+            if field in fields:
+                raise ConfigError(
+                    f"{_object(where, key)} and {fields[field]!r} both give field {field!r} of "
+                    f"sample {split_key(key)[0]!r}; rename one, or pass group=False to read every "
+                    "object as a sample of its own")
+            if field == LABEL_FIELD and (label_from is not None or labels is not None):
+                raise ConfigError(
+                    f"{_object(where, key)} fills the field {LABEL_FIELD!r}, where the label "
+                    f"({'label_from=' + repr(label_from) if label_from else 'label column'}) goes; "
+                    "use the objects or the label, not both")
+            fields[field] = key
+            ordered.append(key)
+        starts.append(len(ordered))
+    index = SampleIndex(tuple(ordered), starts)
+    if label_from == "parent":
+        return _with_names(index, [_parent_label(index, i, where, root) for i in range(len(index))])
+    if labels is not None:
+        order = [position for positions in groups for position in positions]
+        per_sample = [_one_label(index, i, [labels[p] for p in order[index.starts[i]:index.starts[i + 1]]], where)
+                      for i in range(len(index))]
+        if all(isinstance(label, int) for label in per_sample):
+            return dataclasses.replace(index, labels=array("q", per_sample))
+        if all(isinstance(label, str) for label in per_sample):
+            return _with_names(index, per_sample)
+        raise ConfigError(f"{where}: labels mix class names and integers; use one kind")
+    return index
+
+
+def _with_names(index: SampleIndex, names: list[str]) -> SampleIndex:
+    classes = tuple(sorted(set(names)))
+    number = {name: i for i, name in enumerate(classes)}
+    return dataclasses.replace(index, labels=array("q", (number[name] for name in names)),
+                               classes=classes)
+
+
+def _parent_label(index: SampleIndex, i: int, where: str, root: str | None) -> str:
+    key = index.keys[index.starts[i]]
+    folder = key.rpartition("/")[0]
+    name = parent_folder(key)
+    if name is None or (root is not None and folder + "/" == root):
+        inside = f" under {where}" if where else ""
+        raise ConfigError(
+            f"label_from='parent': {key!r} is not in a class folder{inside} (expected "
+            "<root>/<class>/<file>, as ImageFolder reads them); move it into one, or list only "
+            "the class folders")
+    return name
+
+
+def _one_label(index: SampleIndex, i: int, given: list[Label | None], where: str) -> Label:
+    values = {label for label in given if label is not None}
+    if len(values) == 1:
+        return values.pop()
+    stem = index.stem(i)
+    if not values:
+        raise ConfigError(f"{where}: sample {stem!r} has no label; give every row a label")
+    raise ConfigError(f"{where}: the rows of sample {stem!r} disagree on its label "
+                      f"({sorted(map(repr, values))}); give them one")
+
+
+def _object(where: str, key: str) -> str:
+    return f"{where}: object {key!r}" if where else f"object {key!r}"
+
+
+# ----------------------------------------------------------------------------- fetching
+
+OnError = Literal["raise", "skip", "warn"]
+ON_ERROR = ("raise", "skip", "warn")
+
+
+class Skipped(NamedTuple):
+    """Emitted instead of a sample that ``on_error`` skipped: what failed, for the warning."""
+
+    url: str
+    reason: str
 
 
 def object_sample(bucket: str, key: str, data: bytes) -> dict[str, Any]:
-    """``{"__key__": "train/000123", "__url__": "s3://b/train/000123.jpg", "jpg": b"..."}``.
-
-    The field is the key's extension after the first dot of its basename (WebDataset's rule),
-    or ``"data"`` for a key with no extension.
-    """
+    """``{"__key__": "train/000123", "__url__": "s3://b/train/000123.jpg", "jpg": b"..."}``."""
     stem, ext = split_key(key)
     return {"__key__": stem, "__url__": object_url(bucket, key), ext or NO_EXTENSION_FIELD: data}
 
@@ -35,5 +227,56 @@ def object_job(bucket: str, key: str, position: int) -> Job:
             lambda: ctx.store.get(bucket, key), ctx.retry, on_retry=ctx.retried
         )
         await ctx.emit((position, object_sample(bucket, key, data)), len(data))
+
+    return job
+
+
+async def fetch_all(ctx: JobContext, bucket: str, keys: Sequence[str]) -> list[bytes]:
+    """Every object of ``keys`` (one GET each, retried), concurrently; the first failure
+    cancels the others and is raised as itself (not wrapped in an exception group)."""
+
+    async def get(key: str) -> bytes:
+        return await call_with_retries(lambda: ctx.store.get(bucket, key), ctx.retry,
+                                       on_retry=ctx.retried)
+
+    if len(keys) == 1:
+        return [await get(keys[0])]
+    out: list[Any] = [None] * len(keys)
+    failures: list[Exception] = []
+
+    async def one(slot: int, key: str) -> None:
+        try:
+            out[slot] = await get(key)
+        except Exception as exc:  # noqa: BLE001 - the first one ends the sample; cancellation passes by
+            failures.append(exc)
+            tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for slot, key in enumerate(keys):
+            tg.start_soon(one, slot, key)
+    if failures:
+        raise failures[0]
+    return out
+
+
+def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
+               on_error: OnError = "raise") -> Job:
+    """Fetch the objects of sample ``sample`` concurrently and emit ``(position, sample dict)``.
+
+    With ``on_error`` other than ``"raise"``, an object gone since the listing (404) emits
+    ``(position, Skipped)`` instead, so the position still counts as delivered. Errors that
+    would hit every sample (credentials, bucket, endpoint) are raised whatever ``on_error`` says.
+    """
+    keys = index.objects(sample)
+
+    async def job(ctx: JobContext) -> None:
+        try:
+            bodies = await fetch_all(ctx, bucket, keys)
+        except NoSuchKeyError as exc:
+            if on_error == "raise":
+                raise
+            await ctx.emit((position, Skipped(object_url(bucket, exc.key or keys[0]), str(exc))), 0)
+            return
+        await ctx.emit((position, index.sample(bucket, sample, bodies)), sum(map(len, bodies)))
 
     return job

@@ -17,7 +17,7 @@ import random
 import time
 import warnings
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -29,7 +29,6 @@ from ..uri import object_url
 
 log = logging.getLogger(__name__)
 
-OnError = Literal["raise", "skip_shard", "warn"]
 DEFAULT_SHARDS_INFLIGHT = 4
 DEFAULT_SHUFFLE_BUFFER = 1000
 DEFAULT_PART_SIZE = 16 << 20
@@ -64,15 +63,12 @@ class ShardOptions:
 
     ``shards_inflight``: shards streamed at once per worker (their samples interleave).
     ``shuffle_buffer``: samples mixed after reading (0 = off); costs that many samples of RAM.
-    ``on_error``: a corrupt or truncated shard raises (default), is skipped quietly
-    (``"skip_shard"``) or skipped with a warning (``"warn"``); skips are counted in stats.
     ``part_size``/``parts_inflight``: a shard of known size above two parts is fetched as
     ranged GETs of ``part_size`` bytes, ``parts_inflight`` at a time, reassembled in order.
     """
 
     shards_inflight: int = DEFAULT_SHARDS_INFLIGHT
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
-    on_error: OnError = "raise"
     part_size: int = DEFAULT_PART_SIZE
     parts_inflight: int = DEFAULT_PARTS_INFLIGHT
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -84,8 +80,6 @@ class ShardOptions:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer={self.shuffle_buffer!r} must be 0 (off) or more")
-        if self.on_error not in ("raise", "skip_shard", "warn"):
-            raise ConfigError(f"on_error={self.on_error!r} must be 'raise', 'skip_shard' or 'warn'")
 
 
 class ShardRef(NamedTuple):
@@ -126,9 +120,13 @@ def shard_job(
     assignment: ShardAssignment,
     options: ShardOptions,
     skip: frozenset[int] = frozenset(),
+    on_error: str = "raise",
 ) -> Job:
     """Stream one shard; emit ``((position, index), sample)`` for each sample the slot keeps
-    (and has not delivered before a resume), then ``((position, END), ShardEnd)``."""
+    (and has not delivered before a resume), then ``((position, END), ShardEnd)``.
+
+    ``on_error``: a corrupt or truncated shard raises (``"raise"``), or the rest of it is
+    skipped quietly (``"skip"``) or with a warning (``"warn"``); ``ShardEnd`` says it was."""
 
     async def job(ctx: JobContext) -> None:
         grouper = SampleGrouper(shard.url)
@@ -156,7 +154,7 @@ def shard_job(
         except _RangeDone:
             pass
         except ShardFormatError as exc:
-            if options.on_error == "raise":
+            if on_error == "raise":
                 raise
             # The sample being collected when the shard broke off is complete when the break came
             # in a later sample's member; the parser does not say whose, so keep it when it has
@@ -165,8 +163,8 @@ def shard_job(
             if pending is not None and frozenset(pending) - {"__index__"} == fields:
                 with contextlib.suppress(_RangeDone):
                     await deliver(pending)
-            message = f"skipping the rest of shard {shard.url} (on_error={options.on_error!r}): {exc}"
-            if options.on_error == "warn":
+            message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
+            if on_error == "warn":
                 warnings.warn(message, RuntimeWarning, stacklevel=1)
             log.warning(message)
             await ctx.emit(((position, END), ShardEnd(count, skipped=True)), 0)

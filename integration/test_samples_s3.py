@@ -1,0 +1,136 @@
+"""Per-object samples on a real S3 server: stems grouped into one sample, class folders as
+labels, manifests with a label column, on_error and the sibling-prefix warning, exactly once
+with and without DataLoader workers."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+from datasets import make_jpeg, sha256, upload_objects
+from torch.utils.data import DataLoader
+
+from loader import AsyncS3Dataset, AsyncS3MapDataset
+
+STEMS = 150
+CLASSES = ("dog", "cat", "Zebra", "ant")
+PER_CLASS = 25
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server):
+    """``imgs/NNNNN.jpg`` + ``.cls`` + ``.json`` per stem, ``imgs-shards/`` beside them (a
+    sibling that ``s3://b/imgs`` also matches) and ``train/<class>/NNN.jpg`` class folders."""
+    name = s3_server.new_bucket()
+    items = {}
+    for i in range(STEMS):
+        items[f"imgs/{i:05d}.jpg"] = make_jpeg(i)
+        items[f"imgs/{i:05d}.cls"] = str(i % 7).encode()
+        items[f"imgs/{i:05d}.json"] = json.dumps({"i": i}).encode()
+    items["imgs-shards/train-0000.tar"] = b"not read here"
+    for c, label in enumerate(CLASSES):
+        for i in range(PER_CLASS):
+            items[f"train/{label}/{i:03d}.jpg"] = make_jpeg(1000 + c * PER_CLASS + i)
+    items["train/.DS_Store"] = b"hidden"
+    upload_objects(s3_server.minio, name, items)
+    return name, {key: sha256(data) for key, data in items.items()}
+
+
+def loader_options(num_workers):
+    return {"num_workers": num_workers, "timeout": 120 if num_workers else 0}
+
+
+def summary(sample):
+    """Runs in the workers (module level, so any start method can pickle it)."""
+    return {"key": sample["__key__"], "jpg": sha256(sample["jpg"]),
+            "cls": sample["cls"] if isinstance(sample["cls"], int) else int(sample["cls"]),
+            "json": json.loads(sample["json"])["i"] if "json" in sample else None}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_grouped_stems_exactly_once(s3_server, bucket, num_workers):
+    name, digests = bucket
+    ds = AsyncS3Dataset.from_prefix(f"s3://{name}/imgs/", shuffle=True, seed=1, max_inflight=16,
+                                    transform=summary, config=s3_server.config)
+    assert len(ds) == STEMS
+    got = list(DataLoader(ds, batch_size=None, **loader_options(num_workers)))
+    keys = [s["key"] for s in got]
+    assert len(keys) == len(set(keys)) == STEMS
+    for s in got:
+        i = int(s["key"].rsplit("/", 1)[1])
+        assert s["jpg"] == digests[f"{s['key']}.jpg"] and s["cls"] == i % 7 and s["json"] == i
+    assert ds.stats()["samples"] == STEMS and ds.stats()["requests"] == 3 * STEMS
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_class_folders_exactly_once_in_collated_batches(s3_server, bucket, num_workers):
+    """The README's plain ``DataLoader(ds, batch_size=...)``: default collate, labels as a tensor."""
+    name, digests = bucket
+    ds = AsyncS3Dataset.from_prefix(f"s3://{name}/train/", label_from="parent", shuffle=True,
+                                    config=s3_server.config)
+    assert ds.classes == sorted(CLASSES) and len(ds) == len(CLASSES) * PER_CLASS
+    seen = {}
+    for batch in DataLoader(ds, batch_size=16, **loader_options(num_workers)):
+        assert batch["cls"].dtype.is_floating_point is False
+        for key, label, jpg in zip(batch["__key__"], batch["cls"].tolist(), batch["jpg"]):
+            assert key not in seen
+            seen[key] = label
+            assert sha256(jpg) == digests[f"{key}.jpg"]
+    assert len(seen) == len(CLASSES) * PER_CLASS
+    assert all(ds.classes[label] == key.split("/")[1] for key, label in seen.items())
+
+
+def test_map_dataset_grouped_across_workers(s3_server, bucket):
+    name, _ = bucket
+    mds = AsyncS3MapDataset.from_prefix(f"s3://{name}/imgs/", transform=summary,
+                                        config=s3_server.config)
+    assert len(mds) == STEMS
+    got = [s for batch in DataLoader(mds, batch_size=32, shuffle=True, collate_fn=list,
+                                     **loader_options(2)) for s in batch]
+    assert sorted(s["json"] for s in got) == list(range(STEMS))
+    mds.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_manifest_labels_and_missing_objects_skipped(s3_server, bucket, tmp_path, num_workers):
+    name, _ = bucket
+    manifest = tmp_path / "train.jsonl"
+    rows = [{"key": f"s3://{name}/train/{label}/{i:03d}.jpg", "label": label}
+            for label in CLASSES for i in range(0, PER_CLASS, 5)]
+    rows.insert(3, {"key": f"s3://{name}/train/dog/gone.jpg", "label": "dog"})
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ds = AsyncS3Dataset.from_manifest(str(manifest), on_error="skip", config=s3_server.config)
+    got = list(DataLoader(ds, batch_size=None, **loader_options(num_workers)))
+    assert sorted(s["__key__"] for s in got) == sorted(r["key"][len(f"s3://{name}/"):-4]
+                                                        for r in rows if "gone" not in r["key"])
+    assert all(ds.classes[s["cls"]] == s["__key__"].split("/")[1] for s in got)
+    stats = ds.stats()
+    assert stats["samples_skipped"] == 1 and stats["samples"] == len(rows) - 1
+
+
+def fails_on_seven(sample):
+    if sample["__key__"].endswith("7"):
+        raise ValueError("bad sample")
+    return sample["__key__"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_transform_errors_skipped_and_counted_across_workers(s3_server, bucket, num_workers):
+    name, _ = bucket
+    ds = AsyncS3Dataset.from_prefix(f"s3://{name}/imgs/", transform=fails_on_seven,
+                                    on_error="skip", config=s3_server.config)
+    got = list(DataLoader(ds, batch_size=None, **loader_options(num_workers)))
+    assert sorted(got) == [f"imgs/{i:05d}" for i in range(STEMS) if i % 10 != 7]
+    assert ds.stats()["samples_skipped"] == STEMS // 10
+
+
+def test_prefix_without_slash_warns_naming_the_sibling(s3_server, bucket):
+    name, _ = bucket
+    ds = AsyncS3Dataset.from_prefix(f"s3://{name}/imgs", config=s3_server.config)
+    with pytest.warns(UserWarning, match=r"also matched 1 sibling name.*'imgs-shards/'.*"
+                                         rf"write s3://{name}/imgs/ to read only that folder"):
+        ds.resolve()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AsyncS3Dataset.from_prefix(f"s3://{name}/imgs/", config=s3_server.config).resolve()
