@@ -2,7 +2,7 @@
 
 Every ```python block whose first line is ``# runnable`` runs, in README order, in one shared
 namespace, with the server's environment set and a bucket ``readme`` holding ``train/`` (JPEGs
-with class ids) and ``shards/`` (the same samples in tar shards) ready.
+with class ids), ``pets/{cat,dog}/`` (class folders) and ``shards/`` (tar shards) ready.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def readme_bucket(s3_server, s3_env, monkeypatch, tmp_path):
     except Exception:  # already there from an earlier test in this session
         pass
     jpeg_dataset(s3_server.minio, bucket, "train/", 64, seed=5, with_cls=True)
+    for label in ("dog", "cat"):
+        jpeg_dataset(s3_server.minio, bucket, f"pets/{label}/", 8, seed=len(label))
     samples = {f"s{i:04d}": {"jpg": make_jpeg(i), "cls": str(i % 10).encode()} for i in range(64)}
     keys = sorted(samples)
     for number in range(4):
