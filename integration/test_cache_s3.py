@@ -263,6 +263,7 @@ def test_dot_dot_keys_never_leave_the_cache_directory(s3_server, tmp_path):
                "/etc/passwd": "sp ace/ünï/b.bin", "a/" * 300 + "deep.bin": "x/..%2f..%2fc.bin"}
     setup = Setup(s3_server, tmp_path / "inner", 64 << 20, alias=hostile)
     before = set(tmp_path.parent.rglob("*"))
+    passwd = hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()
     keys = [*hostile, *real]
     content = {key: real[hostile.get(key, key)] for key in keys}
 
@@ -289,4 +290,4 @@ def test_dot_dot_keys_never_leave_the_cache_directory(s3_server, tmp_path):
     assert {p.name for p in setup.entries()} == {
         DiskCache.name_for(endpoint_id_for("aioboto3", s3_server.config), bucket, key) for key in keys}
     assert not any("escape" in p.name or "passwd" in p.name for p in tmp_path.rglob("*"))
-    assert hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()  # untouched, still readable
+    assert hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest() == passwd, "a key wrote outside"

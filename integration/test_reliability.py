@@ -113,7 +113,7 @@ def proxy_for(s3_server, plan: FaultPlan) -> FaultProxy:
     try:
         return FaultProxy(s3_server.config.endpoint_url, plan)
     except ValueError as exc:
-        pytest.skip(f"the fault proxy needs a loopback http server: {exc}")
+        pytest.fail(f"the fault proxy needs a plain-http server on 127.0.0.1 (point the tests at one): {exc}")
 
 
 def through(s3_server, proxy: FaultProxy):
@@ -306,7 +306,7 @@ def own_server(tmp_path_factory):
     try:
         server = DevServer(data_dir=tmp_path_factory.mktemp("restartable"), buckets=["rel"]).start()
     except ConfigError as exc:
-        pytest.skip(f"needs the embedded SeaweedFS: {exc}")
+        pytest.fail(f"the embedded SeaweedFS (a test dependency) did not start: {exc}")
     try:
         from conftest import minio_client
 

@@ -200,7 +200,7 @@ def canary_server(tmp_path):
     try:
         server = DevServer(data_dir=root, buckets=["canary"]).start()
     except ConfigError as exc:
-        pytest.skip(f"needs the embedded SeaweedFS: {exc}")
+        pytest.fail(f"the embedded SeaweedFS (a test dependency) did not start: {exc}")
     try:
         assert server.config.secret_access_key == secret, "DevServer did not keep our identities file"
         yield server, secret

@@ -12,6 +12,7 @@ import time
 import pytest
 
 
+from waiting import wait_stable, wait_until
 from fakes import FakeStore, payloads, reusable
 from loader.engine.fetch import EngineLimits, FetchEngine, live_engines
 from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError
@@ -72,10 +73,12 @@ def test_slow_consumer_pauses_fetching_and_bounds_buffered_bytes(no_leaked_threa
     engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=limits)
     iterator = iter(engine)
     next(iterator)  # consumer takes one item, then stops reading
-    time.sleep(0.3)
-    requests_when_paused = fake.requests
+    # First see the situation under test: the buffer at its budget, fetching paused.
+    wait_until(lambda: engine.statistics().buffered_bytes >= budget - size, "the buffer fills")
+    requests_when_paused = wait_stable(lambda: fake.requests, "the request count")
     time.sleep(0.3)
     assert fake.requests == requests_when_paused, "the store kept receiving requests"
+    assert requests_when_paused >= budget // size, "the buffer was filled by real requests"
     # The documented bound: budget + in-flight requests (+ one batch handed to the consumer).
     assert requests_when_paused <= budget // size + inflight + 1 + 256
     stats = engine.statistics()
@@ -92,9 +95,10 @@ def test_item_count_bound_pauses_fetching(no_leaked_threads):
     engine = FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=limits)
     iterator = iter(engine)
     next(iterator)
-    time.sleep(0.3)
+    wait_until(lambda: engine.statistics().buffered_items >= 20 - 1, "the buffer holds its item limit")
+    requests = wait_stable(lambda: fake.requests, "the request count")
     assert engine.statistics().peak_buffered_bytes <= (20 + 4) * 10
-    assert fake.requests <= 20 + 4 + 256 + 1
+    assert 20 <= requests <= 20 + 4 + 256 + 1
     engine.close()
 
 
@@ -246,7 +250,9 @@ def test_interleave_bounds_the_buffer_with_a_slow_consumer(no_leaked_threads):
     engine = FetchEngine(stream_jobs([1000] * 8), reusable(FakeStore()), limits=limits)
     iterator = iter(engine)
     next(iterator)
-    time.sleep(0.3)
+    wait_until(lambda: engine.statistics().buffered_bytes >= 200 - 10, "the buffer reaches its budget")
+    wait_stable(lambda: engine.statistics().delivered_items + engine.statistics().buffered_items,
+                "the items produced")
     assert engine.statistics().peak_buffered_bytes <= 200 + 10, "at most one item over the budget"
     assert len(list(iterator)) == 7999
 

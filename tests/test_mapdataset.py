@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 
+from waiting import wait_until
 from fakes import FakeStore, payloads, reusable
 from loader import AccessDeniedError, ConfigError, LoaderOptions, NoSuchKeyError, SampleError
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
@@ -459,7 +460,7 @@ def test_fork_after_use_in_the_parent_does_not_hang(closing):
         assert len(ds.__getitems__(list(range(start, start + 32)))) == 32
     slow = threading.Thread(target=ds.__getitem__, args=(99,))
     slow.start()
-    time.sleep(0.1)  # the slow GET is in flight in the parent's loop
+    wait_until(lambda: fake.inflight >= 1, "the slow GET is in flight in the parent's loop")
     pid = os.fork()
     if pid == 0:  # child: exit code says whether it worked
         code = 1

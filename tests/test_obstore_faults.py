@@ -16,7 +16,7 @@ from contextlib import aclosing, asynccontextmanager
 import anyio
 import pytest
 
-pytest.importorskip("obstore")
+import obstore  # noqa: F401  (an installed test dependency: a broken install must fail, not skip)
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

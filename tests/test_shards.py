@@ -14,7 +14,6 @@ import io
 import logging
 import random
 import tarfile
-import time
 from collections import Counter
 
 import pytest
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 import loader.datasets.iterable
 
+from waiting import wait_stable
 from fakes import FakeStore, reusable
 from loader import AsyncS3Dataset, ConfigError
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
@@ -312,6 +312,17 @@ def test_interleave_takes_round_robin_over_shards_in_flight():
 # --------------------------------------------------------------------------- memory
 
 
+class CountingStore(FakeStore):
+    """A fake that counts the body bytes it has streamed so far."""
+
+    streamed = 0
+
+    async def stream(self, *args, **kwargs):
+        async for chunk in super().stream(*args, **kwargs):
+            self.streamed += len(chunk)
+            yield chunk
+
+
 def test_slow_consumer_keeps_the_buffer_within_queue_bytes():
     queue_bytes = 256 << 10
     objects, expected, largest = {}, {}, 0
@@ -322,14 +333,16 @@ def test_slow_consumer_keeps_the_buffer_within_queue_bytes():
             expected[key] = fingerprint_fields(fields)
             largest = max(largest, sum(len(v) for v in fields.values()))
     assert all(len(data) > 8 * queue_bytes for data in objects.values())
-    fake = FakeStore.with_objects(BUCKET, objects)
+    fake = CountingStore.with_objects(BUCKET, objects)
     ds = shards_ds(fake, f"s3://{BUCKET}/shards/train-{{0000..0001}}.tar",
                    queue_bytes=queue_bytes, shuffle_buffer=0, chunk_size=64 << 10)
     samples = []
     it = iter(ds)
     for _ in range(5):
         samples.append(next(it))
-    time.sleep(0.3)  # the engine fills the buffer, then must stop
+    # The engine fills the buffer, then must stop reading: see it stop, and well short of the data.
+    streamed = wait_stable(lambda: fake.streamed, "the bytes streamed")
+    assert queue_bytes <= streamed < sum(map(len, objects.values())) // 2
     samples.extend(it)
     assert_exactly(samples, expected)
     stats = ds.stats()
