@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
-EXTRAS := fast,test,stateful,devserver,image
+EXTRAS := fast,test,stateful,devserver,image,zstd
 COMPOSE := docker compose -f docker/docker-compose.yml --env-file docker/minio.env
 
 .PHONY: install install-bench test unit-test integration-test demo bench minio-up minio-down clean

@@ -141,7 +141,9 @@ class AsyncS3Dataset(IterableDataset):
 
     @classmethod
     def from_shards(cls, shards: str | Iterable[str], **options: Any) -> AsyncS3Dataset:
-        """Tar shards: a brace pattern, a list of URIs/patterns, or a prefix (every ``.tar``).
+        """Tar shards: a brace pattern, a list of URIs/patterns, or a prefix (every shard under it:
+        ``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst``; compressed ones are decompressed
+        as they stream).
 
         Shard options (see ``ShardOptions``): ``shards_inflight``, ``shuffle_buffer``,
         ``part_size``, ``parts_inflight``, ``chunk_size``; the rest as usual (``on_error``: a
@@ -315,7 +317,8 @@ class AsyncS3Dataset(IterableDataset):
             "samples": samples, "bytes": recorder.bytes, "requests": recorder.requests,
             "request_errors": recorder.request_errors, "retries": engine.get("retries", 0),
             "samples_skipped": self._progress.samples_skipped,
-            "shards_skipped": self._progress.shards_skipped, "cache_hits": cache.get("hits", 0),
+            "shards_skipped": self._progress.shards_skipped,
+            "tar_links_skipped": self._progress.tar_links_skipped, "cache_hits": cache.get("hits", 0),
             "cache_misses": cache.get("misses", 0),
             "consumer_wait_s": engine.get("consumer_wait_s", 0.0), "seconds": seconds,
         }
@@ -378,6 +381,7 @@ class AsyncS3Dataset(IterableDataset):
                 if tag[1] == END:
                     progress.shard_samples[tag[0]] = item.samples
                     progress.shards_skipped += item.skipped
+                    progress.tar_links_skipped += item.links
                     progress.shard_ends += 1
                 else:
                     yield tag, item
@@ -400,7 +404,8 @@ class AsyncS3Dataset(IterableDataset):
             stats = engine.statistics()._asdict()
             ends = self._progress.shard_ends  # end-of-shard markers are not samples
             stats["delivered_items"] = max(0, stats["delivered_items"] - ends)
-            self._last_stats = {**stats, "shards_skipped": self._progress.shards_skipped}
+            self._last_stats = {**stats, "shards_skipped": self._progress.shards_skipped,
+                                "tar_links_skipped": self._progress.tar_links_skipped}
             if cache_stats:  # this process's cache counters (hits, misses, ...) for the epoch
                 self._last_stats["cache"] = cache_stats[-1]._asdict()
             self._resume = None
@@ -537,6 +542,7 @@ class _Progress:
     shard_samples: dict[int, int] = dataclasses.field(default_factory=dict)
     shards_skipped: int = 0
     samples_skipped: int = 0  # by on_error: an object gone, a transform that raised
+    tar_links_skipped: int = 0  # hard and symbolic links in shards (no data, so no field)
     shard_ends: int = 0  # end-of-shard markers seen in this iteration
 
     def add(self, tag: Any) -> None:

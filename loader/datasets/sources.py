@@ -25,15 +25,18 @@ from ..stores import ObjectInfo, ObjectStore
 from ..stores.blocking import run_async, with_store
 from ..formats.shards import ShardRef
 from ..uri import expand_braces, parse_s3_uri, sibling_matches
+from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
 async def list_objects(
-    store: ObjectStore, bucket: str, prefix: str, retry: RetryPolicy, *, suffix: str = ""
+    store: ObjectStore, bucket: str, prefix: str, retry: RetryPolicy, *,
+    suffix: str | tuple[str, ...] = "",
 ) -> list[ObjectInfo]:
-    """Every object under ``s3://bucket/prefix`` (optionally ending in ``suffix``), key order.
+    """Every object under ``s3://bucket/prefix`` (optionally ending in ``suffix``, or in one of
+    several), key order.
 
     Directory markers (keys ending in ``/``) are skipped. An empty result is an error, because a
     training run over nothing is always a mistake (usually a typo in the prefix).
@@ -50,7 +53,8 @@ async def list_objects(
     # positions in this list decide every rank's share.
     found = sorted(await call_with_retries(attempt, retry))
     if not found:
-        what = f"no objects{f' ending in {suffix!r}' if suffix else ''}"
+        endings = " or ".join(map(repr, (suffix,) if isinstance(suffix, str) else suffix))
+        what = f"no objects{f' ending in {endings}' if suffix else ''}"
         raise EmptyDatasetError(
             f"{what} under s3://{bucket}/{prefix}; check the prefix (it is case-sensitive and "
             "matches from the start of the key) and that the upload finished"
@@ -63,7 +67,7 @@ def list_prefix(
     *,
     factory: Callable[[], Awaitable[ObjectStore]],
     retry: RetryPolicy,
-    suffix: str = "",
+    suffix: str | tuple[str, ...] = "",
 ) -> list[ObjectInfo]:
     """Synchronous ``list_objects`` for an ``s3://bucket/prefix`` URI."""
     bucket, prefix = parse_s3_uri(uri)
@@ -203,8 +207,10 @@ def check_keys(bucket: str, keys: Iterable[str]) -> tuple[str, ...]:
 def shard_specs(spec: str | Iterable[str]) -> list[str]:
     """Expand a shard spec into URIs or prefixes: brace patterns, lists of them, or a prefix.
 
-    A string ending in ``.tar`` (after brace expansion) names shards; anything else is a prefix
-    whose ``.tar`` objects are the shards (``resolve_shards`` lists it).
+    A string ending in a shard suffix (after brace expansion: ``.tar``, ``.tar.gz``, ``.tgz``,
+    ``.tar.zst``, ``.tzst``) names a shard; anything else is a prefix whose objects with those
+    suffixes are the shards (``resolve_shards`` lists it). zstd shards need a zstd library, which
+    is checked here, before any worker starts.
     """
     specs = [spec] if isinstance(spec, str) else list(spec)
     if not specs:
@@ -216,6 +222,7 @@ def shard_specs(spec: str | Iterable[str]) -> list[str]:
         out.extend(expand_braces(item))
     for uri in out:
         parse_s3_uri(uri)  # fail now, with the URI named, not in a worker later
+        require_codec(uri)
     return out
 
 
@@ -226,11 +233,13 @@ def resolve_shards(
     shards: list[ShardRef] = []
     for uri in specs:
         bucket, key = parse_s3_uri(uri)
-        if key.endswith(".tar"):
+        if is_shard_name(key):
             shards.append(ShardRef(bucket, key))
         else:
-            found = list_prefix(uri, factory=factory, retry=retry, suffix=".tar")
+            found = list_prefix(uri, factory=factory, retry=retry, suffix=SHARD_SUFFIXES)
             warn_siblings(bucket, key, [info.key for info in found])
+            for info in found:
+                require_codec(f"s3://{bucket}/{info.key}")
             shards.extend(ShardRef(bucket, info.key, info.size) for info in found)
     return shards
 

@@ -6,6 +6,13 @@ into samples and emits the ones its slot keeps. The shard is never whole in memo
 disk. A dropped connection resumes with a ranged GET at the first byte of the member being
 parsed, so no sample is lost or repeated. After its last sample a job emits a ``ShardEnd`` so
 the dataset knows how many samples the shard held (for exact mid-epoch resume).
+
+Compressed shards (``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst``; see ``compression.py``) are one
+GET each, decompressed as they arrive. A compressed stream cannot be entered in the middle, so a
+dropped connection reads the shard again from its first byte, decompresses it, drops the tar bytes
+before the parser's resume offset unparsed, and parses on from there: again no sample is lost or
+repeated. Tar hard links and symlinks hold no data and are skipped; a shard that has any says so
+once (a ``RuntimeWarning`` and a log record) and ``stats()`` counts them (``tar_links_skipped``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import anyio
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, InvalidRangeError, ShardFormatError, TransientStoreError
 from ..retry import backoff_delay, call_with_retries
+from .compression import Compression, compression_of, open_decoder
 from .tar import SampleGrouper, TarMember, TarStreamParser
 from ..uri import object_url
 
@@ -93,12 +101,19 @@ class ShardRef(NamedTuple):
     def url(self) -> str:
         return object_url(self.bucket, self.key)
 
+    @property
+    def compression(self) -> Compression | None:
+        """``"gzip"``, ``"zstd"`` or None (plain tar), from the key's suffix."""
+        return compression_of(self.key)
+
 
 class ShardEnd(NamedTuple):
-    """Emitted after a shard's last sample: how many samples it held, and whether it was skipped."""
+    """Emitted after a shard's last sample: how many samples it held, whether it was skipped,
+    and how many tar links (hard or symbolic: no data, so no field) it skipped."""
 
     samples: int
     skipped: bool
+    links: int = 0
 
 
 class _RangeDone(Exception):
@@ -148,8 +163,9 @@ def shard_job(
         async def on_member(member: TarMember) -> None:
             await deliver(grouper.add(member))
 
+        parser = TarStreamParser(shard.url)
         try:
-            await read_members(ctx, shard, options, on_member)
+            await read_members(ctx, shard, options, on_member, parser)
             await deliver(grouper.flush())
         except _RangeDone:
             pass
@@ -167,11 +183,29 @@ def shard_job(
             if on_error == "warn":
                 warnings.warn(message, RuntimeWarning, stacklevel=1)
             log.warning(message)
-            await ctx.emit(((position, END), ShardEnd(count, skipped=True)), 0)
+            links = _warn_links(shard, parser)
+            await ctx.emit(((position, END), ShardEnd(count, skipped=True, links=links)), 0)
             return
-        await ctx.emit(((position, END), ShardEnd(count, skipped=False)), 0)
+        links = _warn_links(shard, parser)
+        await ctx.emit(((position, END), ShardEnd(count, skipped=False, links=links)), 0)
 
     return job
+
+
+def _warn_links(shard: ShardRef, parser: TarStreamParser) -> int:
+    """Say once per shard that it held links (skipped: they carry no data); returns how many."""
+    links = parser.hard_links + parser.symlinks
+    if links:
+        name, target = parser.first_link or ("?", "?")
+        message = (
+            f"shard {shard.url} holds {parser.hard_links} hard link(s) and {parser.symlinks} "
+            f"symbolic link(s) (e.g. {name!r} -> {target!r}); links carry no data, so they were "
+            "skipped and are not fields of any sample (webdataset skips them too). Pack the files "
+            "themselves: GNU tar --hard-dereference / --dereference"
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=1)
+        log.warning(message)
+    return links
 
 
 async def read_members(
@@ -179,15 +213,17 @@ async def read_members(
     shard: ShardRef,
     options: ShardOptions,
     on_member: Callable[[TarMember], Awaitable[None]],
+    parser: TarStreamParser | None = None,
 ) -> None:
     """Parse the whole shard, handing each member to ``on_member`` as soon as it is complete."""
-    parser = TarStreamParser(shard.url)
+    parser = parser or TarStreamParser(shard.url)
 
     async def feed(chunk: bytes) -> None:
         for member in parser.feed(chunk):
             await on_member(member)
 
-    if shard.size is not None and shard.size > 2 * options.part_size and options.parts_inflight > 1:
+    if (shard.compression is None and shard.size is not None
+            and shard.size > 2 * options.part_size and options.parts_inflight > 1):
         await _read_parts(ctx, shard, options, feed)
     else:
         await _read_stream(ctx, shard, options, parser, feed)
@@ -203,27 +239,50 @@ async def _read_stream(
 ) -> None:
     """One GET; on a transient fault, a ranged GET from the parser's resume offset.
 
+    A compressed shard is read again from its first byte instead, and the decompressed bytes
+    before the resume offset are dropped unparsed.
+
     Each resumed request gets the full attempt budget again once the previous one made
     progress, so a long shard over a flaky link still finishes; an attempt that makes no
     progress counts toward ``RetryPolicy.max_attempts`` and its deadline.
     """
     policy, rng = ctx.retry, random.Random()
     failures, first_failure = 0, 0.0
+    compression = shard.compression
     while True:
-        start = parser.resume_offset
+        resume = parser.resume_offset
+        start = 0 if compression is not None else resume
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size)
             ) as chunks:
-                async for chunk in chunks:
-                    await feed(chunk)
+                if compression is None:
+                    async for chunk in chunks:
+                        await feed(chunk)
+                else:
+                    decoder = open_decoder(compression, shard.url, options.chunk_size)
+                    skip = resume  # tar bytes parsed by an earlier pass
+                    async for chunk in chunks:
+                        for piece in decoder.decode(chunk):
+                            if skip:
+                                if len(piece) <= skip:
+                                    skip -= len(piece)
+                                    continue
+                                piece, skip = piece[skip:], 0
+                            await feed(piece)
+                    decoder.finish()
+                    if skip:
+                        raise ShardFormatError(
+                            f"{shard.url}: the shard is shorter than when it was first read "
+                            f"({resume - skip} of {resume} tar bytes before the resume offset); it "
+                            "changed during the read", url=shard.url, offset=resume - skip)
             return
         except InvalidRangeError:
             if start > 0:
                 return  # resumed exactly at the end: nothing was left to read
             raise
         except TransientStoreError as exc:
-            if parser.resume_offset > start:  # a member completed (bytes alone are no progress)
+            if parser.resume_offset > resume:  # a member completed (bytes alone are no progress)
                 failures = 0
             if failures == 0:
                 first_failure = time.monotonic()

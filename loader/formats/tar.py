@@ -15,8 +15,13 @@ Two stages, as in WebDataset::
 Formats read: POSIX ustar (``prefix`` + ``name``), GNU (``L`` long names, ``K`` long link names,
 base-256 numbers), pax (``x`` per-member headers: ``path`` and ``size``; ``g`` global headers are
 checked and ignored, since a global ``path`` would give every member the same name) and old v7.
-Regular files (types ``0``, NUL and ``7``) become members; directories, links, devices, FIFOs and
-unknown types are consumed and skipped. GNU sparse files are refused (they never occur in
+Regular files (types ``0``, NUL and ``7``) become members; directories, devices, FIFOs and
+unknown types are consumed and skipped. Hard links (``1``) and symbolic links (``2``) carry no data
+in the stream (a hard link's bytes are those of an earlier member, a symlink's are elsewhere), so
+they cannot become fields either: they are skipped too, as webdataset does, but counted
+(:attr:`TarStreamParser.hard_links`, :attr:`TarStreamParser.symlinks`, and the first one's name
+and target in :attr:`TarStreamParser.first_link`) so that the shard job can warn and ``stats()``
+can say so. GNU sparse files are refused (they never occur in
 datasets, and reading them as plain files would return wrong bytes).
 
 End of archive: the first all-zero header block (tarfile and GNU tar do the same; a second one and
@@ -61,6 +66,8 @@ _AREGTYPE = 0
 _GNU_LONGNAME = ord("L")
 _GNU_LONGLINK = ord("K")
 _GNU_SPARSE = ord("S")
+_HARD_LINK = ord("1")
+_SYMLINK = ord("2")
 _PAX_HEADER = ord("x")
 _PAX_GLOBAL = ord("g")
 _POSIX_MAGIC = b"ustar\x00"  # GNU writes b"ustar " and uses the prefix field for other things
@@ -187,6 +194,9 @@ class TarStreamParser:
         self.url = url
         self.members_parsed = 0  # members returned by feed()
         self.bytes_parsed = 0  # bytes fed, over all restarts
+        self.hard_links = 0  # link members skipped (they hold no data), over all restarts
+        self.symlinks = 0
+        self.first_link: tuple[str, str] | None = None  # (name, target) of the first link seen
         self._closed = False
         self._error: ShardFormatError | None = None
         self._reset(start_offset)
@@ -316,6 +326,8 @@ class TarStreamParser:
         self._pax_path: str | None = None
         self._pax_size: int | None = None
         self._gnu_name: str | None = None
+        self._pax_link: str | None = None
+        self._gnu_link: str | None = None
 
     def _fail(self, offset: int, text: str) -> ShardFormatError:
         return ShardFormatError(f"{self.url or '<stream>'}: {text}", url=self.url, offset=offset)
@@ -487,12 +499,24 @@ class TarStreamParser:
         name = self._member_name(block)
         if self._pax_size is not None:
             size = self._pax_size
+        if typeflag == _HARD_LINK or typeflag == _SYMLINK:
+            self._count_link(typeflag, name, block)
         self._pax_path = self._pax_size = self._gnu_name = None
+        self._pax_link = self._gnu_link = None
         if typeflag in _NO_DATA_TYPES or (typeflag == _AREGTYPE and name.endswith("/")):
             self._skip_member(name, 0)  # v7 wrote directories as regular files ending in '/'
             return
         self._name = name
         self._collect(_K_MEMBER, size, f"member {name!r}", out)
+
+    def _count_link(self, typeflag: int, name: str, block: bytes) -> None:
+        if typeflag == _HARD_LINK:
+            self.hard_links += 1
+        else:
+            self.symlinks += 1
+        if self.first_link is None:
+            target = self._pax_link or self._gnu_link or _decode_name(_cstr(block[157:257]))
+            self.first_link = (name, target)
 
     def _collect(self, kind: int, size: int, what: str, out: list[TarMember]) -> None:
         """Collect ``size`` data bytes for ``kind``; zero-size data is complete at once."""
@@ -508,6 +532,7 @@ class TarStreamParser:
     def _skip_member(self, name: str, size: int) -> None:
         self._unit_start = None  # nothing is lost by restarting after a skipped member
         self._pax_path = self._pax_size = self._gnu_name = None
+        self._pax_link = self._gnu_link = None
         self._what = f"member {name!r}"
         self._data_end = self._offset + size
         self._need = size + _padding(size)
@@ -523,6 +548,8 @@ class TarStreamParser:
             self._unit_start = None
         elif kind == _K_LONGNAME:
             self._gnu_name = _decode_name(_cstr(data))
+        elif kind == _K_LONGLINK:
+            self._gnu_link = _decode_name(_cstr(data))
         elif kind == _K_PAX:
             self._apply_pax(self._pax_records(data))
         elif kind == _K_GLOBAL:
@@ -547,6 +574,9 @@ class TarStreamParser:
         path = records.get("path")
         if path:
             self._pax_path = _decode_name(path)
+        linkpath = records.get("linkpath")
+        if linkpath:
+            self._pax_link = _decode_name(linkpath)
         size = records.get("size")
         if size is not None:
             try:
