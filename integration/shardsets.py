@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import tarfile
+
+import zstandard
 
 from datasets import sha256
 
@@ -20,10 +23,23 @@ def pack(samples: dict[str, dict[str, bytes]], fmt: int = tarfile.GNU_FORMAT) ->
     return out.getvalue()
 
 
+SUFFIXES = {None: ".tar", "gzip": ".tar.gz", "tgz": ".tgz", "zstd": ".tar.zst"}
+
+
+def compress(body: bytes, kind: str | None) -> bytes:
+    """A tar compressed as ``kind`` (None: as it is; "tgz" is gzip too)."""
+    if kind in ("gzip", "tgz"):
+        return gzip.compress(body, mtime=0)
+    if kind == "zstd":
+        return zstandard.ZstdCompressor(write_checksum=True).compress(body)
+    return body
+
+
 def upload_shards(minio, bucket: str, prefix: str, shard_sizes: list[int], *, payload: int = 2000,
-                  seed: int = 0) -> tuple[dict[str, str], dict[str, int]]:
-    """Upload ``len(shard_sizes)`` shards ``{prefix}{i:04d}.tar``; returns ``({sample key:
-    sha256 of its .bin}, {shard url: sample count})``. Payloads differ per sample."""
+                  seed: int = 0, compression: str | None = None) -> tuple[dict[str, str], dict[str, int]]:
+    """Upload ``len(shard_sizes)`` shards ``{prefix}{i:04d}.tar`` (``.tar.gz``, ``.tgz`` or
+    ``.tar.zst`` with ``compression``); returns ``({sample key: sha256 of its .bin}, {shard url:
+    sample count})``. Payloads differ per sample."""
     expected: dict[str, str] = {}
     counts: dict[str, int] = {}
     number = 0
@@ -36,8 +52,8 @@ def upload_shards(minio, bucket: str, prefix: str, shard_sizes: list[int], *, pa
             samples[key] = {"bin": data, "cls": str(number % 10).encode()}
             expected[key] = sha256(data)
             number += 1
-        body = pack(samples)
-        name = f"{prefix}{shard:04d}.tar"
+        body = compress(pack(samples), compression)
+        name = f"{prefix}{shard:04d}{SUFFIXES[compression]}"
         minio.put_object(bucket, name, io.BytesIO(body), len(body))
         counts[f"s3://{bucket}/{name}"] = size
     return expected, counts

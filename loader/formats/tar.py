@@ -173,9 +173,9 @@ def _padding(size: int) -> int:
 
 def _compression_hint(block: bytes) -> str:
     if block.startswith(b"\x1f\x8b"):
-        return "; it looks gzip-compressed: decompress it or store the shard as plain .tar"
+        return "; it looks gzip-compressed: name it .tar.gz or .tgz (read as gzip), or store it as plain tar"
     if block.startswith(b"\x28\xb5\x2f\xfd"):
-        return "; it looks zstd-compressed: decompress it or store the shard as plain .tar"
+        return "; it looks zstd-compressed: name it .tar.zst (read as zstd), or store it as plain tar"
     return ""
 
 
