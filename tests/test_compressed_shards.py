@@ -398,3 +398,91 @@ def test_zstd_corruption_is_an_error():
     stream[len(stream) // 2] ^= 0xFF
     with pytest.raises(ShardFormatError, match="corrupt zstd stream"):
         feed_all("zstd", bytes(stream), 4096)
+
+
+# ----------------------------------------------------------------------------- loader shard --compress
+
+
+def pack_source(n: int) -> dict[str, bytes]:
+    out = {}
+    for i in range(n):
+        out[f"src/{i:05d}.bin"] = hashlib.sha256(str(i).encode()).digest() * (5 + i % 40)
+        out[f"src/{i:05d}.cls"] = str(i % 10).encode()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zstd"])
+def test_pack_compresses_shards_that_read_back_exactly(kind):
+    from loader.formats.index import INDEX_NAME
+    from loader.tools.shard import PackOptions, pack
+
+    source = pack_source(150)
+    fake = FakeStore.with_objects(BUCKET, source, min_part_size=4096)
+    options = PackOptions(target_size=40_000, part_size=4096, compress=kind, concurrency=2)
+    report = pack(f"s3://{BUCKET}/src/", f"s3://{BUCKET}/dst/", options, store=reusable(fake))
+    assert report.complete and report.shards >= 3
+    names = sorted(key for (_, key) in fake.objects if key.startswith("dst/shard-"))
+    assert names and all(name.endswith(SUFFIX[kind]) for name in names)
+    index = json.loads(fake.objects[BUCKET, "dst/" + INDEX_NAME])
+    assert index["compression"] == kind
+    for shard in index["shards"]:
+        stored = fake.objects[BUCKET, shard["key"]]
+        assert shard["stored_bytes"] == len(stored) < shard["bytes"]  # compressed, and smaller
+    dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake))
+    got = {s["__key__"]: (s["bin"], s["cls"]) for s in dataset}
+    assert got == {f"{i:05d}": (source[f"src/{i:05d}.bin"], source[f"src/{i:05d}.cls"])
+                   for i in range(150)}
+    # a rerun makes the same bytes (deterministic compression), and resumes without rewriting
+    again = pack(f"s3://{BUCKET}/src/", f"s3://{BUCKET}/dst/", options, store=reusable(fake))
+    assert again.complete and again.written == 0 and again.resumed == report.shards
+    fresh = FakeStore.with_objects(BUCKET, source, min_part_size=4096)
+    pack(f"s3://{BUCKET}/src/", f"s3://{BUCKET}/dst/", options, store=reusable(fresh))
+    assert all(fresh.objects[BUCKET, name] == fake.objects[BUCKET, name] for name in names)
+
+
+def test_pack_resumes_compressed_shards_from_the_progress_record():
+    from loader.tools.shard import PackOptions, pack
+
+    source = pack_source(120)
+    fake = FakeStore.with_objects(BUCKET, source)
+    options = dict(target_size=10_000, compress="gzip", concurrency=1)
+    first = pack(f"s3://{BUCKET}/src/", f"s3://{BUCKET}/dst/", PackOptions(**options, stop_after=2),
+                 store=reusable(fake))
+    assert not first.complete
+    kept = {k: v for k, v in fake.objects.items() if k[1].endswith(".tar.gz")}
+    second = pack(f"s3://{BUCKET}/src/", f"s3://{BUCKET}/dst/", PackOptions(**options),
+                  store=reusable(fake))
+    assert second.complete and second.resumed == len(kept) >= 2
+    assert all(fake.objects[key] is blob for key, blob in kept.items())
+    dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake))
+    assert sorted(s["__key__"] for s in dataset) == [f"{i:05d}" for i in range(120)]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(compress="gzip", name_format="s-{:04d}.tar"), r"gzip shards: end it in '\.tar\.gz'"),
+    (dict(name_format="s-{:04d}.tar.zst"), r"plain tar shards.*'\.tar'"),
+    (dict(compress="lz4"), "compress='lz4'"),
+])
+def test_pack_options_check_the_suffix_against_the_compression(kwargs, match):
+    from loader.tools.shard import PackOptions
+
+    with pytest.raises(ConfigError, match=match):
+        PackOptions(**kwargs)
+    assert PackOptions(compress="zstd").name_format == "shard-{:05d}.tar.zst"
+    assert PackOptions(compress="gzip", name_format="t-{:03d}.tgz").name_format == "t-{:03d}.tgz"
+
+
+def test_cli_shard_compress_flag_reaches_the_options(monkeypatch):
+    from loader.tools import cli
+
+    seen = {}
+
+    def fake_pack(src, dst, options, **kwargs):
+        seen["options"] = options
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("loader.tools.shard.pack", fake_pack)
+    args = cli.build_parser().parse_args(["shard", "s3://bkt/src/", "s3://bkt/dst/", "--compress", "zstd"])
+    args.run(args, out=io.StringIO(), err=io.StringIO())
+    assert seen["options"].compress == "zstd"
+    assert seen["options"].name_format == "shard-{:05d}.tar.zst"

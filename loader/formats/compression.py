@@ -32,11 +32,14 @@ from ..errors import ConfigError, ShardFormatError
 
 __all__ = [
     "SHARD_SUFFIXES",
+    "SUFFIX_OF",
     "Compression",
     "Decoder",
+    "Encoder",
     "compression_of",
     "is_shard_name",
     "open_decoder",
+    "open_encoder",
     "require_codec",
 ]
 
@@ -264,3 +267,33 @@ def open_decoder(kind: Compression, url: str, piece: int = 1 << 20) -> Decoder:
             return _StdlibZstd(url, piece, module)
         return _Zstandard(url, piece, module)
     raise ValueError(f"unknown compression {kind!r} for {url}")
+
+
+class Encoder:
+    """Tar bytes in, compressed bytes out (for ``loader shard --compress``)."""
+
+    def __init__(self, compress: Any, flush: Any) -> None:
+        self.compress = compress  # (bytes) -> bytes
+        self.flush = flush  # () -> bytes: the rest, ending the stream
+
+
+SUFFIX_OF: dict[Compression | None, str] = {None: ".tar", "gzip": ".tar.gz", "zstd": ".tar.zst"}
+
+
+def open_encoder(kind: Compression, level: int | None = None) -> Encoder:
+    """A compressor for one shard: gzip (zlib, level 6, mtime 0, so a rerun makes the same bytes)
+    or zstd (level 3, with a content checksum)."""
+    if kind == "gzip":
+        zobj = zlib.compressobj(6 if level is None else level, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        return Encoder(zobj.compress, zobj.flush)
+    if kind == "zstd":
+        flavour, module = _zstd_module()
+        zlevel = 3 if level is None else level
+        if flavour == "stdlib":
+            options = {module.CompressionParameter.compression_level: zlevel,
+                       module.CompressionParameter.checksum_flag: 1}
+            cobj = module.ZstdCompressor(options=options)
+            return Encoder(cobj.compress, cobj.flush)
+        zobj = module.ZstdCompressor(level=zlevel, write_checksum=True).compressobj()
+        return Encoder(zobj.compress, zobj.flush)
+    raise ValueError(f"unknown compression {kind!r}; use 'gzip' or 'zstd'")

@@ -18,6 +18,7 @@ from ..retry import RetryPolicy, call_with_retries
 from ..stores import open_store, resolve_backend
 from ..stores.blocking import run_async, with_store
 from ..uri import parse_s3_uri
+from .compression import Compression
 
 if TYPE_CHECKING:
     from .packing import ShardPlan
@@ -27,19 +28,29 @@ INDEX_VERSION = 1
 
 
 def build_index(source: str, bucket: str, names: Sequence[str], plans: Sequence[ShardPlan], *,
-                fingerprint: str, target_size: int, skipped: int = 0) -> dict[str, Any]:
-    """``index.json``: every shard's key, URL, samples, objects, bytes and sample offsets."""
+                fingerprint: str, target_size: int, skipped: int = 0,
+                compression: Compression | None = None,
+                stored_bytes: Sequence[int] | None = None) -> dict[str, Any]:
+    """``index.json``: every shard's key, URL, samples, objects, bytes and sample offsets.
+
+    ``bytes`` and ``offsets`` are of the tar stream; compressed shards add ``compression`` and
+    each shard's ``stored_bytes`` (the object's size).
+    """
     shards = [
         {"key": name, "url": f"s3://{bucket}/{name}", "samples": len(plan.samples),
          "objects": plan.objects, "bytes": plan.bytes, "offsets": list(plan.offsets)}
         for name, plan in zip(names, plans, strict=True)
     ]
+    if compression is not None:
+        for shard, stored in zip(shards, stored_bytes or [None] * len(shards), strict=True):
+            shard["stored_bytes"] = stored
     return {
         "version": INDEX_VERSION,
         "created_by": "loader shard",
         "source": source,
         "fingerprint": fingerprint,
         "target_size": target_size,
+        **({"compression": compression} if compression else {}),
         "samples": sum(s["samples"] for s in shards),
         "objects": sum(s["objects"] for s in shards),
         "skipped_objects": skipped,

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 from .index import INDEX_VERSION
+from .compression import SUFFIX_OF, Compression, compression_of, is_shard_name
 from .tar import BLOCK_SIZE, split_key
 
 PROGRESS_NAME = "_progress.json"
@@ -238,8 +239,14 @@ def plan_shards(samples: Iterable[Sample], target_size: int) -> list[ShardPlan]:
     return plans
 
 
-def check_name_format(fmt: str) -> str:
-    """A shard name format: one integer field, distinct names, ending in ``.tar``."""
+def default_name_format(compress: Compression | None = None) -> str:
+    """``shard-{:05d}.tar``, or ``.tar.gz`` / ``.tar.zst`` for compressed shards."""
+    return DEFAULT_NAME_FORMAT[: -len(".tar")] + SUFFIX_OF[compress]
+
+
+def check_name_format(fmt: str, compress: Compression | None = None) -> str:
+    """A shard name format: one integer field, distinct names, ending in a shard suffix that
+    matches ``compress`` (``.tar``; ``.tar.gz``/``.tgz`` for gzip; ``.tar.zst``/``.tzst`` for zstd)."""
     try:
         first, second = fmt.format(0), fmt.format(1)
     except (IndexError, KeyError, ValueError) as exc:
@@ -249,10 +256,16 @@ def check_name_format(fmt: str) -> str:
         ) from None
     if first == second:
         raise ConfigError(f"name format {fmt!r} gives every shard the same name; add a field such as {{:05d}}")
-    if not first.endswith(".tar"):
+    if not is_shard_name(first):
         raise ConfigError(
-            f"name format {fmt!r} makes {first!r}, which does not end in '.tar'; "
+            f"name format {fmt!r} makes {first!r}, which does not end in '{SUFFIX_OF[compress]}'; "
             "from_shards() finds shards under a prefix by that suffix"
+        )
+    if compression_of(first) != compress:
+        what = f"{compress} shards" if compress else "plain tar shards (no --compress)"
+        raise ConfigError(
+            f"name format {fmt!r} makes {first!r}, but these are {what}: end it in "
+            f"'{SUFFIX_OF[compress]}', since readers tell a shard's compression by its suffix"
         )
     if first.startswith("/") or "//" in first:
         raise ConfigError(f"name format {fmt!r} makes {first!r}; shard names are relative to DST_PREFIX")

@@ -262,8 +262,13 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
                    help="shards built and uploaded at once (default: 8)")
     p.add_argument("--max-inflight", type=_positive_int, default=64, metavar="K",
                    help="source GETs in flight in all (default: 64)")
-    p.add_argument("--name-format", default=DEFAULT_NAME_FORMAT, type=_name_format, metavar="FMT",
-                   help=f"shard names, formatted with the shard number (default: {DEFAULT_NAME_FORMAT!r})")
+    p.add_argument("--name-format", default=None, type=_name_format, metavar="FMT",
+                   help=f"shard names, formatted with the shard number (default: {DEFAULT_NAME_FORMAT!r}, "
+                        "ending in .tar.gz or .tar.zst with --compress)")
+    p.add_argument("--compress", choices=("gzip", "zstd"), default=None,
+                   help="compress each shard as it is uploaded (from_shards reads .tar.gz and .tar.zst "
+                        "shards; zstd needs pip install 'loader[zstd]' before Python 3.14). Compressed "
+                        "shards are read as one stream each, never as parallel ranged parts")
     p.add_argument("--shuffle", action="store_true",
                    help="pack samples in a seeded random order instead of key order")
     p.add_argument("--seed", type=int, default=0, metavar="S",
@@ -286,7 +291,8 @@ def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
 
     out, err = out or sys.stdout, err or sys.stderr
     options = PackOptions(
-        target_size=args.target_size, name_format=args.name_format, shuffle=args.shuffle,
+        target_size=args.target_size, name_format=args.name_format, compress=args.compress,
+        shuffle=args.shuffle,
         seed=args.seed, skip_invalid=args.skip_invalid, concurrency=args.concurrency,
         max_inflight=args.max_inflight, part_size=args.part_size or DEFAULT_PART_SIZE,
         overwrite=args.overwrite, stop_after=args.stop_after,
@@ -439,10 +445,15 @@ def _size(text: str) -> int:
 
 
 def _name_format(text: str) -> str:
+    from ..formats.compression import compression_of
     from ..formats.packing import check_name_format
 
+    try:  # its suffix is checked against --compress once both are known (PackOptions)
+        kind = compression_of(text.format(0))
+    except (IndexError, KeyError, ValueError):
+        kind = None  # check_name_format says what is wrong with it
     try:
-        return check_name_format(text)
+        return check_name_format(text, kind)
     except LoaderError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -42,13 +42,14 @@ import anyio
 
 from ..config import S3Config, resolve_config
 from ..errors import ConfigError, LoaderError, StoreError
+from ..formats.compression import Compression, Encoder, open_encoder
 from ..formats.packing import (
-    DEFAULT_NAME_FORMAT,
     PROGRESS_NAME,
     Member,
     ShardPlan,
     Skipped,
     check_name_format,
+    default_name_format,
     encode_member,
     end_of_archive,
     group_samples,
@@ -85,7 +86,9 @@ class PackOptions:
     """How to pack; the first five decide the shards' bytes (and so the plan's fingerprint).
 
     ``target_size``: tar bytes per shard (a sample is never split, so one larger sample makes
-    one larger shard). ``name_format``: shard names under DST, formatted with the shard number.
+    one larger shard). ``name_format``: shard names under DST, formatted with the shard number
+    (default ``shard-{:05d}.tar``, ``.tar.gz``/``.tar.zst`` when compressed). ``compress``:
+    ``"gzip"`` or ``"zstd"`` to compress each shard as it streams up (None: plain tar).
     ``shuffle``/``seed``: pack samples in a seeded random order instead of key order.
     ``skip_invalid``: leave out objects that cannot be WebDataset members instead of failing.
     ``concurrency``: shards built and uploaded at once. ``max_inflight``: source GETs in flight
@@ -96,7 +99,8 @@ class PackOptions:
     """
 
     target_size: int = DEFAULT_TARGET_SIZE
-    name_format: str = DEFAULT_NAME_FORMAT
+    name_format: str | None = None
+    compress: Compression | None = None
     shuffle: bool = False
     seed: int = 0
     skip_invalid: bool = False
@@ -114,11 +118,18 @@ class PackOptions:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.stop_after is not None and self.stop_after < 1:
             raise ConfigError(f"stop_after={self.stop_after!r} must be a positive integer")
-        check_name_format(self.name_format)
+        if self.compress not in (None, "gzip", "zstd"):
+            raise ConfigError(f"compress={self.compress!r} must be 'gzip', 'zstd' or None")
+        if self.compress is not None:
+            open_encoder(self.compress)  # a missing zstd library fails here, before any I/O
+        if self.name_format is None:
+            object.__setattr__(self, "name_format", default_name_format(self.compress))
+        check_name_format(self.name_format, self.compress)
 
     def plan_options(self) -> dict[str, Any]:
         """The options that decide what the shards hold (part of the fingerprint)."""
         return {"target_size": self.target_size, "name_format": self.name_format,
+                **({"compress": self.compress} if self.compress else {}),
                 "shuffle": self.shuffle, "seed": self.seed if self.shuffle else None,
                 "skip_invalid": self.skip_invalid}
 
@@ -207,6 +218,7 @@ class _Packer:
         self.progress_lock = anyio.Lock()
         self.store: ObjectStore | None = None
         self.gets = anyio.CapacityLimiter(options.max_inflight)
+        self.stored: dict[int, int] = {}  # shard number -> object size (compressed shards)
 
     async def run(self, factory: StoreFactory) -> PackReport:
         started = time.perf_counter()
@@ -269,7 +281,8 @@ class _Packer:
             return
         index = build_index(report.source, self.bucket, self.names, plans,
                             fingerprint=self.fingerprint, target_size=options.target_size,
-                            skipped=len(skipped))
+                            skipped=len(skipped), compression=options.compress,
+                            stored_bytes=[self.stored.get(p.number, p.bytes) for p in plans])
         await self._put(self.prefix + INDEX_NAME, json.dumps(index, separators=(",", ":")).encode())
         report.complete = True
 
@@ -300,7 +313,15 @@ class _Packer:
         except ValueError:
             document = None
         recorded = parse_progress(document, self.fingerprint, where)
-        done = {plan.number for name, plan in planned.items() if existing.get(name) == plan.bytes}
+        if self.options.compress is not None:
+            # a compressed shard's size is known only once written: trust the record, and that
+            # the object is there (an upload becomes visible only when it completes)
+            done = {plan.number for name, plan in planned.items()
+                    if plan.number in recorded and name in existing}
+            self.stored.update({planned[name].number: existing[name] for name in planned
+                                if name in existing})
+        else:
+            done = {plan.number for name, plan in planned.items() if existing.get(name) == plan.bytes}
         redo = sorted(recorded - done)
         if redo:
             log.warning("%d shard(s) recorded as written in %s are missing or have another size "
@@ -356,7 +377,9 @@ class _Packer:
         key = self.names[plan.number]
         multipart = isinstance(self.store, MultipartStore)
         part_size = part_size_for(plan.bytes, max(self.options.part_size, _min_part_size(self.store)))
-        upload = _ShardUpload(self.store, self.bucket, key, part_size if multipart else None, self.retry)
+        encoder = open_encoder(self.options.compress) if self.options.compress else None
+        upload = _ShardUpload(self.store, self.bucket, key, part_size if multipart else None, self.retry,
+                              encoder)
         try:
             await self._fetch_in_order(plan.members, upload.write)
             await upload.write([end_of_archive()])
@@ -365,9 +388,10 @@ class _Packer:
             with anyio.CancelScope(shield=True):
                 await upload.abort()
             raise
-        if upload.written != plan.bytes:  # cannot happen unless the layout code is wrong
-            raise LoaderError(f"s3://{self.bucket}/{key}: wrote {upload.written} bytes, planned "
-                              f"{plan.bytes}; this is a bug in loader shard")
+        if upload.tar_bytes != plan.bytes:  # cannot happen unless the layout code is wrong
+            raise LoaderError(f"s3://{self.bucket}/{key}: wrote {upload.tar_bytes} tar bytes, "
+                              f"planned {plan.bytes}; this is a bug in loader shard")
+        self.stored[plan.number] = upload.written
 
     async def _fetch_in_order(self, members: list[Member],
                               consume: Callable[[list[bytes]], Awaitable[None]]) -> None:
@@ -436,20 +460,27 @@ class _Packer:
 class _ShardUpload:
     """One shard's bytes on their way up: a multipart upload in parts of at least ``part_size``,
     or a single PUT when the shard fits in one part (or the store has no multipart uploads,
-    ``part_size=None``). Whoever creates it calls ``abort()`` on every failure path."""
+    ``part_size=None``), compressed on the way when there is an ``encoder``. Whoever creates it
+    calls ``abort()`` on every failure path."""
 
     def __init__(self, store: Any, bucket: str, key: str, part_size: int | None,
-                 retry: RetryPolicy) -> None:
+                 retry: RetryPolicy, encoder: Encoder | None = None) -> None:
         self.store, self.bucket, self.key = store, bucket, key
         self.part_size = part_size
         self.retry = retry
+        self.encoder = encoder
         self.pieces: list[bytes] = []
         self.buffered = 0
-        self.written = 0
+        self.written = 0  # bytes uploaded (compressed, when compressing)
+        self.tar_bytes = 0  # tar bytes written into it
         self.upload_id: str | None = None
         self.parts: list[tuple[int, str]] = []
 
     async def write(self, pieces: list[bytes]) -> None:
+        self.tar_bytes += sum(map(len, pieces))
+        if self.encoder is not None:
+            data = self.encoder.compress(b"".join(pieces))
+            pieces = [data] if data else []
         self.pieces.extend(pieces)
         self.buffered += sum(map(len, pieces))
         if self.part_size is not None and self.buffered >= self.part_size:
@@ -472,6 +503,8 @@ class _ShardUpload:
         self.written += len(data)
 
     async def finish(self) -> None:
+        if self.encoder is not None:
+            self.pieces.append(self.encoder.flush())
         data = self._take()
         if self.upload_id is None:
             await call_with_retries(lambda: self.store.put(self.bucket, self.key, data), self.retry)
