@@ -14,8 +14,7 @@ only ``write`` (with memoryviews straight onto tensor memory) and ``flush``, nev
 loop, which uploads up to ``parts_inflight`` at once. The hand-off is a rendezvous that waits
 for a free upload slot (backpressure), so at most ``parts_inflight + 1`` parts exist at any
 time: ``(parts_inflight + 1) * part_size`` beyond the object being saved, 80 MiB with the
-defaults (measured: a 287 MiB state dict peaks 1.46x its size above the interpreter's baseline,
-the aioboto3 client's ~30 MiB included). A checkpoint smaller than one part is a single PUT.
+defaults, plus the client's own memory (the measured peaks are in ``bench/results/``). A checkpoint smaller than one part is a single PUT.
 Each request is retried by ``loader.retry``. The object appears only when the upload completes,
 atomically; on *any* failure (``torch.save`` raising, a part failing after its retries,
 ``KeyboardInterrupt``) the upload is aborted, so no invisible parts are left behind, and the
@@ -31,8 +30,7 @@ a read of at least ``part_size`` bytes goes straight from ranged GETs of ``part_
 tensors) come from a cache of at most ``parts_inflight`` blocks of ``part_size``, with
 read-ahead while misses run front to back. So the bytes are never held twice: the peak is the
 loaded tensors plus the cache plus the responses in flight, which aiohttp holds twice while it
-joins their chunks, i.e. about ``3 * parts_inflight * part_size`` (96 MiB with the defaults;
-measured: a 287 MiB state dict peaks 1.32x its size above the baseline). Reading the object
+joins their chunks, i.e. about ``3 * parts_inflight * part_size`` (96 MiB with the defaults). Reading the object
 into one buffer first, or ``torch.load(io.BytesIO(...))``, would cost twice its size; no
 temporary file is written either. ``load``'s ``part_size`` defaults to 8 MiB, not 16, because
 each response costs twice its size while in flight. The object's size comes from listing its

@@ -47,9 +47,9 @@ _STREAM_ERRORS = (
 class _SessionCache:
     """aioboto3 sessions by credentials and region, lent to one store opening at a time.
 
-    A new session loads botocore's service data again: ~50 ms of CPU, paid by every engine
-    (each DataLoader worker, each epoch) before sessions were kept; a client from a warm
-    session costs ~3 ms. botocore sessions are not thread-safe, so a session is lent to one
+    A new session loads botocore's service data again, tens of milliseconds of CPU that every
+    engine (each DataLoader worker, each epoch) would pay; a client from a warm session is
+    an order of magnitude cheaper. botocore sessions are not thread-safe, so a session is lent to one
     opening at a time; one that finds it lent out (another engine thread, or another store
     opening in the same event loop, where waiting on a lock would block the loop) takes a
     fresh session instead: never a wait. A forked child starts with an empty cache and a fresh

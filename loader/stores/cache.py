@@ -43,7 +43,7 @@ A cache file: a 32-byte header, the object's bytes, then a table of one crc32 pe
 A read checks the header, that the file size is exactly header + length + table, the table's
 checksum, and the crc32 of each block it returns, so a truncated or corrupted file is found,
 deleted and fetched again (``corrupt_refetches``). Per-block checksums let a ranged read or a
-resumed stream check only the blocks it reads. crc32 runs at ~4 GB/s here: cheap next to the
+resumed stream check only the blocks it reads. crc32 runs at several GB/s: cheap next to the
 read itself. There is no fsync: a file lost or torn by a crash fails these checks and is
 fetched again, which is all a cache needs.
 
@@ -65,8 +65,8 @@ crash or a user's ``rm`` made it drift. A hit sets the file's mtime (at most eve
 deleted meanwhile is skipped. An object too large for the limit is not cached.
 
 Blocking file work: opening an entry, its header and a read of at most ``INLINE_MAX`` bytes run
-on the event loop: they are a few microsecond syscalls on a local disk's page cache, cheaper
-than the hop to a worker thread (~50-100 us). Larger reads and writes, and every commit, discard
+on the event loop: they are syscalls of a few microseconds on a local disk's page cache,
+cheaper than the hop to a worker thread. Larger reads and writes, and every commit, discard
 and eviction (they take a lock another process may hold while it scans), run in anyio's worker
 threads. anyio stops those threads when the engine's event loop ends.
 

@@ -1,8 +1,8 @@
 """The fast ``ObjectStore``: obstore (Rust ``object_store`` over reqwest/hyper, signing in Rust).
 
 Why: botocore builds, signs and parses every request in Python; obstore does all of that natively
-and hands Python one buffer per response. Measured here (2 cores, 100 KB GETs, 32 in flight,
-client process only): ~1.1 ms of CPU per GET with aioboto3, ~0.3 ms with obstore. Install it
+and hands Python one buffer per response, for a fraction of the client CPU per GET (figures in
+``bench/results/``). Install it
 with the ``fast`` extra and choose it with ``store="obstore"`` (or ``LOADER_STORE=obstore``).
 
 How it is wired (each point checked against obstore 0.12.1):
@@ -32,15 +32,14 @@ How it is wired (each point checked against obstore 0.12.1):
   ``object_store`` cannot address keys with empty segments (``a//b``), ``.``/``..`` segments or
   control characters, and it would silently drop a leading or trailing ``/`` (reading another
   object); requests for such keys fail with a ``StoreError`` that says to use ``store="aioboto3"``.
-* **Bodies**: ``get`` collects the body in Rust and copies it once into a Python ``bytes`` (a few
-  µs per 100 KB, under 2% of a GET: samples must be plain, picklable ``bytes``; ``obstore.Bytes``
+* **Bodies**: ``get`` collects the body in Rust and copies it once into a Python ``bytes`` (cheap next
+  to the GET itself: samples must be plain, picklable ``bytes``; ``obstore.Bytes``
   unpickles as itself and a ``memoryview`` does not pickle). A body that ends before its
   Content-Length makes hyper raise, which becomes ``TransientStoreError``.
 * **One await per GET**: ``get`` and ``get_range`` use ``get_range_async``, which sends the
   request and collects the body in one tokio future. ``get_async`` + ``bytes_async`` cost two
-  futures, each a wake-up of the event loop from obstore's threads (issue #7: per-object
-  iteration, 100 KiB objects, 2 cores, went from ~530 to ~380 µs of process CPU per sample
-  with this and the lazy RNG in ``loader.retry``). A whole object is asked for as
+  futures, each a wake-up of the event loop from obstore's threads: with small objects those
+  wake-ups are a visible share of the process CPU per sample. A whole object is asked for as
   ``bytes=0-(2**62-1)``, which S3 clips to the object (206 with ``Content-Range``; object_store
   checks that range). Two answers fall back to a plain GET: a 416, which for a start of 0 means
   an empty object, and a server that does not honour the range (a 200, or a 206 without the

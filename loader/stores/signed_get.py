@@ -1,10 +1,10 @@
 """Signed S3 GETs sent straight over aiohttp: the aioboto3 backend's read path.
 
-botocore spends about 0.7 ms of CPU on every ``GetObject`` before and after the network work:
-the endpoint rules engine, the user-agent string, event hooks and dateutil parsing of response
-headers (measured with cProfile on this project's per-object benchmark). A GET needs none of that:
-a URL, a SigV4 signature from botocore's own signer, and a body read to its Content-Length. That
-cuts the client CPU per object to about a third, which is the per-object ceiling on small machines.
+botocore spends most of its CPU per ``GetObject`` before and after the network work: the
+endpoint rules engine, the user-agent string, event hooks and dateutil parsing of response
+headers. A GET needs none of that: a URL, a SigV4 signature from botocore's own signer, and a
+body read to its Content-Length. Client CPU per object is the per-object ceiling on small
+machines (see ``bench/results/`` for the measurements).
 
 Used for custom endpoints with path-style addressing (MinIO, SeaweedFS, Ceph, R2, ...), whose
 URL is ``endpoint/bucket/key``. AWS's own endpoints keep botocore's full path, because choosing
