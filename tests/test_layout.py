@@ -86,3 +86,27 @@ def test_public_names_resolve_lazily():
     for name in loader.__all__:
         assert getattr(loader, name) is not None, name
     assert "AsyncS3Dataset" in dir(loader)
+
+
+def test_typed_constructor_keywords_match_the_options():
+    """``LoaderKwargs`` (what editors see) lists exactly ``LoaderOptions``' fields, and
+    ``ShardKwargs`` adds exactly ``ShardOptions``' fields and ``sample_counts``."""
+    import dataclasses
+
+    from loader.datasets.options import LoaderKwargs, LoaderOptions, ShardKwargs
+    from loader.formats.shards import ShardOptions
+
+    loader_fields = {f.name for f in dataclasses.fields(LoaderOptions)}
+    assert set(LoaderKwargs.__annotations__) == loader_fields
+    shard_fields = {f.name for f in dataclasses.fields(ShardOptions)}
+    assert set(ShardKwargs.__optional_keys__) == loader_fields | shard_fields | {"sample_counts"}
+
+
+def test_map_dataset_keywords_are_the_options_a_sampler_leaves_to_it():
+    import dataclasses
+
+    from loader.datasets import mapped
+    from loader.datasets.options import LoaderOptions, MapKwargs
+
+    fields = {f.name for f in dataclasses.fields(LoaderOptions)}
+    assert set(MapKwargs.__optional_keys__) == fields - set(mapped._SAMPLER_DECIDES) - set(mapped._NO_QUEUE)

@@ -21,6 +21,8 @@ from multiprocessing.context import get_spawning_popen
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from typing_extensions import Unpack
+
 from torch.utils.data import IterableDataset
 
 from . import partition, topology
@@ -32,7 +34,7 @@ from ..engine.fetch import (
 from ..decode import apply_transform
 from ..errors import ConfigError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job
-from .options import LoaderOptions
+from .options import LoaderKwargs, LoaderOptions, ShardKwargs
 from .progress import Watermark, consumed_per_worker
 from ..formats.shards import END, ShardOptions, ShardRef, shard_job
 from .shuffle import shuffled
@@ -106,7 +108,7 @@ class AsyncS3Dataset(IterableDataset):
 
     @classmethod
     def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
-                    **options: Any) -> AsyncS3Dataset:
+                    **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
         """Every object under ``s3://bucket/prefix``, listed once when first needed.
 
         Objects sharing a stem form one sample (``group=False``: one object per sample).
@@ -121,7 +123,7 @@ class AsyncS3Dataset(IterableDataset):
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
-                  label_from: LabelFrom | None = None, **options: Any) -> AsyncS3Dataset:
+                  label_from: LabelFrom | None = None, **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
         """Exactly these keys of ``bucket`` (no listing, no HEAD), grouped by stem as in
         ``from_prefix``; samples come in the order their stems first appear."""
         if bucket.startswith("s3://"):
@@ -131,7 +133,7 @@ class AsyncS3Dataset(IterableDataset):
 
     @classmethod
     def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
-                      label_from: LabelFrom | None = None, **options: Any) -> AsyncS3Dataset:
+                      label_from: LabelFrom | None = None, **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
         """Keys from a file: plain text (one key or ``s3://`` URI per line), or CSV / JSON lines
         with a ``key`` (or ``url``) column and optionally a ``label`` column (class names or
         integers), see ``sources.read_manifest``. Grouped by stem as in ``from_prefix``."""
@@ -140,7 +142,7 @@ class AsyncS3Dataset(IterableDataset):
                    group=group, label_from=label_from, labels=manifest.labels)
 
     @classmethod
-    def from_shards(cls, shards: str | Iterable[str], **options: Any) -> AsyncS3Dataset:
+    def from_shards(cls, shards: str | Iterable[str], **options: Unpack[ShardKwargs]) -> AsyncS3Dataset:
         """Tar shards: a brace pattern, a list of URIs/patterns, or a prefix (every shard under it:
         ``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst``; compressed ones are decompressed
         as they stream).
@@ -149,10 +151,11 @@ class AsyncS3Dataset(IterableDataset):
         ``part_size``, ``parts_inflight``, ``chunk_size``; the rest as usual (``on_error``: a
         corrupt shard raises, or the rest of it is skipped, quietly or with a warning).
         """
+        rest: dict[str, Any] = dict(options)
         names = {field.name for field in dataclasses.fields(ShardOptions)}
-        shard_options = ShardOptions(**{k: options.pop(k) for k in list(options) if k in names})
-        counts = options.pop("sample_counts", None)
-        dataset = cls(shards=shards, options=LoaderOptions(**options), shard_options=shard_options)
+        shard_options = ShardOptions(**{k: rest.pop(k) for k in list(rest) if k in names})
+        counts = rest.pop("sample_counts", None)
+        dataset = cls(shards=shards, options=LoaderOptions(**rest), shard_options=shard_options)
         dataset._sample_counts = None if counts is None else _check_counts(counts)
         return dataset
 

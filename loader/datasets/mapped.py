@@ -49,14 +49,16 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from typing_extensions import Unpack
 
 import anyio
 from anyio.from_thread import BlockingPortal
 from torch.utils.data import Dataset
 
-from .options import LoaderOptions
+from .options import LoaderOptions, MapKwargs
 from ..decode import apply_transform
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, build_index
@@ -125,7 +127,7 @@ class AsyncS3MapDataset(Dataset):
 
     @classmethod
     def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
-                    **options: Any) -> AsyncS3MapDataset:
+                    **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
         """Every object under ``s3://bucket/prefix``, listed once when first needed (hidden
         objects left out; see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
@@ -134,7 +136,7 @@ class AsyncS3MapDataset(Dataset):
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
-                  label_from: LabelFrom | None = None, **options: Any) -> AsyncS3MapDataset:
+                  label_from: LabelFrom | None = None, **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
         """Exactly these keys of ``bucket``; index ``i`` is the ``i``-th stem to appear
         (``keys[i]`` when no two keys share a stem, or with ``group=False``)."""
         if bucket.startswith("s3://"):
@@ -144,7 +146,7 @@ class AsyncS3MapDataset(Dataset):
 
     @classmethod
     def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
-                      label_from: LabelFrom | None = None, **options: Any) -> AsyncS3MapDataset:
+                      label_from: LabelFrom | None = None, **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
         ``sources.read_manifest``)."""
         manifest = read_manifest(path, bucket)
@@ -413,7 +415,7 @@ async def _close_in_loop(store: ObjectStore) -> None:
         await store.aclose()
 
 
-def _options(given: dict[str, Any]) -> LoaderOptions:
+def _options(given: Mapping[str, Any]) -> LoaderOptions:
     """``LoaderOptions`` from constructor keywords, minus those a sampler decides."""
     for name in given:
         if name in _SAMPLER_DECIDES:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from typing_extensions import TypedDict
 
 from ..config import S3Config, resolve_config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
@@ -114,3 +116,54 @@ class LoaderOptions:
             return factory
         return functools.partial(open_cached_store, factory, self.cache_dir, self.cache_limit,
                                  endpoint_id_for(self.store, self.config), on_close=on_cache_close)
+
+
+class LoaderKwargs(TypedDict, total=False):
+    """The keyword arguments every constructor accepts: ``LoaderOptions``' fields, typed for
+    editors and type checkers (``**options: Unpack[LoaderKwargs]``); validation stays in
+    ``LoaderOptions``. A test keeps the two in step."""
+
+    shuffle: bool
+    seed: int | None
+    max_inflight: int
+    queue_bytes: int
+    queue_items: int
+    ordered: bool
+    transform: Transform | None
+    config: S3Config | None
+    store: str | StoreFactory | None
+    retry: RetryPolicy
+    rank: int | None
+    world_size: int | None
+    pad_policy: partition.PadPolicy
+    log_stats: bool
+    cache_dir: str | os.PathLike[str] | None
+    cache_limit: int | None
+    on_error: OnError
+
+
+class MapKwargs(TypedDict, total=False):
+    """What ``AsyncS3MapDataset`` takes: ``LoaderKwargs`` less what its sampler decides (order,
+    split across ranks) and the queue it does not have."""
+
+    max_inflight: int
+    transform: Transform | None
+    config: S3Config | None
+    store: str | StoreFactory | None
+    retry: RetryPolicy
+    log_stats: bool
+    cache_dir: str | os.PathLike[str] | None
+    cache_limit: int | None
+    on_error: OnError
+
+
+class ShardKwargs(LoaderKwargs, total=False):
+    """``from_shards`` also takes how shards are read (``formats.shards.ShardOptions``) and the
+    sample counts per shard."""
+
+    shards_inflight: int
+    shuffle_buffer: int
+    part_size: int
+    parts_inflight: int
+    chunk_size: int
+    sample_counts: Mapping[str, int] | None
