@@ -234,7 +234,8 @@ def test_bench_reports_throughput_in_both_modes(s3_server, source):
     assert_ok(objects)
     assert "per-object" in objects.stdout and "samples/s" in objects.stdout and "MB/s" in objects.stdout
     lines = {line.split()[0]: line for line in objects.stdout.splitlines()[1:]}
-    assert lines["samples"].split()[1] == "300" and lines["requests"].split()[1] == "300"
+    # 300 samples of a .jpg and a .cls each
+    assert lines["samples"].split()[1] == "300" and lines["requests"].split()[1] == "600"
     assert "n/a" not in lines["latency"]
 
     packed = run_loader(s3_server, "shard", f"s3://{bucket}/train/", f"s3://{bucket}/bench-shards/",

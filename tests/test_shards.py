@@ -23,7 +23,7 @@ import loader.datasets.iterable
 
 from waiting import wait_stable
 from fakes import FakeStore, reusable
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, SampleError
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
 from loader.retry import RetryPolicy
 
@@ -690,3 +690,20 @@ def test_shard_dataset_has_no_length():
     fake, _ = make_store(num_shards=1, per_shard=1)
     with pytest.raises(TypeError, match="unknown"):
         len(shards_ds(fake, f"s3://{BUCKET}/shards/train-0000.tar"))
+
+
+def _fails_on_every_tenth(sample):
+    if int(sample["__key__"].rsplit("/", 1)[1]) % 10 == 0:
+        raise ValueError("undecodable")
+    return sample["__key__"]
+
+
+def test_transform_errors_in_shard_mode_follow_on_error():
+    fake, expected = make_store(num_shards=2, per_shard=30)
+    with pytest.raises(SampleError, match="undecodable"):
+        list(shards_ds(fake, f"s3://{BUCKET}/shards/train-{{0000..0001}}.tar",
+                       transform=_fails_on_every_tenth))
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/train-{{0000..0001}}.tar", on_error="skip",
+                   transform=_fails_on_every_tenth)
+    got = list(ds)
+    assert len(got) == 54 and ds.stats()["samples_skipped"] == 6 == len(expected) - len(got)

@@ -73,14 +73,15 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     total: int | None
     if mode == "objects":
         dataset = AsyncS3Dataset.from_prefix(uri, **common)
-        keys = dataset.keys()  # listing happens here, outside the measured time
-        if options.samples and options.samples < len(keys):
-            chosen = random.Random(options.seed).sample(range(len(keys)), options.samples)
+        index = dataset.samples()  # listing happens here, outside the measured time
+        if options.samples and options.samples < len(index):
+            chosen = random.Random(options.seed).sample(range(len(index)), options.samples)
             dataset = AsyncS3Dataset.from_keys(parse_s3_uri(uri).bucket,
-                                               [keys[i] for i in sorted(chosen)], **common)
-            keys = dataset.keys()
-        total = len(keys)
-        listed = f"{total:,} objects"
+                                               [key for i in sorted(chosen) for key in index.objects(i)],
+                                               **common)
+            index = dataset.samples()
+        total = len(index)
+        listed = f"{total:,} samples ({len(index.keys):,} objects)"
     else:
         dataset = AsyncS3Dataset.from_shards(uri, **common)
         shards = dataset.shards()
