@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import gc
 import json
 import logging
@@ -410,3 +411,110 @@ def test_a_slow_consumer_keeps_memory_bounded(s3_server, big_objects, store):
     assert growth <= limit, report
     # with the allocator returning freed bodies, what an epoch leaves behind is small: nothing kept
     assert max(result["ends"]) <= SLACK // 2, f"memory not given back after an epoch: {report}"
+
+
+# ------------------------------------------------------------------------------ one memory budget
+
+BUDGET = 64 << 20
+# On top of the budget: the interpreter's and the HTTP clients' own buffers, the sample in the
+# consumer's hand and the one the engine may always deliver, and allocator slack.
+BUDGET_MARGIN = 64 << 20
+STALL_S = 4.0  # the consumer stops this long after a few samples: every buffer fills
+SHARD_SAMPLE = 1 << 20
+SHARD_SIZES = [40] * 4  # 4 shards of 40 x 1 MiB samples: 160 MiB, well over the budget
+
+_BUDGET_CONSUMER = """
+import gc, json, sys, threading, time
+import psutil
+from loader import AsyncS3Dataset
+
+bucket, store, mode, budget, stall, pause = sys.argv[1:]
+budget, stall, pause = int(budget), float(stall), float(pause)
+if mode == "objects":
+    make = lambda **kw: AsyncS3Dataset.from_prefix(f"s3://{bucket}/big/", store=store, **kw)
+else:
+    make = lambda **kw: AsyncS3Dataset.from_shards(f"s3://{bucket}/budget-shards/", store=store, **kw)
+dataset = make(shuffle=True, memory_budget=budget or None)  # 0: no budget (to compare)
+dataset.resolve()
+warm = make(shuffle=False)  # imports, client, runtime: what lives as long as the process
+for number, _ in enumerate(warm):
+    if number == 2:
+        break
+del warm, _
+gc.collect()
+proc = psutil.Process()
+baseline = peak = proc.memory_info().rss
+stop = threading.Event()
+
+def sample():
+    global peak
+    while not stop.is_set():
+        peak = max(peak, proc.memory_info().rss)
+        time.sleep(0.005)
+
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+keys, moved = [], 0
+for number, item in enumerate(dataset):
+    keys.append(item["__key__"])
+    moved += len(item["bin"])
+    if number == 3:
+        time.sleep(stall)
+    else:
+        time.sleep(pause)
+del item
+stop.set()
+sampler.join()
+stats = dataset.stats()
+print(json.dumps(dict(baseline=baseline, peak=peak, keys=keys, moved=moved,
+                      peak_buffered=stats["peak_buffered_bytes"],
+                      peak_reserved=stats.get("peak_reserved_bytes", 0),
+                      queue_bytes=dataset.options.queue_bytes,
+                      shard_options=repr(getattr(dataset, "shard_options", None)))))
+"""
+
+
+@pytest.fixture(scope="module")
+def budget_data(s3_server, big_objects):
+    """``big/``: 100 objects of 5 MB (shared with the test above); ``budget-shards/``: 4 tar
+    shards of 40 incompressible 1 MiB samples."""
+    from shardsets import pack
+
+    bucket, digests = big_objects
+    blob = os.urandom(SHARD_SAMPLE + 200)
+    shard_keys = []
+    for shard, count in enumerate(SHARD_SIZES):
+        samples = {f"s{shard}/{i:04d}": {"bin": blob[shard * 40 + i:][:SHARD_SAMPLE]}
+                   for i in range(count)}
+        shard_keys.extend(samples)
+        body = pack(samples)
+        s3_server.minio.put_object(bucket, f"budget-shards/shard-{shard:04d}.tar", io.BytesIO(body), len(body))
+    return bucket, sorted(url.split("/", 3)[3].rsplit(".", 1)[0] for url in digests), sorted(shard_keys)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("store", BACKENDS)
+def test_memory_budget_bounds_rss_with_a_stalled_consumer(s3_server, budget_data, store, mode):
+    bucket, object_keys, shard_keys = budget_data
+    env = {**os.environ, **s3_server.env, **FIXED_MMAP_THRESHOLD}
+    for name in S3_VARS:
+        if name not in s3_server.env:
+            env.pop(name, None)
+    args = [bucket, store, mode, BUDGET, STALL_S, 0.005]
+    run = subprocess.run([sys.executable, "-c", _BUDGET_CONSUMER, *map(str, args)], env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    expected = object_keys if mode == "objects" else shard_keys
+    assert sorted(result["keys"]) == expected, "samples lost or repeated"
+
+    mb = 1 << 20
+    growth = result["peak"] - result["baseline"]
+    report = (f"{store}, {mode}: memory_budget {BUDGET // mb} MiB, RSS growth {growth / mb:.0f} MiB "
+              f"(limit: budget + {BUDGET_MARGIN // mb} MiB margin); queue_bytes "
+              f"{result['queue_bytes'] // mb} MiB, peak buffered {result['peak_buffered'] / mb:.0f} MiB, "
+              f"peak reserved for bodies in flight {result['peak_reserved'] / mb:.0f} MiB; "
+              f"{result['shard_options']}; {result['moved'] / mb:.0f} MiB moved")
+    print("\n" + report)
+    assert result["peak_buffered"] >= result["queue_bytes"] // 2, f"the queue never filled: {report}"
+    assert growth <= BUDGET + BUDGET_MARGIN, report

@@ -34,9 +34,9 @@ from ..engine.fetch import (
 from ..decode import apply_transform
 from ..errors import ConfigError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job
-from .options import LoaderKwargs, LoaderOptions, ShardKwargs
+from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
 from .progress import Watermark, consumed_per_worker
-from ..formats.shards import END, ShardOptions, ShardRef, shard_job
+from ..formats.shards import END, ShardOptions, ShardRef, sample_nbytes, shard_job
 from .shuffle import shuffled
 from .stats import MAX_WORKERS, StatsBoard, summarize
 from ..stores.recording import RequestRecorder
@@ -86,6 +86,7 @@ class AsyncS3Dataset(IterableDataset):
         self.prefix = prefix
         self.options = options or LoaderOptions()
         self.shard_options = shard_options or ShardOptions()
+        check_budget(self.options, self.shard_options if self.mode == "shards" else None)
         self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
         self._group = group
         self._label_from = label_from
@@ -118,7 +119,8 @@ class AsyncS3Dataset(IterableDataset):
         slash matches siblings too (``imgs`` matches ``imgs-shards/``): that is warned about.
         """
         bucket, prefix = parse_s3_uri(uri)
-        return cls(bucket=bucket, prefix=prefix, options=LoaderOptions(**options), group=group,
+        return cls(bucket=bucket, prefix=prefix, group=group,
+                   options=LoaderOptions(**budget_options(options, "objects")),
                    label_from=label_from)
 
     @classmethod
@@ -128,7 +130,8 @@ class AsyncS3Dataset(IterableDataset):
         ``from_prefix``; samples come in the order their stems first appear."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        return cls(bucket=bucket, keys=keys, options=LoaderOptions(**options), group=group,
+        return cls(bucket=bucket, keys=keys, group=group,
+                   options=LoaderOptions(**budget_options(options, "objects")),
                    label_from=label_from)
 
     @classmethod
@@ -138,7 +141,8 @@ class AsyncS3Dataset(IterableDataset):
         with a ``key`` (or ``url``) column and optionally a ``label`` column (class names or
         integers), see ``sources.read_manifest``. Grouped by stem as in ``from_prefix``."""
         manifest = read_manifest(path, bucket)
-        return cls(bucket=manifest.bucket, keys=manifest.keys, options=LoaderOptions(**options),
+        return cls(bucket=manifest.bucket, keys=manifest.keys,
+                   options=LoaderOptions(**budget_options(options, "objects")),
                    group=group, label_from=label_from, labels=manifest.labels)
 
     @classmethod
@@ -151,7 +155,7 @@ class AsyncS3Dataset(IterableDataset):
         ``part_size``, ``parts_inflight``, ``chunk_size``; the rest as usual (``on_error``: a
         corrupt shard raises, or the rest of it is skipped, quietly or with a warning).
         """
-        rest: dict[str, Any] = dict(options)
+        rest: dict[str, Any] = budget_options(options, "shards")
         names = {field.name for field in dataclasses.fields(ShardOptions)}
         shard_options = ShardOptions(**{k: rest.pop(k) for k in list(rest) if k in names})
         counts = rest.pop("sample_counts", None)
@@ -352,7 +356,7 @@ class AsyncS3Dataset(IterableDataset):
         on_error = self.options.on_error
         jobs = (sample_job(index, self.bucket, pos, slot, on_error) for slot, pos in todo)
         delivery = "ordered" if self.options.ordered else "completed"
-        yield from self._run(jobs, self.options.limits(delivery))
+        yield from self._run(jobs, self.options.object_limits(delivery))
 
     def _iter_shards(self) -> Iterator[tuple[Any, dict[str, Any]]]:
         shards = self.shards()
@@ -392,7 +396,8 @@ class AsyncS3Dataset(IterableDataset):
         size = self.shard_options.shuffle_buffer if self.options.shuffle else 0
         rng = random.Random(partition.epoch_seed(seed, self.epoch) ^ (slot << 20))
         with contextlib.closing(samples()) as stream:
-            yield from shuffled(stream, size, rng)
+            yield from shuffled(stream, size, rng, max_bytes=self.shard_options.shuffle_bytes,
+                                nbytes=_tagged_nbytes)
 
     def _run(self, jobs: Iterable[Any], limits: EngineLimits) -> Iterator[Any]:
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
@@ -583,6 +588,10 @@ def _drop(tagged: Iterator[Any], count: int, progress: _Progress) -> Iterator[An
                 progress.add(tag)
                 continue
             yield tag, sample
+
+
+def _tagged_nbytes(tagged: tuple[Tag, dict[str, Any]]) -> int:
+    return sample_nbytes(tagged[1])
 
 
 def _shard_complete(assignment: partition.ShardAssignment, samples: int | None,

@@ -74,7 +74,7 @@ THREAD_NAME = "loader-map-client"
 
 # LoaderOptions fields that mean nothing here, and what decides instead.
 _SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy")
-_NO_QUEUE = ("queue_bytes", "queue_items")
+_NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
 _DEFAULTS = LoaderOptions.__dataclass_fields__
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from typing_extensions import TypedDict
 
@@ -15,6 +15,13 @@ from ..config import S3Config, resolve_config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
 from ..errors import ConfigError
 from ..formats.objects import ON_ERROR, OnError
+from ..formats.shards import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PART_SIZE,
+    DEFAULT_PARTS_INFLIGHT,
+    DEFAULT_SHARDS_INFLIGHT,
+    ShardOptions,
+)
 from ..retry import RetryPolicy
 from ..stores import StoreFactory, open_store, preload_backend, resolve_backend
 from ..stores.cache import CacheStats, check_cache_options, endpoint_id_for, open_cached_store
@@ -22,6 +29,9 @@ from ..stores.recording import RequestRecorder
 from . import partition, topology
 
 Transform = Callable[[dict[str, Any]], Any]
+Mode = Literal["objects", "shards"]
+MIN_MEMORY_BUDGET = 8 << 20
+MIN_PART_SIZE = 1 << 20  # ranged parts smaller than this cost more in requests than they save
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +55,7 @@ class LoaderOptions:
     cache_dir: str | os.PathLike[str] | None = None
     cache_limit: int | None = None
     on_error: OnError = "raise"
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_error == "skip_shard":  # the shard-only name it had before objects could skip
@@ -52,6 +63,17 @@ class LoaderOptions:
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"on_error={self.on_error!r} must be one of 'raise', 'skip', 'warn'")
         self.limits("ordered")  # validates the engine settings now, not in a worker later
+        budget = self.memory_budget
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_MEMORY_BUDGET:
+                raise ConfigError(f"memory_budget={budget!r} must be a number of bytes, at least "
+                                  f"{MIN_MEMORY_BUDGET} (8 MiB), e.g. 512 << 20 for 512 MiB")
+            if self.queue_bytes >= budget:
+                raise ConfigError(
+                    f"queue_bytes={self.queue_bytes} leaves nothing of memory_budget={budget} for "
+                    "requests in flight; give a smaller queue_bytes (the budget alone gives the "
+                    "queue half in per-object mode, a quarter in shard mode), or a larger budget"
+                )
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         if self.transform is not None and not callable(self.transform):
@@ -70,10 +92,17 @@ class LoaderOptions:
         object.__setattr__(self, "cache_dir", cache_dir)  # absolute: workers may chdir
         object.__setattr__(self, "cache_limit", cache_limit)  # DEFAULT_CACHE_LIMIT when not given
 
-    def limits(self, delivery: Delivery, max_inflight: int | None = None) -> EngineLimits:
+    def limits(self, delivery: Delivery, max_inflight: int | None = None,
+               inflight_bytes: int | None = None) -> EngineLimits:
         return EngineLimits(max_inflight=max_inflight or self.max_inflight,
                             queue_bytes=self.queue_bytes, queue_items=self.queue_items,
-                            delivery=delivery)
+                            delivery=delivery, inflight_bytes=inflight_bytes)
+
+    def object_limits(self, delivery: Delivery) -> EngineLimits:
+        """Per-object mode: under a ``memory_budget``, what the queue leaves of it bounds the
+        bodies in flight (the engine reserves twice the largest object seen per request)."""
+        budget = self.memory_budget
+        return self.limits(delivery, inflight_bytes=None if budget is None else budget - self.queue_bytes)
 
     @property
     def effective_seed(self) -> int:
@@ -140,6 +169,7 @@ class LoaderKwargs(TypedDict, total=False):
     cache_dir: str | os.PathLike[str] | None
     cache_limit: int | None
     on_error: OnError
+    memory_budget: int | None
 
 
 class MapKwargs(TypedDict, total=False):
@@ -166,4 +196,75 @@ class ShardKwargs(LoaderKwargs, total=False):
     part_size: int
     parts_inflight: int
     chunk_size: int
+    shuffle_bytes: int | None
     sample_counts: Mapping[str, int] | None
+
+
+# ------------------------------------------------------------------------ one memory budget
+#
+# ``memory_budget`` is bytes per iterating process (each DataLoader worker has its own). It is
+# split the way Mountpoint's memory target splits, into fixed shares whose sum is the budget:
+#
+#   per-object mode   queue_bytes = budget / 2; bodies in flight = the rest, reserved per request
+#                     by the engine (twice the largest object seen), so max_inflight adapts to
+#                     the object size
+#   shard mode        queue_bytes = budget / 4; the shuffle buffer (with shuffle=True) = budget / 4,
+#                     in bytes as well as in samples; shards in flight x (parts_inflight + 1) x
+#                     part_size = the rest (parts fetched ahead plus the one being parsed; a
+#                     streamed shard holds at most that in chunks and the member it assembles)
+#
+# Knobs given explicitly win and the others are derived from what is left; a combination of
+# explicit knobs that exceeds the budget is a ConfigError that names them (clamping silently
+# would hide that the knobs the user chose are not the ones in force).
+
+_SHARD_KNOBS = ("shards_inflight", "parts_inflight", "part_size", "chunk_size")
+
+
+def budget_options(options: Mapping[str, Any], mode: Mode) -> dict[str, Any]:
+    """``options`` (constructor keywords) plus the knobs ``memory_budget`` derives, for those
+    not given. Without a budget, ``options`` unchanged."""
+    out = dict(options)
+    budget = out.get("memory_budget")
+    if budget is None or not isinstance(budget, int) or budget < MIN_MEMORY_BUDGET:
+        return out  # validated (with a message) by LoaderOptions
+    if mode == "objects":
+        out.setdefault("queue_bytes", budget // 2)
+        return out
+    queue = out.setdefault("queue_bytes", budget // 4)
+    shuffle_bytes = out.setdefault("shuffle_bytes", budget // 4 if out.get("shuffle") else None) or 0
+    reads = budget - queue - shuffle_bytes
+    shards = out.get("shards_inflight", DEFAULT_SHARDS_INFLIGHT)
+    parts = out.get("parts_inflight", DEFAULT_PARTS_INFLIGHT)
+    part = out.get("part_size", DEFAULT_PART_SIZE)
+    if not all(isinstance(v, int) and v > 0 for v in (shards, parts, part, reads)):
+        return out  # a bad knob: ShardOptions / the check below say which
+    # shrink what was not given, the part size first (it costs least), then parts, then shards
+    if shards * (parts + 1) * part > reads and "part_size" not in options:
+        part = max(MIN_PART_SIZE, reads // (shards * (parts + 1)))
+    if shards * (parts + 1) * part > reads and "parts_inflight" not in options:
+        parts = max(1, reads // (shards * part) - 1)
+    if shards * (parts + 1) * part > reads and "shards_inflight" not in options:
+        shards = max(1, reads // ((parts + 1) * part))
+    out.update(shards_inflight=shards, parts_inflight=parts, part_size=part)
+    out["chunk_size"] = min(out.get("chunk_size", DEFAULT_CHUNK_SIZE), part)
+    return out
+
+
+def check_budget(options: LoaderOptions, shard_options: ShardOptions | None) -> None:
+    """Raise ConfigError when the knobs in force exceed ``memory_budget`` (shard mode; per-object
+    mode is checked by ``LoaderOptions``), naming each share."""
+    budget = options.memory_budget
+    if budget is None or shard_options is None:
+        return
+    s = shard_options
+    shuffle = (s.shuffle_bytes or 0) if options.shuffle else 0
+    reads = s.shards_inflight * (s.parts_inflight + 1) * s.part_size
+    total = options.queue_bytes + shuffle + reads
+    if total > budget:
+        raise ConfigError(
+            f"these settings hold up to {total} bytes, more than memory_budget={budget}: "
+            f"queue_bytes={options.queue_bytes} + shuffle_bytes={shuffle} + shards_inflight="
+            f"{s.shards_inflight} x (parts_inflight={s.parts_inflight} + 1) x part_size="
+            f"{s.part_size} for the shards being read. Lower the knobs you set (or drop them and "
+            "let the budget decide), or raise the budget"
+        )

@@ -12,7 +12,11 @@ admission checks both limits before a new job starts, so a slow consumer stops n
 
 Memory bound: ``queue_bytes`` + ``max_inflight`` x (largest item) + two items: admission stops
 at the budget, and the job the consumer waits for may always deliver one item (or ordered
-delivery could deadlock while the room is held by other jobs' items).
+delivery could deadlock while the room is held by other jobs' items). With ``inflight_bytes``
+the middle term is bounded in bytes too: each job started reserves twice the largest item seen
+so far (its body arriving, then joined into one object), and a job starts only while the
+reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. Before
+the first item arrives nothing is known of sizes, so the first job runs alone.
 
 Lifecycle: nothing starts in ``__init__``. Iterating starts the thread; exhaustion, ``break``,
 an exception, ``close()``, garbage collection and interpreter exit all cancel the jobs, close
@@ -63,6 +67,7 @@ class EngineLimits:
     queue_bytes: int = DEFAULT_QUEUE_BYTES
     queue_items: int = DEFAULT_QUEUE_ITEMS
     delivery: Delivery = "ordered"
+    inflight_bytes: int | None = None  # bytes reserved by running jobs (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.delivery not in DELIVERIES:
@@ -71,6 +76,9 @@ class EngineLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
+        value = self.inflight_bytes
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"inflight_bytes={value!r} must be a positive integer or None")
 
 
 class EngineStats(NamedTuple):
@@ -87,6 +95,7 @@ class EngineStats(NamedTuple):
     delivered_bytes: int
     retries: int
     consumer_wait_s: float
+    peak_reserved_bytes: int = 0  # most of ``inflight_bytes`` reserved at once (0 without it)
 
 
 class JobContext:
@@ -115,13 +124,14 @@ Job = Callable[[JobContext], Awaitable[None]]
 class _Slot:
     """One job's place in the delivery order: its pending items and how it ended."""
 
-    __slots__ = ("index", "items", "done", "error")
+    __slots__ = ("index", "items", "done", "error", "reserved")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.items: deque[tuple[Any, int]] = deque()
         self.done = False
         self.error: BaseException | None = None
+        self.reserved = 0  # bytes of ``inflight_bytes`` this job holds while it runs
 
 
 class FetchEngine:
@@ -223,6 +233,7 @@ class FetchEngine:
             delivered_bytes=core.delivered_bytes,
             retries=core.retries,
             consumer_wait_s=self._consumer_wait,
+            peak_reserved_bytes=core.peak_reserved_bytes,
         )
 
 
@@ -269,6 +280,9 @@ class _Core:
         self.delivered_items = 0
         self.delivered_bytes = 0
         self.retries = 0
+        self.reserved_bytes = 0  # sum of the running jobs' reservations
+        self.peak_reserved_bytes = 0
+        self.largest_item = 0
 
     async def main(self) -> None:
         store = None
@@ -291,6 +305,10 @@ class _Core:
             if self.failed:
                 break
             slot = _Slot(index)
+            if self.limits.inflight_bytes is not None:
+                slot.reserved = self.reservation()
+                self.reserved_bytes += slot.reserved
+                self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
             self.slots[index] = slot
             self.launched += 1
             self.pending.append((job, JobContext(self, slot, store, self.retry)))
@@ -338,6 +356,8 @@ class _Core:
         finally:
             self.inflight -= 1
             self.jobs_done += 1
+            self.reserved_bytes -= slot.reserved
+            slot.reserved = 0
             slot.done = True
             if self.delivery == "completed":
                 del self.slots[slot.index]
@@ -368,9 +388,25 @@ class _Core:
         the launcher starts jobs back to back until the limit, then sleeps until one finishes.
         """
         while not self.failed and not (
-            self.launched - self.jobs_done < self.limits.max_inflight and self.room_for(index)
+            self.launched - self.jobs_done < self.limits.max_inflight
+            and self.room_for(index)
+            and self.bytes_room()
         ):
             await self.wait_change()
+
+    def reservation(self) -> int:
+        """What a job about to start reserves of ``inflight_bytes``: twice the largest item seen
+        (its body arriving, then joined), or all of it before any size is known."""
+        budget = self.limits.inflight_bytes or 0
+        if not self.largest_item:
+            return budget
+        return min(2 * self.largest_item, budget)
+
+    def bytes_room(self) -> bool:
+        """Whether another job's reservation fits (one job may always run)."""
+        if self.limits.inflight_bytes is None or self.launched == self.jobs_done:
+            return True
+        return self.reserved_bytes + self.reservation() <= self.limits.inflight_bytes
 
     async def emit(self, slot: _Slot, item: Any, nbytes: int) -> None:
         # The job the consumer waits for may always deliver one item when it has none buffered:
@@ -380,6 +416,8 @@ class _Core:
         ):
             await self.wait_change()
         (self.ready if self.delivery == "completed" else slot.items).append((item, nbytes))
+        if nbytes > self.largest_item:
+            self.largest_item = nbytes
         self.buffered_items += 1
         self.buffered_bytes += nbytes
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)

@@ -73,6 +73,8 @@ class ShardOptions:
     ``shuffle_buffer``: samples mixed after reading (0 = off); costs that many samples of RAM.
     ``part_size``/``parts_inflight``: a shard of known size above two parts is fetched as
     ranged GETs of ``part_size`` bytes, ``parts_inflight`` at a time, reassembled in order.
+    ``shuffle_bytes``: the shuffle buffer's limit in bytes as well (None: samples only);
+    ``memory_budget`` sets it.
     """
 
     shards_inflight: int = DEFAULT_SHARDS_INFLIGHT
@@ -80,6 +82,7 @@ class ShardOptions:
     part_size: int = DEFAULT_PART_SIZE
     parts_inflight: int = DEFAULT_PARTS_INFLIGHT
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    shuffle_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("shards_inflight", "part_size", "parts_inflight", "chunk_size"):
@@ -88,6 +91,9 @@ class ShardOptions:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer={self.shuffle_buffer!r} must be 0 (off) or more")
+        value = self.shuffle_bytes
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"shuffle_bytes={value!r} must be a positive number of bytes or None")
 
 
 class ShardRef(NamedTuple):

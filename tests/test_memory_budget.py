@@ -1,0 +1,174 @@
+"""``memory_budget``: one number that bounds what an iterating process holds (in-memory store).
+
+What the budget derives (queue, bodies in flight, shards and parts in flight, part size, the
+shuffle buffer in bytes), that explicit knobs win and a combination over the budget is refused,
+and that the engine's byte reservations and the byte-bounded shuffle buffer keep to their shares.
+RSS under a budget with a real server is measured in integration/test_resources.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+import anyio
+import pytest
+
+from fakes import FakeStore, reusable
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
+from loader.datasets.options import LoaderOptions, budget_options
+from loader.datasets.shuffle import shuffled
+from loader.engine import EngineLimits, FetchEngine
+from loader.formats.objects import object_job
+from test_shards import BUCKET, assert_exactly, make_store, shards_ds
+
+MiB = 1 << 20
+
+
+# ----------------------------------------------------------------------------- what it derives
+
+
+def test_objects_mode_gives_half_to_the_queue_and_the_rest_to_bodies_in_flight():
+    options = LoaderOptions(**budget_options({"memory_budget": 256 * MiB}, "objects"))
+    assert options.queue_bytes == 128 * MiB
+    assert options.object_limits("ordered").inflight_bytes == 128 * MiB
+    assert LoaderOptions().object_limits("ordered").inflight_bytes is None  # no budget: as before
+
+
+def test_shard_mode_splits_queue_shuffle_and_reads():
+    derived = budget_options({"memory_budget": 256 * MiB, "shuffle": True}, "shards")
+    assert derived["queue_bytes"] == 64 * MiB and derived["shuffle_bytes"] == 64 * MiB
+    reads = derived["shards_inflight"] * (derived["parts_inflight"] + 1) * derived["part_size"]
+    assert 96 * MiB <= reads <= 128 * MiB
+    assert derived["chunk_size"] <= derived["part_size"]
+    unshuffled = budget_options({"memory_budget": 256 * MiB}, "shards")
+    assert unshuffled["shuffle_bytes"] is None  # no shuffle buffer: its share goes to reads
+    assert (unshuffled["shards_inflight"] * (unshuffled["parts_inflight"] + 1)
+            * unshuffled["part_size"]) <= 192 * MiB
+
+
+def test_a_large_budget_keeps_the_defaults():
+    derived = budget_options({"memory_budget": 8 << 30}, "shards")
+    assert (derived["shards_inflight"], derived["parts_inflight"], derived["part_size"]) == (4, 4, 16 * MiB)
+
+
+def test_a_small_budget_shrinks_parts_then_parts_in_flight_then_shards():
+    derived = budget_options({"memory_budget": 16 * MiB}, "shards")
+    reads = 16 * MiB - derived["queue_bytes"]
+    assert derived["shards_inflight"] * (derived["parts_inflight"] + 1) * derived["part_size"] <= reads
+    assert derived["part_size"] >= 1 * MiB
+
+
+def test_explicit_knobs_win_and_the_rest_is_derived():
+    derived = budget_options({"memory_budget": 256 * MiB, "queue_bytes": 32 * MiB,
+                              "shards_inflight": 2}, "shards")
+    assert derived["queue_bytes"] == 32 * MiB and derived["shards_inflight"] == 2
+    ds = AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", memory_budget=256 * MiB,
+                                    queue_bytes=32 * MiB, shards_inflight=2)
+    assert ds.options.queue_bytes == 32 * MiB and ds.shard_options.shards_inflight == 2
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(memory_budget=64 * MiB, shards_inflight=8, part_size=16 * MiB),
+     r"more than memory_budget=67108864.*shards_inflight=8 x \(parts_inflight=\d+ \+ 1\) x part_size=16777216"),
+    (dict(memory_budget=64 * MiB, queue_bytes=64 * MiB), r"queue_bytes=67108864 leaves nothing"),
+    (dict(memory_budget=1000), r"memory_budget=1000 must be .* at least"),
+])
+def test_settings_over_the_budget_are_refused(options, match):
+    with pytest.raises(ConfigError, match=match):
+        AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", **options)
+
+
+def test_per_object_queue_over_the_budget_is_refused():
+    with pytest.raises(ConfigError, match="queue_bytes=.* leaves nothing of memory_budget"):
+        AsyncS3Dataset.from_keys("bucket", ["a.jpg"], memory_budget=32 * MiB, queue_bytes=32 * MiB)
+
+
+def test_the_map_dataset_refuses_a_budget_it_cannot_use():
+    with pytest.raises(ConfigError, match="memory_budget=.* means nothing for AsyncS3MapDataset"):
+        AsyncS3MapDataset.from_keys("bucket", ["a.jpg"], memory_budget=64 * MiB)
+
+
+# ----------------------------------------------------------------------------- the engine's share
+
+
+def run_objects(fake: FakeStore, keys: list[str], limits: EngineLimits, pause: float = 0.0):
+    engine = FetchEngine((object_job(BUCKET, key, i) for i, key in enumerate(keys)),
+                         reusable(fake), limits=limits)
+    got = []
+    for item in engine:
+        got.append(item)
+        time.sleep(pause)
+    return got, engine.statistics()
+
+
+def test_bodies_in_flight_stay_within_their_share():
+    size = 100_000
+    keys = [f"train/{i:04d}.bin" for i in range(60)]
+    fake = FakeStore.with_objects(BUCKET, {k: bytes([i % 251]) * size for i, k in enumerate(keys)},
+                                  latency=0.01)
+    limits = EngineLimits(max_inflight=64, queue_bytes=300_000, inflight_bytes=700_000)
+    got, stats = run_objects(fake, keys, limits, pause=0.002)
+    assert [position for position, _ in got] == list(range(60))
+    # each request reserves 2 x 100 KB once a size is known: at most 3 in flight, not 64
+    assert 2 <= fake.peak_inflight <= 3, fake.peak_inflight
+    assert stats.peak_reserved_bytes <= 700_000
+    assert stats.peak_buffered_bytes <= 300_000 + 2 * size
+
+
+def test_without_a_byte_share_the_count_alone_limits_requests():
+    keys = [f"train/{i:04d}.bin" for i in range(60)]
+    fake = FakeStore.with_objects(BUCKET, {k: b"x" * 1000 for k in keys}, latency=0.02)
+    _, stats = run_objects(fake, keys, EngineLimits(max_inflight=16))
+    assert fake.peak_inflight > 3 and stats.peak_reserved_bytes == 0
+
+
+def test_per_object_dataset_under_a_budget_is_exactly_once():
+    keys = [f"train/{i:04d}.bin" for i in range(80)]
+    objects = {k: random.Random(i).randbytes(50_000) for i, k in enumerate(keys)}
+    fake = FakeStore.with_objects(BUCKET, objects, latency=0.005)
+    ds = AsyncS3Dataset.from_keys(BUCKET, keys, store=reusable(fake), memory_budget=8 * MiB,
+                                  shuffle=True, seed=1)
+    got = list(ds)
+    assert Counter(s["__url__"] for s in got) == Counter(f"s3://{BUCKET}/{k}" for k in keys)
+    assert all(s["bin"] == objects[s["__url__"].split("/", 3)[3]] for s in got)
+    assert ds.stats()["peak_reserved_bytes"] <= 4 * MiB
+
+
+# ----------------------------------------------------------------------------- the shuffle buffer's share
+
+
+def test_the_shuffle_buffer_keeps_to_its_bytes_and_loses_nothing():
+    rng = random.Random(0)
+    items = [(i, rng.randint(1, 5000)) for i in range(2000)]
+    held, peak = [], 0
+
+    def sized(stream):
+        for item in stream:
+            held.append(item)
+            yield item
+
+    out = []
+    for item in shuffled(sized(items), 1000, random.Random(1), max_bytes=20_000,
+                         nbytes=lambda item: item[1]):
+        held.remove(item)
+        peak = max(peak, sum(size for _, size in held) + item[1])
+        out.append(item)
+    assert sorted(out) == items and out != items
+    assert peak <= 20_000 + 5000  # the limit plus the one item that arrived last
+
+
+def test_the_byte_bounded_shuffle_repeats_for_a_seed():
+    items = list(range(500))
+    first = list(shuffled(items, 100, random.Random(5), max_bytes=50, nbytes=lambda _: 1))
+    second = list(shuffled(items, 100, random.Random(5), max_bytes=50, nbytes=lambda _: 1))
+    assert first == second and sorted(first) == items
+
+
+def test_shard_dataset_under_a_budget_is_exactly_once():
+    fake, expected = make_store(num_shards=6, per_shard=80)
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", memory_budget=8 * MiB, shuffle=True, seed=2)
+    assert ds.shard_options.shuffle_bytes == 2 * MiB
+    assert_exactly(list(ds), expected)
+    assert ds.stats()["peak_buffered_bytes"] <= 2 * MiB + 2 * 10_000
