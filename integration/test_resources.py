@@ -492,29 +492,47 @@ def budget_data(s3_server, big_objects):
     return bucket, sorted(url.split("/", 3)[3].rsplit(".", 1)[0] for url in digests), sorted(shard_keys)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("store", BACKENDS)
-def test_memory_budget_bounds_rss_with_a_stalled_consumer(s3_server, budget_data, store, mode):
-    bucket, object_keys, shard_keys = budget_data
+def run_budget_consumer(s3_server, bucket: str, store: str, mode: str, budget: int) -> dict:
     env = {**os.environ, **s3_server.env, **FIXED_MMAP_THRESHOLD}
     for name in S3_VARS:
         if name not in s3_server.env:
             env.pop(name, None)
-    args = [bucket, store, mode, BUDGET, STALL_S, 0.005]
+    args = [bucket, store, mode, budget, STALL_S, 0.005]
     run = subprocess.run([sys.executable, "-c", _BUDGET_CONSUMER, *map(str, args)], env=env,
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    expected = object_keys if mode == "objects" else shard_keys
-    assert sorted(result["keys"]) == expected, "samples lost or repeated"
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
+
+def budget_report(store: str, mode: str, budget: int | None, result: dict) -> str:
     mb = 1 << 20
     growth = result["peak"] - result["baseline"]
-    report = (f"{store}, {mode}: memory_budget {BUDGET // mb} MiB, RSS growth {growth / mb:.0f} MiB "
-              f"(limit: budget + {BUDGET_MARGIN // mb} MiB margin); queue_bytes "
-              f"{result['queue_bytes'] // mb} MiB, peak buffered {result['peak_buffered'] / mb:.0f} MiB, "
-              f"peak reserved for bodies in flight {result['peak_reserved'] / mb:.0f} MiB; "
-              f"{result['shard_options']}; {result['moved'] / mb:.0f} MiB moved")
+    return (f"{store}, {mode}: memory_budget {budget // mb if budget else None} MiB, RSS growth "
+            f"{growth / mb:.0f} MiB (limit: budget + {BUDGET_MARGIN // mb} MiB margin); queue_bytes "
+            f"{result['queue_bytes'] // mb} MiB, peak buffered {result['peak_buffered'] / mb:.0f} MiB, "
+            f"peak reserved for bodies in flight {result['peak_reserved'] / mb:.0f} MiB; "
+            f"{result['shard_options']}; {result['moved'] / mb:.0f} MiB moved")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("store", BACKENDS)
+def test_memory_budget_bounds_rss_with_a_stalled_consumer(s3_server, budget_data, store, mode):
+    bucket, object_keys, shard_keys = budget_data
+    result = run_budget_consumer(s3_server, bucket, store, mode, BUDGET)
+    expected = object_keys if mode == "objects" else shard_keys
+    assert sorted(result["keys"]) == expected, "samples lost or repeated"
+    report = budget_report(store, mode, BUDGET, result)
     print("\n" + report)
     assert result["peak_buffered"] >= result["queue_bytes"] // 2, f"the queue never filled: {report}"
-    assert growth <= BUDGET + BUDGET_MARGIN, report
+    assert result["peak"] - result["baseline"] <= BUDGET + BUDGET_MARGIN, report
+
+
+def test_without_a_budget_the_same_consumer_grows_past_it(s3_server, budget_data):
+    """The control: the defaults (queue_bytes 256 MiB, 4 shards x 4 parts x 16 MiB) let the same
+    stalled consumer's process grow well past budget + margin, so the test above can fail."""
+    bucket, _, shard_keys = budget_data
+    result = run_budget_consumer(s3_server, bucket, "aioboto3", "shards", 0)
+    assert sorted(result["keys"]) == shard_keys
+    report = budget_report("aioboto3", "shards", None, result)
+    print("\n" + report)
+    assert result["peak"] - result["baseline"] > BUDGET + BUDGET_MARGIN, report
