@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import tempfile
 import threading
 from collections.abc import Iterator
 
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def aws_profiles_of_our_own() -> Iterator[None]:
+    """Keep the developer's ``~/.aws`` and any cloud metadata service out of every test.
+
+    The credential chain reads the shared credentials and config files and, last, asks the
+    instance metadata service, whose address is not on this machine. Tests (and the servers and
+    CLIs they start, which inherit the environment) see empty profile files in a temporary
+    directory and the metadata service switched off, as a user off EC2 would set it. Tests that
+    need a profile or the metadata lookup set these variables themselves.
+    """
+    with tempfile.TemporaryDirectory(prefix="aws-profiles-") as home, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.path.join(home, "credentials"))
+        mp.setenv("AWS_CONFIG_FILE", os.path.join(home, "config"))
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+            mp.delenv(name, raising=False)
+        yield
 
 
 @pytest.fixture

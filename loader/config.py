@@ -26,10 +26,13 @@ _FALSE = {"0", "false", "no", "off", ""}
 class S3Config:
     """Endpoint, region, credentials and addressing for one S3-compatible service.
 
-    ``endpoint_url=None`` means AWS S3 itself. Credentials left as ``None`` fall back to the
-    backend's default chain (profile, instance role) on AWS; a custom endpoint needs them given.
-    Custom endpoints default to path-style addressing, which is what MinIO, SeaweedFS, Ceph and
-    ``localhost`` need (virtual-host style would put the bucket into the host name).
+    ``endpoint_url=None`` means AWS S3 itself. Keys left as ``None`` are looked up the way boto3
+    looks them up, for custom endpoints too: the environment, then ``profile`` (else
+    ``AWS_PROFILE``, else ``default``) in the shared credentials and config files (keys, roles,
+    ``credential_process``, SSO), then web identity, container and instance-metadata credentials
+    (see ``loader.stores.credentials``). Custom endpoints default to path-style addressing, which
+    is what MinIO, SeaweedFS, Ceph and ``localhost`` need (virtual-host style would put the
+    bucket into the host name).
     """
 
     endpoint_url: str | None = None
@@ -39,6 +42,7 @@ class S3Config:
     session_token: str | None = None
     addressing_style: AddressingStyle = "auto"
     verify: bool | str = True
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
@@ -47,6 +51,8 @@ class S3Config:
             raise ConfigError(
                 f"addressing_style={self.addressing_style!r} is not one of 'auto', 'path', 'virtual'"
             )
+        if self.profile is not None and not self.profile.strip():
+            raise ConfigError("profile is empty; give a profile name or None (AWS_PROFILE or 'default')")
         if not self.region:
             raise ConfigError("region is empty; set AWS_REGION (e.g. 'us-east-1')")
         if (self.access_key_id is None) != (self.secret_access_key is None):
@@ -65,23 +71,16 @@ class S3Config:
 
     @property
     def has_credentials(self) -> bool:
+        """Whether keys are given here (else the stores look them up the way boto3 does)."""
         return self.access_key_id is not None
-
-    def require_credentials(self) -> None:
-        """Fail before any request when a custom endpoint has no credentials to sign with."""
-        if self.endpoint_url is not None and not self.has_credentials:
-            raise ConfigError(
-                f"no credentials for endpoint {self.endpoint_url!r}: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or MINIO_ACCESS_KEY and MINIO_SECRET_KEY), "
-                "or pass S3Config(access_key_id=..., secret_access_key=...)"
-            )
 
     def __repr__(self) -> str:
         key = "set" if self.access_key_id else "unset"
         token = ", session_token=<set>" if self.session_token else ""
+        profile = f", profile={self.profile!r}" if self.profile is not None else ""
         return (
             f"S3Config(endpoint_url={self.endpoint_url!r}, region={self.region!r}, "
-            f"credentials=<{key}>{token}, addressing_style={self.addressing_style!r}, "
+            f"credentials=<{key}>{token}{profile}, addressing_style={self.addressing_style!r}, "
             f"verify={self.verify!r})"
         )
 
@@ -89,7 +88,11 @@ class S3Config:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> S3Config:
-        """Read the AWS variables, then MinIO's names for whatever AWS's left unset."""
+        """Read the AWS variables, then MinIO's names for whatever AWS's left unset.
+
+        ``AWS_PROFILE`` is not copied into ``profile``: botocore reads it itself, and keys in the
+        environment win over it, as they do for boto3 (an explicit ``profile=`` wins over them).
+        """
         env = os.environ if environ is None else environ
 
         endpoint = None

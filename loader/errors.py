@@ -6,6 +6,7 @@ Each class also subclasses the builtin it really is, so ``except FileNotFoundErr
 
     LoaderError
     ├── ConfigError (ValueError)            bad setting or environment variable; raised before any I/O
+    │   └── NoCredentialsError              no credentials anywhere in the chain; lists what was tried
     ├── StoreError                          something went wrong talking to the object store
     │   ├── TransientStoreError             worth retrying: 5xx, SlowDown, reset, timeout, short body
     │   │   └── EndpointUnreachableError (ConnectionError)
@@ -32,6 +33,26 @@ class LoaderError(Exception):
 
 class ConfigError(LoaderError, ValueError):
     """A setting or environment variable is invalid; the message names it and shows how to fix it."""
+
+
+class NoCredentialsError(ConfigError):
+    """No credentials in S3Config, the environment, the profile files or the instance's role.
+
+    ``tried`` names each source looked at (never a value), so a caller such as the CLI can
+    give its own advice.
+    """
+
+    def __init__(self, message: str, *, endpoint: str = "", tried: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.tried = tried
+
+    def __reduce__(self):
+        return (_rebuild_no_credentials, (type(self), str(self), self.endpoint, self.tried))
+
+
+def _rebuild_no_credentials(cls, message, endpoint, tried):
+    return cls(message, endpoint=endpoint, tried=tried)
 
 
 class StoreError(LoaderError):

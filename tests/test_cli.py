@@ -187,7 +187,10 @@ def test_bad_arguments_are_one_line_usage_errors(error_runs, capsys, case):
 
 @pytest.mark.parametrize("argv", NO_CREDENTIALS)
 def test_missing_credentials_are_one_line_errors(error_runs, argv):
-    assert_one_line_error(error_runs[tuple(argv)], 1, "no credentials", "AWS_ACCESS_KEY_ID")
+    proc = error_runs[tuple(argv)]
+    assert_one_line_error(proc, 1, "no credentials", "AWS_ACCESS_KEY_ID", "AWS_PROFILE=NAME",
+                          "loader serve --background", "Tried: the environment")
+    assert "S3Config" not in proc.stderr  # a shell user gets shell advice
 
 
 def test_a_bad_endpoint_variable_is_a_one_line_error():

@@ -63,7 +63,7 @@ def test_defaults_mean_aws_with_the_default_chain():
     assert cfg.verify is True
     assert not cfg.has_credentials
     assert not cfg.path_style
-    cfg.require_credentials()  # AWS falls back to profile / instance role: nothing to require
+    assert cfg.profile is None  # botocore's chain picks AWS_PROFILE or "default"
 
 
 def test_empty_environment_gives_the_defaults():
@@ -364,25 +364,6 @@ def test_explicit_partial_credentials(kwargs, given):
     assert_no_secret(str(info.value))
 
 
-def test_require_credentials_for_a_custom_endpoint():
-    cfg = S3Config(endpoint_url="http://localhost:9000")
-    with pytest.raises(
-        ConfigError,
-        match=r"^no credentials for endpoint 'http://localhost:9000': set AWS_ACCESS_KEY_ID and "
-        r"AWS_SECRET_ACCESS_KEY \(or MINIO_ACCESS_KEY and MINIO_SECRET_KEY\), "
-        r"or pass S3Config\(access_key_id=\.\.\., secret_access_key=\.\.\.\)$",
-    ):
-        cfg.require_credentials()
-    S3Config(endpoint_url="http://localhost:9000", access_key_id="a", secret_access_key="s").require_credentials()
-
-
-def test_require_credentials_from_env():
-    with pytest.raises(ConfigError, match="no credentials for endpoint 'http://localhost:9000'"):
-        S3Config.from_env({"MINIO_ENDPOINT": "localhost:9000"}).require_credentials()
-    S3Config.from_env({"MINIO_ENDPOINT": "localhost:9000", **creds()}).require_credentials()
-    S3Config.from_env({}).require_credentials()
-
-
 # ------------------------------------------------------------------------------ region, token, CA
 
 
@@ -560,20 +541,12 @@ def test_secrets_never_appear_in_errors_about_other_fields(kwargs):
     assert_no_secret(str(info.value))
 
 
-def test_require_credentials_message_has_no_token():
-    cfg = S3Config(endpoint_url="http://localhost:9000", session_token=TOKEN)
-    with pytest.raises(ConfigError) as info:
-        cfg.require_credentials()
-    assert_no_secret(str(info.value))
-
-
 def test_secrets_never_appear_in_log_records(caplog):
     caplog.set_level(logging.DEBUG)
     env = creds(AWS_SESSION_TOKEN=TOKEN, AWS_ENDPOINT_URL="http://localhost:9000")
     cfg = S3Config.from_env(env)
     S3Config(endpoint_url="http://localhost:9000", access_key_id=ACCESS, secret_access_key=SECRET,
              session_token=TOKEN)
-    cfg.require_credentials()
     logging.getLogger("loader").debug("config: %r", cfg)  # how a caller would log it
     with pytest.raises(ConfigError):
         S3Config.from_env({**env, "AWS_ENDPOINT_URL": "bad:1"})

@@ -403,7 +403,9 @@ async def test_416_past_the_end_asks_the_size_once():
 # ----------------------------------------------------------------------- open, repr, lifecycle
 
 
-async def test_open_requires_credentials_for_a_custom_endpoint():
+async def test_open_requires_credentials_for_a_custom_endpoint(monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)  # profiles and metadata: see the root conftest
     with pytest.raises(ConfigError, match="no credentials for endpoint 'http://127.0.0.1:1'"):
         await ObstoreStore.open(S3Config(endpoint_url="http://127.0.0.1:1"))
 

@@ -29,6 +29,7 @@ from ..retry import RetryPolicy
 from ..uri import object_url
 from .answers import error_for_answer, failed_mid_request, no_credentials, target, unreachable
 from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
+from .credentials import credentials_error, no_credentials_found
 from .signed_get import SignedGetter, can_sign_directly
 
 _STREAM_ERRORS = (
@@ -73,8 +74,7 @@ class _SessionCache:
             yield _new_session(config)
             return
         try:
-            key = (config.access_key_id, config.secret_access_key, config.session_token,
-                   config.region)
+            key = _session_key(config)
             session = self._sessions.get(key)
             if session is None:
                 session = self._sessions[key] = _new_session(config)
@@ -83,14 +83,27 @@ class _SessionCache:
             self._lock.release()
 
 
+def _session_key(config: S3Config) -> tuple[str | None, ...]:
+    """What a session's credentials depend on: the config's keys and profile, and, when the
+    chain is to find them, the AWS_* variables it reads (tests and tools change them)."""
+    key = (config.access_key_id, config.secret_access_key, config.session_token, config.region,
+           config.profile)
+    if config.has_credentials:
+        return key
+    return key + tuple(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("AWS_"))
+
+
 def _new_session(config: S3Config) -> Any:
     import aioboto3  # imported here: it is slow to import and only the engine thread needs it
 
+    # Keys left as None make aiobotocore run botocore's chain (environment, profile files,
+    # credential_process, SSO, web identity, container, instance metadata) on first use.
     return aioboto3.Session(
         aws_access_key_id=config.access_key_id,
         aws_secret_access_key=config.secret_access_key,
         aws_session_token=config.session_token,
         region_name=config.region,
+        profile_name=config.profile,
     )
 
 
@@ -126,7 +139,6 @@ class Aioboto3Store:
         ``direct_gets`` sends GETs to path-style custom endpoints through ``SignedGetter``
         (a third of botocore's CPU per request); ``False`` keeps every request on botocore.
         """
-        config.require_credentials()
         retry = retry or RetryPolicy()
         boto_config = AioConfig(
             max_pool_connections=max(1, max_connections),
@@ -149,17 +161,15 @@ class Aioboto3Store:
         stack = contextlib.AsyncExitStack()
         try:
             with _SESSIONS.borrow(config) as session:
+                credentials = await _credentials(session, config)
                 client = await stack.enter_async_context(
                     session.client(
                         "s3", endpoint_url=config.endpoint_url, config=boto_config,
                         verify=False if plain_http else config.verify,
                     )
                 )
-                credentials = await session.get_credentials()
             getter = None
             if can_sign_directly(config) and direct_gets:
-                if credentials is None:
-                    raise bce.NoCredentialsError()
 
                 async def frozen() -> Any:
                     return await credentials.get_frozen_credentials()  # refreshes temporary ones
@@ -380,6 +390,20 @@ def translate_error(
         return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
     return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "
                       f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
+
+
+async def _credentials(session: Any, config: S3Config) -> Any:
+    """The session's credentials (resolved once per session, refreshed by aiobotocore), or an
+    error that names what was tried or which source failed."""
+    try:
+        credentials = await session.get_credentials()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise credentials_error(config, exc) from exc
+    if credentials is None:
+        raise no_credentials_found(config)
+    return credentials
 
 
 class _PartBody(io.BytesIO):

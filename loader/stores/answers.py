@@ -96,8 +96,7 @@ def failed_mid_request(
 
 def no_credentials() -> ConfigError:
     """Nothing to sign with: the fix is configuration, so it is not a ``StoreError``."""
-    return ConfigError(
-        "no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-        "(or pass S3Config(access_key_id=..., secret_access_key=...))"
-    )
+    from .credentials import LIBRARY_ADVICE
+
+    return ConfigError(f"no credentials found: {LIBRARY_ADVICE}")
 

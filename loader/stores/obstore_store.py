@@ -13,11 +13,12 @@ How it is wired (each point checked against obstore 0.12.1):
 * **S3Config is the only source of settings.** obstore's constructor also reads every ``AWS_*``
   variable of the environment; a stray ``AWS_SESSION_TOKEN``, ``AWS_SKIP_SIGNATURE`` or
   ``AWS_ENDPOINT_URL_S3`` would otherwise silently change who signs what and where requests go.
-  So explicit credentials are handed over through a ``credential_provider`` (which wins over the
-  environment's keys and token; obstore calls it once and caches the result), signing is forced on
-  (``skip_signature=False``) and a custom endpoint is set under both of obstore's endpoint keys.
-  Without credentials (AWS only) obstore's own chain runs: environment, web identity, ECS, IMDS
-  (it does not read ``~/.aws`` profiles).
+  So credentials are always handed over through a ``credential_provider`` (which wins over the
+  environment's keys and token): the config's keys, or what botocore's chain resolved (profiles,
+  ``credential_process``, SSO, web identity, instance metadata: obstore's own chain reads no
+  profiles), refreshed by botocore when obstore asks again before they expire
+  (``stores.credentials``). Signing is forced on (``skip_signature=False``) and a custom endpoint
+  is set under both of obstore's endpoint keys.
 * **obstore's own retries are off** (``max_retries=0``): ``loader.retry`` retries one level up,
   where a truncated body is handled too. Timeouts come from ``RetryPolicy``: ``connect_timeout``,
   ``read_timeout`` (per read, reset by every chunk, like botocore's) and, because reqwest also
@@ -92,6 +93,7 @@ from .answers import (
     unreachable,
 )
 from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
+from .credentials import BotocoreCredentialProvider, resolve_credentials
 
 __all__ = ["ObstoreStore", "forked_after_use", "translate_error"]
 
@@ -124,34 +126,6 @@ def forked_after_use() -> bool:
     return _runtime_pid is not None and _runtime_pid != os.getpid()
 
 
-class _StaticCredentials:
-    """The credential provider handed to obstore: the S3Config's keys, never from the environment.
-
-    obstore calls it once per store and caches the answer (no expiry). Attributes are private
-    and the repr hides them; obstore reads ``config``/``refresh_threshold`` attributes if present,
-    so this class has neither.
-    """
-
-    __slots__ = ("_credential",)
-
-    def __init__(self, config: S3Config) -> None:
-        self._credential = {
-            "access_key_id": config.access_key_id,
-            "secret_access_key": config.secret_access_key,
-            "token": config.session_token,
-            "expires_at": None,
-        }
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._credential)
-
-    def __repr__(self) -> str:
-        return "_StaticCredentials(<hidden>)"
-
-    def __reduce__(self):
-        raise TypeError("credentials are not picklable")
-
-
 class ObstoreStore:
     """``ObjectStore`` over obstore's ``S3Store``s; build it with ``await ObstoreStore.open()``."""
 
@@ -171,7 +145,6 @@ class ObstoreStore:
         cls, config: S3Config, *, max_connections: int = 64, retry: RetryPolicy | None = None
     ) -> ObstoreStore:
         """Check the settings and prepare the per-bucket stores (no connection is made here)."""
-        config.require_credentials()
         if forked_after_use():
             raise ConfigError(
                 "store='obstore' cannot run in a process forked after obstore was used in its "
@@ -201,8 +174,9 @@ class ObstoreStore:
             "client_options": client_options,
             "retry_config": {"max_retries": 0, "retry_timeout": timedelta(seconds=retry.deadline)},
         }
-        if config.has_credentials:
-            options["credential_provider"] = _StaticCredentials(config)
+        # Blocking, once per store: files, maybe a credential_process or a metadata request
+        # (bounded by botocore's timeouts); obstore calls the provider from its own threads.
+        options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
         return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
                    virtual_host=not config.path_style, max_connections=max_connections)
 

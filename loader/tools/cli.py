@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from ..errors import LoaderError
+from ..errors import LoaderError, NoCredentialsError
 
 if TYPE_CHECKING:
     from .devserver import DevServer
@@ -39,8 +39,14 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 ENV_HELP = ("Endpoint and credentials come from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
-            "AWS_SECRET_ACCESS_KEY, AWS_REGION (or MinIO's names); `loader serve` prints them for a "
-            "local server.")
+            "AWS_SECRET_ACCESS_KEY, AWS_REGION (or MinIO's names), or AWS_PROFILE and the profiles in "
+            "~/.aws, as for the AWS CLI; `loader serve` prints them for a local server.")
+# What a shell user can do about missing credentials (the library's advice speaks of S3Config).
+CLI_CREDENTIALS_ADVICE = (
+    "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE=NAME for a profile in "
+    "~/.aws/credentials or ~/.aws/config (as `aws configure` or `aws sso login` leave them); "
+    "for a local server, eval \"$(loader serve --background --pidfile FILE)\" exports them"
+)
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -494,6 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_warnings_to_stderr()
     try:
         return int(args.run(args) or EXIT_OK)
+    except NoCredentialsError as exc:
+        message = (f"no credentials for {exc.endpoint}: {CLI_CREDENTIALS_ADVICE}. Tried: "
+                   + "; ".join(exc.tried)) if exc.tried else one_line(exc)
+        print(f"loader {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_FAILED
     except LoaderError as exc:
         print(f"loader {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
