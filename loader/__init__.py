@@ -41,7 +41,8 @@ _PUBLIC = {
     "DevServer": "loader.tools.devserver",
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
-        "InvalidRangeError", "LoaderError", "NoSuchBucketError", "NoSuchKeyError", "SampleError",
+        "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
+        "NoSuchKeyError", "SampleError",
         "ShardFormatError", "StoreError", "TransientStoreError",
     )},
 }
@@ -61,6 +62,7 @@ __all__ = [
     "InvalidRangeError",
     "LoaderError",
     "LoaderOptions",
+    "NoCredentialsError",
     "NoSuchBucketError",
     "NoSuchKeyError",
     "RetryPolicy",
