@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._version import install_hint
 from .errors import SampleError
 
 Transform = Callable[[dict[str, Any]], Any]
@@ -44,7 +45,7 @@ _SIMPLEJPEG_COLORSPACE = {"RGB": "RGB", "L": "GRAY", "RGBA": "RGBA"}
 # what a JPEG's header says that libjpeg-turbo cannot turn into RGB itself: Pillow does it
 _PILLOW_ONLY_COLORSPACES = ("CMYK", "YCCK")
 _EXIF_ORIENTATION = 0x0112
-_INSTALL_HINT = "pip install 'loader[image]'"
+_INSTALL_HINT = install_hint("image")
 
 
 def apply_transform(transform: Transform | None, sample: dict[str, Any]) -> Any:

@@ -605,3 +605,12 @@ def test_uploads_a_killed_run_left_open_are_aborted_on_the_rerun():
     assert second.complete
     assert [u.key for u in fake.uploads.values()] == ["dst/other.bin"]
     assert read_shards(fake) == expected_samples(objects)
+
+
+def test_version_names_the_distribution(capsys):
+    import loader
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"loader (s3stream-loader) {loader.__version__}"

@@ -239,7 +239,7 @@ def test_without_the_image_extra_the_error_names_it(monkeypatch):
     decode._pillow.cache_clear()
     decode._simplejpeg.cache_clear()
     try:
-        with pytest.raises(ImportError, match=r"needs the `image` extra.*pip install 'loader\[image\]'"):
+        with pytest.raises(ImportError, match=r"needs the `image` extra.*pip install 's3stream-loader\[image\]'"):
             decode_image(data, (8, 8))
     finally:
         decode._pillow.cache_clear()

@@ -42,5 +42,5 @@ def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch
     monkeypatch.delattr(loader.stores, "obstore_store", raising=False)
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
     with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
-                                          r"pip install 'loader\[fast\]'"):
+                                          r"pip install 's3stream-loader\[fast\]'"):
         AsyncS3Dataset.from_keys("b", ["k"], config=config, store="obstore")

@@ -6,6 +6,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .._version import install_hint
 from ..config import S3Config
 from ..errors import ConfigError
 from ..retry import RetryPolicy
@@ -63,6 +64,6 @@ def _obstore_backend() -> Any:
         from . import obstore_store
     except ImportError as exc:
         raise ConfigError(
-            "store='obstore' needs the optional extra: pip install 'loader[fast]'"
+            f"store='obstore' needs the optional extra: {install_hint('fast')}"
         ) from exc
     return obstore_store

