@@ -344,7 +344,7 @@ def test_a_prefix_without_shards_names_every_suffix():
 def test_without_a_zstd_library_the_error_names_the_extra(monkeypatch):
     for name in ("zstandard", "compression", "backports"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
-    with pytest.raises(ConfigError, match=r"x-0000\.tar\.zst.*pip install 'loader\[zstd\]'"):
+    with pytest.raises(ConfigError, match=r"x-0000\.tar\.zst.*pip install 's3stream-loader\[zstd\]'"):
         AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/x-{{0000..0003}}.tar.zst")
     AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/x-{{0000..0003}}.tar.gz")  # gzip needs nothing
 

@@ -28,6 +28,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from .._version import install_hint
 from ..errors import ConfigError, ShardFormatError
 
 __all__ = [
@@ -52,7 +53,7 @@ ZSTANDARD_INPUT = 64 << 10
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 ZSTD_ADVICE = (
-    "zstd-compressed shards need a zstd library: pip install 'loader[zstd]' (the zstandard "
+    f"zstd-compressed shards need a zstd library: {install_hint('zstd')} (the zstandard "
     "package), or use Python 3.14+, whose standard library has compression.zstd"
 )
 

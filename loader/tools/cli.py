@@ -275,7 +275,7 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
                         "ending in .tar.gz or .tar.zst with --compress)")
     p.add_argument("--compress", choices=("gzip", "zstd"), default=None,
                    help="compress each shard as it is uploaded (from_shards reads .tar.gz and .tar.zst "
-                        "shards; zstd needs pip install 'loader[zstd]' before Python 3.14). Compressed "
+                        "shards; zstd needs the zstd extra before Python 3.14). Compressed "
                         "shards are read as one stream each, never as parallel ranged parts")
     p.add_argument("--shuffle", action="store_true",
                    help="pack samples in a seeded random order instead of key order")
