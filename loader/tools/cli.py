@@ -28,6 +28,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from .._version import DISTRIBUTION, __version__
@@ -83,7 +84,14 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="run a local S3 server (embedded SeaweedFS) and print its environment",
         description="Start a throwaway S3 server on 127.0.0.1 and print `export ...` lines for "
-                    "AWS_ENDPOINT_URL and credentials; runs until Ctrl-C or SIGTERM.",
+                    "AWS_ENDPOINT_URL and credentials; runs until Ctrl-C or SIGTERM. With "
+                    "--background it runs detached: the command prints the lines as soon as the "
+                    "server is ready and returns, so a shell can eval them; --stop ends it.",
+        epilog="examples:\n"
+               "  loader serve --bucket train            # in its own terminal; Ctrl-C stops it\n"
+               "  eval \"$(loader serve --background --pidfile /tmp/s3.pid --bucket train)\"\n"
+               "  loader serve --stop /tmp/s3.pid",
+        formatter_class=_Formatter,
     )
     p.add_argument("--data-dir", metavar="DIR",
                    help="keep data (and credentials) here across runs; default: a temporary "
@@ -92,28 +100,72 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="S3 port on 127.0.0.1 (default: a free port)")
     p.add_argument("--bucket", action="append", default=[], metavar="NAME",
                    help="create this bucket at start (repeatable)")
+    p.add_argument("--background", action="store_true",
+                   help="run detached: print the export lines once the server is ready, then "
+                        "return (needs --pidfile)")
+    p.add_argument("--pidfile", metavar="FILE",
+                   help="with --background: where the server's pid is kept while it runs")
+    p.add_argument("--stop", metavar="PIDFILE",
+                   help="stop the server started with --background --pidfile PIDFILE and wait "
+                        "until it is gone")
+    p.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=run_serve)
 
 
 def run_serve(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
-    """Start a ``DevServer``, print export lines to ``out``, wait for a stop signal, stop cleanly."""
-    from .devserver import DevServer, weed_version
+    """Start a ``DevServer``, print export lines to ``out``, wait for a stop signal, stop cleanly.
+
+    ``--background`` and ``--stop``: see ``tools.background``."""
+    from . import background
+    from .devserver import DEFAULT_START_TIMEOUT, DevServer, weed_version
 
     out, err = out or sys.stdout, err or sys.stderr
+    if args.stop:
+        background.stop(Path(args.stop).absolute(), err)
+        return EXIT_OK
+    pidfile = Path(args.pidfile).absolute() if args.pidfile else None
+    if args.background or args.detached:
+        if pidfile is None:
+            print("loader serve: error: --background needs --pidfile FILE, the file "
+                  "`loader serve --stop FILE` stops it by (see `loader serve --help`)", file=err)
+            return EXIT_USAGE
+    if args.background:
+        exports, status = background.start_detached(_serve_argv(args), pidfile,
+                                                    timeout=DEFAULT_START_TIMEOUT + 30)
+        out.write(exports)
+        out.flush()
+        err.write(status.replace("Ctrl-C to stop", f"stop it with `loader serve --stop {pidfile}`"))
+        return EXIT_OK
     server = DevServer(data_dir=args.data_dir, port=args.port, buckets=args.bucket)
     with _stop_on_sigterm():
         try:
             version = weed_version()
             server.start()
+            if args.detached:
+                background.write_pidfile(pidfile, server.endpoint_url)
             _print_exports(server.env, out)
             print(f"# SeaweedFS {version} serving S3 at {server.endpoint_url} "
                   f"(data: {server.root}, log: {server.log_path}); Ctrl-C to stop", file=err, flush=True)
+            if args.detached:
+                background.detach_stdio()  # the caller's $(...) returns now
             return _wait_while_running(server, err)
         except (KeyboardInterrupt, _Stop):
             return EXIT_OK
         finally:
             _ignore_stop_signals()
             server.stop()
+            if args.detached:
+                background.remove_pidfile(pidfile)
+
+
+def _serve_argv(args: argparse.Namespace) -> list[str]:
+    """The options of this ``serve`` again, for the detached process."""
+    argv = ["--data-dir", str(Path(args.data_dir).absolute())] if args.data_dir else []
+    if args.port:
+        argv += ["--port", str(args.port)]
+    for bucket in args.bucket:
+        argv += ["--bucket", bucket]
+    return argv
 
 
 def _print_exports(env: dict[str, str], out: IO[str]) -> None:

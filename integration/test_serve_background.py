@@ -1,0 +1,138 @@
+"""``loader serve --background`` in a shell, as the README shows it: ``eval "$(...)"`` returns as
+soon as the server is ready, the exports point at a server that answers, ``serve --stop`` ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT",
+            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MINIO_ACCESS_KEY",
+            "MINIO_SECRET_KEY", "AWS_PROFILE")
+LIST_BUCKET = (  # what a user's script would do with the exported variables
+    "import os, boto3; s3 = boto3.client('s3', endpoint_url=os.environ['AWS_ENDPOINT_URL']); "
+    "print('endpoint', os.environ['AWS_ENDPOINT_URL'], 'objects', "
+    "s3.list_objects_v2(Bucket='train')['KeyCount'])"
+)
+
+
+@pytest.fixture
+def shell_env() -> dict[str, str]:
+    from loader.errors import ConfigError
+    from loader.tools.devserver import find_weed
+
+    try:
+        find_weed()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    env = {k: v for k, v in os.environ.items() if k not in _S3_VARS}
+    env["PYTHON"] = sys.executable
+    return env
+
+
+def alive(pid: int) -> bool:
+    """Running, not merely a zombie waiting for a reaper (the shell that started it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def refused(endpoint: str) -> bool:
+    host, port = endpoint.rsplit("//", 1)[1].split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+def test_eval_returns_once_ready_and_stop_ends_the_server(tmp_path, shell_env):
+    pidfile = tmp_path / "s3.pid"
+    script = (
+        f'eval "$("$PYTHON" -m loader serve --background --pidfile {shlex.quote(str(pidfile))} '
+        f'--bucket train)" && "$PYTHON" -c {shlex.quote(LIST_BUCKET)}'
+    )
+    started = time.monotonic()
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                          env=shell_env, cwd=REPO)
+    took = time.monotonic() - started
+    try:
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        words = proc.stdout.split()
+        assert words[0] == "endpoint" and words[2:] == ["objects", "0"], proc.stdout
+        endpoint = words[1]
+        pid = int(pidfile.read_text().split()[0])
+        assert alive(pid), "the server should keep running after the shell returned"
+    except BaseException:
+        if pidfile.exists():  # do not leave a server behind a failed assertion
+            subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                           timeout=60, cwd=REPO, env=shell_env)
+        raise
+    assert took < 90, f"eval took {took:.0f} s"
+
+    again = subprocess.run([sys.executable, "-m", "loader", "serve", "--background", "--pidfile",
+                            str(pidfile)], capture_output=True, text=True, timeout=60, cwd=REPO,
+                           env=shell_env)
+    assert again.returncode == 1 and "already" in again.stderr and str(pid) in again.stderr, again
+
+    stop = subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=shell_env)
+    assert stop.returncode == 0, stop.stderr
+    assert not alive(pid)
+    assert not pidfile.exists()
+    assert refused(endpoint)
+
+    gone = subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=shell_env)
+    assert gone.returncode == 1 and "no server" in gone.stderr, gone
+
+
+def test_a_server_that_cannot_start_fails_the_eval_with_its_error(tmp_path, shell_env):
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        pidfile = tmp_path / "s3.pid"
+        # eval "$(...)" alone would hide the status (eval of nothing succeeds): scripts that must
+        # stop on failure assign first, as the README shows
+        proc = subprocess.run(
+            ["bash", "-c", f'exports="$("$PYTHON" -m loader serve --background --pidfile {pidfile} '
+                           f'--port {port})" && eval "$exports"'],
+            capture_output=True, text=True, timeout=120, env=shell_env, cwd=REPO)
+    finally:
+        taken.close()
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    assert f"port {port}" in proc.stderr and "already in use" in proc.stderr
+    assert not pidfile.exists()
+
+
+def test_background_needs_a_pidfile(shell_env):
+    proc = subprocess.run([sys.executable, "-m", "loader", "serve", "--background"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=shell_env)
+    assert proc.returncode == 2 and "--pidfile" in proc.stderr, proc
+
+
+def test_stop_refuses_a_pidfile_that_names_another_program(tmp_path, shell_env):
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        pidfile = tmp_path / "other.pid"
+        pidfile.write_text(f"{sleeper.pid}\n")
+        proc = subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                              capture_output=True, text=True, timeout=60, cwd=REPO, env=shell_env)
+        assert proc.returncode == 1 and "not a `loader serve`" in proc.stderr, proc
+        assert sleeper.poll() is None
+    finally:
+        sleeper.send_signal(signal.SIGTERM)
+        sleeper.wait(timeout=10)
