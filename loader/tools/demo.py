@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from .._version import install_hint
 from ..config import S3Config
 from ..datasets.iterable import AsyncS3Dataset
 from ..decode import decode_image
@@ -178,7 +179,7 @@ def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2) -> 
         import numpy  # noqa: F401
         import PIL  # noqa: F401
     except ImportError as exc:
-        raise SystemExit(f"loader demo makes and decodes JPEGs: pip install 'loader[image]' ({exc})") from exc
+        raise SystemExit(f"loader demo makes and decodes JPEGs: {install_hint('image')} ({exc})") from exc
 
     print("starting the embedded S3 server (SeaweedFS) on 127.0.0.1 ...", flush=True)
     with DevServer(buckets=[BUCKET]) as server:
