@@ -182,7 +182,7 @@ class AsyncS3MapDataset(Dataset):
     def _build_index(self) -> SampleIndex:
         where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
         root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
-        return build_index(self._keys, group=self._group, label_from=self._label_from,
+        return build_index(self.keys(), group=self._group, label_from=self._label_from,
                            labels=self._labels, where=where, root=root)
 
     def __len__(self) -> int:

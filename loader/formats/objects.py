@@ -155,12 +155,14 @@ def build_index(
         return _with_names(index, [_parent_label(index, i, where, root) for i in range(len(index))])
     if labels is not None:
         order = [position for positions in groups for position in positions]
-        per_sample = [_one_label(index, i, [labels[p] for p in order[index.starts[i]:index.starts[i + 1]]], where)
-                      for i in range(len(index))]
-        if all(isinstance(label, int) for label in per_sample):
-            return dataclasses.replace(index, labels=array("q", per_sample))
-        if all(isinstance(label, str) for label in per_sample):
-            return _with_names(index, per_sample)
+        per_sample = [_one_label(index, i, [labels[p] for p in order[index.starts[i]:index.starts[i + 1]]],
+                                 where) for i in range(len(index))]
+        numbers = [label for label in per_sample if isinstance(label, int)]
+        names = [label for label in per_sample if isinstance(label, str)]
+        if len(numbers) == len(per_sample):
+            return dataclasses.replace(index, labels=array("q", numbers))
+        if len(names) == len(per_sample):
+            return _with_names(index, names)
         raise ConfigError(f"{where}: labels mix class names and integers; use one kind")
     return index
 
