@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.tools.demo import pack_shards
+from loader.tools.demo import pack_shards, photo_jpeg
 
 BUCKET = "bench"
 OBJECTS_PREFIX = "objects/"
@@ -43,9 +43,13 @@ def synthetic_jpeg(index: int, size: int = IMAGE_SIZE) -> bytes:
     return out.getvalue()
 
 
-def make_samples(count: int, prefix: str = "") -> dict[str, bytes]:
-    """``{prefix}objects/000000.jpg`` ... -> JPEG bytes."""
-    return {f"{prefix}{OBJECTS_PREFIX}{i:06d}.jpg": synthetic_jpeg(i) for i in range(count)}
+IMAGES = ("synthetic", "photo")  # synthetic_jpeg (512 px, grainy, ~110 KB) or demo.photo_jpeg (~50 KiB)
+
+
+def make_samples(count: int, prefix: str = "", images: str = "synthetic") -> dict[str, bytes]:
+    """``{prefix}objects/000000.jpg`` ... -> JPEG bytes (``images``: one of ``IMAGES``)."""
+    make = {"synthetic": synthetic_jpeg, "photo": photo_jpeg}[images]
+    return {f"{prefix}{OBJECTS_PREFIX}{i:06d}.jpg": make(i) for i in range(count)}
 
 
 def make_shards(samples: dict[str, bytes], num_shards: int, prefix: str = "") -> dict[str, bytes]:

@@ -54,6 +54,7 @@ class Options:
     warmup_seconds: float = 2.0
     epoch_seconds: float = 3.0
     quick: bool = False
+    images: str = "synthetic"  # bench.data.IMAGES: "photo" for the decode section
     out_dir: Path = RESULTS_DIR
     log_path: Path | None = None
 
@@ -106,6 +107,7 @@ class Harness:
         self.progress = progress
         self.results: list[dict[str, Any]] = []
         self.meta: dict[str, Any] = {}
+        self.samples: dict[str, bytes] = {}  # the data set's bytes, for checks after the run
 
     # ------------------------------------------------------------------ the whole run
 
@@ -123,17 +125,20 @@ class Harness:
             self._say("starting the embedded S3 server (SeaweedFS) on 127.0.0.1 ...")
             server = stack.enter_context(DevServer(buckets=[data.BUCKET]))
             config = server.config
-            small = min(opts.decode_samples, opts.samples) if "decode" in opts.workloads else opts.samples
-            self._say(f"making {opts.samples} synthetic 512x512 JPEGs and {opts.shards} tar shards"
+            decoding = {"decode", "fast"} & set(opts.workloads)
+            small = min(opts.decode_samples, opts.samples) if decoding else opts.samples
+            what = "photo-like JPEGs" if opts.images == "photo" else "synthetic 512x512 JPEGs"
+            self._say(f"making {opts.samples} {what} and {opts.shards} tar shards"
                       + (f" (decode workload: the first {small}, a copy under {data.SMALL_PREFIX})"
                          if small < opts.samples else "") + " ...")
             t0 = time.perf_counter()
-            samples = data.make_samples(opts.samples)
+            samples = self.samples = data.make_samples(opts.samples, images=opts.images)
             full, uploads = data.prepare(samples, opts.shards, "", Path(tmp))
-            sets = {"raw": full, "decode": full}
+            sets = {"raw": full, "decode": full, "fast": full}
             if small < opts.samples:
                 subset = dict(sorted(samples.items())[:small])
                 sets["decode"], more = data.prepare(subset, opts.shards, data.SMALL_PREFIX, Path(tmp))
+                sets["fast"] = sets["decode"]  # both decode workloads read the same copy
                 uploads.update(more)
             made = time.perf_counter() - t0
             t0 = time.perf_counter()

@@ -67,8 +67,9 @@ def parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_ints, help="num_workers values (default 0,2,4; quick 0,2)")
     p.add_argument("--latency", type=_floats, default=(0.0, 0.02),
                    help="added time to first byte in seconds (default 0,0.02)")
-    p.add_argument("--workload", type=_words(("raw", "decode")), default=("raw", "decode"),
-                   help="raw, decode or both (default raw,decode)")
+    p.add_argument("--workload", type=_words(("raw", "decode", "fast")), default=("raw", "decode"),
+                   help="raw, decode (the usual Pillow recipe), fast (loader.decode.decode_image), "
+                        "comma-separated (default raw,decode)")
     p.add_argument("--epochs", type=int, help="timed epochs per run, median reported (default 2; quick 1)")
     p.add_argument("--epoch-seconds", type=float,
                    help="cap per timed epoch of the peers and the ceiling, seconds (default 3; quick 1); ours always run full epochs")
