@@ -11,6 +11,8 @@ Each class also subclasses the builtin it really is, so ``except FileNotFoundErr
     │   ├── TransientStoreError             worth retrying: 5xx, SlowDown, reset, timeout, short body
     │   │   └── EndpointUnreachableError (ConnectionError)
     │   │                                   nothing answers at the endpoint (after retries: permanent)
+    │   ├── TLSError (ConnectionError)      the TLS handshake failed: a certificate that does not
+    │   │                                   verify, or https:// to a server that speaks plain http
     │   ├── AccessDeniedError (PermissionError)  403: wrong credentials or missing permission
     │   ├── NoSuchBucketError (FileNotFoundError)
     │   ├── NoSuchKeyError (FileNotFoundError)
@@ -77,6 +79,11 @@ class TransientStoreError(StoreError):
 
 class EndpointUnreachableError(TransientStoreError, ConnectionError):
     """Nothing answered at the endpoint; transient until the retry deadline passes."""
+
+
+class TLSError(StoreError, ConnectionError):
+    """The TLS handshake failed (certificate not trusted, wrong host name, expired, or a
+    plain-http server behind an https:// endpoint). Permanent: the fix is configuration."""
 
 
 class AccessDeniedError(StoreError, PermissionError):

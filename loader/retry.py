@@ -77,21 +77,31 @@ async def call_with_retries(
     *,
     on_retry: Callable[[BaseException], None] | None = None,
     rng: random.Random | None = None,
+    progressed: Callable[[], bool] | None = None,
 ) -> T:
     """Run ``attempt()`` until it succeeds, a permanent error occurs, or the limits are spent.
 
     The last transient error is re-raised with the number of attempts and seconds spent added
     to its message, so a user sees that retrying happened and gave up.
 
+    ``progressed``, when given, is asked after each failure whether that attempt got somewhere
+    (a long listing received pages before its connection broke, and the next attempt resumes
+    after them): then the attempt count and the deadline start again from now, so that only
+    attempts that make no progress are limited, and a long operation is never cut for having
+    taken longer than the deadline in total.
+
     Without ``rng``, a fresh ``random.Random()`` (seeded from ``os.urandom``, so every process,
     worker and call jitters independently) is made at the first retry only: seeding it costs
     more than a whole successful request's Python work, and almost every call succeeds first.
     """
     started = time.monotonic()
-    for n in range(policy.max_attempts):
+    n = 0  # failed attempts since the start or the last progress
+    while True:
         try:
             return await attempt()
         except TransientStoreError as exc:
+            if progressed is not None and progressed():
+                started, n = time.monotonic(), 0
             if rng is None:
                 rng = random.Random()
             elapsed = time.monotonic() - started
@@ -105,5 +115,5 @@ async def call_with_retries(
                 ) from exc
             if on_retry is not None:
                 on_retry(exc)
+            n += 1
             await anyio.sleep(delay)
-    raise AssertionError("unreachable: the loop returns or raises")

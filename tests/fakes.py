@@ -7,6 +7,7 @@ datasets can assert on what the store *saw*:
 
 * ``requests`` / ``requests_by_key``: read requests (``get``, ``get_range``, ``stream``), counted
   when they start, failed ones included; ``list_requests`` (one per page) and ``puts`` apart;
+  ``list_inflight`` / ``peak_list_inflight``: list pages being answered at once;
 * ``inflight`` / ``peak_inflight``: read requests in progress, a stream until it is exhausted or
   closed, kept with ``try/finally`` so cancellation and early ``aclose()`` count right;
 * ``gets_started``: ``(time.monotonic(), key)`` for each read request, in start order.
@@ -61,7 +62,7 @@ from loader.errors import (
     StoreError,
     TransientStoreError,
 )
-from loader.stores.base import DEFAULT_CHUNK_SIZE, ObjectInfo
+from loader.stores.base import DEFAULT_CHUNK_SIZE, ListPage, ObjectInfo
 
 Latency = float | Callable[[str], float]
 Fault = BaseException | list[BaseException]
@@ -111,6 +112,7 @@ class FakeStore:
         self.requests = 0
         self.requests_by_key: Counter[str] = Counter()
         self.list_requests = 0
+        self.list_inflight = self.peak_list_inflight = 0
         self.puts = 0
         self.inflight = 0
         self.peak_inflight = 0
@@ -154,6 +156,34 @@ class FakeStore:
             if not truncated:
                 return
             after = page[-1].key
+
+    async def list_pages(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        token: str | None = None,
+        delimiter: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[ListPage]:
+        """``PagedLister``: pages of at most ``min(page_size, self.page_size)`` entries; the
+        token is the last key the page covered, so a resumed listing starts after it."""
+        while True:
+            self._check_open()
+            self.list_requests += 1
+            self.list_inflight += 1
+            self.peak_list_inflight = max(self.peak_list_inflight, self.list_inflight)
+            try:
+                await self._respond(prefix, self.list_fail)
+                self._check_bucket(bucket)
+                page = self._delimited_page(bucket, prefix, token, delimiter,
+                                            min(page_size, self.page_size))
+            finally:
+                self.list_inflight -= 1
+            yield page
+            if page.token is None:
+                return
+            token = page.token
 
     async def get(self, bucket: str, key: str) -> bytes:
         async with self._read(key):
@@ -347,6 +377,30 @@ class FakeStore:
         )
         page = [ObjectInfo(key, len(self.objects[bucket, key])) for key in keys[: self.page_size]]
         return page, len(keys) > self.page_size
+
+
+    def _delimited_page(
+        self, bucket: str, prefix: str, after: str | None, delimiter: str | None, size: int
+    ) -> ListPage:
+        keys = sorted(key for b, key in self.objects
+                      if b == bucket and key.startswith(prefix) and (after is None or key > after))
+        objects: list[ObjectInfo] = []
+        prefixes: list[str] = []
+        last = None
+        for key in keys:
+            rest = key[len(prefix):]
+            folder = None
+            if delimiter and delimiter in rest:
+                folder = prefix + rest.split(delimiter, 1)[0] + delimiter
+            if not (folder and prefixes and prefixes[-1] == folder):  # a new entry
+                if len(objects) + len(prefixes) == size:
+                    return ListPage(objects, prefixes, last)
+                if folder:
+                    prefixes.append(folder)
+                else:
+                    objects.append(ObjectInfo(key, len(self.objects[bucket, key])))
+            last = key
+        return ListPage(objects, prefixes, None)
 
 
 def _check_range(bucket: str, key: str, start: int, end: int | None, size: int) -> None:

@@ -10,10 +10,18 @@ from .._version import install_hint
 from ..config import S3Config
 from ..errors import ConfigError
 from ..retry import RetryPolicy
-from .base import DEFAULT_CHUNK_SIZE, MultipartStore, ObjectInfo, ObjectStore
+from .base import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ListPage,
+    MultipartStore,
+    ObjectInfo,
+    ObjectStore,
+    PagedLister,
+)
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "BACKENDS", "MultipartStore", "ObjectInfo", "ObjectStore", "StoreFactory", "open_store",
-           "preload_backend", "resolve_backend"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_PAGE_SIZE", "BACKENDS", "ListPage", "MultipartStore", "ObjectInfo",
+           "ObjectStore", "PagedLister", "StoreFactory", "open_store", "preload_backend", "resolve_backend"]
 
 StoreFactory = Callable[[], Awaitable[ObjectStore]]
 BACKENDS = ("aioboto3", "obstore")

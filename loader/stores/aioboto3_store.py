@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import io
 import os
+import re
+import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -27,8 +29,16 @@ from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
 from ..retry import RetryPolicy
 from ..uri import object_url
-from .answers import error_for_answer, failed_mid_request, no_credentials, target, unreachable
-from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
+from .answers import (
+    certificate_rejected,
+    error_for_answer,
+    failed_mid_request,
+    no_credentials,
+    plain_http_server,
+    target,
+    unreachable,
+)
+from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo
 from .credentials import credentials_error, no_credentials_found
 from .signed_get import SignedGetter, can_sign_directly
 
@@ -182,20 +192,47 @@ class Aioboto3Store:
         return cls(client, stack, config.endpoint_url or "AWS S3", getter)
 
     async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        token: str | None = None
+        async with contextlib.aclosing(self.list_pages(bucket, prefix)) as pages:
+            async for page in pages:
+                for info in page.objects:
+                    yield info
+
+    async def list_pages(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        token: str | None = None,
+        delimiter: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[ListPage]:
+        """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token)."""
         while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-            if token:
-                kwargs["ContinuationToken"] = token
             try:
-                page = await self._client.list_objects_v2(**kwargs)
+                if self._getter is not None:
+                    page = await self._getter.list_page(bucket, prefix, token, delimiter, page_size)
+                else:
+                    page = await self._botocore_page(bucket, prefix, token, delimiter, page_size)
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
-            for item in page.get("Contents", ()):
-                yield ObjectInfo(item["Key"], int(item["Size"]))
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
+            yield page
+            if page.token is None:
                 return
+            token = page.token
+
+    async def _botocore_page(
+        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int
+    ) -> ListPage:
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size}
+        if token:
+            kwargs["ContinuationToken"] = token
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        page = await self._client.list_objects_v2(**kwargs)
+        objects = [ObjectInfo(item["Key"], int(item["Size"])) for item in page.get("Contents", ())]
+        prefixes = [item["Prefix"] for item in page.get("CommonPrefixes", ())]
+        next_token = page.get("NextContinuationToken")
+        return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
 
     async def get(self, bucket: str, key: str) -> bytes:
         return await self._read(bucket, key, None)
@@ -379,6 +416,8 @@ def translate_error(
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
                                 listing=listing)
+    if isinstance(exc, (bce.SSLError, aiohttp.ClientSSLError, ssl.SSLError)):
+        return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
         return unreachable(endpoint, bucket, key, listing=listing)
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
@@ -404,6 +443,28 @@ async def _credentials(session: Any, config: S3Config) -> Any:
     if credentials is None:
         raise no_credentials_found(config)
     return credentials
+
+
+# OpenSSL's words for a TLS handshake answered in plain HTTP (versions differ)
+_PLAIN_HTTP = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure",
+               "packet length too long", "HTTP_REQUEST")
+_VERIFY_REASON = re.compile(r"certificate verify failed: ([^(\]]+)")
+
+
+def _tls_error(
+    exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool
+) -> BaseException:
+    """A failed TLS handshake, by OpenSSL's message: a plain-http server, or a certificate
+    that did not verify (botocore wraps it in its ``SSLError``, aiohttp in its own)."""
+    text = str(exc)
+    if any(marker in text for marker in _PLAIN_HTTP):
+        return plain_http_server(endpoint, bucket, key, listing=listing)
+    reason = _VERIFY_REASON.search(text)
+    if reason is not None or "CERTIFICATE_VERIFY_FAILED" in text:
+        return certificate_rejected(endpoint, bucket, key,
+                                    reason.group(1).strip() if reason else "verify failed",
+                                    listing=listing)
+    return failed_mid_request(bucket, key, f"TLS error: {text[:200]}", listing=listing)
 
 
 class _PartBody(io.BytesIO):

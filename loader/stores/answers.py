@@ -15,6 +15,7 @@ from ..errors import (
     NoSuchBucketError,
     NoSuchKeyError,
     StoreError,
+    TLSError,
     TransientStoreError,
 )
 
@@ -79,6 +80,30 @@ def unreachable(
         f"cannot connect to {endpoint} for {target(bucket, key, listing=listing)}"
         + (f" ({reason})" if reason else "")
         + "; is the server running and is AWS_ENDPOINT_URL right?",
+        bucket=bucket, key=key,
+    )
+
+
+def certificate_rejected(
+    endpoint: str, bucket: str, key: str, reason: str, *, listing: bool = False
+) -> TLSError:
+    """The server's TLS certificate did not verify: say why, and how to trust the right CA."""
+    return TLSError(
+        f"the TLS certificate of {endpoint} did not verify ({reason}) for "
+        f"{target(bucket, key, listing=listing)}; if the server uses a private CA, point "
+        "AWS_CA_BUNDLE (or S3Config(verify=...)) at that CA's PEM file, and check that the "
+        "certificate names the endpoint's host and is a server certificate issued by that CA, "
+        "not the CA certificate itself",
+        bucket=bucket, key=key,
+    )
+
+
+def plain_http_server(endpoint: str, bucket: str, key: str, *, listing: bool = False) -> TLSError:
+    """An https:// endpoint whose server answered the TLS handshake in plain HTTP."""
+    plain = endpoint.replace("https://", "http://", 1)
+    return TLSError(
+        f"{endpoint} speaks plain http, not TLS (asked for {target(bucket, key, listing=listing)}); "
+        f"use {plain} as AWS_ENDPOINT_URL, or enable TLS on the server",
         bucket=bucket, key=key,
     )
 

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple, Protocol, runtime_checkable
 
 DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_PAGE_SIZE = 1000  # S3's largest page (max-keys)
 
 
 class ObjectInfo(NamedTuple):
@@ -28,6 +29,16 @@ class ObjectInfo(NamedTuple):
 
     key: str
     size: int
+
+
+class ListPage(NamedTuple):
+    """One page of a listing: its objects, its common prefixes (only with a delimiter: the
+    "folders", each ending in the delimiter) and ``token``, which resumes the listing right
+    after this page (``None``: this was the last page)."""
+
+    objects: list[ObjectInfo]
+    prefixes: list[str]
+    token: str | None
 
 
 @runtime_checkable
@@ -58,6 +69,30 @@ class ObjectStore(Protocol):
 
     async def aclose(self) -> None:
         """Release every connection; the store is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class PagedLister(Protocol):
+    """Listings that can be resumed page by page (both backends; see ``loader.stores.listing``).
+
+    A separate protocol because ``ObjectStore.list`` is all that most callers need; wrappers
+    and test stores without it are listed whole, retried from the start.
+    """
+
+    def list_pages(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        token: str | None = None,
+        delimiter: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[ListPage]:
+        """The listing's pages from ``token`` on (``None``: from the start), at most
+        ``page_size`` objects each. When it fails, calling it again with the last page's token
+        resumes after that page: nothing is listed twice. With ``delimiter="/"`` the prefix
+        must be ``""`` or end in ``/``; keys below a further ``/`` come back as ``prefixes``."""
         ...
 
 

@@ -65,6 +65,7 @@ error code and reqwest's error kind are read from that text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 from collections.abc import AsyncIterator
@@ -86,18 +87,19 @@ from ..retry import RetryPolicy
 from ..uri import object_url
 from .answers import (
     DENIED_CODES,
+    certificate_rejected,
     error_for_answer,
     failed_mid_request,
     no_credentials,
+    plain_http_server,
     target,
     unreachable,
 )
-from .base import DEFAULT_CHUNK_SIZE, ObjectInfo
+from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 
 __all__ = ["ObstoreStore", "forked_after_use", "translate_error"]
 
-LIST_CHUNK = 1000  # ObjectMeta per batch handed to Python (one S3 page)
 
 # S3 error codes that say what happened even when object_store's text carries no status
 _ANSWERED_WITHOUT_STATUS = {"NoSuchBucket", "NoSuchKey", "NotFound", "InvalidRange"} | DENIED_CODES
@@ -105,6 +107,18 @@ _STATUS_RE = re.compile(r"non-2xx status code: (\d{3})|\bstatus: (\d{3})\b")
 _CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
 _KIND_RE = re.compile(r"HttpError \{\s*kind: (\w+)")
 _OS_MESSAGE_RE = re.compile(r'message: "([^"]{1,200})"')
+# rustls's verdict on the server's certificate, e.g. InvalidCertificate(UnknownIssuer) or
+# InvalidCertificate(Other(OtherError(CaUsedAsEndEntity)))
+_CERT_RE = re.compile(r"InvalidCertificate\(\s*(\w+)(?:\(\s*(?:\w+\(\s*)?(\w+))?")
+_CERT_REASONS = {
+    "UnknownIssuer": "signed by a CA that is not trusted",
+    "NotValidForName": "not issued for this host name",
+    "Expired": "expired",
+    "NotValidYet": "not valid yet",
+    "Revoked": "revoked",
+    "BadSignature": "bad signature",
+    "CaUsedAsEndEntity": "a CA certificate used as the server's own certificate",
+}
 # object_store's complaints about a 206 that is not the range it asked for (or a 200 instead)
 _RANGE_NOT_HONOURED_RE = re.compile(
     r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
@@ -187,21 +201,60 @@ class ObstoreStore:
     # ------------------------------------------------------------------------- the protocol
 
     async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        async with contextlib.aclosing(self.list_pages(bucket, prefix)) as pages:
+            async for page in pages:
+                for info in page.objects:
+                    yield info
+
+    async def list_pages(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        token: str | None = None,
+        delimiter: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncIterator[ListPage]:
+        """Pages of ``page_size`` keys; the token is the page's last key, and resuming lists
+        from just after it (S3's ``start-after``; object_store has no continuation tokens).
+
+        With a delimiter, object_store's ``list_with_delimiter`` fetches every page of that one
+        level at once, so it comes back as a single page (it holds the folders, not their keys).
+        """
         store = self._store(bucket)
+        if delimiter is not None:
+            if delimiter != "/" or (prefix and not prefix.endswith("/")):
+                raise ValueError(f"store='obstore' lists by folder only with delimiter '/' and a "
+                                 f"prefix ending in '/' (got {delimiter!r}, {prefix!r})")
+            try:
+                found = await obstore.list_with_delimiter_async(store, prefix.rstrip("/") or None)
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            objects = [ObjectInfo(meta["path"], int(meta["size"])) for meta in found["objects"]]
+            yield ListPage(objects, [f"{path}/" for path in found["common_prefixes"]], None)
+            return
         directory, slash, stem = prefix.rpartition("/")
         skip = len(directory) + len(slash)  # keys listed all begin with "directory/"
-        try:
-            batches = obstore.list(store, directory or None, offset=_start_after(prefix),
-                                   chunk_size=LIST_CHUNK)
-            async for batch in batches:
-                for meta in batch:
-                    key = meta["path"]
-                    if key.startswith(prefix):
-                        yield ObjectInfo(key, int(meta["size"]))
-                    elif stem and _past(key, skip, stem):
-                        return
-        except Exception as exc:
-            raise self._translate(exc, bucket, prefix, listing=True) from exc
+        batches = obstore.list(store, directory or None, offset=token or _start_after(prefix),
+                               chunk_size=page_size)
+        while True:
+            try:
+                batch = await batches.__anext__()
+            except StopAsyncIteration:
+                break
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            objects = []
+            for meta in batch:
+                key = meta["path"]
+                if key.startswith(prefix):
+                    objects.append(ObjectInfo(key, int(meta["size"])))
+                elif stem and _past(key, skip, stem):
+                    yield ListPage(objects, [], None)
+                    return
+            if batch:
+                yield ListPage(objects, [], batch[-1]["path"])
+        yield ListPage([], [], None)
 
     async def get(self, bucket: str, key: str) -> bytes:
         _check_key(bucket, key)
@@ -401,6 +454,13 @@ def translate_error(
                                 listing=listing)
     kind_match = _KIND_RE.search(text)
     kind = kind_match.group(1) if kind_match else ""
+    cert = _CERT_RE.search(text)
+    if cert is not None:
+        name = cert.group(2) if cert.group(1) == "Other" and cert.group(2) else cert.group(1)
+        return certificate_rejected(endpoint, bucket, key, _CERT_REASONS.get(name, name),
+                                    listing=listing)
+    if "InvalidContentType" in text:  # a TLS handshake answered with plain HTTP
+        return plain_http_server(endpoint, bucket, key, listing=listing)
     if kind == "Connect":
         reason = _OS_MESSAGE_RE.search(text)
         return unreachable(endpoint, bucket, key, listing=listing,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import ssl
 import urllib.parse
+import xml.etree.ElementTree as ElementTree
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from botocore.exceptions import ClientError
 
 from ..config import S3Config
 from ..retry import RetryPolicy
+from .base import ListPage, ObjectInfo
 
 # Looked up in an S3 error body (small XML); a regex because the body is tiny and ElementTree
 # would need the namespace handled for no gain.
@@ -109,11 +111,46 @@ class SignedGetter:
             while chunk := await response.content.read(chunk_size):
                 yield chunk, expected
 
+    async def list_page(
+        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int
+    ) -> ListPage:
+        """One ``ListObjectsV2`` page, parsed with ElementTree.
+
+        botocore's parser spends ~110 µs of CPU per listed key (dicts, timestamps parsed into
+        datetimes); reading only keys, sizes and the token costs ~8 µs. At 100 million keys
+        that is the difference between hours and minutes of a core.
+        """
+        query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size),
+                 "encoding-type": "url"}
+        if token:
+            query["continuation-token"] = token
+        if delimiter:
+            query["delimiter"] = delimiter
+        async with await self._send(bucket, "", None, query) as response:
+            await _raise_for_error(response)
+            body = await response.read()
+            expected = response.content_length
+            if expected is not None and len(body) != expected:
+                raise aiohttp.ClientPayloadError(
+                    f"listing of {len(body)} bytes, {expected} announced by Content-Length"
+                )
+        return parse_list_page(body)
+
     async def aclose(self) -> None:
         await self._session.close()
 
-    async def _send(self, bucket: str, key: str, byte_range: str | None) -> aiohttp.ClientResponse:
-        url = object_path_url(self._endpoint, bucket, key)
+    async def _send(
+        self, bucket: str, key: str, byte_range: str | None, query: dict[str, str] | None = None
+    ) -> aiohttp.ClientResponse:
+        if key:
+            url = object_path_url(self._endpoint, bucket, key)
+        else:  # the bucket itself (a listing): no trailing slash, as botocore sends it
+            url = yarl.URL(self._endpoint.rstrip("/") + "/" + urllib.parse.quote(bucket, safe=""),
+                           encoded=True)
+        if query:  # encoded once, sorted, exactly as SigV4 signs it
+            url = yarl.URL(str(url) + "?" + "&".join(
+                f"{name}={urllib.parse.quote(value, safe='-_.~')}" for name, value in sorted(query.items())
+            ), encoded=True)
         request = AWSRequest(method="GET", url=str(url))
         if byte_range:
             request.headers["Range"] = byte_range
@@ -123,6 +160,26 @@ class SignedGetter:
         return await self._session.get(
             url, headers=dict(request.headers.items()), allow_redirects=False
         )
+
+
+def parse_list_page(body: bytes) -> ListPage:
+    """Keys, sizes, common prefixes and the next token of a ``ListObjectsV2`` answer
+    (asked with ``encoding-type=url``, so keys with characters XML cannot carry arrive intact)."""
+    root = ElementTree.fromstring(body)
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    encoded = root.findtext(f"{ns}EncodingType") == "url"
+    unquote = urllib.parse.unquote_plus if encoded else str
+    key_tag, size_tag, prefix_tag = f"{ns}Key", f"{ns}Size", f"{ns}Prefix"
+    objects = [
+        ObjectInfo(unquote(item.findtext(key_tag) or ""), int(item.findtext(size_tag) or 0))
+        for item in root.iterfind(f"{ns}Contents")
+    ]
+    prefixes = [unquote(item.findtext(prefix_tag) or "")
+                for item in root.iterfind(f"{ns}CommonPrefixes")]
+    token = root.findtext(f"{ns}NextContinuationToken")
+    if root.findtext(f"{ns}IsTruncated") != "true" or not token:
+        token = None
+    return ListPage(objects, prefixes, token)
 
 
 async def _raise_for_error(response: aiohttp.ClientResponse) -> None:

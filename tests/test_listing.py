@@ -1,0 +1,164 @@
+"""Listings at scale against the in-memory store: retries per page, folders in parallel, KeyList."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+import anyio
+import pytest
+
+from fakes import FakeStore
+from loader.errors import ConfigError, NoSuchBucketError, TransientStoreError
+from loader.retry import RetryPolicy
+from loader.stores import ObjectInfo
+from loader.stores.listing import KeyList, ListOptions, list_keys
+
+FAST = RetryPolicy(base_delay=0.0, max_delay=0.0)
+
+
+def flaky(n: int) -> TransientStoreError:
+    return TransientStoreError(f"injected SlowDown #{n}; will retry", bucket="b", key="")
+
+
+def run_list(store, prefix="", **kwargs):
+    retry = kwargs.pop("retry", FAST)
+
+    async def main():
+        with anyio.fail_after(30):
+            return await list_keys(store, "b", prefix, retry, **kwargs)
+
+    return anyio.run(main)
+
+
+def folder_keys() -> dict[str, bytes]:
+    objects = {f"train/d{d}/k{i:04d}": b"x" * (i % 7) for d in range(5) for i in range(230)}
+    objects.update({"train/top.txt": b"t", "train/d1/": b"", "other/x": b"o"})
+    return objects
+
+
+def test_a_failed_page_is_asked_again_from_its_token_not_from_page_one():
+    objects = {f"k{i:05d}": b"" for i in range(2_500)}
+    # 25 pages; pages 4, 5 (twice) and 19 fail once each
+    pattern = [None] * 3 + [flaky(1), None, flaky(2), flaky(3)] + [None] * 13 + [flaky(4)]
+    store = FakeStore.with_objects("b", objects, page_size=100, list_fail={"": pattern})
+    found = run_list(store, options=ListOptions(page_size=100, parallel=1))
+    assert list(found) == sorted(objects)
+    assert store.list_requests == 25 + 4, "each failure costs one request, never a restart"
+
+
+def test_the_retry_deadline_counts_from_the_last_page_received():
+    objects = {f"k{i:05d}": b"" for i in range(600)}
+    faults = ([None] * 9 + [flaky(0)]) * 6
+    store = FakeStore.with_objects("b", objects, page_size=10, latency=0.01,
+                                   list_fail={"": faults})
+    retry = RetryPolicy(base_delay=0.0, max_delay=0.0, deadline=0.2, max_attempts=2)
+    # 60 pages of 10 ms: the listing takes ~3x the deadline, and fails every 10th page
+    found = run_list(store, options=ListOptions(page_size=10, parallel=1), retry=retry)
+    assert len(found) == 600 and store.list_requests == 60 + 6
+
+
+def test_a_page_that_keeps_failing_gives_up_with_the_attempts_counted():
+    store = FakeStore.with_objects("b", {f"k{i}": b"" for i in range(50)}, page_size=10,
+                                   list_fail={"": [None, None] + [flaky(n) for n in range(9)]})
+    with pytest.raises(TransientStoreError, match=r"gave up after 3 attempt\(s\)"):
+        run_list(store, options=ListOptions(page_size=10, parallel=1),
+                 retry=RetryPolicy(base_delay=0.0, max_delay=0.0, max_attempts=3))
+    assert store.list_requests == 2 + 3
+
+
+def test_permanent_errors_are_not_retried():
+    store = FakeStore(buckets=["other"])
+    with pytest.raises(NoSuchBucketError):
+        run_list(store)
+    assert store.list_requests == 1
+
+
+def test_folders_are_listed_in_parallel_and_merged_in_key_order():
+    objects = folder_keys()
+    store = FakeStore.with_objects("b", objects, page_size=100, latency=0.005)
+    found = run_list(store, "train/", options=ListOptions(page_size=100, parallel=4))
+    expected = sorted(k for k in objects if k.startswith("train/") and not k.endswith("/"))
+    assert list(found) == expected
+    assert [found.size(i) for i in range(3)] == [len(objects[k]) for k in expected[:3]]
+    assert store.peak_list_inflight == 4, "four folders at a time"
+    # one page of folders, then 3 pages for each of the 5 folders of 230 keys
+    assert store.list_requests == 1 + 5 * 3
+
+
+def test_a_lone_folder_is_looked_into_before_fanning_out():
+    objects = {f"data/train/d{d}/k{i}": b"" for d in range(3) for i in range(20)}
+    store = FakeStore.with_objects("b", objects, page_size=50)
+    found = run_list(store, "data/", options=ListOptions(page_size=50, parallel=3))
+    assert list(found) == sorted(objects)
+    assert store.peak_list_inflight == 3
+    assert store.list_requests == 2 + 3  # data/ (one folder), data/train/ (three), then each
+
+
+def test_parallel_one_and_a_prefix_without_slash_list_page_after_page():
+    objects = folder_keys()
+    for prefix, options in (("train/", ListOptions(page_size=100, parallel=1)),
+                            ("train/d", ListOptions(page_size=100, parallel=8))):
+        store = FakeStore.with_objects("b", objects, page_size=100)
+        found = run_list(store, prefix, options=options)
+        assert list(found) == sorted(k for k in objects if k.startswith(prefix) and k[-1] != "/")
+        assert store.peak_list_inflight == 1
+
+
+def test_faults_in_parallel_folders_still_list_every_key_once():
+    objects = folder_keys()
+    faults = {f"train/d{d}/": [None, flaky(d), None, flaky(10 + d)] for d in range(5)}
+    faults["train/"] = [flaky(99)]
+    store = FakeStore.with_objects("b", objects, page_size=100, list_fail=faults)
+    found = run_list(store, "train/", options=ListOptions(page_size=100, parallel=3))
+    assert list(found) == sorted(k for k in objects if k.startswith("train/") and k[-1] != "/")
+    assert store.list_requests == 1 + 1 + 5 * 3 + 10
+
+
+def test_suffix_and_directory_markers():
+    objects = {"s/a.tar": b"1", "s/b.txt": b"2", "s/c/": b"", "s/c/d.tar": b"33"}
+    store = FakeStore.with_objects("b", objects)
+    found = run_list(store, "s/", suffix=".tar")
+    assert list(found.infos()) == [ObjectInfo("s/a.tar", 1), ObjectInfo("s/c/d.tar", 2)]
+
+
+class UnorderedStore:
+    """Answers ``list`` (no pages) in a server's own order, with a repeat: the merge sorts."""
+
+    def __init__(self, keys):
+        self.keys = keys
+
+    async def list(self, bucket, prefix=""):
+        for key in self.keys:
+            yield ObjectInfo(key, 1)
+
+
+def test_stores_without_pages_are_listed_whole_sorted_and_without_repeats():
+    found = run_list(UnorderedStore(["many/0", "many/2", "many-x/1", "a", "many/0"]))
+    assert list(found) == ["a", "many-x/1", "many/0", "many/2"]
+
+
+def test_keylist_is_a_compact_sequence_that_pickles():
+    keys = [f"train/{i:06d}.jpg" for i in range(10_000)] + ["ünïcode/ключ", "a\udcff"]
+    packed = KeyList.from_keys(keys)
+    assert len(packed) == len(keys) and list(packed) == keys and packed == tuple(keys)
+    assert packed[3] == keys[3] and packed[-1] == keys[-1] and list(packed[2:5]) == keys[2:5]
+    assert keys[10] in packed and packed.index(keys[10]) == 10
+    with pytest.raises(IndexError):
+        packed[len(keys)]
+    copy = pickle.loads(pickle.dumps(packed))
+    assert copy == packed and len(pickle.dumps(packed)) < 30 * len(keys)
+    as_tuple = tuple(keys)
+    tuple_bytes = sys.getsizeof(as_tuple) + sum(sys.getsizeof(k) for k in keys)
+    assert packed.nbytes < tuple_bytes / 2.5, (packed.nbytes, tuple_bytes)
+    with pytest.raises(TypeError, match="no sizes"):
+        packed.size(0)
+
+
+def test_list_options_are_checked():
+    with pytest.raises(ConfigError, match="page_size=0"):
+        ListOptions(page_size=0)
+    with pytest.raises(ConfigError, match="at most 1000"):
+        ListOptions(page_size=5000)
+    with pytest.raises(ConfigError, match="parallel=True"):
+        ListOptions(parallel=True)
