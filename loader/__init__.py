@@ -32,6 +32,8 @@ _PUBLIC = {
     "LoaderOptions": "loader.datasets.options",
     "S3Config": "loader.config",
     "RetryPolicy": "loader.retry",
+    "ListOptions": "loader.stores.listing",
+    "KeyList": "loader.stores.listing",
     "EngineLimits": "loader.engine.fetch",
     "EngineStats": "loader.engine.fetch",
     "FetchEngine": "loader.engine.fetch",
@@ -43,7 +45,7 @@ _PUBLIC = {
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
         "NoSuchKeyError", "SampleError",
-        "ShardFormatError", "StoreError", "TransientStoreError",
+        "ShardFormatError", "StoreError", "TLSError", "TransientStoreError",
     )},
 }
 _SUBMODULES = ("checkpoint", "decode")
@@ -60,6 +62,8 @@ __all__ = [
     "EngineStats",
     "FetchEngine",
     "InvalidRangeError",
+    "KeyList",
+    "ListOptions",
     "LoaderError",
     "LoaderOptions",
     "NoCredentialsError",
@@ -70,6 +74,7 @@ __all__ = [
     "SampleError",
     "ShardFormatError",
     "StoreError",
+    "TLSError",
     "TransientStoreError",
     "checkpoint",
     "decode",
@@ -114,8 +119,10 @@ if TYPE_CHECKING:  # what editors and type checkers see
         SampleError,
         ShardFormatError,
         StoreError,
+        TLSError,
         TransientStoreError,
     )
     from .formats.index import read_index, read_index_counts
     from .retry import RetryPolicy
+    from .stores.listing import KeyList, ListOptions
     from .tools.devserver import DevServer

@@ -12,7 +12,7 @@ from fakes import FakeStore
 from loader.errors import ConfigError, NoSuchBucketError, TransientStoreError
 from loader.retry import RetryPolicy
 from loader.stores import ObjectInfo
-from loader.stores.listing import KeyList, ListOptions, list_keys
+from loader.stores.listing import KeyList, ListOptions, list_all
 
 FAST = RetryPolicy(base_delay=0.0, max_delay=0.0)
 
@@ -26,7 +26,7 @@ def run_list(store, prefix="", **kwargs):
 
     async def main():
         with anyio.fail_after(30):
-            return await list_keys(store, "b", prefix, retry, **kwargs)
+            return await list_all(store, "b", prefix, retry, **kwargs)
 
     return anyio.run(main)
 

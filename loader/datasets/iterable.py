@@ -18,7 +18,7 @@ import random
 import time
 import warnings
 from multiprocessing.context import get_spawning_popen
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from typing_extensions import Unpack
@@ -87,7 +87,7 @@ class AsyncS3Dataset(IterableDataset):
         self.options = options or LoaderOptions()
         self.shard_options = shard_options or ShardOptions()
         check_budget(self.options, self.shard_options if self.mode == "shards" else None)
-        self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
+        self._keys: Sequence[str] | None = None if keys is None else check_keys(bucket, keys)
         self._group = group
         self._label_from = label_from
         self._labels = None if labels is None else tuple(labels)
@@ -165,13 +165,13 @@ class AsyncS3Dataset(IterableDataset):
 
     # ----------------------------------------------------------------------- what to read
 
-    def keys(self) -> tuple[str, ...]:
+    def keys(self) -> Sequence[str]:
         """Per-object mode: the full key list, listing the prefix now if not done yet."""
         if self.mode != "objects":
             raise TypeError("keys() is for per-object datasets; this one reads shards (see shards())")
         if self._keys is None:
             self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
-                                   retry=self.options.retry)
+                                   retry=self.options.retry, options=self.options.listing)
         return self._keys
 
     def samples(self) -> SampleIndex:
@@ -207,7 +207,7 @@ class AsyncS3Dataset(IterableDataset):
             raise TypeError("shards() is for shard datasets; this one reads objects (see keys())")
         if self._shards is None:
             self._shards = resolve_shards(self._shard_specs, factory=self.options.listing_factory(),
-                                          retry=self.options.retry)
+                                          retry=self.options.retry, options=self.options.listing)
         return self._shards
 
     def resolve(self) -> None:

@@ -112,7 +112,7 @@ class AsyncS3MapDataset(Dataset):
         self.prefix = prefix
         self.options = options or LoaderOptions()
         _reject_defaults_changed(self.options)
-        self._keys: tuple[str, ...] | None = None if keys is None else check_keys(bucket, keys)
+        self._keys: Sequence[str] | None = None if keys is None else check_keys(bucket, keys)
         self._group = group
         self._label_from = label_from
         self._labels = None if labels is None else tuple(labels)
@@ -155,11 +155,11 @@ class AsyncS3MapDataset(Dataset):
 
     # ----------------------------------------------------------------------- the Dataset protocol
 
-    def keys(self) -> tuple[str, ...]:
+    def keys(self) -> Sequence[str]:
         """Every object key, listing the prefix now if not done yet (once)."""
         if self._keys is None:
             self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
-                                   retry=self.options.retry)
+                                   retry=self.options.retry, options=self.options.listing)
         return self._keys
 
     def samples(self) -> SampleIndex:

@@ -24,6 +24,7 @@ from ..formats.shards import (
 )
 from ..retry import RetryPolicy
 from ..stores import StoreFactory, open_store, preload_backend, resolve_backend
+from ..stores.listing import ListOptions
 from ..stores.cache import CacheStats, check_cache_options, endpoint_id_for, open_cached_store
 from ..stores.recording import RequestRecorder
 from . import partition, topology
@@ -56,6 +57,7 @@ class LoaderOptions:
     cache_limit: int | None = None
     on_error: OnError = "raise"
     memory_budget: int | None = None
+    listing: ListOptions = dataclasses.field(default_factory=ListOptions)
 
     def __post_init__(self) -> None:
         if self.on_error == "skip_shard":  # the shard-only name it had before objects could skip
@@ -78,6 +80,8 @@ class LoaderOptions:
             raise ConfigError(f"seed={self.seed!r} must be an integer or None")
         if self.transform is not None and not callable(self.transform):
             raise ConfigError(f"transform={self.transform!r} is not callable")
+        if not isinstance(self.listing, ListOptions):
+            raise ConfigError(f"listing={self.listing!r} must be a loader.ListOptions(...)")
         if self.pad_policy not in ("pad", "drop"):
             raise ConfigError(f"pad_policy={self.pad_policy!r} must be 'pad' or 'drop'")
         if (self.rank is None) != (self.world_size is None):
@@ -123,8 +127,8 @@ class LoaderOptions:
         which leaves nothing behind, and ``store="obstore"`` then works with forked workers.
         """
         if self.store == "obstore":
-            return functools.partial(open_store, "aioboto3", self.config, max_connections=4,
-                                     retry=self.retry)
+            return functools.partial(open_store, "aioboto3", self.config,
+                                     max_connections=self.listing.parallel, retry=self.retry)
         return self.store_factory(cached=False)
 
     def store_factory(self, *, cached: bool = True,
@@ -170,6 +174,7 @@ class LoaderKwargs(TypedDict, total=False):
     cache_limit: int | None
     on_error: OnError
     memory_budget: int | None
+    listing: ListOptions
 
 
 class MapKwargs(TypedDict, total=False):
@@ -185,6 +190,7 @@ class MapKwargs(TypedDict, total=False):
     cache_dir: str | os.PathLike[str] | None
     cache_limit: int | None
     on_error: OnError
+    listing: ListOptions
 
 
 class ShardKwargs(LoaderKwargs, total=False):

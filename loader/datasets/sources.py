@@ -16,42 +16,40 @@ import re
 import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple, TypeVar
-
+from typing import NamedTuple
 
 from ..errors import ConfigError, EmptyDatasetError
-from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectInfo, ObjectStore
+from ..retry import RetryPolicy
+from ..stores import ObjectStore
 from ..stores.blocking import run_async, with_store
+from ..stores.listing import KeyList, ListOptions, list_all
 from ..formats.shards import ShardRef
 from ..uri import expand_braces, parse_s3_uri, sibling_matches
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
+from .sharing import once_per_job
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
 async def list_objects(
-    store: ObjectStore, bucket: str, prefix: str, retry: RetryPolicy, *,
+    store: ObjectStore,
+    bucket: str,
+    prefix: str,
+    retry: RetryPolicy,
+    *,
     suffix: str | tuple[str, ...] = "",
-) -> list[ObjectInfo]:
+    options: ListOptions | None = None,
+) -> KeyList:
     """Every object under ``s3://bucket/prefix`` (optionally ending in ``suffix``, or in one of
-    several), key order.
+    several), key order, with sizes (``loader.stores.listing``: retried page by page, folders
+    in parallel, packed into a ``KeyList``).
 
-    Directory markers (keys ending in ``/``) are skipped. An empty result is an error, because a
-    training run over nothing is always a mistake (usually a typo in the prefix).
+    Sorted because servers disagree (SeaweedFS lists directory by directory) and positions in
+    this list decide every rank's share. Directory markers (keys ending in ``/``) are skipped.
+    An empty result is an error, because a training run over nothing is always a mistake
+    (usually a typo in the prefix).
     """
-
-    async def attempt() -> list[ObjectInfo]:
-        return [
-            info
-            async for info in store.list(bucket, prefix)
-            if not info.key.endswith("/") and info.key.endswith(suffix)
-        ]
-
-    # Sorted here because servers disagree (SeaweedFS lists directory by directory) and
-    # positions in this list decide every rank's share.
-    found = sorted(await call_with_retries(attempt, retry))
+    found = await list_all(store, bucket, prefix, retry, suffix=suffix, options=options)
     if not found:
         endings = " or ".join(map(repr, (suffix,) if isinstance(suffix, str) else suffix))
         what = f"no objects{f' ending in {endings}' if suffix else ''}"
@@ -68,14 +66,22 @@ def list_prefix(
     factory: Callable[[], Awaitable[ObjectStore]],
     retry: RetryPolicy,
     suffix: str | tuple[str, ...] = "",
-) -> list[ObjectInfo]:
-    """Synchronous ``list_objects`` for an ``s3://bucket/prefix`` URI."""
+    options: ListOptions | None = None,
+) -> KeyList:
+    """Synchronous ``list_objects`` for an ``s3://bucket/prefix`` URI; in a ``torch.distributed``
+    job, listed by rank 0 alone and shared with the others (``sharing.once_per_job``)."""
     bucket, prefix = parse_s3_uri(uri)
+    options = options or ListOptions()
 
-    async def use(store: ObjectStore) -> list[ObjectInfo]:
-        return await list_objects(store, bucket, prefix, retry, suffix=suffix)
+    async def use(store: ObjectStore) -> KeyList:
+        return await list_objects(store, bucket, prefix, retry, suffix=suffix, options=options)
 
-    return run_async(functools.partial(with_store, factory, use))
+    def produce() -> KeyList:
+        return run_async(functools.partial(with_store, factory, use))
+
+    if options.once_per_job:
+        return once_per_job(f"s3://{bucket}/{prefix}*{suffix}", produce)
+    return produce()
 
 
 class Manifest(NamedTuple):
@@ -227,7 +233,11 @@ def shard_specs(spec: str | Iterable[str]) -> list[str]:
 
 
 def resolve_shards(
-    specs: list[str], *, factory: Callable[[], Awaitable[ObjectStore]], retry: RetryPolicy
+    specs: list[str],
+    *,
+    factory: Callable[[], Awaitable[ObjectStore]],
+    retry: RetryPolicy,
+    options: ListOptions | None = None,
 ) -> list[ShardRef]:
     """Turn shard URIs and prefixes into ``ShardRef``s; prefixes are listed (sizes known)."""
     shards: list[ShardRef] = []
@@ -236,29 +246,39 @@ def resolve_shards(
         if is_shard_name(key):
             shards.append(ShardRef(bucket, key))
         else:
-            found = list_prefix(uri, factory=factory, retry=retry, suffix=SHARD_SUFFIXES)
-            warn_siblings(bucket, key, [info.key for info in found])
-            for info in found:
+            found = list_prefix(uri, factory=factory, retry=retry, suffix=SHARD_SUFFIXES,
+                                options=options)
+            warn_siblings(bucket, key, found)
+            for info in found.infos():
                 require_codec(f"s3://{bucket}/{info.key}")
-            shards.extend(ShardRef(bucket, info.key, info.size) for info in found)
+                shards.append(ShardRef(bucket, info.key, info.size))
     return shards
 
 
 def list_keys(
-    bucket: str, prefix: str, *, factory: Callable[[], Awaitable[ObjectStore]], retry: RetryPolicy
-) -> tuple[str, ...]:
+    bucket: str,
+    prefix: str,
+    *,
+    factory: Callable[[], Awaitable[ObjectStore]],
+    retry: RetryPolicy,
+    options: ListOptions | None = None,
+) -> KeyList:
     """The keys a per-object dataset reads under ``s3://bucket/prefix``: hidden objects (a
     basename starting with a dot: ``.DS_Store``, ``._x.jpg``) are left out, and a prefix that
     also matched sibling folders is warned about (``warn_siblings``)."""
-    found = [info.key for info in list_prefix(f"s3://{bucket}/{prefix}", factory=factory, retry=retry)]
-    keys = tuple(key for key in found if not key.startswith(".", key.rfind("/") + 1))
+    found = list_prefix(f"s3://{bucket}/{prefix}", factory=factory, retry=retry, options=options)
+    keys = found
+    if any(key.startswith(".", key.rfind("/") + 1) for key in found):
+        keys = KeyList.from_infos(info for info in found.infos()
+                                  if not info.key.startswith(".", info.key.rfind("/") + 1))
     if len(keys) < len(found):
         log.info("left out %d hidden objects under s3://%s/%s", len(found) - len(keys), bucket, prefix)
     if not keys:
         raise EmptyDatasetError(f"only hidden objects (names starting with a dot) under "
                                 f"s3://{bucket}/{prefix}")
     warn_siblings(bucket, prefix, keys)
-    log.info("listed %d objects under s3://%s/%s", len(keys), bucket, prefix)
+    log.info("listed %d objects under s3://%s/%s (%d bytes)", len(keys), bucket, prefix,
+             keys.nbytes)
     return keys
 
 

@@ -1,7 +1,7 @@
 """Listing a prefix at scale: pages retried where they failed, folders in parallel, keys compact.
 
 A bucket with 100 million keys is ~100,000 pages of ``ListObjectsV2``. Three things make that
-workable, and ``list_keys`` does all three:
+workable, and ``list_all`` does all three:
 
 * **Retries per page.** A failed page is asked again with the token of the last page received
   (``PagedLister.list_pages``), never from page 1; the retry limits (``RetryPolicy``) count from
@@ -233,7 +233,7 @@ def _concat(runs: list[KeyList]) -> KeyList:
     return KeyList(blob, ends, sizes)
 
 
-async def list_keys(
+async def list_all(
     store: ObjectStore,
     bucket: str,
     prefix: str,

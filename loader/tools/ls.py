@@ -104,4 +104,4 @@ def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = No
     retry = RetryPolicy()
     factory = functools.partial(open_store, resolve_backend(store), resolve_config(config),
                                 max_connections=4, retry=retry)
-    return list_prefix(uri, factory=factory, retry=retry)
+    return list(list_prefix(uri, factory=factory, retry=retry).infos())

@@ -237,7 +237,7 @@ class _Packer:
         # DST first: a missing bucket or permission fails before a long listing of SRC
         existing = await self._list(self.bucket, self.prefix)
         listing = await list_objects(self.store, self.src_bucket, self.src_prefix, self.retry)
-        objects = [(info.key, info.size) for info in listing]
+        objects = [(info.key, info.size) for info in listing.infos()]
         samples, skipped = group_samples(objects, self.src_prefix)
         report.skipped = skipped
         if skipped and not options.skip_invalid:
