@@ -189,8 +189,10 @@ def test_set_epoch_reaches_persistent_workers(context):
                                   config=None if context == "fork" else _unused_config())
     if context == "spawn":
         ds.set_epoch(3)
-        state = pickle.loads(pickle.dumps(ds))  # not a process start: the epoch is copied as an int
-        assert state.epoch == 3 and isinstance(state._epoch, int)
+        copy = pickle.loads(pickle.dumps(ds))  # not a process start: the copy gets its own cell
+        assert copy.epoch == 3
+        copy.set_epoch(4)
+        assert (ds.epoch, copy.epoch) == (3, 4)
         return
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
                         multiprocessing_context=context)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import socket
+from multiprocessing.context import set_spawning_popen
+from multiprocessing.popen_spawn_posix import _DupFd
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch.distributed as dist
@@ -89,3 +94,149 @@ def test_initialized_process_group_wins_over_environment(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert topology.world() == (5, 8)
+
+
+# ----------------------------------------------------------------- ranks carried into workers
+
+
+@pytest.fixture
+def in_worker(monkeypatch):
+    """Run as if inside a DataLoader worker whose parent is ``parent[0]`` (this process by default)."""
+    parent = [os.getpid()]
+    monkeypatch.setattr(topology, "in_worker", lambda: True)
+    monkeypatch.setattr(topology, "parent_pid", lambda: parent[0])
+    return parent
+
+
+def test_a_spawned_worker_takes_the_world_its_parent_saw(in_worker):
+    launch = topology.Launch(pid=os.getpid(), rank=2, world_size=3, source=topology.GROUP)
+    assert topology.world(launch=launch, unpickled_here=True) == (2, 3)
+
+
+def test_a_forked_worker_reads_what_it_inherited(in_worker, monkeypatch):
+    stale = topology.Launch(pid=12345, rank=2, world_size=3, source=topology.GROUP)
+    assert topology.world(launch=stale, unpickled_here=False) == (0, 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert topology.world(launch=stale, unpickled_here=False) == (1, 4)
+
+
+def test_a_worker_sent_the_dataset_by_another_process_uses_the_environment(in_worker, monkeypatch):
+    other = topology.Launch(pid=12345, rank=2, world_size=3, source=topology.GROUP)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert topology.world(launch=other, unpickled_here=True) == (1, 4)
+
+
+@pytest.mark.parametrize("launch", [None, topology.Launch(12345, 2, 3, topology.GROUP)])
+def test_a_worker_that_cannot_know_its_rank_fails_loudly(in_worker, launch):
+    with pytest.raises(ConfigError, match=r"cannot tell this DataLoader worker's rank.*"
+                                          r"Pass rank= and world_size="):
+        topology.world(launch=launch, unpickled_here=True)
+
+
+def test_the_main_process_ignores_a_carried_world():
+    launch = topology.Launch(pid=os.getpid(), rank=2, world_size=3, source=topology.GROUP)
+    assert topology.world(launch=launch, unpickled_here=True) == (0, 1)
+
+
+def test_slurm_without_a_rank_is_warned_about_once(monkeypatch, caplog):
+    monkeypatch.setattr(topology, "_warned_slurm", False)
+    env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}
+    with caplog.at_level("WARNING", logger=topology.__name__):
+        assert topology.world(env) == (0, 1)
+        assert topology.world(env) == (0, 1)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "SLURM_NTASKS=4" in warnings[0]
+    assert "RANK=$SLURM_PROCID" in warnings[0]
+
+
+class _FakePopen:
+    """Stands in for the Popen of a process being started, so that pickling behaves as it does
+    for a spawned DataLoader worker (shared memory handed over as a file descriptor)."""
+
+    DupFd = _DupFd  # the name multiprocessing looks up
+
+    @staticmethod
+    def duplicate_for_child(fd):
+        return os.dup(fd)
+
+
+def _pickled_for_a_worker(obj):
+    set_spawning_popen(_FakePopen())
+    try:
+        data = ForkingPickler.dumps(obj)  # as multiprocessing pickles a process being started
+    finally:
+        set_spawning_popen(None)
+    return pickle.loads(data)
+
+
+def _dataset(n=24, **options):
+    from loader import AsyncS3Dataset, S3Config
+
+    config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+    keys = [f"train/{i:04d}.bin" for i in range(n)]
+    return AsyncS3Dataset.from_keys("bucket", keys, shuffle=True, seed=3, config=config, **options)
+
+
+def test_pickling_for_a_worker_carries_the_parents_rank(in_worker, monkeypatch):
+    ds = _dataset()
+    monkeypatch.setenv("RANK", "1")  # what the parent knows (its group, in an mp.spawn rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with monkeypatch.context() as m:
+        m.setattr(topology, "in_worker", lambda: False)
+        expected = ds.plan()
+        worker_copy = _pickled_for_a_worker(ds)
+    monkeypatch.delenv("RANK")  # the worker has neither group nor environment
+    monkeypatch.delenv("WORLD_SIZE")
+    assert worker_copy.plan() == expected
+    assert len(expected) == 12
+
+
+def test_explicit_rank_wins_over_everything(in_worker, monkeypatch):
+    ds = _dataset(rank=1, world_size=3)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    worker_copy = _pickled_for_a_worker(ds)
+    assert worker_copy._world() == ds._world() == (1, 3)
+
+
+def test_a_worker_copy_follows_the_epoch_set_after_it_was_made():
+    ds = _dataset()  # no set_epoch before the worker copy is made
+    worker_copy = _pickled_for_a_worker(ds)
+    ds.set_epoch(1)
+    assert worker_copy.epoch == 1
+    ds.set_epoch(5)
+    assert worker_copy.epoch == 5
+
+
+def test_a_plain_copy_has_an_epoch_of_its_own():
+    ds = _dataset()
+    ds.set_epoch(2)
+    copy = pickle.loads(pickle.dumps(ds))
+    copy.set_epoch(7)
+    assert (ds.epoch, copy.epoch) == (2, 7)
+
+
+def test_a_process_that_is_not_the_owner_takes_its_own_cell(monkeypatch):
+    """A rank started with a dataset built in its launcher must not move the launcher's (and the
+    other ranks') epoch; a DataLoader worker, though, writes its parent's cell."""
+    launcher = topology.SharedEpoch(0)
+    rank_copy = _pickled_for_a_worker(launcher)
+    rank_copy._owner = -1  # as if unpickled in another process
+    rank_copy.value = 3
+    assert (launcher.value, rank_copy.value) == (0, 3)
+    worker_copy = _pickled_for_a_worker(launcher)
+    worker_copy._owner = -1
+    monkeypatch.setattr(topology, "in_worker", lambda: True)
+    worker_copy.value = 4
+    assert launcher.value == 4
+
+
+def test_a_fork_hands_the_forking_process_its_own_cell():
+    launcher = topology.SharedEpoch(0)
+    rank_copy = _pickled_for_a_worker(launcher)
+    rank_copy._owner = -1
+    topology._claim_all()  # what runs before every fork
+    rank_copy.value = 6
+    assert (launcher.value, rank_copy.value, rank_copy._owner) == (0, 6, os.getpid())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
+import os
 import random
 import time
 import warnings
@@ -97,7 +97,9 @@ class AsyncS3Dataset(IterableDataset):
         self._shard_specs = None if shards is None else shard_specs(shards)
         self._shards: list[ShardRef] | None = None
         self._sample_counts: dict[str, int] | None = None
-        self._epoch: int | Any = 0  # an int, or a shared cell once set_epoch() ran (see there)
+        self._epoch = topology.SharedEpoch(0)  # workers follow it, however they were started
+        self._launch: topology.Launch | None = None  # the world of the process that pickled it
+        self._unpickled_in: int | None = None  # the process that unpickled this copy
         self._resume: dict[str, Any] | None = None
         self._progress = _Progress()
         self._fast_forward: tuple[int, int, int, bool] | None = None
@@ -217,33 +219,28 @@ class AsyncS3Dataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows (and list, if needed).
 
-        The epoch lives in a shared-memory cell, so DataLoader workers kept alive across
-        epochs (``persistent_workers=True``) see it change; a plain attribute would stay
-        frozen at the value they were started with.
+        The epoch lives in a shared-memory cell made with the dataset, so DataLoader workers
+        follow the last value set here, however and whenever they were started (persistent
+        ones included).
         """
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
         self.resolve()
         if epoch != self.epoch:
             self._resume = None
-        if isinstance(self._epoch, int):
-            self._epoch = multiprocessing.RawValue("q", epoch)
         self.epoch = epoch
 
     @property
     def epoch(self) -> int:
-        return self._epoch if isinstance(self._epoch, int) else self._epoch.value
+        return self._epoch.value
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        if isinstance(self._epoch, int):
-            self._epoch = value
-        else:
-            self._epoch.value = value
+        self._epoch.value = value
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (shards: only when ``sample_counts`` was given)."""
-        _, world_size = self.options.world()
+        _, world_size = self._world()
         if self.mode == "shards":
             counts = self.shard_counts()
             if counts is None:
@@ -268,9 +265,21 @@ class AsyncS3Dataset(IterableDataset):
         # Pickled into spawned workers: list here, once, rather than in every worker.
         self.resolve()
         state = self.__dict__.copy()
-        if not isinstance(self._epoch, int) and get_spawning_popen() is None:
-            state["_epoch"] = self.epoch  # shared memory travels only to processes being started
+        if get_spawning_popen() is not None and self.options.world_size is None:
+            # Starting a process (a spawn or forkserver DataLoader worker, most often): it will
+            # not inherit this process's group, so tell it the rank (see topology.world).
+            state["_launch"] = topology.observe()
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._unpickled_in = os.getpid()
+
+    def _world(self) -> tuple[int, int]:
+        """``(rank, world_size)``: explicit options, else as ``topology.world`` finds it."""
+        if self.options.world_size is not None:
+            return self.options.world()
+        return topology.world(launch=self._launch, unpickled_here=self._unpickled_in == os.getpid())
 
     # ----------------------------------------------------------------------- iteration
 
@@ -339,7 +348,7 @@ class AsyncS3Dataset(IterableDataset):
 
     def plan(self) -> list[int]:
         """Per-object mode: positions in ``samples()`` this rank and worker read this epoch."""
-        rank, world_size = self.options.world()
+        rank, world_size = self._world()
         worker, num_workers = topology.worker()
         return partition.partition(
             len(self.samples()), seed=self.options.effective_seed, epoch=self.epoch,
@@ -360,7 +369,7 @@ class AsyncS3Dataset(IterableDataset):
 
     def _iter_shards(self) -> Iterator[tuple[Any, dict[str, Any]]]:
         shards = self.shards()
-        rank, world_size = self.options.world()
+        rank, world_size = self._world()
         worker, num_workers = topology.worker()
         seed = self.options.effective_seed
         where = dict(seed=seed, epoch=self.epoch, shuffle=self.options.shuffle, rank=rank,
@@ -490,7 +499,7 @@ class AsyncS3Dataset(IterableDataset):
     def _worker_shares(self, num_workers: int) -> list[int]:
         """Samples each worker of this rank yields this epoch (shards without counts: assumed
         equal, which holds until the first worker runs dry)."""
-        rank, world_size = self.options.world()
+        rank, world_size = self._world()
         where = dict(seed=self.options.effective_seed, epoch=self.epoch,
                      shuffle=self.options.shuffle, rank=rank, world_size=world_size,
                      num_workers=num_workers)
