@@ -66,7 +66,11 @@ def world(environ: Mapping[str, str] | None = None, *, launch: Launch | None = N
     learn its rank from none of these raises ``ConfigError`` instead of guessing.
     """
     rank, world_size, source = _live(environ)
-    if source == GROUP or not in_worker():
+    if source == GROUP:
+        return rank, world_size
+    if not in_worker():
+        if source == SINGLE:
+            _warn_if_slurm(os.environ if environ is None else environ)
         return rank, world_size
     if unpickled_here:
         parent = parent_pid()
@@ -92,7 +96,6 @@ def _live(environ: Mapping[str, str] | None) -> tuple[int, int, str]:
     env = os.environ if environ is None else environ
     rank, size = env.get("RANK"), env.get("WORLD_SIZE")
     if rank is None and size is None:
-        _warn_if_slurm(env)
         return 0, 1, SINGLE
     if rank is None or size is None:
         missing, given = ("RANK", "WORLD_SIZE") if rank is None else ("WORLD_SIZE", "RANK")
