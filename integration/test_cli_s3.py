@@ -121,6 +121,22 @@ def test_shard_makes_shards_whose_samples_are_the_objects(s3_server, source):
     assert member.name.endswith((".cls", ".jpg")) and f"train/{member.name}" in expected
 
 
+@pytest.mark.parametrize("kind, suffix", [("gzip", ".tar.gz"), ("zstd", ".tar.zst")])
+def test_shard_compress_makes_compressed_shards_that_read_back_exactly(s3_server, source, kind, suffix):
+    bucket, expected = source
+    dst = f"s3://{bucket}/shards-{kind}/"
+    proc = run_loader(s3_server, "shard", f"s3://{bucket}/train/", dst, "--target-size", "1MB",
+                      "--compress", kind)
+    assert_ok(proc)
+    stored = {o.object_name: o.size for o in s3_server.minio.list_objects(bucket, f"shards-{kind}/")
+              if o.object_name.endswith(suffix)}
+    index = json.loads(s3_server.minio.get_object(bucket, f"shards-{kind}/index.json").read())
+    assert index["compression"] == kind and len(stored) == len(index["shards"]) > 1
+    assert {s["key"]: s["stored_bytes"] for s in index["shards"]} == stored
+    counts = read_index_counts(dst + "index.json", config=s3_server.config)
+    assert read_back(s3_server, dst, counts) == expected
+
+
 def test_an_interrupted_shard_run_finishes_on_a_rerun_without_duplicates(s3_server, source):
     bucket, expected = source
     src, dst = f"s3://{bucket}/train/", f"s3://{bucket}/resumed/"
