@@ -9,19 +9,20 @@ CLI does the same, and tells a shell user what to set when nothing is found.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from datasets import upload_objects
 from torch.utils.data import DataLoader
 
-from datasets import upload_objects
 from loader import AsyncS3Dataset
 
 BACKENDS = ["aioboto3", pytest.param("obstore", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("obstore") is None, reason="obstore not installed"))]
+    importlib.util.find_spec("obstore") is None, reason="needs the fast extra (obstore)"))]
 OBJECTS = {f"train/{i:03d}.bin": bytes([i]) * (1000 + i) for i in range(6)}
 _KEY_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MINIO_ACCESS_KEY",
              "MINIO_SECRET_KEY", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "AWS_PROFILE",
@@ -53,10 +54,6 @@ def read_all(uri: str, store: str, workers: int = 0) -> dict[str, bytes]:
     return {sample["__key__"] + ".bin": sample["bin"] for sample in loader}
 
 
-def expected() -> dict[str, bytes]:
-    return {key: data for key, data in OBJECTS.items()}
-
-
 @pytest.mark.parametrize("store", BACKENDS)
 def test_aws_profile_with_a_custom_endpoint(bucket, profile_env, monkeypatch, store):
     folder = Path(profile_env["folder"])
@@ -65,7 +62,7 @@ def test_aws_profile_with_a_custom_endpoint(bucket, profile_env, monkeypatch, st
         f"[training]\naws_access_key_id = {profile_env['key']}\n"
         f"aws_secret_access_key = {profile_env['secret']}\n")
     monkeypatch.setenv("AWS_PROFILE", "training")
-    assert read_all(f"s3://{bucket}/train/", store) == expected()
+    assert read_all(f"s3://{bucket}/train/", store) == OBJECTS
 
 
 @pytest.mark.parametrize("store", BACKENDS)
@@ -75,7 +72,7 @@ def test_default_profile_in_the_config_file_read_by_workers(bucket, profile_env,
         f"[default]\naws_access_key_id = {profile_env['key']}\n"
         f"aws_secret_access_key = {profile_env['secret']}\n")
     workers = 0 if store == "obstore" else 2  # obstore's runtime does not survive fork
-    assert read_all(f"s3://{bucket}/train/", store, workers=workers) == expected()
+    assert read_all(f"s3://{bucket}/train/", store, workers=workers) == OBJECTS
 
 
 @pytest.mark.parametrize("store", BACKENDS)
@@ -93,7 +90,7 @@ def test_credential_process_is_asked_again_before_expiry(bucket, profile_env, mo
         "'Expiration': end.strftime('%Y-%m-%dT%H:%M:%SZ')}, sys.stdout)\n")
     (folder / "config").write_text(f"[profile proc]\ncredential_process = {sys.executable} {script}\n")
     monkeypatch.setenv("AWS_PROFILE", "proc")
-    assert read_all(f"s3://{bucket}/train/", store) == expected()
+    assert read_all(f"s3://{bucket}/train/", store) == OBJECTS
     assert log.read_text().count("run") >= 2
 
 

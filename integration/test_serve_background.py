@@ -107,8 +107,8 @@ def test_a_server_that_cannot_start_fails_the_eval_with_its_error(tmp_path, shel
         # eval "$(...)" alone would hide the status (eval of nothing succeeds): scripts that must
         # stop on failure assign first, as the README shows
         proc = subprocess.run(
-            ["bash", "-c", f'exports="$("$PYTHON" -m loader serve --background --pidfile {pidfile} '
-                           f'--port {port})" && eval "$exports"'],
+            ["bash", "-c", (f'exports="$("$PYTHON" -m loader serve --background --pidfile {pidfile} '
+                            f'--port {port})" && eval "$exports"')],
             capture_output=True, text=True, timeout=120, env=shell_env, cwd=REPO)
     finally:
         taken.close()

@@ -98,18 +98,19 @@ def chain_tried(config: S3Config, environ: Mapping[str, str] | None = None) -> l
     """What the chain looked at, in order, one phrase each; names and paths, never values."""
     env = os.environ if environ is None else environ
     profile, source = _profile(config, env)
+    web_identity = ("AWS_WEB_IDENTITY_TOKEN_FILE set, no credentials from it"
+                    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") else "AWS_WEB_IDENTITY_TOKEN_FILE unset")
+    container = ("none from AWS_CONTAINER_CREDENTIALS_*"
+                 if _any(env, "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                         "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+                 else "AWS_CONTAINER_CREDENTIALS_* unset")
     tried = [
-        "the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MINIO_ACCESS_KEY / "
-        "MINIO_SECRET_KEY: unset)",
-        f"profile {profile!r} ({source}) in {_profile_files(env)}: no keys, credential_process, "
-        "SSO or role there",
-        "web identity (" + ("AWS_WEB_IDENTITY_TOKEN_FILE set, no credentials from it)"
-                            if env.get("AWS_WEB_IDENTITY_TOKEN_FILE")
-                            else "AWS_WEB_IDENTITY_TOKEN_FILE unset)"),
-        "container credentials (" + ("none from AWS_CONTAINER_CREDENTIALS_*)"
-                                     if _any(env, "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-                                             "AWS_CONTAINER_CREDENTIALS_FULL_URI")
-                                     else "AWS_CONTAINER_CREDENTIALS_* unset)"),
+        ("the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MINIO_ACCESS_KEY / "
+         "MINIO_SECRET_KEY: unset)"),
+        (f"profile {profile!r} ({source}) in {_profile_files(env)}: no keys, credential_process, "
+         "SSO or role there"),
+        f"web identity ({web_identity})",
+        f"container credentials ({container})",
     ]
     if env.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true":
         tried.append("instance metadata (skipped: AWS_EC2_METADATA_DISABLED=true)")
