@@ -33,7 +33,7 @@ from ..engine.fetch import (
 )
 from ..decode import apply_transform
 from ..errors import ConfigError, SampleError
-from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job
+from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job, skippable
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
 from .progress import Watermark, consumed_per_worker
 from ..formats.shards import END, ShardOptions, ShardRef, sample_nbytes, shard_job
@@ -305,7 +305,7 @@ class AsyncS3Dataset(IterableDataset):
                     try:
                         sample = self._transform(item)
                     except SampleError as exc:
-                        if self.options.on_error == "raise":
+                        if self.options.on_error == "raise" or not skippable(exc):
                             raise
                         self._skip(exc.url, str(exc))
                         continue

@@ -61,7 +61,7 @@ from torch.utils.data import Dataset
 from .options import LoaderOptions, MapKwargs
 from ..decode import apply_transform
 from ..errors import ConfigError, NoSuchKeyError, SampleError
-from ..formats.objects import LabelFrom, SampleIndex, build_index
+from ..formats.objects import LabelFrom, SampleIndex, build_index, skippable
 from ..engine.loopthread import LoopThread
 from ..retry import RetryPolicy, call_with_retries
 from .sources import check_keys, list_keys, read_manifest
@@ -220,7 +220,7 @@ class AsyncS3MapDataset(Dataset):
                     raise failed
                 out.append(self._transform(index.sample(self.bucket, i, parts)))
             except (NoSuchKeyError, SampleError) as exc:
-                if not skip:
+                if not skip or not skippable(exc):
                     raise
                 self._skip(exc)
         return out

@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple
 import anyio
 
 from ..engine.fetch import Job, JobContext
-from ..errors import ConfigError, NoSuchKeyError
+from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..retry import call_with_retries
 from ..uri import object_url
 from .tar import split_key
@@ -213,6 +213,15 @@ class Skipped(NamedTuple):
 
     url: str
     reason: str
+
+
+def skippable(exc: BaseException) -> bool:
+    """Whether ``on_error`` may skip past ``exc``: a fault of one sample (an object gone since
+    the listing, a transform that raised on it), not one every sample would meet next (a missing
+    library behind a transform, memory running out), which would skip the whole epoch."""
+    if isinstance(exc, NoSuchKeyError):
+        return True
+    return isinstance(exc, SampleError) and not isinstance(exc.__cause__, (ImportError, MemoryError))
 
 
 def object_sample(bucket: str, key: str, data: bytes) -> dict[str, Any]:

@@ -37,8 +37,11 @@ def photo_jpeg(index: int, quality: int = 90) -> bytes:
     """A distinct JPEG that decodes like a photo, not like noise: a smooth colour gradient with a
     dozen soft-edged shapes and mild grain, 380-650 px a side, ~50 KiB (noise JPEGs are several
     times costlier to decode and would misstate what decoding costs). Needs Pillow and numpy."""
-    import numpy as np
-    from PIL import Image, ImageChops, ImageDraw
+    try:
+        import numpy as np
+        from PIL import Image, ImageChops, ImageDraw
+    except ImportError as exc:
+        raise ImportError(f"making demo JPEGs needs the image extra: {install_hint('image')} ({exc})") from exc
 
     rng = np.random.default_rng(index)
     width, height = (int(v) for v in rng.integers(380, 651, 2))
