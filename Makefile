@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 EXTRAS := fast,test,stateful,devserver,image,zstd
 COMPOSE := docker compose -f docker/docker-compose.yml --env-file docker/minio.env
 
-.PHONY: install install-bench test unit-test integration-test demo bench minio-up minio-down clean
+.PHONY: install install-bench test unit-test integration-test demo bench bench-listing minio-up minio-down clean
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ demo: install
 
 bench: install-bench
 	$(BIN)/python -m bench.run
+
+# 200,000 keys listed through 5 % resets and 5 % SlowDowns, both backends (several minutes);
+# LOADER_LISTING_KEYS=... for another count
+bench-listing: install
+	$(BIN)/python -m pytest integration/test_listing_s3.py -m slow -q -s
 
 # A local MinIO on 127.0.0.1:9000 (console :9001) with a bucket `train` (needs a Docker engine).
 minio-up:

@@ -1,0 +1,180 @@
+"""Listings at scale on the real server: through the fault proxy, in parallel folders, once per job.
+
+Keys are created with native PUTs of empty objects (obstore, 64 in flight): the fastest way to
+make many keys on a 2-core machine. The 200,000-key listing is marked ``slow`` (``make
+bench-listing`` runs it and prints its time and memory); the normal suite lists a few thousand
+keys in pages of 100 through the same faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import time
+import tracemalloc
+
+import pytest
+import torch.multiprocessing as mp
+
+from faults import FaultDecider, FaultPlan, FaultProxy
+from listing_worker import list_on_rank
+from loader.retry import RetryPolicy
+from loader.stores import open_store
+from loader.stores.listing import ListOptions, list_all
+
+BACKENDS = ["aioboto3", "obstore"]
+RETRY = RetryPolicy(base_delay=0.01, max_delay=0.2, connect_timeout=5, read_timeout=30)
+
+
+def put_empty(config, bucket: str, keys: list[str], concurrency: int = 64) -> float:
+    """PUT an empty object at every key, ``concurrency`` at a time; returns the seconds taken."""
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(bucket, endpoint=config.endpoint_url, access_key_id=config.access_key_id,
+                    secret_access_key=config.secret_access_key, region=config.region,
+                    virtual_hosted_style_request=False,
+                    client_options={"allow_http": True, "timeout": "120s",
+                                    "pool_max_idle_per_host": str(concurrency)})
+
+    async def main() -> None:
+        pending = iter(keys)
+
+        async def runner() -> None:
+            for key in pending:
+                await obstore.put_async(store, key, b"", use_multipart=False)
+
+        await asyncio.gather(*(runner() for _ in range(concurrency)))
+
+    started = time.perf_counter()
+    asyncio.run(main())
+    return time.perf_counter() - started
+
+
+def folder_keys(prefix: str, folders: int, per_folder: int) -> list[str]:
+    keys = [f"{prefix}f{f:03d}/{i:07d}.jpg" for f in range(folders) for i in range(per_folder)]
+    return keys + [f"{prefix}top-{i}.txt" for i in range(5)]
+
+
+def list_through(config, store: str, bucket: str, prefix: str, options: ListOptions):
+    async def main():
+        opened = await open_store(store, config, max_connections=options.parallel, retry=RETRY)
+        try:
+            return await list_all(opened, bucket, prefix, RETRY, options=options)
+        finally:
+            await opened.aclose()
+
+    return asyncio.run(main())
+
+
+def seed_with_faults(plan: FaultPlan, first: int) -> FaultPlan:
+    """The plan with the first seed whose first ``first`` requests get both a reset and a
+    SlowDown: the proxy decides request by request in arrival order, so a listing of that many
+    requests meets both faults whichever folder's request comes first."""
+    for seed in range(1000):
+        decider = FaultDecider(dataclasses.replace(plan, seed=seed))
+        kinds = {decider.decide("GET", "/b?list-type=2").kind for _ in range(first)}
+        if {"reset", "slowdown"} <= kinds:
+            return dataclasses.replace(plan, seed=seed)
+    raise AssertionError("no seed in 1000 gives both faults")
+
+
+def list_requests(proxy: FaultProxy, bucket: str, marker: str = "") -> int:
+    return sum(1 for method, target, _ in proxy.decisions
+               if method == "GET" and target.startswith(f"/{bucket}") and "list-type=2" in target
+               and marker in target)
+
+
+@pytest.fixture(scope="module")
+def keyspace(s3_server):
+    bucket = s3_server.new_bucket("list")
+    keys = folder_keys("data/", 6, 500)
+    put_empty(s3_server.config, bucket, keys)
+    return bucket, sorted(keys)
+
+
+@pytest.mark.parametrize("store", BACKENDS)
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_a_listing_through_resets_and_slowdowns_lists_every_key_once(s3_server, keyspace, store,
+                                                                     parallel):
+    bucket, expected = keyspace
+    plan = seed_with_faults(FaultPlan(reset=0.1, slowdown=0.1, objects_only=False), first=4)
+    with FaultProxy(s3_server.config.endpoint_url, plan) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        found = list_through(config, store, bucket, "data/",
+                             ListOptions(page_size=100, parallel=parallel))
+        counts = proxy.counts
+    assert len(found) == len(expected) and list(found) == expected
+    assert found.size(0) == 0
+    assert counts["reset"] >= 1 and counts["slowdown"] >= 1, counts
+
+
+def test_a_three_rank_job_makes_the_list_requests_of_one_listing(s3_server):
+    bucket = s3_server.new_bucket("list3")
+    keys = folder_keys("shared/", 4, 300) + folder_keys("alone/", 4, 300)
+    put_empty(s3_server.config, bucket, keys)
+    with FaultProxy(s3_server.config.endpoint_url) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        one = list_through(config, "aioboto3", bucket, "shared/", ListOptions(page_size=100))
+        single = list_requests(proxy, bucket)
+        proxy.reset_counts()
+        fields = {f: getattr(config, f) for f in
+                  ("endpoint_url", "region", "access_key_id", "secret_access_key", "addressing_style")}
+        spec = {"config": fields, "shared": f"s3://{bucket}/shared/",
+                "alone": f"s3://{bucket}/alone/"}
+        manager = mp.Manager()
+        try:
+            out = manager.dict()
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            mp.spawn(list_on_rank, args=(3, port, spec, out), nprocs=3, join=True)
+            found = dict(out)
+        finally:
+            manager.shutdown()
+        shared = list_requests(proxy, bucket, "prefix=shared")
+        alone = list_requests(proxy, bucket, "prefix=alone")
+    assert single == 1 + 4 * 3, "a folder page, then 3 pages of 100 for each of 4 folders"
+    assert {found[rank]["shared"] for rank in range(3)} == {found[0]["shared"]}
+    assert found[0]["shared"][0] == len(one) == 1205
+    assert shared == single, "the job listed the shared prefix once, on rank 0"
+    assert alone == 3 * single, "with once_per_job=False every rank lists for itself"
+
+
+SLOW_KEYS = int(os.environ.get("LOADER_LISTING_KEYS", "200000"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("store", BACKENDS)
+def test_200k_keys_through_5_percent_resets_and_slowdowns(s3_server, store, capsys):
+    """The listing at scale: 200,000 keys in 200 folders, 5 % resets and 5 % SlowDowns on every
+    LIST request, page after page (parallel=1) and 8 folders at a time; exact every time."""
+    bucket = s3_server.new_bucket("list200k")
+    keys = folder_keys("big/", 200, SLOW_KEYS // 200)
+    upload = put_empty(s3_server.config, bucket, keys)
+    expected = sorted(keys)
+    lines = [f"{len(keys)} empty objects PUT in {upload:.1f} s ({len(keys) / upload:.0f}/s)"]
+    plan = FaultPlan(reset=0.05, slowdown=0.05, objects_only=False, seed=12)
+    with FaultProxy(s3_server.config.endpoint_url, plan, max_lifetime=3600) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        for parallel in (1, 8):
+            proxy.reset_counts()
+            tracemalloc.start()
+            started = time.perf_counter()
+            found = list_through(config, store, bucket, "big/", ListOptions(parallel=parallel))
+            seconds = time.perf_counter() - started
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            counts = proxy.counts
+            assert list(found) == expected, "every key exactly once, in order"
+            assert counts["reset"] and counts["slowdown"], counts
+            lines.append(
+                f"{store} parallel={parallel}: {len(found)} keys in {seconds:.1f} s, "
+                f"{counts['requests']} requests ({counts['reset']} resets, {counts['slowdown']} "
+                f"SlowDowns), key list {found.nbytes / len(found):.1f} B/key, peak Python "
+                f"allocations while listing {peak / len(found):.0f} B/key")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
