@@ -17,9 +17,9 @@ import tracemalloc
 
 import pytest
 import torch.multiprocessing as mp
-
 from faults import FaultDecider, FaultPlan, FaultProxy
 from listing_worker import list_on_rank
+
 from loader.retry import RetryPolicy
 from loader.stores import open_store
 from loader.stores.listing import ListOptions, list_all

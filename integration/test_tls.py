@@ -16,10 +16,10 @@ import subprocess
 import sys
 
 import pytest
+from datasets import jpeg_dataset
 from torch.utils.data import DataLoader
 
 from conftest import _S3_VARS, minio_client
-from datasets import jpeg_dataset
 from loader import AsyncS3Dataset, S3Config, TLSError
 from loader.retry import RetryPolicy
 from loader.stores import open_store
@@ -169,6 +169,6 @@ def test_a_ca_certificate_served_as_the_server_certificate_is_refused_with_advic
     cert, key = tmp_path / "ca-cert.pem", tmp_path / "ca-key.pem"
     ca.cert_pem.write_to_path(cert)
     ca.private_key_pem.write_to_path(key)
-    with DevServer(buckets=["tls-ca"], certfile=cert, keyfile=key, cafile=cert) as server:
-        with pytest.raises(TLSError, match=r"did not verify .*not the CA certificate itself"):
-            read_one(server.config, store, bucket="tls-ca")
+    with (DevServer(buckets=["tls-ca"], certfile=cert, keyfile=key, cafile=cert) as server,
+          pytest.raises(TLSError, match=r"did not verify .*not the CA certificate itself")):
+        read_one(server.config, store, bucket="tls-ca")

@@ -7,8 +7,8 @@ import sys
 
 import anyio
 import pytest
-
 from fakes import FakeStore
+
 from loader.errors import ConfigError, NoSuchBucketError, TransientStoreError
 from loader.retry import RetryPolicy
 from loader.stores import ObjectInfo

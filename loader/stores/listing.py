@@ -179,13 +179,11 @@ def _offset_type(total: int) -> str:
 class _Runs:
     """Pages packed as they arrive (each sorted on its own), merged once at the end."""
 
-    def __init__(self, suffix: str) -> None:
+    def __init__(self, suffix: str | tuple[str, ...]) -> None:
         self.suffix = suffix
         self.runs: list[KeyList] = []
-        self.pages = 0
 
     def add(self, objects: list[ObjectInfo]) -> None:
-        self.pages += 1
         # directory markers ("a/") are not data; the suffix filter is the caller's
         kept = sorted(info for info in objects
                       if not info.key.endswith("/") and info.key.endswith(self.suffix))
@@ -239,11 +237,12 @@ async def list_all(
     prefix: str,
     retry: RetryPolicy,
     *,
-    suffix: str = "",
+    suffix: str | tuple[str, ...] = "",
     options: ListOptions | None = None,
 ) -> KeyList:
-    """Every object under ``s3://bucket/prefix`` ending in ``suffix``, sorted, with sizes
-    (directory markers skipped). See the module docstring for retries, folders and memory."""
+    """Every object under ``s3://bucket/prefix`` ending in ``suffix`` (or one of several),
+    sorted, with sizes (directory markers skipped). See the module docstring for retries,
+    folders and memory."""
     options = options or ListOptions()
     runs = _Runs(suffix)
     if not isinstance(store, PagedLister):
@@ -259,7 +258,7 @@ async def list_all(
         async with limiter:
             try:
                 await _list_pages(store, bucket, folder, None, retry, options.page_size, runs.add)
-            except Exception as exc:  # the first failure is the listing's, the rest cancelled
+            except Exception as exc:  # noqa: BLE001 - the first failure is the listing's, re-raised below
                 failed.append(exc)
                 group.cancel_scope.cancel()
 
@@ -282,17 +281,16 @@ async def _find_folders(
     """
     for _ in range(MAX_FOLDER_DEPTH):
         found: list[str] = []
-        objects = 0
+        objects: list[int] = []
 
-        def take(page: ListPage) -> None:
-            nonlocal objects
+        def take(page: ListPage, found: list[str] = found, objects: list[int] = objects) -> None:
             runs.add(page.objects)
-            objects += len(page.objects)
+            objects.append(len(page.objects))
             found.extend(page.prefixes)
 
         await _list_pages(store, bucket, prefix, "/", retry, options.page_size, take,
                           whole=True)
-        if len(found) != 1 or objects:
+        if len(found) != 1 or sum(objects):
             return found
         prefix = found[0]
     return [prefix]

@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 import ssl
 import urllib.parse
-import xml.etree.ElementTree as ElementTree
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from xml.etree import ElementTree
 
 import aiohttp
 import yarl
