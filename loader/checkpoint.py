@@ -35,6 +35,9 @@ into one buffer first, or ``torch.load(io.BytesIO(...))``, would cost twice its 
 temporary file is written either. ``load``'s ``part_size`` defaults to 8 MiB, not 16, because
 each response costs twice its size while in flight. The object's size comes from listing its
 own key (one LIST request; ``ObjectStore`` has no HEAD), so loading needs ``s3:ListBucket``.
+Every ranged GET asks for the version that listing saw (``If-Match`` with its ETag): a checkpoint
+overwritten before or during the load fails with ``ObjectChangedError`` naming it ("load it
+again"), never a state dict assembled from two saves.
 
 **Backends.** ``store`` takes a backend name or an async factory returning a store, as the
 datasets do. ``save`` needs multipart uploads (``MultipartStore`` in ``loader/stores/base.py``);
@@ -61,7 +64,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .config import S3Config, resolve_config
 from .errors import ConfigError, LoaderError, NoSuchKeyError, StoreError
 from .retry import RetryPolicy, call_with_retries
-from .stores import ObjectStore, open_store, resolve_backend
+from .stores import ObjectInfo, ObjectStore, Pin, open_store, resolve_backend
 from .stores.base import S3_MAX_PART_SIZE, S3_MAX_PARTS, S3_MIN_PART_SIZE, MultipartStore
 from .uri import object_url, parse_s3_uri
 
@@ -162,8 +165,8 @@ def load(
             opened = portal.call(factory)
         try:
             with _naming(uri, "loading checkpoint from"):
-                size = portal.call(_object_size, opened, bucket, key, policy)
-            reader = _RangeReader(portal, opened, bucket, key, size,
+                listed = portal.call(_listed, opened, bucket, key, policy)
+            reader = _RangeReader(portal, opened, bucket, key, listed.size, Pin(listed.etag),
                                   block_size=part_size, parallel=parts_inflight, retry=policy)
             try:
                 return torch.load(reader, map_location=map_location, weights_only=weights_only)
@@ -419,12 +422,14 @@ class _RangeReader(io.RawIOBase):
         bucket: str,
         key: str,
         size: int,
+        pin: Pin,
         *,
         block_size: int,
         parallel: int,
         retry: RetryPolicy,
     ) -> None:
         super().__init__()
+        self._pin = pin  # the version listed with ``size``: every ranged GET asks for it
         self._portal = portal
         self._store = store
         self._bucket = bucket
@@ -544,7 +549,8 @@ class _RangeReader(io.RawIOBase):
             try:
                 async with limiter:
                     data = await call_with_retries(
-                        functools.partial(self._store.get_range, self._bucket, self._key, lo, hi),
+                        functools.partial(self._store.get_range, self._bucket, self._key, lo, hi,
+                                          pin=self._pin),
                         self._retry,
                     )
                 if len(data) != hi - lo:
@@ -576,29 +582,29 @@ class _RangeReader(io.RawIOBase):
         return index * self._block, min(self._size, (index + 1) * self._block)
 
 
-async def _object_size(store: ObjectStore, bucket: str, key: str, retry: RetryPolicy) -> int:
-    """The object's size, from a listing of its own key (no HEAD in ``ObjectStore``)."""
+async def _listed(store: ObjectStore, bucket: str, key: str, retry: RetryPolicy) -> ObjectInfo:
+    """The object's size and ETag, from a listing of its own key (no HEAD in ``ObjectStore``)."""
 
-    async def attempt() -> int | None:
+    async def attempt() -> ObjectInfo | None:
         listing = store.list(bucket, key)
         try:
             async for info in listing:
                 if info.key == key:
-                    return info.size
+                    return info
         finally:
             aclose = getattr(listing, "aclose", None)
             if aclose is not None:
                 await aclose()
         return None
 
-    size = await call_with_retries(attempt, retry)
-    if size is None:
+    info = await call_with_retries(attempt, retry)
+    if info is None:
         raise NoSuchKeyError(
             f"no checkpoint at {object_url(bucket, key)}: the bucket has no object {key!r}; "
             "check the step number and prefix, and that the save finished",
             bucket=bucket, key=key,
         )
-    return size
+    return info
 
 
 # ----------------------------------------------------------------------------- shared helpers

@@ -16,7 +16,9 @@ Each class also subclasses the builtin it really is, so ``except FileNotFoundErr
     │   ├── AccessDeniedError (PermissionError)  403: wrong credentials or missing permission
     │   ├── NoSuchBucketError (FileNotFoundError)
     │   ├── NoSuchKeyError (FileNotFoundError)
-    │   └── InvalidRangeError (ValueError)
+    │   ├── InvalidRangeError (ValueError)
+    │   └── ObjectChangedError              the object was replaced while a read of it ran (412 to
+    │                                       If-Match, or another ETag); never retried, never spliced
     ├── EmptyDatasetError (ValueError)      a prefix or manifest with nothing in it
     ├── ShardFormatError (ValueError)       a tar shard that is truncated, corrupt or not a tar
     └── SampleError                         a sample failed after fetching (e.g. in ``transform``);
@@ -100,6 +102,16 @@ class NoSuchKeyError(StoreError, FileNotFoundError):
 
 class InvalidRangeError(StoreError, ValueError):
     """A ranged GET asked for bytes past the end of the object."""
+
+
+class ObjectChangedError(StoreError):
+    """The object was overwritten while a read that spans several requests was under way.
+
+    Such a read pins the ETag of its first response and sends it as ``If-Match`` with every
+    later request; the server's 412 PreconditionFailed (or a response with another ETag) means
+    the bytes read so far belong to a version that no longer exists. The read stops rather
+    than assemble anything from two versions; reading the object again gets the new version.
+    """
 
 
 class EmptyDatasetError(LoaderError, ValueError):

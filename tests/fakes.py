@@ -23,7 +23,15 @@ Faults and pacing:
   and raises ``TransientStoreError``, so a retry resuming at its offset makes progress; a list
   applies per attempt (``None`` for an attempt that is not cut);
 * ``gate``: set it to an unset ``anyio.Event`` and every request waits on it after being counted,
-  which holds requests in flight so a test can count how many were issued.
+  which holds requests in flight so a test can count how many were issued;
+* ``on_read``: ``callable(key, n)`` run as the ``n``-th read request of ``key`` (from 1) starts,
+  after it is counted and before it looks at the object: a hook to overwrite an object mid-read.
+
+Versions, as S3 has them: every object's ETag is the md5 of its bytes (``etag_of``), listings
+carry it, reads hand it to their ``Pin`` (``ObjectChangedError`` on a change) and a pinned read
+whose ETag no longer matches fails as S3's 412 does; ``get_if_changed`` answers None for the
+current ETag (a 304). ``etags=False`` plays a server that sends no ETags at all.
+``conditional_requests`` counts the conditional GETs.
 
 Multipart uploads (the ``MultipartStore`` protocol, for ``loader.checkpoint``): ``uploads`` holds
 the open ones (``upload_id -> MultipartUpload``) until completed or aborted, so "nothing orphaned"
@@ -62,7 +70,8 @@ from loader.errors import (
     StoreError,
     TransientStoreError,
 )
-from loader.stores.base import DEFAULT_CHUNK_SIZE, ListPage, ObjectInfo
+from loader.stores.answers import error_for_answer
+from loader.stores.base import DEFAULT_CHUNK_SIZE, ListPage, ObjectInfo, Pin
 
 Latency = float | Callable[[str], float]
 Fault = BaseException | list[BaseException]
@@ -97,6 +106,8 @@ class FakeStore:
         part_fail: Mapping[int, Fault] | None = None,
         multipart_fail: Mapping[str, Fault] | None = None,
         on_part: Callable[[int], object] | None = None,
+        on_read: Callable[[str, int], object] | None = None,
+        etags: bool = True,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size={page_size!r} must be >= 1")
@@ -121,6 +132,9 @@ class FakeStore:
         self.part_fail: dict[int, Fault] = _copy_faults(part_fail)
         self.multipart_fail: dict[str, Fault] = _copy_faults(multipart_fail)
         self.on_part = on_part
+        self.on_read = on_read
+        self.etags = etags
+        self.conditional_requests = 0
         self.uploads: dict[str, MultipartUpload] = {}
         self.multipart_created = self.parts_started = self.parts_uploaded = 0
         self.completed = self.aborted = 0
@@ -133,7 +147,7 @@ class FakeStore:
 
     def reset_counters(self) -> None:
         """Zero the counters (``inflight`` stays: those requests are still running)."""
-        self.requests = self.list_requests = self.puts = 0
+        self.requests = self.list_requests = self.puts = self.conditional_requests = 0
         self.peak_inflight = self.inflight
         self.multipart_created = self.parts_started = self.parts_uploaded = 0
         self.completed = self.aborted = 0
@@ -185,23 +199,50 @@ class FakeStore:
                 return
             token = page.token
 
-    async def get(self, bucket: str, key: str) -> bytes:
-        async with self._read(key):
-            return self._lookup(bucket, key)
+    def etag_of(self, bucket: str, key: str) -> str | None:
+        """The object's current ETag (the md5 of its bytes, unquoted), None without ETags."""
+        data = self.objects.get((bucket, key))
+        if data is None or not self.etags:
+            return None
+        return hashlib.md5(data).hexdigest()
 
-    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
+    async def get(
+        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
+    ) -> bytes:
         async with self._read(key):
-            data = self._lookup(bucket, key)
+            return self._lookup(bucket, key, pin)
+
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
+    ) -> bytes:
+        async with self._read(key):
+            data = self._lookup(bucket, key, pin)
+            _check_range(bucket, key, start, end, len(data))
+            return data[start:end]
+
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        async with self._read(key):
+            self.conditional_requests += 1
+            data = self._lookup(bucket, key, None)
+            if self.etag_of(bucket, key) == etag:
+                return None
+            if pin is not None:
+                pin.observe(self.etag_of(bucket, key), bucket, key)
             _check_range(bucket, key, start, end, len(data))
             return data[start:end]
 
     async def stream(
-        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
     ) -> AsyncIterator[bytes]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
         async with self._read(key):
-            data = self._lookup(bucket, key)
+            data = self._lookup(bucket, key, pin)  # the version this response carries
             _check_range(bucket, key, start, None, len(data))
             cut = self._take(self.truncate, key)
             stop = len(data) if cut is None else min(len(data), start + cut)
@@ -317,6 +358,10 @@ class FakeStore:
         self.inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.inflight)
         try:
+            if self.on_read is not None:
+                result = self.on_read(key, self.requests_by_key[key])
+                if inspect.isawaitable(result):
+                    await result
             await self._respond(key, self.fail)
             yield
         finally:
@@ -360,13 +405,21 @@ class FakeStore:
                              "(NoSuchUpload)", bucket=bucket, key=key)
         return upload
 
-    def _lookup(self, bucket: str, key: str) -> bytes:
+    def _lookup(self, bucket: str, key: str, pin: Pin | None) -> bytes:
+        """The object's bytes; with a pin, S3's If-Match (a 412) and the response's ETag."""
         self._check_bucket(bucket)
         try:
-            return self.objects[bucket, key]
+            data = self.objects[bucket, key]
         except KeyError:
             message = f"no object {key!r} in bucket {bucket!r}"
             raise NoSuchKeyError(message, bucket=bucket, key=key) from None
+        if pin is not None:
+            etag = self.etag_of(bucket, key)
+            if pin.etag is not None and etag is not None and pin.etag != etag:
+                raise error_for_answer("PreconditionFailed", 412, bucket=bucket, key=key,
+                                       endpoint="FakeStore")
+            pin.observe(etag, bucket, key)
+        return data
 
     def _page(self, bucket: str, prefix: str, after: str | None) -> tuple[list[ObjectInfo], bool]:
         """One page of keys after ``after`` (like a continuation token), and whether more follow."""
@@ -375,7 +428,8 @@ class FakeStore:
             for b, key in self.objects
             if b == bucket and key.startswith(prefix) and (after is None or key > after)
         )
-        page = [ObjectInfo(key, len(self.objects[bucket, key])) for key in keys[: self.page_size]]
+        page = [ObjectInfo(key, len(self.objects[bucket, key]), self.etag_of(bucket, key))
+                for key in keys[: self.page_size]]
         return page, len(keys) > self.page_size
 
 
@@ -398,7 +452,7 @@ class FakeStore:
                 if folder:
                     prefixes.append(folder)
                 else:
-                    objects.append(ObjectInfo(key, len(self.objects[bucket, key])))
+                    objects.append(ObjectInfo(key, len(self.objects[bucket, key]), self.etag_of(bucket, key)))
             last = key
         return ListPage(objects, prefixes, None)
 

@@ -89,12 +89,13 @@ async def test_list_pages_in_key_order_with_sizes():
     fake = FakeStore.with_objects("b", objects, page_size=3)
     with anyio.fail_after(DEADLINE):
         listed = await collect(fake.list("b", "train/"))
-        assert listed == [ObjectInfo(f"train/{i:03d}", i) for i in range(10)]
+        assert listed == [ObjectInfo(f"train/{i:03d}", i, fake.etag_of("b", f"train/{i:03d}"))
+                          for i in range(10)]
         assert fake.list_requests == 4  # 3 + 3 + 3 + 1
         fake.reset_counters()
         assert len(await collect(fake.list("b"))) == 11 and fake.list_requests == 4
         fake.reset_counters()
-        assert await collect(fake.list("b", "val/")) == [ObjectInfo("val/000", 1)]
+        assert await collect(fake.list("b", "val/")) == [ObjectInfo("val/000", 1, fake.etag_of("b", "val/000"))]
         assert fake.list_requests == 1
         assert await collect(fake.list("b", "nothing/")) == []
         assert fake.requests == 0  # listing is not a read request
@@ -137,7 +138,7 @@ async def test_list_faults_by_prefix():
     with anyio.fail_after(DEADLINE):
         with pytest.raises(TransientStoreError):
             await collect(fake.list("b", "p/"))
-        assert await collect(fake.list("b", "p/")) == [ObjectInfo("p/1", 0)]
+        assert await collect(fake.list("b", "p/")) == [ObjectInfo("p/1", 0, fake.etag_of("b", "p/1"))]
 
 
 async def test_truncated_stream_raises_transient_and_resumes():

@@ -40,7 +40,7 @@ from ..formats.shards import END, ShardOptions, ShardRef, sample_nbytes, shard_j
 from .shuffle import shuffled
 from .stats import MAX_WORKERS, StatsBoard, summarize
 from ..stores.recording import RequestRecorder
-from .sources import check_keys, list_keys, read_manifest, resolve_shards, shard_specs
+from .sources import check_keys, list_keys, listed_etags, read_manifest, resolve_shards, shard_specs
 from ..uri import parse_s3_uri
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,8 @@ class AsyncS3Dataset(IterableDataset):
         where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
         root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
         return build_index(self.keys(), group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root)
+                           labels=self._labels, where=where, root=root,
+                           etags=listed_etags(self.keys()))
 
     def shards(self) -> list[ShardRef]:
         """Shard mode: the shard list, listing prefixes now if not done yet."""

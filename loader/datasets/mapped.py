@@ -64,7 +64,7 @@ from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, build_index, skippable
 from ..engine.loopthread import LoopThread
 from ..retry import RetryPolicy, call_with_retries
-from .sources import check_keys, list_keys, read_manifest
+from .sources import check_keys, list_keys, listed_etags, read_manifest
 from ..stores import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
 
@@ -183,7 +183,8 @@ class AsyncS3MapDataset(Dataset):
         where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
         root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
         return build_index(self.keys(), group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root)
+                           labels=self._labels, where=where, root=root,
+                           etags=listed_etags(self.keys()))
 
     def __len__(self) -> int:
         return len(self.samples())
@@ -209,7 +210,12 @@ class AsyncS3MapDataset(Dataset):
         if not wanted:
             return []
         unique = list(dict.fromkeys(key for i in wanted for key in index.objects(i)))
-        bodies = self._client_here().get_many(self.bucket, unique, missing_ok=skip)
+        etags = None
+        if index.etags is not None:
+            listed = {key: etag for i in wanted
+                      for key, etag in zip(index.objects(i), index.object_etags(i) or ())}
+            etags = [listed[key] for key in unique]
+        bodies = self._client_here().get_many(self.bucket, unique, etags, missing_ok=skip)
         fetched = dict(zip(unique, bodies))
         out = []
         for i in wanted:
@@ -340,27 +346,31 @@ class _Client:
             raise
         return client
 
-    def get_many(self, bucket: str, keys: list[str], *, missing_ok: bool = False) -> list[Any]:
+    def get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None = None, *,
+                 missing_ok: bool = False) -> list[Any]:
         """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here.
+        ``etags``: the listing's, one per key (for the disk cache's validation).
 
         ``missing_ok``: an object that is gone (404) gives its ``NoSuchKeyError`` in its place
         instead of failing the batch."""
-        future = self.portal.start_task_soon(self._get_many, bucket, keys, missing_ok)
+        future = self.portal.start_task_soon(self._get_many, bucket, keys, etags, missing_ok)
         try:
             return future.result()
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt: do not leave the batch running
             raise
 
-    async def _get_many(self, bucket: str, keys: list[str], missing_ok: bool) -> list[Any]:
+    async def _get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None,
+                        missing_ok: bool) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
 
-        async def get(slot: int, key: str) -> None:
+        async def get(slot: int, key: str, etag: str | None) -> None:
             try:
                 async with self.limiter:
                     out[slot] = await call_with_retries(
-                        functools.partial(self.store.get, bucket, key), self.retry)
+                        functools.partial(self.store.get, bucket, key, listed_etag=etag),
+                        self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
                     failures.append(exc)
@@ -372,7 +382,7 @@ class _Client:
 
         async with anyio.create_task_group() as tg:
             for slot, key in enumerate(keys):
-                tg.start_soon(get, slot, key)
+                tg.start_soon(get, slot, key, None if etags is None else etags[slot])
         if failures:
             raise failures[0]
         return out

@@ -25,7 +25,13 @@ from ..formats.shards import (
 from ..retry import RetryPolicy
 from ..stores import StoreFactory, open_store, preload_backend, resolve_backend
 from ..stores.listing import ListOptions
-from ..stores.cache import CacheStats, check_cache_options, endpoint_id_for, open_cached_store
+from ..stores.cache import (
+    DEFAULT_VALIDATE,
+    CacheStats,
+    check_cache_options,
+    endpoint_id_for,
+    open_cached_store,
+)
 from ..stores.recording import RequestRecorder
 from . import partition, topology
 
@@ -58,6 +64,7 @@ class LoaderOptions:
     on_error: OnError = "raise"
     memory_budget: int | None = None
     listing: ListOptions = dataclasses.field(default_factory=ListOptions)
+    cache_validate: str = DEFAULT_VALIDATE
 
     def __post_init__(self) -> None:
         if self.on_error == "skip_shard":  # the shard-only name it had before objects could skip
@@ -92,7 +99,8 @@ class LoaderOptions:
             object.__setattr__(self, "store", resolve_backend(self.store))
             preload_backend(self.store)
             object.__setattr__(self, "config", resolve_config(self.config))
-        cache_dir, cache_limit = check_cache_options(self.cache_dir, self.cache_limit)
+        cache_dir, cache_limit = check_cache_options(self.cache_dir, self.cache_limit,
+                                                     self.cache_validate)
         object.__setattr__(self, "cache_dir", cache_dir)  # absolute: workers may chdir
         object.__setattr__(self, "cache_limit", cache_limit)  # DEFAULT_CACHE_LIMIT when not given
 
@@ -148,7 +156,8 @@ class LoaderOptions:
         if self.cache_dir is None or not cached:
             return factory
         return functools.partial(open_cached_store, factory, self.cache_dir, self.cache_limit,
-                                 endpoint_id_for(self.store, self.config), on_close=on_cache_close)
+                                 endpoint_id_for(self.store, self.config),
+                                 validate=self.cache_validate, on_close=on_cache_close)
 
 
 class LoaderKwargs(TypedDict, total=False):
@@ -172,6 +181,7 @@ class LoaderKwargs(TypedDict, total=False):
     log_stats: bool
     cache_dir: str | os.PathLike[str] | None
     cache_limit: int | None
+    cache_validate: str
     on_error: OnError
     memory_budget: int | None
     listing: ListOptions
@@ -189,6 +199,7 @@ class MapKwargs(TypedDict, total=False):
     log_stats: bool
     cache_dir: str | os.PathLike[str] | None
     cache_limit: int | None
+    cache_validate: str
     on_error: OnError
     listing: ListOptions
 

@@ -29,9 +29,16 @@ from typing import Any, NamedTuple
 import anyio
 
 from ..engine.fetch import Job, JobContext
-from ..errors import ConfigError, InvalidRangeError, ShardFormatError, TransientStoreError
+from ..errors import (
+    ConfigError,
+    InvalidRangeError,
+    ObjectChangedError,
+    ShardFormatError,
+    TransientStoreError,
+)
 from ..retry import backoff_delay, call_with_retries
 from .compression import Compression, compression_of, open_decoder
+from ..stores.base import Pin
 from .tar import SampleGrouper, TarMember, TarStreamParser
 from ..uri import object_url
 
@@ -97,11 +104,12 @@ class ShardOptions:
 
 
 class ShardRef(NamedTuple):
-    """One shard: where it is and, when a listing told us, its size."""
+    """One shard: where it is and, when a listing told us, its size and ETag."""
 
     bucket: str
     key: str
     size: int | None = None
+    etag: str | None = None
 
     @property
     def url(self) -> str:
@@ -221,18 +229,36 @@ async def read_members(
     on_member: Callable[[TarMember], Awaitable[None]],
     parser: TarStreamParser | None = None,
 ) -> None:
-    """Parse the whole shard, handing each member to ``on_member`` as soon as it is complete."""
+    """Parse the whole shard, handing each member to ``on_member`` as soon as it is complete.
+
+    Every request of the read carries one ``Pin`` (see ``loader/stores/base.py``): the later
+    requests ask for the version of the first with ``If-Match``, and a shard overwritten
+    meanwhile fails with ``ObjectChangedError`` instead of being parsed from two versions.
+    Ranged parts are cut by the listed size, so they are pinned to the listed ETag from the
+    first part on; a shard replaced after the listing, before any of its bytes were read, is
+    read in its new version as one stream instead (the listed size no longer holds).
+    """
     parser = parser or TarStreamParser(shard.url)
+    fed = False
 
     async def feed(chunk: bytes) -> None:
+        nonlocal fed
+        fed = True
         for member in parser.feed(chunk):
             await on_member(member)
 
     if (shard.compression is None and shard.size is not None
             and shard.size > 2 * options.part_size and options.parts_inflight > 1):
-        await _read_parts(ctx, shard, options, feed)
-    else:
-        await _read_stream(ctx, shard, options, parser, feed)
+        try:
+            await _read_parts(ctx, shard, options, feed, Pin(shard.etag))
+            parser.close()
+            return
+        except ObjectChangedError:
+            if fed or shard.etag is None:
+                raise
+            log.info("%s changed after it was listed; reading its new version as one stream",
+                     shard.url)
+    await _read_stream(ctx, shard, options, parser, feed, Pin())
     parser.close()
 
 
@@ -242,8 +268,10 @@ async def _read_stream(
     options: ShardOptions,
     parser: TarStreamParser,
     feed: Callable[[bytes], Awaitable[None]],
+    pin: Pin,
 ) -> None:
-    """One GET; on a transient fault, a ranged GET from the parser's resume offset.
+    """One GET; on a transient fault, a ranged GET from the parser's resume offset, asking
+    for the first response's version (``pin``).
 
     A compressed shard is read again from its first byte instead, and the decompressed bytes
     before the resume offset are dropped unparsed.
@@ -260,7 +288,8 @@ async def _read_stream(
         start = 0 if compression is not None else resume
         try:
             async with contextlib.aclosing(
-                ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size)
+                ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size,
+                                 pin=pin, listed_etag=shard.etag)
             ) as chunks:
                 if compression is None:
                     async for chunk in chunks:
@@ -311,8 +340,10 @@ async def _read_parts(
     shard: ShardRef,
     options: ShardOptions,
     feed: Callable[[bytes], Awaitable[None]],
+    pin: Pin,
 ) -> None:
-    """Ranged GETs of ``part_size``, ``parts_inflight`` ahead, fed to the parser in order.
+    """Ranged GETs of ``part_size``, ``parts_inflight`` ahead, fed to the parser in order, all
+    of one version (``pin``).
 
     Each part is retried whole on a transient fault. Memory: ``parts_inflight`` parts.
     """
@@ -325,7 +356,8 @@ async def _read_parts(
         end = min(size, (i + 1) * part)
         try:
             results[i] = await call_with_retries(
-                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end),
+                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin,
+                                            listed_etag=shard.etag),
                 ctx.retry,
                 on_retry=ctx.retried,
             )

@@ -18,10 +18,13 @@ from .base import (
     ObjectInfo,
     ObjectStore,
     PagedLister,
+    Pin,
+    normalize_etag,
 )
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_PAGE_SIZE", "BACKENDS", "ListPage", "MultipartStore", "ObjectInfo",
-           "ObjectStore", "PagedLister", "StoreFactory", "open_store", "preload_backend", "resolve_backend"]
+           "ObjectStore", "PagedLister", "Pin", "StoreFactory", "normalize_etag", "open_store",
+           "preload_backend", "resolve_backend"]
 
 StoreFactory = Callable[[], Awaitable[ObjectStore]]
 BACKENDS = ("aioboto3", "obstore")

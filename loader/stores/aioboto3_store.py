@@ -38,7 +38,7 @@ from .answers import (
     target,
     unreachable,
 )
-from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo
+from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, normalize_etag
 from .credentials import credentials_error, no_credentials_found
 from .signed_get import SignedGetter, can_sign_directly
 
@@ -53,6 +53,9 @@ _STREAM_ERRORS = (
     asyncio.TimeoutError,
     ConnectionError,
 )
+
+_CONDITION_PARAMS = {"If-Match": "IfMatch", "If-None-Match": "IfNoneMatch"}  # botocore's names
+_NOT_MODIFIED = ("304", "NotModified")  # the code botocore gives a 304 answer (it has no body)
 
 
 class _SessionCache:
@@ -229,47 +232,84 @@ class Aioboto3Store:
         if delimiter:
             kwargs["Delimiter"] = delimiter
         page = await self._client.list_objects_v2(**kwargs)
-        objects = [ObjectInfo(item["Key"], int(item["Size"])) for item in page.get("Contents", ())]
+        objects = [ObjectInfo(item["Key"], int(item["Size"]), normalize_etag(item.get("ETag")))
+                   for item in page.get("Contents", ())]
         prefixes = [item["Prefix"] for item in page.get("CommonPrefixes", ())]
         next_token = page.get("NextContinuationToken")
         return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
 
-    async def get(self, bucket: str, key: str) -> bytes:
-        return await self._read(bucket, key, None)
+    async def get(
+        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
+    ) -> bytes:
+        return await self._read(bucket, key, None, pin)
 
-    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
+    ) -> bytes:
         if end is not None and end <= start:
             return b""
-        return await self._read(bucket, key, _range_header(start, end))
+        return await self._read(bucket, key, _range_header(start, end), pin)
 
-    async def _read(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        byte_range = None if start == 0 and end is None else _range_header(start, end)
+        try:
+            return await self._read(bucket, key, byte_range, pin, {"If-None-Match": f'"{etag}"'})
+        except StoreError as exc:
+            if _error_code(exc.__cause__) in _NOT_MODIFIED:
+                return None
+            raise
+
+    async def _read(
+        self, bucket: str, key: str, byte_range: str | None, pin: Pin | None,
+        conditions: dict[str, str] | None = None,
+    ) -> bytes:
+        if pin is not None and pin.etag is not None:
+            conditions = {**(conditions or {}), "If-Match": f'"{pin.etag}"'}
         if self._getter is not None:
             try:
-                return await self._getter.get(bucket, key, byte_range)
+                data, etag = await self._getter.get(bucket, key, byte_range, conditions)
             except Exception as exc:
                 raise self._translate(exc, bucket, key) from exc
+            if pin is not None:
+                pin.observe(etag, bucket, key)
+            return data
         kwargs = {"Bucket": bucket, "Key": key}
         if byte_range:
             kwargs["Range"] = byte_range
+        for header, name in _CONDITION_PARAMS.items():
+            if conditions and header in conditions:
+                kwargs[name] = conditions[header]
         try:
             response = await self._client.get_object(**kwargs)
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
-                return await body.read()  # verifies Content-Length: short bodies raise
+                data = await body.read()  # verifies Content-Length: short bodies raise
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
+        if pin is not None:
+            pin.observe(response.get("ETag"), bucket, key)
+        return data
 
     async def stream(
-        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
     ) -> AsyncIterator[bytes]:
+        if_match = None if pin is None else pin.if_match()
         if self._getter is not None:
-            pieces = self._direct_stream(bucket, key, start, chunk_size)
+            pieces = self._direct_stream(bucket, key, start, chunk_size, if_match)
         else:
-            pieces = self._botocore_stream(bucket, key, start, chunk_size)
-        expected, received = -1, 0
+            pieces = self._botocore_stream(bucket, key, start, chunk_size, if_match)
+        expected, received, first = -1, 0, True
         try:
-            async for chunk, expected in pieces:
+            async for chunk, expected, etag in pieces:
+                if first and pin is not None:
+                    pin.observe(etag, bucket, key)  # before the first byte reaches the caller
+                first = False
                 received += len(chunk)
                 yield chunk
         finally:  # a consumer that stops early releases the connection now, not at GC
@@ -283,30 +323,34 @@ class Aioboto3Store:
             )
 
     async def _direct_stream(
-        self, bucket: str, key: str, start: int, chunk_size: int
-    ) -> AsyncIterator[tuple[bytes, int]]:
+        self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
+    ) -> AsyncIterator[tuple[bytes, int, str | None]]:
         assert self._getter is not None
         byte_range = _range_header(start, None) if start else None
-        pieces = self._getter.stream(bucket, key, byte_range, chunk_size)
+        conditions = None if if_match is None else {"If-Match": if_match}
+        pieces = self._getter.stream(bucket, key, byte_range, chunk_size, conditions)
         try:
-            async for chunk, length in pieces:
-                yield chunk, -1 if length is None else length
+            async for chunk, length, etag in pieces:
+                yield chunk, -1 if length is None else length, etag
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         finally:
             await pieces.aclose()
 
     async def _botocore_stream(
-        self, bucket: str, key: str, start: int, chunk_size: int
-    ) -> AsyncIterator[tuple[bytes, int]]:
+        self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
+    ) -> AsyncIterator[tuple[bytes, int, str | None]]:
         kwargs = {"Bucket": bucket, "Key": key}
         if start:
             kwargs["Range"] = _range_header(start, None)
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
         try:
             response = await self._client.get_object(**kwargs)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         expected = int(response.get("ContentLength", -1))
+        etag = response.get("ETag")
         body = response["Body"]
         async with body:
             while True:
@@ -316,7 +360,7 @@ class Aioboto3Store:
                     raise self._translate(exc, bucket, key) from exc
                 if not chunk:
                     break
-                yield chunk, expected
+                yield chunk, expected, etag
 
     async def put(self, bucket: str, key: str, data: bytes) -> None:
         try:

@@ -14,6 +14,7 @@ from ..errors import (
     InvalidRangeError,
     NoSuchBucketError,
     NoSuchKeyError,
+    ObjectChangedError,
     StoreError,
     TLSError,
     TransientStoreError,
@@ -63,6 +64,9 @@ def error_for_answer(
             f"{what}: the requested byte range is past the end of the object",
             bucket=bucket, key=key,
         )
+    if code == "PreconditionFailed" or status == 412:
+        return changed_during_read(bucket, key, "the server answered 412 PreconditionFailed to "
+                                   "If-Match: it no longer holds the version the read began with")
     if code in TRANSIENT_CODES or status >= 500 or status == 429:
         return TransientStoreError(
             f"{what}: the server answered {code or status} (HTTP {status}); will retry",
@@ -70,6 +74,17 @@ def error_for_answer(
         )
     return StoreError(f"{what}: the server answered {code or status} (HTTP {status})",
                       bucket=bucket, key=key)
+
+
+def changed_during_read(bucket: str, key: str, how: str) -> ObjectChangedError:
+    """The object was overwritten between two requests of one read (``how`` says how we know)."""
+    return ObjectChangedError(
+        f"s3://{bucket}/{key} changed during the read ({how}); the read stops rather than "
+        "assemble data from two versions. Nothing from the new version was delivered: read it "
+        "again (the next epoch, or a new load) to get the new version, and avoid overwriting "
+        "objects that a running job reads",
+        bucket=bucket, key=key,
+    )
 
 
 def unreachable(

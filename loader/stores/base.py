@@ -13,6 +13,21 @@ Everything above this line is backend-agnostic; everything below it is I/O. A ba
   a body ends before its Content-Length, since the HTTP libraries below do not retry that.
 
 Ranges are half-open, ``[start, end)``, like Python slices; ``end=None`` means to the end.
+
+**One version per read.** A read that spans several requests (ranged parts of a shard, a stream
+resumed after a dropped connection, the ranged GETs of a checkpoint load) passes the same
+``Pin`` to each of them. A backend sends ``If-Match: <pin.etag>`` once the pin holds an ETag, and
+hands the ETag of every response to ``pin.observe()``, which keeps the first and raises
+``ObjectChangedError`` for another one (requests sent in parallel before the first answer came
+carry no ``If-Match``, so their answers are compared instead). A 412 PreconditionFailed is
+``ObjectChangedError`` too. The rule above the stores: such a read never restarts on the new
+version; it fails with that error, which names the object, and no sample is ever assembled
+from two versions. A server that sends no ETag leaves the pin empty (nothing to compare).
+
+**Cache hints.** ``listed_etag`` is the ETag the caller's key list gave for the object (a
+listing's): backends ignore it; the disk cache (``cache.py``) serves an entry only when it was
+filled from that version. ``get_if_changed`` is the conditional GET (``If-None-Match``) with which
+the cache revalidates an entry when the key list has no ETag: a 304 costs a request, no body.
 """
 
 from __future__ import annotations
@@ -20,15 +35,67 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from .answers import changed_during_read
+
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_PAGE_SIZE = 1000  # S3's largest page (max-keys)
 
 
 class ObjectInfo(NamedTuple):
-    """One listed object: its key and its size in bytes."""
+    """One listed object: its key, its size in bytes and, when the server sent one, its ETag
+    (``normalize_etag``'s form: no quotes)."""
 
     key: str
     size: int
+    etag: str | None = None
+
+
+def normalize_etag(raw: str | None) -> str | None:
+    """An ETag as compared here: without the quotes and the weak-validator ``W/`` prefix.
+
+    Servers and clients disagree on quoting (botocore keeps the quotes, some listings drop them),
+    and the same version must compare equal whichever path reported it.
+    """
+    if not raw:
+        return None
+    tag = raw.strip()
+    if tag.startswith("W/"):
+        tag = tag[2:]
+    return tag.strip('"') or None
+
+
+class Pin:
+    """The version of one object that a read spanning several requests is pinned to.
+
+    Create one per read (one shard, one checkpoint load; a resumed stream keeps its read's
+    pin) and pass it to every request of that read; ``etag`` may start as a version the caller
+    already knows. Not thread-safe, like the stores: one event loop uses it.
+    """
+
+    __slots__ = ("etag",)
+
+    def __init__(self, etag: str | None = None) -> None:
+        self.etag = normalize_etag(etag)
+
+    def if_match(self) -> str | None:
+        """The ``If-Match`` header value for the next request, or None while nothing is pinned."""
+        return None if self.etag is None else f'"{self.etag}"'
+
+    def observe(self, etag: str | None, bucket: str, key: str) -> None:
+        """A response of this read came with ``etag``: pin it if it is the first, else check it.
+
+        Raises ``ObjectChangedError`` (naming the object) when it differs from the pinned one.
+        """
+        tag = normalize_etag(etag)
+        if tag is None:
+            return  # a server without ETags: nothing to compare
+        if self.etag is None:
+            self.etag = tag
+        elif tag != self.etag:
+            raise changed_during_read(bucket, key, f"its ETag went from {self.etag} to {tag}")
+
+    def __repr__(self) -> str:
+        return f"Pin({self.etag!r})"
 
 
 class ListPage(NamedTuple):
@@ -49,18 +116,33 @@ class ObjectStore(Protocol):
         """Every object under ``prefix``, in key order, page by page."""
         ...
 
-    async def get(self, bucket: str, key: str) -> bytes:
-        """The whole object, with one GET."""
+    async def get(
+        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
+    ) -> bytes:
+        """The whole object, with one GET (``pin``, ``listed_etag``: see the module docstring)."""
         ...
 
-    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
+    ) -> bytes:
         """Bytes ``[start, end)`` of the object with one ranged GET."""
         ...
 
     def stream(
-        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
     ) -> AsyncIterator[bytes]:
         """The object from byte ``start`` on, as chunks of at most ``chunk_size`` bytes."""
+        ...
+
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        """One conditional GET (``If-None-Match: etag``) of bytes ``[start, end)``: None when
+        the object is still version ``etag`` (304 Not Modified, no body), else those bytes of
+        the current version, whose ETag ``pin`` records."""
         ...
 
     async def put(self, bucket: str, key: str, data: bytes) -> None:

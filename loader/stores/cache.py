@@ -23,7 +23,27 @@ What is served from where:
   last one lands. A stream the caller closes early, or a read that is cancelled, discards its
   temp file (nothing will complete it); one that failed with a store error keeps it for the
   caller's retry. Incomplete temp files are removed by ``aclose()``.
-* ``list`` passes through; ``put`` passes through and removes the cached entry.
+* ``list`` and ``get_if_changed`` pass through; ``put`` passes through and removes the cached entry.
+
+Versions: an entry records the ETag of the version it was filled from (a temp file whose pieces
+came with different ETags is never committed), and an entry answers a read only while it can be
+trusted to be current, by the rule ``validate`` names (``cache_validate=`` of the datasets):
+
+* ``"listing"`` (default): when the read carries the ETag its key list gave (``listed_etag``:
+  ``from_prefix`` and shard prefixes are listed, and listings carry ETags), an entry of another
+  version is stale and fetched again, then replaced. A read without one (``from_keys``,
+  manifests, shard URLs named one by one) trusts the entry. No request is spent either way, so
+  epoch 2 of an unchanged data set sends no GET.
+* ``"always"``: an entry is revalidated with one conditional GET (``If-None-Match``, one byte
+  asked) the first time this store serves it: 304 Not Modified costs a request but no body; any
+  other answer refetches. The key list's ETag, when given, is compared as well.
+* ``"never"``: entries are trusted (for data sets that are never overwritten).
+
+A read pinned to a version (``pin`` holding an ETag: the later parts of a shard, a resumed
+stream) is answered only by an entry of that very version; a read served from an entry pins
+that entry's ETag, so a later request of the same read that goes to the store sends it as
+``If-Match``. ``stale_refetches`` counts entries found out of date, ``revalidations`` the
+conditional GETs sent.
 
 Layout of ``directory``::
 
@@ -35,10 +55,13 @@ File names never contain the key, so no key (``../../x``, absolute paths, 1,000 
 any unicode) can name a path outside the directory. The endpoint is part of the name, so two
 services with a bucket of the same name do not share entries.
 
-A cache file: a 32-byte header, the object's bytes, then a table of one crc32 per block
-(``DEFAULT_BLOCK_SIZE``, 1 MiB) of the object::
+A cache file: a 32-byte header, the object's bytes, a table of one crc32 per block
+(``DEFAULT_BLOCK_SIZE``, 1 MiB) of the object, then the ETag of the version it holds::
 
-    magic "LDRCACH1" | length u64 | block size u32 | crc32 of the table u32 | crc32 of these 24 bytes u32 | 4 pad
+    magic "LDRCACH2" | length u64 | block size u32 | crc32 of table and ETag u32 | ETag length u16
+    | crc32 of these 26 bytes u32 | 2 pad
+
+(Files of the first format, without an ETag, fail the magic check and are fetched again.)
 
 A read checks the header, that the file size is exactly header + length + table, the table's
 checksum, and the crc32 of each block it returns, so a truncated or corrupted file is found,
@@ -98,7 +121,7 @@ import anyio
 import anyio.lowlevel
 
 from ..errors import ConfigError, InvalidRangeError
-from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore
+from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 
 try:
     import fcntl
@@ -114,12 +137,16 @@ __all__ = [
     "CacheStats",
     "CachedStore",
     "DiskCache",
+    "VALIDATE_RULES",
     "check_cache_options",
+    "check_validate",
     "endpoint_id_for",
     "open_cached_store",
 ]
 
 DEFAULT_CACHE_LIMIT = 10 << 30
+VALIDATE_RULES = ("listing", "always", "never")
+DEFAULT_VALIDATE = "listing"
 MIN_CACHE_LIMIT = 4096
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_EVICT_TO = 0.9
@@ -131,9 +158,10 @@ MAX_PENDING = 64  # incomplete temp files one CachedStore keeps at once
 MAX_GAP_FILL = 1 << 20  # a resumed stream re-asks at most this much to close a gap in its file
 LOCK_RESERVE = 64  # bytes of the limit set aside for .lock (it holds a decimal count)
 
-MAGIC = b"LDRCACH1"
-_HEAD = struct.Struct("<8sQII")  # magic, length, block size, crc32 of the block table
-HEADER_SIZE = 32  # _HEAD + crc32 of _HEAD + 4 bytes of padding
+MAGIC = b"LDRCACH2"
+_HEAD = struct.Struct("<8sQIIH")  # magic, length, block size, crc32 of table + ETag, ETag length
+HEADER_SIZE = 32  # _HEAD + crc32 of _HEAD + 2 bytes of padding
+ETAG_MAX = 1024  # longer ETags are not recorded (no S3-compatible server sends such)
 _NAME = re.compile(r"[0-9a-f]{64}")
 _FILE_MODE = 0o600  # cached training data is as private as the credentials that fetched it
 _DIR_MODE = 0o700
@@ -148,7 +176,8 @@ class CacheStats(NamedTuple):
     ``hits``: reads answered from disk with no request; ``misses``: reads that went to the
     store (refetches of corrupt entries included); ``corrupt_refetches``: cache files found
     truncated or corrupt (deleted, then fetched again); ``evictions``: files this store's commits
-    evicted.
+    evicted; ``stale_refetches``: entries of an older version, fetched again; ``revalidations``:
+    conditional GETs sent (``validate="always"``).
     """
 
     hits: int
@@ -156,6 +185,8 @@ class CacheStats(NamedTuple):
     bytes_read_from_cache: int
     evictions: int
     corrupt_refetches: int
+    stale_refetches: int = 0
+    revalidations: int = 0
 
 
 class _Corrupt(Exception):
@@ -167,11 +198,15 @@ class _Corrupt(Exception):
 # ----------------------------------------------------------------------------- options
 
 
-def check_cache_options(cache_dir: Any, cache_limit: Any) -> tuple[str | None, int | None]:
-    """Validate ``cache_dir=``/``cache_limit=``; return the absolute directory and the limit.
+def check_cache_options(
+    cache_dir: Any, cache_limit: Any, cache_validate: Any = DEFAULT_VALIDATE
+) -> tuple[str | None, int | None]:
+    """Validate ``cache_dir=``/``cache_limit=``/``cache_validate=``; return the absolute
+    directory and the limit.
 
     No I/O: the directory is created by the first ``DiskCache`` (in the process that iterates).
     """
+    check_validate(cache_validate)
     if cache_dir is None:
         if cache_limit is not None:
             raise ConfigError(f"cache_limit={cache_limit!r} needs cache_dir= (the directory to cache in)")
@@ -181,6 +216,16 @@ def check_cache_options(cache_dir: Any, cache_limit: Any) -> tuple[str | None, i
     limit = DEFAULT_CACHE_LIMIT if cache_limit is None else cache_limit
     _check_limit(limit, "cache_limit")
     return os.path.abspath(os.path.expanduser(os.fspath(cache_dir))), limit
+
+
+def check_validate(validate: Any, name: str = "cache_validate") -> None:
+    """``validate`` must be one of ``VALIDATE_RULES`` (see the module docstring)."""
+    if validate not in VALIDATE_RULES:
+        raise ConfigError(
+            f"{name}={validate!r} must be one of {VALIDATE_RULES}: 'listing' checks cache entries "
+            "against the ETags a listing gave, 'always' asks the server with a conditional GET, "
+            "'never' trusts them"
+        )
 
 
 def _check_limit(limit: Any, name: str) -> None:
@@ -269,9 +314,9 @@ class DiskCache:
             raise ValueError(f"{name!r} is not a cache entry name (64 hex digits)")
         return self.directory / name[:2] / name
 
-    def entry_size(self, length: int) -> int:
-        """Bytes on disk of an entry holding ``length`` bytes of object."""
-        return HEADER_SIZE + length + 4 * -(-length // self.block_size)
+    def entry_size(self, length: int, etag: str | None = None) -> int:
+        """Bytes on disk of an entry holding ``length`` bytes of object (version ``etag``)."""
+        return HEADER_SIZE + length + 4 * -(-length // self.block_size) + len((etag or "").encode())
 
     def fits(self, length: int) -> bool:
         return self.entry_size(length) <= self.budget
@@ -308,8 +353,9 @@ class DiskCache:
         """A new temp file for ``name`` (a unique name created with O_EXCL)."""
         return TempFile(self, name)
 
-    def put(self, name: str, data: bytes) -> int | None:
-        """Cache ``data`` as ``name``; the number of entries evicted, or None if it is too large."""
+    def put(self, name: str, data: bytes, etag: str | None = None) -> int | None:
+        """Cache ``data`` (version ``etag``) as ``name``; the number of entries evicted, or None
+        if it is too large."""
         if not self.fits(len(data)):
             return None
         temp = self.begin(name)
@@ -318,7 +364,7 @@ class DiskCache:
         except BaseException:
             temp.abort()
             raise
-        return temp.finish(len(data), _block_crcs(data, self.block_size))
+        return temp.finish(len(data), _block_crcs(data, self.block_size), etag)
 
     def commit(self, temp_path: str, name: str, size: int) -> int:
         """Move a finished temp file onto ``name``, making room first; the evictions made.
@@ -475,21 +521,25 @@ class CacheEntry:
         raw = os.pread(fd, HEADER_SIZE, 0)
         if len(raw) < HEADER_SIZE:
             raise _Corrupt(f"{len(raw)} bytes, shorter than the header")
-        magic, length, block_size, table_crc = _HEAD.unpack_from(raw)
+        magic, length, block_size, table_crc, etag_size = _HEAD.unpack_from(raw)
         (header_crc,) = struct.unpack_from("<I", raw, _HEAD.size)
         if magic != MAGIC:
             raise _Corrupt("not a cache file of this version (bad magic)")
         if zlib.crc32(raw[: _HEAD.size]) != header_crc or block_size == 0:
             raise _Corrupt("header checksum mismatch")
         blocks = -(-length // block_size)
-        expected = HEADER_SIZE + length + 4 * blocks
+        expected = HEADER_SIZE + length + 4 * blocks + etag_size
         if self.stat.st_size != expected:
             raise _Corrupt(f"file has {self.stat.st_size} bytes, its header says {expected} (truncated?)")
-        table = _pread_exact(fd, 4 * blocks, HEADER_SIZE + length)
-        if zlib.crc32(table) != table_crc:
+        trailer = _pread_exact(fd, 4 * blocks + etag_size, HEADER_SIZE + length)
+        if zlib.crc32(trailer) != table_crc:
             raise _Corrupt("block table checksum mismatch")
+        try:
+            self.etag: str | None = trailer[4 * blocks:].decode("utf-8") or None
+        except UnicodeDecodeError:
+            raise _Corrupt("its ETag is not UTF-8") from None
         crcs = array.array("I")
-        crcs.frombytes(table)
+        crcs.frombytes(trailer[: 4 * blocks])
         if sys.byteorder == "big":
             crcs.byteswap()
         self.length = length
@@ -540,8 +590,11 @@ class TempFile:
             done = os.pwrite(self.fd, view, at)
             view, at = view[done:], at + done
 
-    def finish(self, length: int, crcs: list[int] | array.array | None = None) -> int:
-        """Write table and header, close, commit; evictions made. Removes itself on failure."""
+    def finish(
+        self, length: int, crcs: list[int] | array.array | None = None, etag: str | None = None
+    ) -> int:
+        """Write table, ETag and header, close, commit; evictions made. Removes itself on
+        failure. ``etag``: the version the bytes are of (None: unknown, not recorded)."""
         try:
             size = self.cache.block_size
             if crcs is None:  # assembled from pieces: checksum what is on disk
@@ -550,9 +603,12 @@ class TempFile:
             table = array.array("I", crcs)
             if sys.byteorder == "big":
                 table.byteswap()
-            table_bytes = table.tobytes()
-            head = _HEAD.pack(MAGIC, length, size, zlib.crc32(table_bytes))
-            header = head + struct.pack("<I4x", zlib.crc32(head))
+            raw_etag = (etag or "").encode("utf-8")
+            if len(raw_etag) > ETAG_MAX:
+                raw_etag = b""
+            table_bytes = table.tobytes() + raw_etag
+            head = _HEAD.pack(MAGIC, length, size, zlib.crc32(table_bytes), len(raw_etag))
+            header = head + struct.pack("<I2x", zlib.crc32(head))
             self.write(length, table_bytes)
             os.pwrite(self.fd, header, 0)
             os.ftruncate(self.fd, HEADER_SIZE + length + len(table_bytes))
@@ -598,15 +654,17 @@ class _Assembly:
     """An object being gathered into a temp file from streamed chunks and ranged parts.
 
     Lives on the event loop thread only. ``covered`` holds merged ``[start, end)`` intervals of
-    bytes on disk; ``size`` is set once a read reached the object's end. ``busy`` counts writes
+    bytes on disk; ``size`` is set once a read reached the object's end; ``etag`` is the version
+    the pieces came from (a piece of another version kills the assembly). ``busy`` counts writes
     in worker threads: the descriptor is closed only when none is running.
     """
 
-    __slots__ = ("name", "temp", "covered", "size", "busy", "dead", "committing")
+    __slots__ = ("name", "temp", "covered", "size", "busy", "dead", "committing", "etag")
 
     def __init__(self, name: str, temp: TempFile) -> None:
         self.name = name
         self.temp = temp
+        self.etag: str | None = None  # the version of the pieces written so far
         self.covered: list[list[int]] = []
         self.size: int | None = None
         self.busy = 0
@@ -649,12 +707,18 @@ class CachedStore:
         cache: DiskCache,
         endpoint_id: str,
         *,
+        validate: str = DEFAULT_VALIDATE,
         on_close: Callable[[CacheStats], None] | None = None,
     ) -> None:
+        check_validate(validate, "validate")
         self.inner = inner
         self.cache = cache
         self.endpoint_id = endpoint_id
+        self.validate = validate
         self.on_close = on_close
+        self.stale_refetches = 0
+        self.revalidations = 0
+        self._validated: set[str] = set()  # entries revalidated by this store (validate="always")
         self.hits = 0
         self.misses = 0
         self.bytes_read_from_cache = 0
@@ -668,7 +732,7 @@ class CachedStore:
 
     def statistics(self) -> CacheStats:
         return CacheStats(self.hits, self.misses, self.bytes_read_from_cache, self.evictions,
-                          self.corrupt_refetches)
+                          self.corrupt_refetches, self.stale_refetches, self.revalidations)
 
     def __repr__(self) -> str:
         return f"CachedStore({self.inner!r}, {self.cache!r}, endpoint_id={self.endpoint_id!r})"
@@ -678,37 +742,45 @@ class CachedStore:
     def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         return self.inner.list(bucket, prefix)
 
-    async def get(self, bucket: str, key: str) -> bytes:
+    async def get(
+        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
+    ) -> bytes:
         name = self._name(bucket, key)
-        data = await self._cached(name, bucket, key, 0, None)
+        data = await self._cached(name, bucket, key, 0, None, pin, listed_etag)
         if data is not None:
             return data
         self.misses += 1
         puts = self._puts.get(name, 0)
-        data = await self.inner.get(bucket, key)
+        used = Pin() if pin is None else pin  # learns the version, to record it with the bytes
+        data = await self.inner.get(bucket, key, pin=used, listed_etag=listed_etag)
         if self.cache.fits(len(data)) and self._puts.get(name, 0) == puts:
             try:
-                evicted = await anyio.to_thread.run_sync(self.cache.put, name, data)
+                evicted = await anyio.to_thread.run_sync(self.cache.put, name, data, used.etag)
                 self.evictions += evicted or 0
             except OSError as exc:
                 self._cache_failed(exc, bucket, key)
         return data
 
-    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
+    ) -> bytes:
         name = self._name(bucket, key)
         if end is not None and end <= start:  # nothing to read (the backends send no request either)
             return b""
-        data = await self._cached(name, bucket, key, start, end)
+        data = await self._cached(name, bucket, key, start, end, pin, listed_etag)
         if data is not None:
             return data
         self.misses += 1
         assembly = self._assembly(name, create=True)
         if assembly is None:
-            return await self.inner.get_range(bucket, key, start, end)
+            return await self.inner.get_range(bucket, key, start, end, pin=pin, listed_etag=listed_etag)
+        used = Pin() if pin is None else pin
         keep = False
         try:
             # One byte more than asked: a shorter answer says where the object ends.
-            data = await self.inner.get_range(bucket, key, start, None if end is None else end + 1)
+            data = await self.inner.get_range(bucket, key, start, None if end is None else end + 1,
+                                              pin=used, listed_etag=listed_etag)
             keep = True
         except Exception:
             keep = True  # a failed request: the caller's retry may still complete the file
@@ -720,19 +792,24 @@ class CachedStore:
             size = start + len(data)
         else:
             data, size = data[: end - start], None
-        await self._tee(assembly, start, data)
+        await self._tee(assembly, start, data, used.etag)
         if size is not None:
             await self._ended(assembly, size)
         return data
 
     async def stream(
-        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
     ) -> AsyncIterator[bytes]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
         name = self._name(bucket, key)
         position = start
+        used = Pin() if pin is None else pin
         entry = await self._open(name, bucket, key)
+        if entry is not None and not await self._usable(entry, name, bucket, key, used, listed_etag):
+            entry.close()
+            entry = None
         if entry is not None:
             fell_back = False
             try:
@@ -777,11 +854,12 @@ class CachedStore:
         keep = False
         try:
             async with contextlib.aclosing(
-                self.inner.stream(bucket, key, start=offset, chunk_size=chunk_size)
+                self.inner.stream(bucket, key, start=offset, chunk_size=chunk_size, pin=used,
+                                  listed_etag=listed_etag)
             ) as chunks:
                 async for chunk in chunks:
                     if assembly is not None:
-                        await self._tee(assembly, offset, chunk)
+                        await self._tee(assembly, offset, chunk, used.etag)
                     offset += len(chunk)
                     if offset > position:
                         if offset - len(chunk) < position:
@@ -805,9 +883,16 @@ class CachedStore:
             if assembly is not None and not keep:  # closed early or cancelled: never completes
                 self._drop(assembly)
 
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        return await self.inner.get_if_changed(bucket, key, etag, start, end, pin=pin)
+
     async def put(self, bucket: str, key: str, data: bytes) -> None:
         name = self._name(bucket, key)
         self._puts[name] = self._puts.get(name, 0) + 1
+        self._validated.discard(name)
         try:
             await self.inner.put(bucket, key, data)
         finally:
@@ -860,15 +945,48 @@ class CachedStore:
             self._cache_failed(exc, bucket, key)
         return None
 
+    async def _usable(
+        self, entry: CacheEntry, name: str, bucket: str, key: str, pin: Pin | None,
+        listed_etag: str | None,
+    ) -> bool:
+        """Whether ``entry`` may answer this read (the rule is in the module docstring); if it
+        may, a read that ``pin`` is not pinned yet is pinned to the entry's version."""
+        if pin is not None and pin.etag is not None:
+            return entry.etag == pin.etag  # never mix versions within one read
+        fresh = True
+        if listed_etag is not None and self.validate != "never":
+            fresh = entry.etag == listed_etag
+        if fresh and self.validate == "always" and name not in self._validated:
+            fresh = entry.etag is not None and await self._unchanged(bucket, key, entry.etag)
+        if not fresh:
+            self.stale_refetches += 1
+            return False
+        if self.validate == "always":
+            self._validated.add(name)
+        if pin is not None:
+            pin.observe(entry.etag, bucket, key)
+        return True
+
+    async def _unchanged(self, bucket: str, key: str, etag: str) -> bool:
+        """One conditional GET of one byte: whether the object is still version ``etag``."""
+        self.revalidations += 1
+        try:
+            return await self.inner.get_if_changed(bucket, key, etag, 0, 1) is None
+        except InvalidRangeError:  # changed into an empty object
+            return False
+
     async def _cached(
-        self, name: str, bucket: str, key: str, start: int, end: int | None
+        self, name: str, bucket: str, key: str, start: int, end: int | None,
+        pin: Pin | None = None, listed_etag: str | None = None,
     ) -> bytes | None:
-        """Bytes ``[start, end)`` from a complete, intact cache file, or None (a miss; a corrupt
-        file is removed on the way). A start past the object's end raises as S3 would."""
+        """Bytes ``[start, end)`` from a complete, intact, current cache file, or None (a miss;
+        a corrupt file is removed on the way). A start past the object's end raises as S3 would."""
         entry = await self._open(name, bucket, key)
         if entry is None:
             return None
         try:
+            if not await self._usable(entry, name, bucket, key, pin, listed_etag):
+                return None
             _check_start(entry.length, start, bucket, key)
             data = await self._read(entry, start, entry.length if end is None else min(end, entry.length))
         except _Corrupt as exc:
@@ -917,10 +1035,18 @@ class CachedStore:
         self._pending[name] = assembly
         return assembly
 
-    async def _tee(self, assembly: _Assembly, offset: int, data: bytes) -> None:
-        """Write ``data`` at ``offset`` into the assembly's temp file; commit when complete."""
+    async def _tee(self, assembly: _Assembly, offset: int, data: bytes, etag: str | None) -> None:
+        """Write ``data`` (of version ``etag``) at ``offset`` into the assembly's temp file;
+        commit when complete."""
         end = offset + len(data)
-        if assembly.dead or assembly.committing or not data or assembly.covers(offset, end):
+        if assembly.dead or assembly.committing or not data:
+            return
+        if etag != assembly.etag:
+            if assembly.covered:  # pieces of two versions: this file can never be committed
+                self._drop(assembly)
+                return
+            assembly.etag = etag
+        if assembly.covers(offset, end):
             return
         if not self.cache.fits(end):
             self._too_big.add(assembly.name)
@@ -959,7 +1085,9 @@ class CachedStore:
             del self._pending[assembly.name]
         with anyio.CancelScope(shield=True):
             try:
-                evicted = await anyio.to_thread.run_sync(assembly.temp.finish, assembly.size)
+                evicted = await anyio.to_thread.run_sync(
+                    assembly.temp.finish, assembly.size, None, assembly.etag
+                )
                 self.evictions += evicted
             except (OSError, _Corrupt) as exc:  # finish() removed its temp file
                 self._cache_failed(exc, "?", assembly.name)
@@ -988,6 +1116,7 @@ async def open_cached_store(
     limit_bytes: int,
     endpoint_id: str,
     *,
+    validate: str = DEFAULT_VALIDATE,
     on_close: Callable[[CacheStats], None] | None = None,
     **cache_options: Any,
 ) -> CachedStore:
@@ -1001,4 +1130,4 @@ async def open_cached_store(
         raise ConfigError(
             f"cache_dir={os.fspath(directory)!r} cannot be used: {type(exc).__name__}: {exc}"
         ) from exc
-    return CachedStore(await factory(), cache, endpoint_id, on_close=on_close)
+    return CachedStore(await factory(), cache, endpoint_id, validate=validate, on_close=on_close)

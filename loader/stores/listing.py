@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -69,21 +70,26 @@ class ListOptions:
 
 
 class KeyList(Sequence[str]):
-    """An immutable sequence of keys (and optionally their sizes) packed into a few buffers.
+    """An immutable sequence of keys (and optionally their sizes and ETags) packed into a few
+    buffers.
 
     ``keys[i]`` decodes one key; iteration, ``len``, slicing and pickling work like a tuple of
     ``str``, at a fraction of its memory (``nbytes``). It pickles as its buffers, so handing it
     to DataLoader workers or other ranks copies a few large blocks, not millions of objects.
     """
 
-    __slots__ = ("_blob", "_ends", "_sizes")
+    __slots__ = ("_blob", "_ends", "_sizes", "_etags")
 
-    def __init__(self, blob: bytes, ends: array.array, sizes: array.array | None = None) -> None:
+    def __init__(self, blob: bytes, ends: array.array, sizes: array.array | None = None,
+                 etags: KeyList | None = None) -> None:
         if sizes is not None and len(sizes) != len(ends):
             raise ValueError(f"{len(sizes)} sizes for {len(ends)} keys")
+        if etags is not None and len(etags) != len(ends):
+            raise ValueError(f"{len(etags)} ETags for {len(ends)} keys")
         self._blob = blob
         self._ends = ends
         self._sizes = sizes
+        self._etags = etags  # packed by _pack_etag: 17 bytes for an md5 ETag, not ~80
 
     @classmethod
     def from_keys(cls, keys: Iterable[str], sizes: Iterable[int] | None = None) -> KeyList:
@@ -93,16 +99,20 @@ class KeyList(Sequence[str]):
 
     @classmethod
     def from_infos(cls, infos: Iterable[ObjectInfo]) -> KeyList:
-        """Pack listed objects (keys and sizes) in the order given."""
+        """Pack listed objects (keys, sizes and ETags, if the listing gave any) in order."""
         infos = list(infos)
+        etags = None
+        if any(info.etag is not None for info in infos):
+            etags = cls._pack([_pack_etag(info.etag) for info in infos], None)
         return cls._pack([info.key.encode("utf-8", "surrogatepass") for info in infos],
-                         array.array("q", (info.size for info in infos)))
+                         array.array("q", (info.size for info in infos)), etags)
 
     @classmethod
-    def _pack(cls, encoded: list[bytes], sizes: array.array | None) -> KeyList:
+    def _pack(cls, encoded: list[bytes], sizes: array.array | None,
+              etags: KeyList | None = None) -> KeyList:
         blob = b"".join(encoded)
         ends = array.array(_offset_type(len(blob)), itertools.accumulate(map(len, encoded)))
-        return cls(blob, ends, sizes)
+        return cls(blob, ends, sizes, etags)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -117,7 +127,10 @@ class KeyList(Sequence[str]):
         if isinstance(index, slice):
             positions = range(len(self))[index]
             sizes = None if self._sizes is None else [self._sizes[i] for i in positions]
-            return KeyList.from_keys((self[i] for i in positions), sizes)
+            part = KeyList.from_keys((self[i] for i in positions), sizes)
+            if self._etags is not None:
+                part._etags = KeyList._pack([self._etags._raw(i) for i in positions], None)
+            return part
         return self._raw(index).decode("utf-8", "surrogatepass")
 
     def _raw(self, index: int) -> bytes:
@@ -142,16 +155,25 @@ class KeyList(Sequence[str]):
         return self._sizes[index]
 
     def infos(self) -> Iterator[ObjectInfo]:
-        """``ObjectInfo(key, size)`` for every key, in order (sizes needed)."""
+        """``ObjectInfo(key, size, etag)`` for every key, in order (sizes needed)."""
         if self._sizes is None:
             raise TypeError("this key list carries no sizes (it was not made from a listing)")
-        return map(ObjectInfo, self, self._sizes)
+        if self._etags is None:
+            return map(ObjectInfo, self, self._sizes)
+        return map(ObjectInfo, self, self._sizes, self.etags() or ())
+
+    def etags(self) -> list[str | None] | None:
+        """The listed ETag of every key, in order; None when the listing gave none."""
+        if self._etags is None:
+            return None
+        return [_unpack_etag(raw) for raw in _raw_keys(self._etags)]
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers (the whole cost of the list, bar a small header)."""
         return (len(self._blob) + self._ends.itemsize * len(self._ends)
-                + (0 if self._sizes is None else self._sizes.itemsize * len(self._sizes)))
+                + (0 if self._sizes is None else self._sizes.itemsize * len(self._sizes))
+                + (0 if self._etags is None else self._etags.nbytes))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, KeyList):
@@ -163,12 +185,31 @@ class KeyList(Sequence[str]):
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (KeyList, (self._blob, self._ends, self._sizes))
+        return (KeyList, (self._blob, self._ends, self._sizes, self._etags))
 
     def __repr__(self) -> str:
         first = ", ".join(repr(key) for key in itertools.islice(self, 3))
         more = ", ..." if len(self) > 3 else ""
         return f"KeyList([{first}{more}], {len(self)} keys, {self.nbytes} bytes)"
+
+
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def _pack_etag(etag: str | None) -> bytes:
+    """An ETag in few bytes: a lowercase hex one (an md5) as its 16 bytes after a 1, any other
+    after a 2, none as nothing."""
+    if not etag:
+        return b""
+    if len(etag) % 2 == 0 and _HEX.fullmatch(etag):
+        return b"\x01" + bytes.fromhex(etag)
+    return b"\x02" + etag.encode("utf-8", "surrogatepass")
+
+
+def _unpack_etag(raw: bytes) -> str | None:
+    if not raw:
+        return None
+    return raw[1:].hex() if raw[0] == 1 else raw[1:].decode("utf-8", "surrogatepass")
 
 
 def _offset_type(total: int) -> str:
@@ -201,14 +242,18 @@ class _Runs:
         blob = bytearray()
         ends = array.array(_offset_type(sum(len(run._blob) for run in runs)))
         sizes = array.array("q")
+        tags: list[bytes] = []
         last = None
-        for raw, size in heapq.merge(*(zip(_raw_keys(run), run._sizes) for run in runs)):
+        for raw, size, tag in heapq.merge(*(zip(_raw_keys(run), run._sizes, _raw_etags(run))
+                                            for run in runs)):
             if raw != last:
                 blob += raw
                 ends.append(len(blob))
                 sizes.append(size)
+                tags.append(tag)
                 last = raw
-        return KeyList(bytes(blob), ends, sizes)
+        etags = KeyList._pack(tags, None) if any(tags) else None
+        return KeyList(bytes(blob), ends, sizes, etags)
 
 
 def _raw_keys(keys: KeyList) -> Iterator[bytes]:
@@ -217,6 +262,13 @@ def _raw_keys(keys: KeyList) -> Iterator[bytes]:
     for end in keys._ends:
         yield blob[start:end]
         start = end
+
+
+def _raw_etags(keys: KeyList) -> Iterator[bytes]:
+    """Each key's packed ETag (``b""`` for none)."""
+    if keys._etags is None:
+        return itertools.repeat(b"", len(keys))
+    return _raw_keys(keys._etags)
 
 
 def _concat(runs: list[KeyList]) -> KeyList:
@@ -228,7 +280,10 @@ def _concat(runs: list[KeyList]) -> KeyList:
         ends.extend(end + base for end in run._ends)
         sizes.extend(run._sizes)
         base += len(run._blob)
-    return KeyList(blob, ends, sizes)
+    etags = None
+    if any(run._etags is not None for run in runs):
+        etags = KeyList._pack([tag for run in runs for tag in _raw_etags(run)], None)
+    return KeyList(blob, ends, sizes, etags)
 
 
 async def list_all(

@@ -95,7 +95,7 @@ from .answers import (
     target,
     unreachable,
 )
-from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo
+from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, normalize_etag
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 
 __all__ = ["ObstoreStore", "forked_after_use", "translate_error"]
@@ -248,7 +248,7 @@ class ObstoreStore:
             for meta in batch:
                 key = meta["path"]
                 if key.startswith(prefix):
-                    objects.append(ObjectInfo(key, int(meta["size"])))
+                    objects.append(ObjectInfo(key, int(meta["size"]), normalize_etag(meta.get("e_tag"))))
                 elif stem and _past(key, skip, stem):
                     yield ListPage(objects, [], None)
                     return
@@ -256,8 +256,12 @@ class ObstoreStore:
                 yield ListPage(objects, [], batch[-1]["path"])
         yield ListPage([], [], None)
 
-    async def get(self, bucket: str, key: str) -> bytes:
+    async def get(
+        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
+    ) -> bytes:
         _check_key(bucket, key)
+        if pin is not None:  # the response's ETag is needed: get_range_async does not give it
+            return await self._get_plain(bucket, key, pin=pin)
         if self._whole_by_range:
             store = self._store(bucket)
             try:
@@ -272,14 +276,24 @@ class ObstoreStore:
                 del store  # see _get_plain()
         return await self._get_plain(bucket, key)
 
-    async def _get_plain(self, bucket: str, key: str) -> bytes:
-        """The whole object with a GET without a range (two awaits, its length checked)."""
+    async def _get_plain(
+        self, bucket: str, key: str, options: dict[str, Any] | None = None,
+        pin: Pin | None = None,
+    ) -> bytes:
+        """The object (or ``options["range"]`` of it) with ``get_async``: two awaits, its length
+        checked, its ETag handed to ``pin`` (which adds ``If-Match`` once it holds one)."""
+        if pin is not None and pin.etag is not None:
+            options = {**(options or {}), "if_match": pin.if_match()}
         store = self._store(bucket)
         result = None
         try:
-            result = await obstore.get_async(store, key)
+            result = await obstore.get_async(store, key, options=options)
+            if pin is not None:
+                pin.observe(result.meta.get("e_tag"), bucket, key)
             data = await result.bytes_async()
             start, stop = result.range
+        except StoreError:
+            raise
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         finally:
@@ -290,12 +304,17 @@ class ObstoreStore:
             del store, result
         return _checked(data, stop - start, bucket, key, start)
 
-    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
+    ) -> bytes:
         _check_range_args(bucket, key, start, end)
         if end is not None and end == start:
             return b""
         if start == 0 and end is None:
-            return await self.get(bucket, key)
+            return await self.get(bucket, key, pin=pin)
+        if pin is not None:
+            return await self._get_pinned_range(bucket, key, start, end, pin)
         store = self._store(bucket)
         try:
             data = await obstore.get_range_async(
@@ -310,17 +329,53 @@ class ObstoreStore:
             del store  # see _get_plain()
         return bytes(data)
 
+    async def _get_pinned_range(
+        self, bucket: str, key: str, start: int, end: int | None, pin: Pin
+    ) -> bytes:
+        """``get_range`` through ``get_async``, which reports the ETag (one await more)."""
+        byte_range: Any = {"offset": start} if end is None else (start, end)
+        try:
+            return await self._get_plain(bucket, key, {"range": byte_range}, pin)
+        except StoreError as exc:
+            if _status_of(exc.__cause__) == 416:
+                await self._past_the_end(bucket, key, start, end)
+                return b""
+            raise
+
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        _check_range_args(bucket, key, start, end)
+        options: dict[str, Any] = {"if_none_match": f'"{etag}"'}
+        if start or end is not None:
+            options["range"] = {"offset": start} if end is None else (start, end)
+        try:
+            return await self._get_plain(bucket, key, options, pin)
+        except StoreError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, obe.NotModifiedError) or _status_of(cause) == 304:
+                return None
+            raise
+
     async def stream(
-        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
     ) -> AsyncIterator[bytes]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
         _check_range_args(bucket, key, start, None)
         store = self._store(bucket)
         options: Any = {"range": {"offset": start}} if start else None
+        if pin is not None and pin.etag is not None:
+            options = {**(options or {}), "if_match": pin.if_match()}
         try:
             result = await obstore.get_async(store, key, options=options)
             first, stop = result.range
+            if pin is not None:
+                pin.observe(result.meta.get("e_tag"), bucket, key)
+        except StoreError:
+            raise
         except Exception as exc:
             if start and _status_of(exc) == 416:
                 await self._past_the_end(bucket, key, start, None)
@@ -485,7 +540,7 @@ def translate_error(
 # ----------------------------------------------------------------------------- pure helpers
 
 
-def _status_of(exc: BaseException) -> int | None:
+def _status_of(exc: BaseException | None) -> int | None:
     """The HTTP status a response error carries in its text, if any."""
     match = _STATUS_RE.search(str(exc))
     if match is None:

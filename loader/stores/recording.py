@@ -11,8 +11,11 @@ import bisect
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
-from .base import ObjectInfo, ObjectStore
+from .base import ObjectInfo, ObjectStore, Pin
+
+T = TypeVar("T", bytes, bytes | None)
 
 # Latency bucket upper bounds: 50 us x 2**(i/4), 96 buckets, up to ~850 s; ~19 % resolution.
 BOUNDS = tuple(50e-6 * 2 ** (i / 4) for i in range(96))
@@ -81,13 +84,26 @@ class _RecordedStore:
     def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         return self.inner.list(bucket, prefix)
 
-    async def get(self, bucket: str, key: str) -> bytes:
-        return await self._timed(self.inner.get(bucket, key))
+    async def get(
+        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
+    ) -> bytes:
+        return await self._timed(self.inner.get(bucket, key, pin=pin, listed_etag=listed_etag))
 
-    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
-        return await self._timed(self.inner.get_range(bucket, key, start, end))
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
+    ) -> bytes:
+        return await self._timed(
+            self.inner.get_range(bucket, key, start, end, pin=pin, listed_etag=listed_etag)
+        )
 
-    async def _timed(self, request: Awaitable[bytes]) -> bytes:
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        return await self._timed(self.inner.get_if_changed(bucket, key, etag, start, end, pin=pin))
+
+    async def _timed(self, request: Awaitable[T]) -> T:
         recorder = self.recorder
         recorder.requests += 1
         started = time.perf_counter()
@@ -97,15 +113,18 @@ class _RecordedStore:
             recorder.request_errors += 1
             raise
         recorder.latency.add(time.perf_counter() - started)
-        recorder.bytes += len(data)
+        recorder.bytes += 0 if data is None else len(data)
         return data
 
-    async def stream(self, bucket: str, key: str, start: int = 0, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+    async def stream(
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = 1 << 20, *,
+        pin: Pin | None = None, listed_etag: str | None = None,
+    ) -> AsyncIterator[bytes]:
         recorder = self.recorder
         recorder.requests += 1
         started = time.perf_counter()
         first = True
-        chunks = self.inner.stream(bucket, key, start, chunk_size)
+        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin, listed_etag=listed_etag)
         try:
             async for chunk in chunks:
                 if first:

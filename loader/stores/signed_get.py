@@ -30,7 +30,7 @@ from botocore.exceptions import ClientError
 
 from ..config import S3Config
 from ..retry import RetryPolicy
-from .base import ListPage, ObjectInfo
+from .base import ListPage, ObjectInfo, normalize_etag
 
 # Looked up in an S3 error body (small XML); a regex because the body is tiny and ElementTree
 # would need the namespace handled for no gain.
@@ -39,6 +39,7 @@ _MESSAGE = re.compile(rb"<Message>([^<]*)</Message>")
 _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
 
 Credentials = Any  # botocore ReadOnlyCredentials: .access_key, .secret_key, .token
+Conditions = dict[str, str] | None  # conditional request headers: If-Match, If-None-Match
 
 
 def can_sign_directly(config: S3Config) -> bool:
@@ -89,9 +90,12 @@ class SignedGetter:
             skip_auto_headers=("Accept-Encoding",),
         )
 
-    async def get(self, bucket: str, key: str, byte_range: str | None = None) -> bytes:
-        """The object's bytes (or a range of them); a body short of its Content-Length raises."""
-        async with await self._send(bucket, key, byte_range) as response:
+    async def get(
+        self, bucket: str, key: str, byte_range: str | None = None, conditions: Conditions = None
+    ) -> tuple[bytes, str | None]:
+        """The object's bytes (or a range of them) and the response's ETag; a body short of its
+        Content-Length raises. ``conditions``: headers such as ``If-Match``, sent as given."""
+        async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
             await _raise_for_error(response)
             data = await response.read()  # aiohttp raises ClientPayloadError on a cut body
             expected = response.content_length
@@ -99,17 +103,19 @@ class SignedGetter:
                 raise aiohttp.ClientPayloadError(
                     f"body of {len(data)} bytes, {expected} announced by Content-Length"
                 )
-            return data
+            return data, response.headers.get("ETag")
 
     async def stream(
-        self, bucket: str, key: str, byte_range: str | None, chunk_size: int
-    ) -> AsyncIterator[tuple[bytes, int | None]]:
-        """Yield ``(chunk, content_length)`` pieces of the body as they arrive."""
-        async with await self._send(bucket, key, byte_range) as response:
+        self, bucket: str, key: str, byte_range: str | None, chunk_size: int,
+        conditions: Conditions = None,
+    ) -> AsyncIterator[tuple[bytes, int | None, str | None]]:
+        """Yield ``(chunk, content_length, etag)`` pieces of the body as they arrive."""
+        async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
             await _raise_for_error(response)
             expected = response.content_length
+            etag = response.headers.get("ETag")
             while chunk := await response.content.read(chunk_size):
-                yield chunk, expected
+                yield chunk, expected, etag
 
     async def list_page(
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int
@@ -140,7 +146,8 @@ class SignedGetter:
         await self._session.close()
 
     async def _send(
-        self, bucket: str, key: str, byte_range: str | None, query: dict[str, str] | None = None
+        self, bucket: str, key: str, byte_range: str | None, query: dict[str, str] | None = None,
+        conditions: Conditions = None,
     ) -> aiohttp.ClientResponse:
         if key:
             url = object_path_url(self._endpoint, bucket, key)
@@ -154,6 +161,9 @@ class SignedGetter:
         request = AWSRequest(method="GET", url=str(url))
         if byte_range:
             request.headers["Range"] = byte_range
+        if conditions:
+            for name, value in conditions.items():
+                request.headers[name] = value
         S3SigV4Auth(await self._credentials(), "s3", self._region).add_auth(request)
         # no redirects: a signature is for one host, and S3's 301/307 means a wrong region or
         # endpoint, which the error names
@@ -163,15 +173,16 @@ class SignedGetter:
 
 
 def parse_list_page(body: bytes) -> ListPage:
-    """Keys, sizes, common prefixes and the next token of a ``ListObjectsV2`` answer
+    """Keys, sizes, ETags, common prefixes and the next token of a ``ListObjectsV2`` answer
     (asked with ``encoding-type=url``, so keys with characters XML cannot carry arrive intact)."""
     root = ElementTree.fromstring(body)
     ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
     encoded = root.findtext(f"{ns}EncodingType") == "url"
     unquote = urllib.parse.unquote_plus if encoded else str
-    key_tag, size_tag, prefix_tag = f"{ns}Key", f"{ns}Size", f"{ns}Prefix"
+    key_tag, size_tag, prefix_tag, etag_tag = f"{ns}Key", f"{ns}Size", f"{ns}Prefix", f"{ns}ETag"
     objects = [
-        ObjectInfo(unquote(item.findtext(key_tag) or ""), int(item.findtext(size_tag) or 0))
+        ObjectInfo(unquote(item.findtext(key_tag) or ""), int(item.findtext(size_tag) or 0),
+                   normalize_etag(item.findtext(etag_tag)))
         for item in root.iterfind(f"{ns}Contents")
     ]
     prefixes = [unquote(item.findtext(prefix_tag) or "")
