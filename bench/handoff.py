@@ -77,14 +77,19 @@ class MemoryStore:
         for key in sorted(k for k in self.objects if k.startswith(prefix)):
             yield ObjectInfo(key, len(self.objects[key]))
 
-    async def get(self, bucket: str, key: str) -> bytes:
-        return self.objects[key]
+    async def get(self, bucket: str, key: str, **versions: Any) -> bytes:
+        return self.objects[key]  # one version only: pin and listed_etag have nothing to do
 
-    async def get_range(self, bucket: str, key: str, start: int, end: int | None) -> bytes:
+    async def get_range(self, bucket: str, key: str, start: int, end: int | None,
+                        **versions: Any) -> bytes:
         return self.objects[key][start:end]
 
+    async def get_if_changed(self, bucket: str, key: str, etag: str, start: int = 0,
+                             end: int | None = None, **versions: Any) -> bytes | None:
+        return None
+
     async def stream(self, bucket: str, key: str, start: int = 0,
-                     chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+                     chunk_size: int = 1 << 20, **versions: Any) -> AsyncIterator[bytes]:
         data = self.objects[key]
         for offset in range(start, len(data), chunk_size):
             yield data[offset:offset + chunk_size]

@@ -51,14 +51,18 @@ class Counting:
     def list(self, bucket, prefix=""):
         return self.inner.list(bucket, prefix)
 
-    async def get(self, bucket, key):
-        return await self.inner.get(bucket, self._count(key))
+    async def get(self, bucket, key, **versions):
+        return await self.inner.get(bucket, self._count(key), **versions)
 
-    async def get_range(self, bucket, key, start, end):
-        return await self.inner.get_range(bucket, self._count(key), start, end)
+    async def get_range(self, bucket, key, start, end, **versions):
+        return await self.inner.get_range(bucket, self._count(key), start, end, **versions)
 
-    def stream(self, bucket, key, start=0, chunk_size=DEFAULT_CHUNK_SIZE):
-        return self.inner.stream(bucket, self._count(key), start=start, chunk_size=chunk_size)
+    def stream(self, bucket, key, start=0, chunk_size=DEFAULT_CHUNK_SIZE, **versions):
+        return self.inner.stream(bucket, self._count(key), start=start, chunk_size=chunk_size,
+                                 **versions)
+
+    async def get_if_changed(self, bucket, key, etag, start=0, end=None, **versions):
+        return await self.inner.get_if_changed(bucket, self._count(key), etag, start, end, **versions)
 
     async def put(self, bucket, key, data):
         await self.inner.put(bucket, key, data)

@@ -337,6 +337,7 @@ class AsyncS3Dataset(IterableDataset):
             "shards_skipped": self._progress.shards_skipped,
             "tar_links_skipped": self._progress.tar_links_skipped, "cache_hits": cache.get("hits", 0),
             "cache_misses": cache.get("misses", 0),
+            "cache_stale_refetches": cache.get("stale_refetches", 0),
             "consumer_wait_s": engine.get("consumer_wait_s", 0.0), "seconds": seconds,
         }
         self._board.write(worker, counters, recorder.latency)

@@ -19,7 +19,7 @@ from ..stores.recording import BOUNDS, LatencyHistogram
 COUNTERS = (
     "samples", "bytes", "requests", "request_errors", "retries", "samples_skipped", "shards_skipped",
     "tar_links_skipped",
-    "cache_hits", "cache_misses", "consumer_wait_s", "seconds",
+    "cache_hits", "cache_misses", "cache_stale_refetches", "consumer_wait_s", "seconds",
 )
 MAX_WORKERS = 128  # rows on the board; workers beyond it keep their stats to themselves
 _ROW = 1 + len(COUNTERS) + len(BOUNDS) + 1  # used flag, counters, buckets, overflow bucket
