@@ -119,7 +119,8 @@ def test_suffix_and_directory_markers():
     objects = {"s/a.tar": b"1", "s/b.txt": b"2", "s/c/": b"", "s/c/d.tar": b"33"}
     store = FakeStore.with_objects("b", objects)
     found = run_list(store, "s/", suffix=".tar")
-    assert list(found.infos()) == [ObjectInfo("s/a.tar", 1), ObjectInfo("s/c/d.tar", 2)]
+    assert list(found.infos()) == [ObjectInfo("s/a.tar", 1, store.etag_of("b", "s/a.tar")),
+                                   ObjectInfo("s/c/d.tar", 2, store.etag_of("b", "s/c/d.tar"))]
 
 
 class UnorderedStore:

@@ -388,3 +388,25 @@ def test_cache_entry_records_the_etag(tmp_path):
         assert entry.etag is None and entry.read(100, 200) == data[100:200]
     finally:
         entry.close()
+
+
+def test_key_lists_keep_listed_etags_compactly_through_merges_slices_and_pickles():
+    import pickle
+
+    from loader.stores.base import ObjectInfo
+    from loader.stores.listing import KeyList, _Runs
+
+    md5 = hashlib.md5(b"x").hexdigest()
+    infos = [ObjectInfo("b/2", 2, md5), ObjectInfo("a/1", 1, "abc-3"), ObjectInfo("c/3", 3, None)]
+    runs = _Runs("")
+    runs.add(infos[:1])
+    runs.add(infos[1:])  # out of order: merged, not concatenated
+    merged = runs.merged()
+    assert list(merged) == ["a/1", "b/2", "c/3"]
+    assert merged.etags() == ["abc-3", md5, None]
+    assert list(merged.infos())[1] == ObjectInfo("b/2", 2, md5)
+    assert merged[1:].etags() == [md5, None]
+    assert pickle.loads(pickle.dumps(merged)).etags() == merged.etags()
+    plain = KeyList.from_infos([ObjectInfo("k", 1)])
+    assert plain.etags() is None
+    assert KeyList.from_infos([ObjectInfo("k", 1, md5)])._etags.nbytes < 24  # 17 bytes + offset
