@@ -39,6 +39,7 @@ A shard on the border of two runs is read by both slots, each keeping its own sa
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import random
 from collections.abc import Sequence
@@ -251,4 +252,111 @@ def balanced_shard_ranges(
                 out.append(ShardAssignment(shard, 1, 0, wrapped - begin, stop - begin))
                 position += stop - wrapped
                 break
+    return out
+
+
+# ----------------------------------------------------------------------------- blocks (batch_size=)
+#
+# With ``batch_size=B`` the epoch's order is dealt in blocks: at step ``s`` rank ``r`` reads block
+# ``s * W + r``, so the W ranks together consume the order front to back, B * W samples a step,
+# whatever W and the number of DataLoader workers. A rank's worker ``w`` reads the blocks of the
+# steps ``s`` with ``s % max(1, num_workers) == w``: the DataLoader takes whole batches from its
+# workers in turn (worker 0's first batch, worker 1's first, ...), and an ``IterableDataset``
+# worker's batch is the next B samples it yields, so the rank's batch at step ``s`` is block
+# ``s * W + r`` exactly. The end of the order: the R < B * W samples left after the full steps
+# make one last, shorter step of ``ceil(R / W)`` samples per rank (``"pad"``: the order is
+# extended by repeating its start, at most W - 1 samples) or ``floor(R / W)`` (``"drop"``: at most
+# W - 1 samples are left out), the same per-rank lengths as ``rank_length``. Every worker's
+# batches line up with its blocks because only the very last step is short.
+
+
+def block_shape(m: int, batch_size: int, world_size: int, policy: PadPolicy = "pad") -> tuple[int, int]:
+    """``(full, last)``: ``m`` samples dealt in blocks of ``batch_size`` to ``world_size`` ranks
+    give each rank ``full`` blocks of ``batch_size``, then one of ``last`` samples (0: none)."""
+    _check_int("m", m, minimum=0)
+    _check_int("batch_size", batch_size, minimum=1)
+    _check_int("world_size", world_size, minimum=1)
+    _check_policy(policy)
+    full, rest = divmod(m, batch_size * world_size)
+    last = -(-rest // world_size) if policy == "pad" else rest // world_size
+    return full, last
+
+
+def steps_per_rank(m: int, batch_size: int, world_size: int, policy: PadPolicy = "pad") -> int:
+    """Batches every rank reads when ``m`` samples are dealt in blocks (the last may be short)."""
+    full, last = block_shape(m, batch_size, world_size, policy)
+    return full + (last > 0)
+
+
+def block_positions(
+    m: int,
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    worker: int,
+    num_workers: int,
+    policy: PadPolicy = "pad",
+) -> list[int]:
+    """Positions in a sequence of ``m`` samples that ``(rank, worker)`` reads, in reading order.
+
+    The blocks of the steps this worker serves, one after another; with ``"pad"`` the last
+    step's positions past ``m - 1`` wrap to the start of the sequence.
+    """
+    workers = _effective_workers(num_workers)
+    slot_of(rank, world_size, worker, num_workers)  # validates rank and worker
+    full, last = block_shape(m, batch_size, world_size, policy)
+    out: list[int] = []
+    for step in range(worker, full + (last > 0), workers):
+        if step < full:
+            lo, size = (step * world_size + rank) * batch_size, batch_size
+        else:
+            lo, size = full * batch_size * world_size + rank * last, last
+        out.extend(p % m for p in range(lo, lo + size))
+    return out
+
+
+def samples_consumed(m: int, steps: int, *, batch_size: int, world_size: int,
+                     policy: PadPolicy = "pad") -> int:
+    """How many of the sequence's ``m`` samples are consumed after ``steps`` steps on every rank:
+    always a prefix of the sequence (pad repeats are not counted twice)."""
+    _check_int("steps", steps, minimum=0)
+    full, last = block_shape(m, batch_size, world_size, policy)
+    if steps <= full:
+        return steps * batch_size * world_size
+    return min(m, full * batch_size * world_size + last * world_size)
+
+
+def sequence_ranges(counts: Sequence[int], order: Sequence[int],
+                    positions: Sequence[int]) -> list[ShardAssignment]:
+    """Map positions in the sample sequence that the shards make laid end to end in ``order``
+    (``counts[shard]`` samples each) to shard reads, in the positions' order.
+
+    Consecutive positions in one shard become one sample range; successive ranges in the same
+    shard, ascending, share one ``ShardAssignment`` (``ranges``), so that its shard is read once.
+    """
+    starts: list[int] = []
+    at = 0
+    for shard in order:
+        starts.append(at)
+        at += counts[shard]
+    runs: list[list[int]] = []  # [place, start, stop]
+    for position in positions:
+        if not 0 <= position < at:
+            raise ValueError(f"position {position} is outside the {at} samples of these shards")
+        place = bisect.bisect_right(starts, position) - 1
+        index = position - starts[place]
+        if runs and runs[-1][0] == place and runs[-1][2] == index:
+            runs[-1][2] += 1
+        else:
+            runs.append([place, index, index + 1])
+    out: list[ShardAssignment] = []
+    ranges: list[tuple[int, int]] = []
+    for i, (place, start, stop) in enumerate(runs):
+        ranges.append((start, stop))
+        following = runs[i + 1] if i + 1 < len(runs) else None
+        if following is None or following[0] != place or following[1] < stop:
+            shard = order[place]
+            out.append(ShardAssignment(shard, 1, 0, ranges[0][0], ranges[-1][1], tuple(ranges)))
+            ranges = []
     return out

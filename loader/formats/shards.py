@@ -17,6 +17,7 @@ once (a ``RuntimeWarning`` and a log record) and ``stats()`` counts them (``tar_
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -52,22 +53,30 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 
 
 class ShardAssignment(NamedTuple):
-    """Read shard ``shard`` and keep the samples whose index ``% stride == phase``."""
+    """Read shard ``shard`` and keep the samples whose index ``% stride == phase``, within
+    ``[start, stop)``; ``ranges``, when given, are the ascending, disjoint ``(start, stop)``
+    sample ranges kept inside that span (blocks dealt by ``batch_size=``)."""
 
     shard: int
     stride: int
     phase: int
     start: int = 0
     stop: int | None = None
+    ranges: tuple[tuple[int, int], ...] = ()
 
     def keeps(self, sample_index: int) -> bool:
         """Whether the ``sample_index``-th sample of the shard belongs to this slot."""
         if sample_index < self.start or (self.stop is not None and sample_index >= self.stop):
             return False
+        if self.ranges:
+            at = bisect.bisect_right(self.ranges, (sample_index, 1 << 62)) - 1
+            return at >= 0 and sample_index < self.ranges[at][1]
         return sample_index % self.stride == self.phase
 
     def wanted(self, samples: int) -> int:
         """How many of a shard's ``samples`` this assignment keeps."""
+        if self.ranges:
+            return sum(max(0, min(stop, samples) - start) for start, stop in self.ranges)
         stop = samples if self.stop is None else min(self.stop, samples)
         return sum(1 for i in range(self.start, stop) if i % self.stride == self.phase)
 
