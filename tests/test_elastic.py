@@ -140,3 +140,151 @@ def test_small_example():
     assert samples_consumed(10, 1, batch_size=2, world_size=3) == 6
     assert samples_consumed(10, 2, batch_size=2, world_size=3) == 10
     assert samples_consumed(10, 2, batch_size=2, world_size=3, policy="drop") == 9
+
+
+# ----------------------------------------------------------------------------- the dataset
+
+import io  # noqa: E402
+import json  # noqa: E402
+import tarfile  # noqa: E402
+
+from fakes import FakeStore, payloads, reusable  # noqa: E402
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError  # noqa: E402
+from loader.datasets.partition import epoch_order  # noqa: E402
+
+BATCH = 4
+
+
+def shard_store(objects, per_shard=23, index=False):
+    """The objects packed into tar shards (last one short); returns (store, counts)."""
+    fake = FakeStore.with_objects("bucket", objects)
+    keys, counts = sorted(objects), {}
+    for number, start in enumerate(range(0, len(keys), per_shard)):
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            for key in keys[start:start + per_shard]:
+                info = tarfile.TarInfo(key)
+                info.size = len(objects[key])
+                tar.addfile(info, io.BytesIO(objects[key]))
+        fake.objects["bucket", f"shards/{number}.tar"] = out.getvalue()
+        counts[f"s3://bucket/shards/{number}.tar"] = len(keys[start:start + per_shard])
+    if index:
+        document = {"version": 1, "shards": [{"url": u, "samples": n} for u, n in counts.items()]}
+        fake.objects["bucket", "shards/index.json"] = json.dumps(document).encode()
+    return fake, counts
+
+
+def make_dataset(mode, fake, counts=None, **options):
+    options = {"shuffle": True, "seed": 5, "batch_size": BATCH, "store": reusable(fake), **options}
+    if mode == "objects":
+        keys = sorted(k for (_, k) in fake.objects if k.startswith("train/"))
+        return AsyncS3Dataset.from_keys("bucket", keys, **options)
+    return AsyncS3Dataset.from_shards("s3://bucket/shards/", sample_counts=counts, **options)
+
+
+def rank_run(make, rank, world_size, num_workers, steps=None, resume=None):
+    ds = make(rank=rank, world_size=world_size)
+    if resume is not None:
+        ds.resume(epoch=2, samples_seen=resume)
+    ds.set_epoch(2)
+    loader = DataLoader(ds, batch_size=BATCH, num_workers=num_workers,
+                        collate_fn=lambda batch: [s["__key__"] for s in batch])
+    return list(itertools.islice(loader, steps)), ds
+
+
+@pytest.mark.parametrize("mode", ["objects", "shards"])
+def test_stop_on_three_ranks_resume_on_two_then_one(mode):
+    objects = payloads(101, size=16)
+    fake, counts = (FakeStore.with_objects("bucket", objects), None) if mode == "objects" else shard_store(objects)
+
+    def make(**topology):
+        return make_dataset(mode, fake, counts, **topology)
+
+    head, probe = [], None
+    for rank in range(3):
+        batches, probe = rank_run(make, rank, 3, num_workers=2, steps=5)
+        assert len(batches) == 5 and all(len(b) == BATCH for b in batches)
+        head.append(batches)
+    seen = probe.samples_seen(5)
+    assert seen == 5 * BATCH * 3
+    # The first part is exactly the first `seen` samples of the epoch's global order, step by step.
+    if mode == "objects":
+        order = [sorted(objects)[i].rsplit(".", 1)[0] for i in epoch_order(101, seed=5, epoch=2, shuffle=True)]
+        for step in range(5):
+            for rank in range(3):
+                block = (step * 3 + rank) * BATCH
+                assert head[rank][step] == order[block:block + BATCH]
+    first = [k for batches in head for b in batches for k in b]
+    everything = {k.rsplit(".", 1)[0] for k in objects}
+    for world_size, num_workers in ((2, 3), (1, 0)):
+        tail = []
+        for rank in range(world_size):
+            batches, ds = rank_run(make, rank, world_size, num_workers, resume=seen)
+            assert len(ds) == sum(len(b) for b in batches)
+            tail.append(batches)
+        assert len({len(batches) for batches in tail}) == 1, "equal steps on every rank"
+        rest = [k for batches in tail for b in batches for k in b]
+        both = Counter(first + rest)
+        assert set(both) == everything
+        repeats = sum(both.values()) - len(everything)
+        assert 0 <= repeats <= world_size - 1  # the documented pad at the epoch's end
+
+
+def test_shard_mode_reads_the_index_beside_the_shards():
+    objects = payloads(60, size=16)
+    fake, _ = shard_store(objects, index=True)
+    ds = make_dataset("shards", fake, rank=0, world_size=1)
+    keys = [s["__key__"] for s in ds]
+    assert sorted(keys) == sorted(k.rsplit(".", 1)[0] for k in objects) and len(ds) == 60
+
+
+def test_shard_mode_without_counts_says_what_is_missing():
+    fake, _ = shard_store(payloads(30, size=16))
+    ds = make_dataset("shards", fake, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match=r"no sample_counts= was given and there is no index.json "
+                                          r"in s3://bucket/shards/"):
+        ds.resume(epoch=0, samples_seen=8)
+    with pytest.raises(ConfigError, match="sample_counts"):
+        list(ds)
+
+
+def test_set_epoch_keeps_a_resume_of_the_same_epoch_and_drops_it_for_another():
+    objects = payloads(40, size=16)
+    ds = make_dataset("objects", FakeStore.with_objects("bucket", objects), rank=0, world_size=1)
+    ds.resume(epoch=3, samples_seen=12)
+    ds.set_epoch(3)
+    assert len(ds) == 28 and len(list(ds)) == 28 and ds.samples_seen(0) == 12
+    ds.set_epoch(4)
+    assert len(ds) == 40 and len(list(ds)) == 40
+
+
+def test_state_dict_carries_the_resume_point():
+    objects = payloads(40, size=16)
+    fake = FakeStore.with_objects("bucket", objects)
+    ds = make_dataset("objects", fake, rank=0, world_size=1)
+    ds.resume(epoch=1, samples_seen=16)
+    it = iter(ds)
+    got = [next(it)["__key__"] for _ in range(5)]
+    state = ds.state_dict()
+    it.close()
+    again = make_dataset("objects", fake, rank=0, world_size=1)
+    again.load_state_dict(state)
+    rest = [s["__key__"] for s in again]
+    assert len(got) + len(rest) == 24 and not set(got) & set(rest)
+    other = make_dataset("objects", fake, rank=0, world_size=1, batch_size=None)
+    with pytest.raises(ConfigError, match="batch_size=4"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda fake: make_dataset("objects", fake, batch_size=0), "batch_size=0 must be a positive"),
+    (lambda fake: make_dataset("objects", fake, ordered=False), "ordered=False"),
+    (lambda fake: make_dataset("objects", fake, batch_size=None).resume(epoch=0, samples_seen=1),
+     "build the dataset with batch_size="),
+    (lambda fake: make_dataset("objects", fake).resume(epoch=0, samples_seen=-1), "samples_seen=-1"),
+    (lambda fake: make_dataset("objects", fake).resume(epoch=0, samples_seen=11), "more than the 10"),
+    (lambda fake: AsyncS3MapDataset.from_keys("bucket", ["train/a.bin"], batch_size=4), "batch_size=4"),
+])
+def test_bad_settings_are_named(call, match):
+    with pytest.raises(ConfigError, match=match):
+        call(FakeStore.with_objects("bucket", payloads(10, size=8)))

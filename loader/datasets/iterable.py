@@ -28,11 +28,13 @@ from torch.utils.data import IterableDataset
 from . import partition, topology
 from ..stores.cache import CacheStats
 from ..engine.fetch import (
+    Delivery,
     EngineLimits,
     FetchEngine,
 )
 from ..decode import apply_transform
-from ..errors import ConfigError, SampleError
+from ..errors import ConfigError, NoSuchKeyError, SampleError
+from ..formats.index import INDEX_NAME, index_counts, read_index
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job, skippable
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
 from .progress import Watermark, consumed_per_worker
@@ -61,6 +63,13 @@ class AsyncS3Dataset(IterableDataset):
     Samples are dicts in the WebDataset convention (``__key__``, ``__url__``, extension → bytes),
     passed through ``transform`` when given. Call ``set_epoch(e)`` before each epoch: with
     ``shuffle=True`` it picks that epoch's order from ``(seed, epoch)``, the same on every rank.
+
+    ``batch_size=B`` (the DataLoader's batch size on each rank) deals the epoch's order in blocks
+    of B: at step ``s`` rank ``r`` gets block ``s * W + r``, so after ``s`` steps the job has
+    consumed exactly the first ``s * B * W`` samples of that order, whatever the number of ranks
+    ``W`` and of DataLoader workers. ``resume(epoch=, samples_seen=)`` then continues the epoch
+    on any number of ranks and workers (see there). Shard mode reads samples in shard order then
+    (shards shuffled per epoch), without the per-worker shuffle buffer.
     """
 
     def __init__(
@@ -101,6 +110,8 @@ class AsyncS3Dataset(IterableDataset):
         self._launch: topology.Launch | None = None  # the world of the process that pickled it
         self._unpickled_in: int | None = None  # the process that unpickled this copy
         self._resume: dict[str, Any] | None = None
+        self._elastic: tuple[int, int] | None = None  # (epoch, samples_seen) from resume()
+        self._index_tried = False  # batch_size= in shard mode: looked for index.json
         self._progress = _Progress()
         self._fast_forward: tuple[int, int, int, bool] | None = None
         self._last_stats: dict[str, Any] | None = None
@@ -216,6 +227,25 @@ class AsyncS3Dataset(IterableDataset):
     def resolve(self) -> None:
         """List now (keys or shards), so that DataLoader workers inherit the result."""
         self.samples() if self.mode == "objects" else self.shards()
+        if self.mode == "shards" and self.options.batch_size is not None:
+            self._find_index()
+
+    def _find_index(self) -> None:
+        """``batch_size=`` in shard mode needs every shard's sample count: without
+        ``sample_counts=``, read the ``index.json`` that ``loader shard`` wrote beside them."""
+        if self._sample_counts is not None or self._index_tried:
+            return
+        self._index_tried = True
+        places = {(shard.bucket, shard.key.rpartition("/")[0]) for shard in self.shards()}
+        if len(places) != 1:
+            return
+        (bucket, folder), = places
+        uri = f"s3://{bucket}/{folder + '/' if folder else ''}{INDEX_NAME}"
+        try:
+            document = read_index(uri, store=self.options.listing_factory())
+        except NoSuchKeyError:
+            return
+        self._sample_counts = index_counts(document, uri)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows (and list, if needed).
@@ -229,6 +259,8 @@ class AsyncS3Dataset(IterableDataset):
         self.resolve()
         if epoch != self.epoch:
             self._resume = None
+        if self._elastic is not None and self._elastic[0] != epoch:
+            self._elastic = None
         self.epoch = epoch
 
     @property
@@ -240,8 +272,14 @@ class AsyncS3Dataset(IterableDataset):
         self._epoch.value = value
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (shards: only when ``sample_counts`` was given)."""
+        """Samples this rank yields per epoch (shards: only when ``sample_counts`` was given);
+        after ``resume()``, what is left of the epoch."""
         _, world_size = self._world()
+        if self.options.batch_size is not None:
+            seen, rest = self._rest()
+            full, last = partition.block_shape(rest, self.options.batch_size, world_size,
+                                               self.options.pad_policy)
+            return full * self.options.batch_size + last
         if self.mode == "shards":
             counts = self.shard_counts()
             if counts is None:
@@ -352,6 +390,10 @@ class AsyncS3Dataset(IterableDataset):
         """Per-object mode: positions in ``samples()`` this rank and worker read this epoch."""
         rank, world_size = self._world()
         worker, num_workers = topology.worker()
+        if self.options.batch_size is not None:
+            order = partition.epoch_order(len(self.samples()), seed=self.options.effective_seed,
+                                          epoch=self.epoch, shuffle=self.options.shuffle)
+            return [order[g] for g in self._block_plan(rank, world_size, worker, num_workers)]
         return partition.partition(
             len(self.samples()), seed=self.options.effective_seed, epoch=self.epoch,
             shuffle=self.options.shuffle, rank=rank, world_size=world_size,
@@ -377,8 +419,13 @@ class AsyncS3Dataset(IterableDataset):
         where = dict(seed=seed, epoch=self.epoch, shuffle=self.options.shuffle, rank=rank,
                      world_size=world_size, worker=worker, num_workers=num_workers)
         slot, slots = partition.slot_of(rank, world_size, worker, num_workers)
-        counts = self.shard_counts()
-        if counts is not None:  # equal length per rank, exactly once (up to the pad policy)
+        counts = self._block_counts() if self.options.batch_size is not None else self.shard_counts()
+        if self.options.batch_size is not None:  # blocks of the global order (see partition)
+            order = partition.epoch_order(len(counts), seed=seed, epoch=self.epoch,
+                                          shuffle=self.options.shuffle)
+            positions = self._block_plan(rank, world_size, worker, num_workers)
+            assignments = partition.sequence_ranges(counts, order, positions)
+        elif counts is not None:  # equal length per rank, exactly once (up to the pad policy)
             assignments = partition.balanced_shard_ranges(counts, policy=self.options.pad_policy, **where)
         else:
             assignments = partition.shard_assignments(len(shards), **where)
@@ -391,7 +438,10 @@ class AsyncS3Dataset(IterableDataset):
             for position, a in enumerate(assignments)
             if not _shard_complete(a, progress.shard_samples.get(position), progress.shard(position))
         ]
-        delivery = "interleave" if self.options.ordered else "completed"
+        if self.options.batch_size is not None:
+            delivery: Delivery = "ordered"  # blocks in order: shards read ahead, delivered in turn
+        else:
+            delivery = "interleave" if self.options.ordered else "completed"
         limits = self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight)
 
         def samples() -> Iterator[tuple[Tag, dict[str, Any]]]:
@@ -404,7 +454,8 @@ class AsyncS3Dataset(IterableDataset):
                 else:
                     yield tag, item
 
-        size = self.shard_options.shuffle_buffer if self.options.shuffle else 0
+        blocks = self.options.batch_size is not None  # a shuffle buffer would break the blocks
+        size = self.shard_options.shuffle_buffer if self.options.shuffle and not blocks else 0
         rng = random.Random(partition.epoch_seed(seed, self.epoch) ^ (slot << 20))
         with contextlib.closing(samples()) as stream:
             yield from shuffled(stream, size, rng, max_bytes=self.shard_options.shuffle_bytes,
@@ -447,6 +498,8 @@ class AsyncS3Dataset(IterableDataset):
             "epoch": self.epoch,
             "seed": self.options.effective_seed,
             "size": self._size(),
+            "batch_size": self.options.batch_size,
+            "samples_seen": self._seen(),
             **self._progress.to_state(),
         }
 
@@ -462,9 +515,16 @@ class AsyncS3Dataset(IterableDataset):
                 f"this state was saved for a different data set or seed (size {state['size']}, "
                 f"seed {state['seed']}); resume with the same ones"
             )
+        if state.get("batch_size") != self.options.batch_size:
+            raise ConfigError(
+                f"this state was saved with batch_size={state.get('batch_size')!r}, this dataset "
+                f"has batch_size={self.options.batch_size!r}; resume with the same one (or use "
+                "resume(epoch=, samples_seen=) to change the batch size or the number of ranks)")
         self.epoch = state["epoch"]
         self._resume = state
         self._fast_forward = None
+        seen = state.get("samples_seen", 0)
+        self._elastic = (state["epoch"], seen) if seen else None
 
     def resume_from_batches(self, epoch: int, batches_seen: int, batch_size: int,
                             drop_last: bool = False) -> None:
@@ -488,6 +548,85 @@ class AsyncS3Dataset(IterableDataset):
         self._resume = None
         self._fast_forward = (epoch, batches_seen, batch_size, drop_last)
 
+    def resume(self, *, epoch: int, samples_seen: int) -> None:
+        """Continue ``epoch`` after the first ``samples_seen`` samples of its order, on any
+        number of ranks and DataLoader workers (needs ``batch_size=``).
+
+        ``samples_seen`` is what ``samples_seen(steps)`` said when the checkpoint was taken
+        (``steps * batch_size * world_size`` before the epoch's last step). The rest of the
+        epoch is dealt in blocks over the new ranks and workers, with its own end (padded or
+        dropped as ``pad_policy`` says, at most ``world_size - 1`` samples); ``batch_size`` may
+        change too. It applies to the iterations of ``epoch`` until ``set_epoch`` picks another
+        epoch (``set_epoch(epoch)`` itself keeps it). Call it before the DataLoader starts its
+        workers: persistent workers keep the plan they were started with.
+        """
+        if self.options.batch_size is None:
+            raise ConfigError(
+                "resume(samples_seen=) counts samples of the epoch's order as batch_size= deals "
+                "it; build the dataset with batch_size=<the DataLoader's batch size per rank>")
+        for name, value in (("epoch", epoch), ("samples_seen", samples_seen)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+        self.resolve()
+        total = self._total()
+        if samples_seen > total:
+            raise ConfigError(f"samples_seen={samples_seen!r} is more than the {total} samples "
+                              "of an epoch of this data set; is it the same data set?")
+        self.epoch = epoch
+        self._resume = None
+        self._fast_forward = None
+        self._elastic = (epoch, samples_seen)
+
+    def samples_seen(self, steps: int) -> int:
+        """Samples of this epoch's order consumed after ``steps`` steps of the current iteration
+        on every rank (plus those a ``resume`` skipped): what to save for ``resume``."""
+        if self.options.batch_size is None:
+            raise ConfigError("samples_seen() needs batch_size= (the DataLoader's batch size per rank)")
+        _, world_size = self._world()
+        seen, rest = self._rest()
+        return seen + partition.samples_consumed(rest, steps, batch_size=self.options.batch_size,
+                                                 world_size=world_size, policy=self.options.pad_policy)
+
+    def _total(self) -> int:
+        """Samples in an epoch's order (shard mode: needs every shard's count)."""
+        if self.mode == "objects":
+            return len(self.samples())
+        return sum(self._block_counts())
+
+    def _rest(self) -> tuple[int, int]:
+        """``(samples skipped by resume(), samples left)`` of the current epoch's order."""
+        if self.options.batch_size is None:
+            return 0, 0
+        seen = self._seen()
+        return seen, self._total() - seen
+
+    def _seen(self) -> int:
+        """Samples of the current epoch's order that a ``resume()`` skips."""
+        elastic = self._elastic
+        return elastic[1] if elastic is not None and elastic[0] == self.epoch else 0
+
+    def _block_plan(self, rank: int, world_size: int, worker: int, num_workers: int) -> list[int]:
+        """Positions in this epoch's order that (rank, worker) reads, in reading order."""
+        seen, rest = self._rest()
+        positions = partition.block_positions(rest, batch_size=self.options.batch_size, rank=rank,
+                                              world_size=world_size, worker=worker,
+                                              num_workers=num_workers, policy=self.options.pad_policy)
+        return [seen + p for p in positions]
+
+    def _block_counts(self) -> list[int]:
+        """Samples per shard, which ``batch_size=`` needs in shard mode; says what is missing."""
+        self._find_index()
+        counts = self.shard_counts()
+        if counts is None:
+            shards = self.shards()
+            folder = shards[0].url.rpartition("/")[0] + "/" if shards else "the shards' folder"
+            raise ConfigError(
+                "batch_size= in shard mode deals samples, so it needs the number of samples in "
+                f"every shard: no sample_counts= was given and there is no {INDEX_NAME} in "
+                f"{folder} (python -m loader shard writes one). Pass from_shards(..., "
+                "sample_counts=read_index_counts('s3://.../index.json')) or {shard url: samples}")
+        return counts
+
     def _fast_forward_count(self) -> int:
         """How many of this worker's samples a ``resume_from_batches`` says were delivered."""
         plan, self._fast_forward = self._fast_forward, None
@@ -506,6 +645,8 @@ class AsyncS3Dataset(IterableDataset):
                      shuffle=self.options.shuffle, rank=rank, world_size=world_size,
                      num_workers=num_workers)
         workers = range(max(1, num_workers))
+        if self.options.batch_size is not None:
+            return [len(self._block_plan(rank, world_size, w, num_workers)) for w in workers]
         if self.mode == "objects":
             return [len(partition.partition(len(self.samples()), worker=w,
                                             policy=self.options.pad_policy, **where)) for w in workers]

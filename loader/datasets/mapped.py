@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 THREAD_NAME = "loader-map-client"
 
 # LoaderOptions fields that mean nothing here, and what decides instead.
-_SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy")
+_SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy", "batch_size")
 _NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
 _DEFAULTS = LoaderOptions.__dataclass_fields__
 

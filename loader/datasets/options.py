@@ -58,6 +58,7 @@ class LoaderOptions:
     rank: int | None = None
     world_size: int | None = None
     pad_policy: partition.PadPolicy = "pad"
+    batch_size: int | None = None
     log_stats: bool = False
     cache_dir: str | os.PathLike[str] | None = None
     cache_limit: int | None = None
@@ -91,6 +92,13 @@ class LoaderOptions:
             raise ConfigError(f"listing={self.listing!r} must be a loader.ListOptions(...)")
         if self.pad_policy not in ("pad", "drop"):
             raise ConfigError(f"pad_policy={self.pad_policy!r} must be 'pad' or 'drop'")
+        if self.batch_size is not None:
+            if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+                raise ConfigError(f"batch_size={self.batch_size!r} must be a positive integer (the "
+                                  "DataLoader's batch size on each rank)")
+            if not self.ordered:
+                raise ConfigError("batch_size= deals the epoch's order in blocks, which as-completed "
+                                  "delivery would mix across batches; drop ordered=False")
         if (self.rank is None) != (self.world_size is None):
             raise ConfigError("give rank and world_size together, or neither (then torch.distributed decides)")
         if self.world_size is not None and not 0 <= self.rank < self.world_size:
