@@ -90,7 +90,7 @@ class AsyncS3MapDataset(Dataset):
     Options are those of ``LoaderOptions`` that concern fetching: ``transform``, ``config``,
     ``store``, ``retry``, ``max_inflight`` (GETs in flight per process, default 64). Order and
     the split across ranks are the sampler's business, so ``shuffle``, ``seed``, ``ordered``,
-    ``rank``, ``world_size`` and ``pad_policy`` are rejected; so are the queue bounds, as there
+    ``rank``, ``world_size``, ``pad_policy`` and ``batch_size`` are rejected; so are the queue bounds, as there
     is no queue.
     """
 

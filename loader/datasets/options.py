@@ -186,6 +186,7 @@ class LoaderKwargs(TypedDict, total=False):
     rank: int | None
     world_size: int | None
     pad_policy: partition.PadPolicy
+    batch_size: int | None
     log_stats: bool
     cache_dir: str | os.PathLike[str] | None
     cache_limit: int | None
