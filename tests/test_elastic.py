@@ -7,17 +7,23 @@ The pure part is property-tested against a model of the DataLoader's round robin
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
+import tarfile
 from collections import Counter
 
 import pytest
+from fakes import FakeStore, payloads, reusable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
 from loader.datasets.partition import (
     block_positions,
     block_shape,
+    epoch_order,
     samples_consumed,
     sequence_ranges,
     steps_per_rank,
@@ -144,21 +150,13 @@ def test_small_example():
 
 # ----------------------------------------------------------------------------- the dataset
 
-import io  # noqa: E402
-import json  # noqa: E402
-import tarfile  # noqa: E402
-
-from fakes import FakeStore, payloads, reusable  # noqa: E402
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError  # noqa: E402
-from loader.datasets.partition import epoch_order  # noqa: E402
-
 BATCH = 4
 
 
 def shard_store(objects, per_shard=23, index=False):
     """The objects packed into tar shards (last one short); returns (store, counts)."""
     fake = FakeStore.with_objects("bucket", objects)
-    keys, counts = sorted(objects), {}
+    keys, counts, offsets = sorted(objects), {}, {}
     for number, start in enumerate(range(0, len(keys), per_shard)):
         out = io.BytesIO()
         with tarfile.open(fileobj=out, mode="w") as tar:
@@ -166,10 +164,14 @@ def shard_store(objects, per_shard=23, index=False):
                 info = tarfile.TarInfo(key)
                 info.size = len(objects[key])
                 tar.addfile(info, io.BytesIO(objects[key]))
+        url = f"s3://bucket/shards/{number}.tar"
         fake.objects["bucket", f"shards/{number}.tar"] = out.getvalue()
-        counts[f"s3://bucket/shards/{number}.tar"] = len(keys[start:start + per_shard])
+        counts[url] = len(keys[start:start + per_shard])
+        with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
+            offsets[url] = [member.offset for member in tar.getmembers()]
     if index:
-        document = {"version": 1, "shards": [{"url": u, "samples": n} for u, n in counts.items()]}
+        document = {"version": 1, "shards": [{"url": u, "samples": n, "offsets": offsets[u]}
+                                             for u, n in counts.items()]}
         fake.objects["bucket", "shards/index.json"] = json.dumps(document).encode()
     return fake, counts
 
@@ -236,6 +238,27 @@ def test_shard_mode_reads_the_index_beside_the_shards():
     ds = make_dataset("shards", fake, rank=0, world_size=1)
     keys = [s["__key__"] for s in ds]
     assert sorted(keys) == sorted(k.rsplit(".", 1)[0] for k in objects) and len(ds) == 60
+
+
+def test_with_the_index_offsets_each_rank_fetches_only_its_blocks():
+    objects = payloads(150, size=400)
+    fake, counts = shard_store(objects, per_shard=50, index=True)
+
+    def epoch(counts=None):
+        batches, read = [], 0
+        for rank in range(3):
+            ds = make_dataset("shards", fake, counts, rank=rank, world_size=3, chunk_size=256)
+            ds.set_epoch(1)
+            loader = DataLoader(ds, batch_size=BATCH, collate_fn=lambda b: [s["__key__"] for s in b])
+            batches.append(list(loader))
+            read += ds.stats()["bytes"]
+        return batches, read
+
+    ranged, ranged_bytes = epoch()  # offsets from index.json
+    whole, whole_bytes = epoch(counts)  # counts alone: shards read from their start
+    assert ranged == whole
+    data = sum(len(body) for (_, key), body in fake.objects.items() if key.endswith(".tar"))
+    assert ranged_bytes < 1.5 * data < whole_bytes
 
 
 def test_shard_mode_without_counts_says_what_is_missing():

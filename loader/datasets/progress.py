@@ -33,8 +33,8 @@ class Watermark:
         elif n > self.low:
             self.above.add(n)
 
-    def __contains__(self, n: int) -> bool:
-        return n < self.low or n in self.above
+    def __contains__(self, n: object) -> bool:
+        return isinstance(n, int) and (n < self.low or n in self.above)
 
     def __len__(self) -> int:
         return self.low + len(self.above)

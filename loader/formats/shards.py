@@ -20,11 +20,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import time
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, NamedTuple
 
 import anyio
@@ -157,14 +158,22 @@ def shard_job(
     position: int,
     assignment: ShardAssignment,
     options: ShardOptions,
-    skip: frozenset[int] = frozenset(),
+    skip: Container[int] = frozenset(),
     on_error: str = "raise",
+    offsets: Sequence[int] | None = None,
 ) -> Job:
     """Stream one shard; emit ``((position, index), sample)`` for each sample the slot keeps
     (and has not delivered before a resume), then ``((position, END), ShardEnd)``.
 
     ``on_error``: a corrupt or truncated shard raises (``"raise"``), or the rest of it is
-    skipped quietly (``"skip"``) or with a warning (``"warn"``); ``ShardEnd`` says it was."""
+    skipped quietly (``"skip"``) or with a warning (``"warn"``); ``ShardEnd`` says it was.
+
+    ``offsets`` (the byte offset of each sample's first header, from the shard index) let an
+    assignment with ``ranges`` read each range from its first byte with a ranged GET, instead
+    of the shard from its start (uncompressed shards only: a compressed one has no offsets).
+    """
+    if offsets is not None and assignment.ranges and shard.compression is None:
+        return _ranged_job(shard, position, assignment, options, skip, on_error, offsets)
 
     async def job(ctx: JobContext) -> None:
         grouper = SampleGrouper(shard.url)
@@ -211,6 +220,73 @@ def shard_job(
             return
         links = _warn_links(shard, parser)
         await ctx.emit(((position, END), ShardEnd(count, skipped=False, links=links)), 0)
+
+    return job
+
+
+def _ranged_job(
+    shard: ShardRef,
+    position: int,
+    assignment: ShardAssignment,
+    options: ShardOptions,
+    skip: Container[int],
+    on_error: str,
+    offsets: Sequence[int],
+) -> Job:
+    """``shard_job`` for sample ranges whose byte offsets are known: one GET per range, from the
+    range's first sample's first header to the next sample's (at most ``part_size`` bytes held;
+    a longer range, or one that runs to the shard's end, is streamed and cut after its last
+    sample)."""
+
+    async def job(ctx: JobContext) -> None:
+        links, skipped = 0, False
+        for start, stop in assignment.ranges:
+            if all(index in skip for index in range(start, stop)):
+                continue  # delivered before a resume
+            grouper = SampleGrouper(shard.url, start_index=start)
+            parser = TarStreamParser(shard.url, start_offset=offsets[start])
+
+            async def deliver(sample: dict[str, Any] | None, stop: int = stop) -> None:
+                if sample is None:
+                    return
+                index = sample.pop("__index__")
+                if index >= stop:
+                    raise _RangeDone
+                if index not in skip:
+                    await ctx.emit(((position, index), sample), sample_nbytes(sample))
+                if index + 1 >= stop:
+                    raise _RangeDone
+
+            async def feed(chunk: bytes, parser: TarStreamParser = parser,
+                           grouper: SampleGrouper = grouper) -> None:
+                for member in parser.feed(chunk):
+                    await deliver(grouper.add(member))
+
+            try:
+                if stop < len(offsets) and offsets[stop] - offsets[start] <= options.part_size:
+                    # One bounded GET: the range ends where the next sample's first header starts.
+                    get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
+                                            offsets[start], offsets[stop])
+                    data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
+                    await feed(data)
+                else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
+                    await _read_stream(ctx, shard, options, parser, feed)
+                    parser.close()
+                await deliver(grouper.flush())
+            except _RangeDone:
+                pass
+            except ShardFormatError as exc:
+                if on_error == "raise":
+                    raise
+                message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
+                if on_error == "warn":
+                    warnings.warn(message, RuntimeWarning, stacklevel=1)
+                log.warning(message)
+                skipped = True
+                break
+            finally:
+                links += parser.hard_links + parser.symlinks
+        await ctx.emit(((position, END), ShardEnd(len(offsets), skipped=skipped, links=links)), 0)
 
     return job
 
