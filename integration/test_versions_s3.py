@@ -23,8 +23,8 @@ import tarfile
 
 import pytest
 import torch
-
 from faults import FaultPlan, FaultProxy
+
 from loader import AsyncS3Dataset, checkpoint
 from loader.errors import ObjectChangedError
 from loader.retry import RetryPolicy
@@ -148,7 +148,7 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
     with pytest.raises(ObjectChangedError, match=rf"s3://{bucket}/big/train-0000\.tar changed "
                                                  "during the read"):
         for sample in dataset:
-            delivered.append(sample)
+            delivered.append(sample)  # noqa: PERF402 - kept up to the error
     assert 0 < len(delivered) < 40 and versions_of(delivered) == {1}
     # the next epoch reads the new version whole
     again = list(AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", part_size=2 << 20,
@@ -199,7 +199,7 @@ def test_stream_cut_by_the_proxy_resumes_only_on_the_same_version(s3_server, bac
             if overwrite:
                 stack.enter_context(pytest.raises(ObjectChangedError, match=rf"s3://{bucket}/s/a\.tar"))
             for sample in dataset:
-                delivered.append(sample)
+                delivered.append(sample)  # noqa: PERF402 - kept up to the error
         assert proxy.counts["truncate"] == 1
     assert versions_of(delivered) <= {1}
     if overwrite:
@@ -243,7 +243,7 @@ def test_cache_gives_fresh_bytes_after_an_overwrite_between_epochs(s3_server, tm
     bucket = s3_server.new_bucket()
     for key, data in objects(40, 1).items():
         upload(s3_server, bucket, key, data)
-    options = dict(config=s3_server.config, store=backend, cache_dir=tmp_path)
+    options = {"config": s3_server.config, "store": backend, "cache_dir": tmp_path}
     first = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", **options)
     assert versions_of(first) == {1}
     assert versions_of(first) == {1} and first.stats()["requests"] == 0  # epoch 2: no GET
@@ -264,8 +264,8 @@ def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, 
     for key, data in objects(8, 1).items():
         upload(s3_server, bucket, key, data)
     keys = sorted(objects(8, 1))
-    options = dict(config=s3_server.config, store=backend, cache_dir=tmp_path,
-                   cache_validate="always")
+    options = {"config": s3_server.config, "store": backend, "cache_dir": tmp_path,
+                   "cache_validate": "always"}
     assert versions_of(AsyncS3Dataset.from_keys(bucket, keys, **options)) == {1}
     upload(s3_server, bucket, keys[5], objects(8, 2)[keys[5]])
     again = AsyncS3Dataset.from_keys(bucket, keys, **options)
@@ -277,7 +277,7 @@ def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, 
 def test_shards_from_the_cache_are_refetched_when_overwritten(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))
-    options = dict(config=s3_server.config, cache_dir=tmp_path, part_size=256 << 10)
+    options = {"config": s3_server.config, "cache_dir": tmp_path, "part_size": 256 << 10}
     assert versions_of(AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", **options)) == {1}
     upload(s3_server, bucket, "s/a.tar", tar_of(2, 20, 100_000))
     dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", **options)

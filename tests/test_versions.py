@@ -17,8 +17,8 @@ import tarfile
 import anyio
 import pytest
 import torch
-
 from fakes import FakeStore, reusable
+
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, checkpoint
 from loader.errors import ObjectChangedError
 from loader.retry import RetryPolicy
@@ -118,7 +118,7 @@ def test_ranged_parts_of_a_shard_overwritten_mid_read_are_never_spliced():
     delivered = []
     with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/a\.tar changed during the read"):
         for sample in ds:
-            delivered.append(sample)
+            delivered.append(sample)  # noqa: PERF402 - kept up to the error
     assert delivered and versions_of(delivered) == {1}
     assert fake.requests_by_key["shards/a.tar"] >= 4
 
@@ -156,7 +156,7 @@ def test_resumed_stream_of_an_overwritten_shard_fails_instead_of_splicing():
     delivered = []
     with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/a\.tar"):
         for sample in shard_dataset(fake, f"s3://{BUCKET}/shards/a.tar"):
-            delivered.append(sample)
+            delivered.append(sample)  # noqa: PERF402 - kept up to the error
     assert 0 < len(delivered) < 40 and versions_of(delivered) == {1}
 
 
@@ -223,7 +223,7 @@ def by_key(samples) -> dict[str, bytes]:
 
 def test_listing_etags_refetch_overwritten_entries_and_nothing_else(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(40, 1))
-    options = dict(store=reusable(fake), cache_dir=tmp_path, retry=FAST_RETRY)
+    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
     assert len(list(AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", **options))) == 40
     changed = payloads(40, 2)
     for key in list(changed)[:10]:
@@ -242,7 +242,7 @@ def test_listing_etags_refetch_overwritten_entries_and_nothing_else(tmp_path):
 def test_without_etags_in_the_key_list_listing_rule_trusts_entries(tmp_path):
     """The documented rule: cache_validate='listing' with from_keys has nothing to compare."""
     fake = FakeStore.with_objects(BUCKET, payloads(5, 1))
-    options = dict(store=reusable(fake), cache_dir=tmp_path, retry=FAST_RETRY)
+    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
     keys = sorted(key for _, key in fake.objects)
     list(AsyncS3Dataset.from_keys(BUCKET, keys, **options))
     fake.objects.update({(BUCKET, k): v for k, v in payloads(5, 2).items()})
@@ -253,8 +253,8 @@ def test_without_etags_in_the_key_list_listing_rule_trusts_entries(tmp_path):
 
 def test_always_revalidates_with_conditional_gets_that_cost_no_body(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(8, 1))
-    options = dict(store=reusable(fake), cache_dir=tmp_path, retry=FAST_RETRY,
-                   cache_validate="always")
+    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY,
+                   "cache_validate": "always"}
     keys = sorted(key for _, key in fake.objects)
     list(AsyncS3Dataset.from_keys(BUCKET, keys, **options))
     fake.objects[BUCKET, keys[3]] = payloads(8, 2)[keys[3]]
@@ -268,8 +268,8 @@ def test_always_revalidates_with_conditional_gets_that_cost_no_body(tmp_path):
 
 def test_never_trusts_entries(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(4, 1))
-    options = dict(store=reusable(fake), cache_dir=tmp_path, retry=FAST_RETRY,
-                   cache_validate="never")
+    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY,
+                   "cache_validate": "never"}
     list(AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", **options))
     fake.objects.update({(BUCKET, k): v for k, v in payloads(4, 2).items()})
     fake.reset_counters()
@@ -284,7 +284,7 @@ def test_cache_validate_is_checked_up_front():
 
 def test_map_dataset_refetches_overwritten_entries(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(6, 1))
-    options = dict(store=reusable(fake), cache_dir=tmp_path, retry=FAST_RETRY)
+    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
     with AsyncS3MapDataset.from_prefix(f"s3://{BUCKET}/train/", **options) as ds:
         assert versions_of(ds.__getitems__(list(range(6)))) == {1}
     fake.objects.update({(BUCKET, k): v for k, v in payloads(6, 2).items()})
@@ -296,7 +296,7 @@ def test_map_dataset_refetches_overwritten_entries(tmp_path):
 
 def test_shards_from_a_cache_are_refetched_when_the_listing_says_so(tmp_path):
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
-    options = dict(cache_dir=tmp_path, part_size=4096, parts_inflight=2)
+    options = {"cache_dir": tmp_path, "part_size": 4096, "parts_inflight": 2}
     assert versions_of(shard_dataset(fake, f"s3://{BUCKET}/shards/", **options)) == {1}
     fake.objects[BUCKET, "shards/a.tar"] = tar_of(2)
     fake.reset_counters()
@@ -358,7 +358,7 @@ async def test_a_pinned_read_never_takes_an_entry_of_another_version(tmp_path, a
 
 def test_cache_files_of_the_first_format_are_fetched_again(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(3, 1))
-    options = dict(store=reusable(fake), cache_dir=tmp_path, retry=FAST_RETRY)
+    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
     list(AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", **options))
     files = [path for path in tmp_path.rglob("*") if path.is_file() and len(path.name) == 64]
     assert len(files) == 3

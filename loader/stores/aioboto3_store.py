@@ -38,7 +38,14 @@ from .answers import (
     target,
     unreachable,
 )
-from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, normalize_etag
+from .base import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ListPage,
+    ObjectInfo,
+    Pin,
+    normalize_etag,
+)
 from .credentials import credentials_error, no_credentials_found
 from .signed_get import SignedGetter, can_sign_directly
 
@@ -529,7 +536,7 @@ class _PartBody(io.BytesIO):
         return memoryview(self._data)
 
 
-def _error_code(exc: BaseException) -> str:
+def _error_code(exc: BaseException | None) -> str:
     """The S3 error code of a botocore ``ClientError`` ('' for anything else)."""
     if isinstance(exc, bce.ClientError):
         return str(exc.response.get("Error", {}).get("Code", ""))

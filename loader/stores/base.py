@@ -59,8 +59,7 @@ def normalize_etag(raw: str | None) -> str | None:
     if not raw:
         return None
     tag = raw.strip()
-    if tag.startswith("W/"):
-        tag = tag[2:]
+    tag = tag.removeprefix("W/")
     return tag.strip('"') or None
 
 

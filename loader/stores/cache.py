@@ -134,10 +134,10 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CACHE_LIMIT",
     "MIN_CACHE_LIMIT",
+    "VALIDATE_RULES",
     "CacheStats",
     "CachedStore",
     "DiskCache",
-    "VALIDATE_RULES",
     "check_cache_options",
     "check_validate",
     "endpoint_id_for",
@@ -659,7 +659,7 @@ class _Assembly:
     in worker threads: the descriptor is closed only when none is running.
     """
 
-    __slots__ = ("name", "temp", "covered", "size", "busy", "dead", "committing", "etag")
+    __slots__ = ("busy", "committing", "covered", "dead", "etag", "name", "size", "temp")
 
     def __init__(self, name: str, temp: TempFile) -> None:
         self.name = name
@@ -1085,8 +1085,10 @@ class CachedStore:
             del self._pending[assembly.name]
         with anyio.CancelScope(shield=True):
             try:
+                size = assembly.size
+                assert size is not None  # complete() checked it
                 evicted = await anyio.to_thread.run_sync(
-                    assembly.temp.finish, assembly.size, None, assembly.etag
+                    functools.partial(assembly.temp.finish, size, etag=assembly.etag)
                 )
                 self.evictions += evicted
             except (OSError, _Corrupt) as exc:  # finish() removed its temp file

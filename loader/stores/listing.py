@@ -78,7 +78,7 @@ class KeyList(Sequence[str]):
     to DataLoader workers or other ranks copies a few large blocks, not millions of objects.
     """
 
-    __slots__ = ("_blob", "_ends", "_sizes", "_etags")
+    __slots__ = ("_blob", "_ends", "_etags", "_sizes")
 
     def __init__(self, blob: bytes, ends: array.array, sizes: array.array | None = None,
                  etags: KeyList | None = None) -> None:

@@ -95,7 +95,14 @@ from .answers import (
     target,
     unreachable,
 )
-from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, normalize_etag
+from .base import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ListPage,
+    ObjectInfo,
+    Pin,
+    normalize_etag,
+)
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 
 __all__ = ["ObstoreStore", "forked_after_use", "translate_error"]
@@ -277,7 +284,7 @@ class ObstoreStore:
         return await self._get_plain(bucket, key)
 
     async def _get_plain(
-        self, bucket: str, key: str, options: dict[str, Any] | None = None,
+        self, bucket: str, key: str, options: Any = None,
         pin: Pin | None = None,
     ) -> bytes:
         """The object (or ``options["range"]`` of it) with ``get_async``: two awaits, its length
