@@ -240,6 +240,7 @@ def _ranged_job(
 
     async def job(ctx: JobContext) -> None:
         links, skipped = 0, False
+        pin = Pin(shard.etag)  # the offsets describe one version: every range reads that one
         for start, stop in assignment.ranges:
             if all(index in skip for index in range(start, stop)):
                 continue  # delivered before a resume
@@ -266,11 +267,12 @@ def _ranged_job(
                 if stop < len(offsets) and offsets[stop] - offsets[start] <= options.part_size:
                     # One bounded GET: the range ends where the next sample's first header starts.
                     get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
-                                            offsets[start], offsets[stop])
+                                            offsets[start], offsets[stop], pin=pin,
+                                            listed_etag=shard.etag)
                     data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
                     await feed(data)
                 else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
-                    await _read_stream(ctx, shard, options, parser, feed)
+                    await _read_stream(ctx, shard, options, parser, feed, pin)
                     parser.close()
                 await deliver(grouper.flush())
             except _RangeDone:
