@@ -311,3 +311,32 @@ def test_state_dict_carries_the_resume_point():
 def test_bad_settings_are_named(call, match):
     with pytest.raises(ConfigError, match=match):
         call(FakeStore.with_objects("bucket", payloads(10, size=8)))
+
+
+@pytest.mark.parametrize("how", ["stateful", "batches"])
+@pytest.mark.parametrize("mode", ["objects", "shards"])
+def test_same_topology_resumes_still_work_with_batch_size(mode, how):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    objects = payloads(90, size=16)
+    fake, counts = (FakeStore.with_objects("bucket", objects), None) if mode == "objects" else shard_store(objects)
+
+    def loader(ds):
+        cls = StatefulDataLoader if how == "stateful" else DataLoader
+        return cls(ds, batch_size=BATCH, num_workers=2, collate_fn=lambda b: [s["__key__"] for s in b])
+
+    def dataset():
+        ds = make_dataset(mode, fake, counts, rank=1, world_size=2)
+        ds.resume(epoch=2, samples_seen=16)  # itself resumed elastically, then stopped again
+        ds.set_epoch(2)
+        return ds
+
+    whole = list(loader(dataset()))
+    first = loader(dataset())
+    head = list(itertools.islice(first, 3))
+    second = loader(dataset())
+    if how == "stateful":
+        second.load_state_dict(first.state_dict())
+    else:
+        second.dataset.resume_from_batches(epoch=2, batches_seen=3, batch_size=BATCH)
+    assert head + list(second) == whole

@@ -545,6 +545,10 @@ class AsyncS3Dataset(IterableDataset):
         it had handed over, and skips exactly those (per-object mode: without fetching them;
         shard mode: by reading and dropping them). Needs ``ordered=True`` (the default), the same
         seed, data set, ``batch_size``, ``drop_last``, ``num_workers`` and world size as before.
+
+        With the dataset's ``batch_size=`` this is ``resume(epoch, samples_seen(batches_seen))``:
+        a new DataLoader starts its round robin at worker 0, so skipping per worker would take
+        the steps out of order; the blocks left are dealt afresh instead, on any topology.
         """
         if not self.options.ordered:
             raise ConfigError("resume_from_batches needs ordered=True (as-completed order is not "
@@ -554,6 +558,14 @@ class AsyncS3Dataset(IterableDataset):
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
+        if self.options.batch_size is not None:
+            if batch_size != self.options.batch_size:
+                raise ConfigError(f"batch_size={batch_size!r} differs from the dataset's "
+                                  f"batch_size={self.options.batch_size!r}; give the same one")
+            self.resolve()
+            self.epoch = epoch
+            self.resume(epoch=epoch, samples_seen=self.samples_seen(batches_seen))
+            return
         self.resolve()
         self.epoch = epoch
         self._resume = None
@@ -659,8 +671,6 @@ class AsyncS3Dataset(IterableDataset):
                      shuffle=self.options.shuffle, rank=rank, world_size=world_size,
                      num_workers=num_workers)
         workers = range(max(1, num_workers))
-        if self.options.batch_size is not None:
-            return [len(self._block_plan(rank, world_size, w, num_workers)) for w in workers]
         if self.mode == "objects":
             return [len(partition.partition(len(self.samples()), worker=w,
                                             policy=self.options.pad_policy, **where)) for w in workers]
