@@ -235,7 +235,7 @@ class DevServer:
         began = time.monotonic()
         self._prepare_root()
         try:
-            if self._ports is None or not all(_port_is_free(p) for p in self._ports):
+            if self._ports is None or not all(_port_is_free(p) for p in self._ports if p is not None):
                 self._ports = self._pick_ports()
             self._launch()
             self._wait_ready(began + self.start_timeout)
