@@ -273,6 +273,7 @@ def closing_client(target: Target, proxy: FaultProxy, **options):
 
 
 def test_pass_through_is_exact(target, no_leaked_threads):
+    start = len(target.fake.seen) if target.fake is not None else 0
     with FaultProxy(target.url) as proxy, closing_client(target, proxy) as client:
         assert client.get_object(Bucket=target.bucket, Key="small")["Body"].read() == SMALL
         body = client.get_object(Bucket=target.bucket, Key="big")["Body"].read()
@@ -288,9 +289,11 @@ def test_pass_through_is_exact(target, no_leaked_threads):
         assert info.value.response["Error"]["Code"] == "NoSuchKey"
         assert proxy.counts == {"requests": 7}
     if target.fake is not None:
-        seen = target.fake.seen[-7:]
         # The Host header reached the upstream as the client signed it: the proxy's address.
-        assert {s["host"] for s in seen} == {f"127.0.0.1:{proxy.port}"}
+        # (The upstream is shared by this module's tests: a late request of an earlier test's
+        # proxy may land meanwhile, so keep this test's own; the listing is not recorded.)
+        seen = [s for s in target.fake.seen[start:] if s["host"] == f"127.0.0.1:{proxy.port}"]
+        assert len(seen) == 6, [s["host"] for s in target.fake.seen[start:]]
         assert seen[2]["method"] == "PUT" and seen[2]["headers"].get("Expect") == "100-continue"
         # One client connection, one upstream connection, reused (keep-alive on both sides).
         assert len({s["peer_port"] for s in seen}) == 1
