@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 EXTRAS := fast,test,stateful,devserver,image,zstd
 COMPOSE := docker compose -f docker/docker-compose.yml --env-file docker/minio.env
 
-.PHONY: install install-bench test unit-test integration-test demo bench bench-listing minio-up minio-down clean
+.PHONY: install install-bench lint mutation test unit-test integration-test demo bench bench-listing minio-up minio-down clean
 
 install: $(STAMP)
 
@@ -27,8 +27,19 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS),bench]"
 	touch $@
 
-test: install
+# ruff and mypy, configured in pyproject.toml; `make test` runs this first.
+lint: install
+	$(BIN)/ruff check loader tests integration bench conftest.py
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest tests integration -q
+
+# Mutation testing of the pure modules (pyproject.toml [tool.mutmut]); slow, not part of `make test`.
+mutation: install
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS),mutation]"
+	$(BIN)/mutmut run --max-children 2
+	$(BIN)/mutmut results
 
 unit-test: install
 	$(BIN)/python -m pytest tests -q
@@ -58,4 +69,4 @@ minio-down:
 	$(COMPOSE) down
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache mutants

@@ -210,7 +210,7 @@ def main() -> int:
         began = time.perf_counter()
         try:
             result = measure(run, spec)
-        except Exception as exc:  # noqa: BLE001 - one loader's failure is a table entry
+        except Exception as exc:
             traceback.print_exc()
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             result = dict(run, error=_redact(f"{type(exc).__name__}: {first}"))

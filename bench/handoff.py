@@ -389,7 +389,7 @@ def measure_handoff(samples: int, workers: tuple[int, ...], epochs: int,
                 print(f"  round {round_ + 1} w={w} {variant.name}: {row['samples_per_s']:.0f}/s, "
                       f"{row['client_us']:.0f} us/sample", file=sys.stderr)
     rows = []
-    for (w, name), done in runs.items():
+    for done in runs.values():
         rates = [rate for row in done for rate in row["rates"]]
         rate = statistics.median(rates)
         rows.append({**done[0], "samples_per_s": rate, "mb_per_s": rate * done[0]["mb_per_s"]

@@ -103,7 +103,7 @@ class S3Server:
                 for error in self.minio.remove_objects(bucket, names):
                     raise RuntimeError(str(error))
                 self.minio.remove_bucket(bucket)
-            except Exception as exc:  # noqa: BLE001 - cleanup must not fail the session
+            except Exception as exc:
                 warnings.warn(f"could not delete test bucket {bucket!r}: {exc}", stacklevel=1)
 
     def close(self) -> None:
@@ -149,7 +149,7 @@ def docker_engine_answers(timeout: float = DOCKER_PING_TIMEOUT) -> tuple[bool, s
             where = client.api.base_url
         finally:
             client.close()
-    except Exception as exc:  # noqa: BLE001 - any failure means "no engine"
+    except Exception as exc:
         reason = _one_line(exc)
     else:
         return True, f"answered at {where}"
@@ -169,7 +169,7 @@ def _embedded_name() -> str:
         from loader.tools.devserver import weed_version
 
         return f"embedded SeaweedFS {weed_version()}"
-    except Exception as exc:  # noqa: BLE001 - shown in the header; the fixture raises the real error
+    except Exception as exc:
         return f"embedded SeaweedFS, unavailable: {_one_line(exc)}"
 
 

@@ -377,7 +377,7 @@ class FaultProxy:
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
-        except BaseException as exc:  # noqa: BLE001 - reported through start() or the log
+        except BaseException as exc:
             if not self._ready.is_set():
                 self._startup_error = exc
             else:
@@ -420,7 +420,7 @@ class FaultProxy:
             await connection.serve()
         except asyncio.CancelledError:
             pass
-        except Exception:  # noqa: BLE001 - one broken connection must not end the proxy
+        except Exception:
             log.debug("FaultProxy connection failed", exc_info=True)
         finally:
             connection.abort()

@@ -21,12 +21,13 @@ import anyio
 import pytest
 from torch.utils.data import DataLoader
 
-from datasets import jpeg_dataset, sha256
 from loader import AsyncS3Dataset, StoreError
-from loader.stores.cache import HEADER_SIZE, CachedStore, CacheStats, DiskCache, endpoint_id_for
 from loader.retry import RetryPolicy
 from loader.stores import open_store
 from loader.stores.base import DEFAULT_CHUNK_SIZE
+from loader.stores.cache import HEADER_SIZE, CachedStore, CacheStats, DiskCache, endpoint_id_for
+
+from datasets import jpeg_dataset, sha256
 from shardsets import upload_shards
 
 N = 1000

@@ -96,7 +96,7 @@ def test_300mb_round_trip_is_exact_with_bounded_memory(s3_server, s3_env, record
         )
         assert got["threads"] == ["MainThread"], got["threads"]
     print("\n" + "\n".join(report))
-    for mode, got in (("save", saved), ("load", loaded)):
+    for got in (saved, loaded):
         assert got["peak"] - got["base"] < RSS_LIMIT * size, report
 
 

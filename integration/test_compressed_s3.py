@@ -17,9 +17,10 @@ import io
 import pytest
 from torch.utils.data import DataLoader
 
+from loader import AsyncS3Dataset, RetryPolicy
+
 from datasets import sha256
 from faults import FAULT_KINDS, FaultPlan, FaultProxy
-from loader import AsyncS3Dataset, RetryPolicy
 from shardsets import SUFFIXES, compress, pack
 
 KINDS = ("tgz", "zstd")

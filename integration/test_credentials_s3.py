@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from datasets import upload_objects
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset
+
+from datasets import upload_objects
 
 BACKENDS = ["aioboto3", pytest.param("obstore", marks=pytest.mark.skipif(
     importlib.util.find_spec("obstore") is None, reason="needs the fast extra (obstore)"))]

@@ -20,14 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from datasets import upload_objects
 from PIL import Image
-from shardsets import pack
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, decode_sample
 from loader.decode import collate_raw, decode_images
 from loader.tools.demo import photo_jpeg
+
+from datasets import upload_objects
+from shardsets import pack
 
 N = 96
 SIZE = (96, 128)

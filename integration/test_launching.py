@@ -27,9 +27,10 @@ import pytest
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
+from loader import AsyncS3Dataset
+
 import launching
 from datasets import jpeg_dataset
-from loader import AsyncS3Dataset
 from shardsets import upload_shards
 
 WORLD = 2

@@ -17,12 +17,13 @@ import tracemalloc
 
 import pytest
 import torch.multiprocessing as mp
-from faults import FaultDecider, FaultPlan, FaultProxy
 from listing_worker import list_on_rank
 
 from loader.retry import RetryPolicy
 from loader.stores import open_store
 from loader.stores.listing import ListOptions, list_all
+
+from faults import FaultDecider, FaultPlan, FaultProxy
 
 BACKENDS = ["aioboto3", "obstore"]
 RETRY = RetryPolicy(base_delay=0.01, max_delay=0.2, connect_timeout=5, read_timeout=30)

@@ -7,9 +7,10 @@ import threading
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from datasets import jpeg_dataset, sha256
 from loader import NoSuchKeyError
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset
+
+from datasets import jpeg_dataset, sha256
 
 N = 301  # odd: DistributedSampler pads one rank's share with one repeat
 

@@ -9,7 +9,6 @@ import time
 import pytest
 from torch.utils.data import DataLoader
 
-from datasets import jpeg_dataset, sha256
 from loader import (
     AccessDeniedError,
     AsyncS3Dataset,
@@ -20,6 +19,8 @@ from loader import (
     S3Config,
 )
 from loader.engine.fetch import live_engines
+
+from datasets import jpeg_dataset, sha256
 
 N = 1200
 

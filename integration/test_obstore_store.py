@@ -15,11 +15,10 @@ import time
 from contextlib import aclosing, asynccontextmanager
 
 import anyio
+import obstore  # noqa: F401  (an installed test dependency: a broken install must fail, not skip)
 import pytest
 
-import obstore  # noqa: F401  (an installed test dependency: a broken install must fail, not skip)
-
-from loader import (  # noqa: E402
+from loader import (
     AccessDeniedError,
     AsyncS3Dataset,
     ConfigError,
@@ -31,9 +30,9 @@ from loader import (  # noqa: E402
     S3Config,
     StoreError,
 )
-from loader.tools.devserver import DevServer, find_weed  # noqa: E402
-from loader.stores import ObjectStore, open_store  # noqa: E402
-from loader.stores.obstore_store import ObstoreStore  # noqa: E402
+from loader.stores import ObjectStore, open_store
+from loader.stores.obstore_store import ObstoreStore
+from loader.tools.devserver import DevServer, find_weed
 
 pytestmark = pytest.mark.anyio
 BUCKET = "obs"
@@ -215,11 +214,10 @@ async def test_list_matches_botocore(server, listed, prefix):
 
 async def test_list_closed_early(server, listed):
     with anyio.fail_after(DEADLINE):
-        async with opened(server.config) as store:
-            async with aclosing(store.list(BUCKET, "many/")) as infos:
-                async for info in infos:
-                    assert info.key == "many/00000.bin"
-                    break
+        async with opened(server.config) as store, aclosing(store.list(BUCKET, "many/")) as infos:
+            async for info in infos:
+                assert info.key == "many/00000.bin"
+                break
 
 
 async def test_awkward_keys_round_trip_with_botocore(server):
@@ -358,7 +356,7 @@ def _read_in_child(config: S3Config, queue) -> None:
 
     try:
         queue.put(("ok", asyncio.run(use())))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
+    except Exception as exc:
         queue.put((type(exc).__name__, str(exc)))
 
 

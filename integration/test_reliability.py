@@ -43,8 +43,6 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
-from datasets import jpeg_dataset, sha256
-from faults import FAULT_KINDS, FaultPlan, FaultProxy
 from loader import (
     AsyncS3Dataset,
     ConfigError,
@@ -54,6 +52,9 @@ from loader import (
     ShardFormatError,
 )
 from loader.engine.fetch import live_engines
+
+from datasets import jpeg_dataset, sha256
+from faults import FAULT_KINDS, FaultPlan, FaultProxy
 from shardsets import pack, upload_shards
 
 BACKENDS = ("aioboto3", "obstore")
@@ -349,7 +350,7 @@ class InThread:
         def run() -> None:
             try:
                 fn()
-            except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+            except BaseException as exc:
                 self.error = exc
             finally:
                 self.ended = time.monotonic()

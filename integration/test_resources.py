@@ -19,8 +19,8 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import gc
+import io
 import json
 import logging
 import os
@@ -36,7 +36,6 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader
 
-from datasets import jpeg_dataset, sha256, upload_objects
 from loader import (
     AccessDeniedError,
     AsyncS3Dataset,
@@ -46,6 +45,8 @@ from loader import (
     SampleError,
 )
 from loader.engine.fetch import live_engines
+
+from datasets import jpeg_dataset, sha256, upload_objects
 from shardsets import upload_shards
 
 BACKENDS = ("aioboto3", "obstore")
@@ -210,8 +211,9 @@ def canary_server(tmp_path):
 
 
 def test_the_secret_appears_nowhere(canary_server, monkeypatch, caplog, tmp_path):
-    from conftest import minio_client
     from torch.utils.data import _utils
+
+    from conftest import minio_client
 
     # after a worker raised, torch waits this long per worker before ending them (see
     # test_reliability.py's quick_worker_exit)

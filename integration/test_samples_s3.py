@@ -8,10 +8,11 @@ import json
 import warnings
 
 import pytest
-from datasets import make_jpeg, sha256, upload_objects
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset
+
+from datasets import make_jpeg, sha256, upload_objects
 
 STEMS = 150
 CLASSES = ("dog", "cat", "Zebra", "ant")

@@ -21,11 +21,12 @@ import psutil
 import pytest
 from botocore.exceptions import ClientError
 
-from datasets import jpeg_dataset, make_jpeg, sha256
-from loader.tools import cli
 from loader.config import S3Config
-from loader.tools.devserver import DevServer, find_weed
 from loader.errors import ConfigError
+from loader.tools import cli
+from loader.tools.devserver import DevServer, find_weed
+
+from datasets import jpeg_dataset, make_jpeg, sha256
 
 REPO = Path(__file__).resolve().parents[1]
 _S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT",

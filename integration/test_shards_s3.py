@@ -8,8 +8,9 @@ import time
 import pytest
 from torch.utils.data import DataLoader
 
-from datasets import sha256
 from loader import AsyncS3Dataset, NoSuchKeyError, ShardFormatError
+
+from datasets import sha256
 from shardsets import pack, upload_shards
 
 SIZES = [260, 250, 270, 240, 255, 265, 245, 275]  # 2,060 samples in 8 shards

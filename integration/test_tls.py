@@ -16,14 +16,15 @@ import subprocess
 import sys
 
 import pytest
-from datasets import jpeg_dataset
 from torch.utils.data import DataLoader
 
-from conftest import _S3_VARS, minio_client
 from loader import AsyncS3Dataset, S3Config, TLSError
 from loader.retry import RetryPolicy
 from loader.stores import open_store
 from loader.tools.devserver import DevServer
+
+from conftest import _S3_VARS, minio_client
+from datasets import jpeg_dataset
 
 trustme = pytest.importorskip("trustme")  # a test dependency (extra "test"); skips nothing in make test
 BACKENDS = ["aioboto3", "obstore"]

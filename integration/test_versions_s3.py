@@ -23,13 +23,14 @@ import tarfile
 
 import pytest
 import torch
-from faults import FaultPlan, FaultProxy
 
 from loader import AsyncS3Dataset, checkpoint
 from loader.errors import ObjectChangedError
 from loader.retry import RetryPolicy
 from loader.stores import open_store
 from loader.stores.aioboto3_store import Aioboto3Store
+
+from faults import FaultPlan, FaultProxy
 
 BACKENDS = ["aioboto3", "aioboto3-botocore", "obstore"]
 FAST_RETRY = RetryPolicy(base_delay=0.01, max_delay=0.1)
@@ -148,7 +149,7 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
     with pytest.raises(ObjectChangedError, match=rf"s3://{bucket}/big/train-0000\.tar changed "
                                                  "during the read"):
         for sample in dataset:
-            delivered.append(sample)  # noqa: PERF402 - kept up to the error
+            delivered.append(sample)
     assert 0 < len(delivered) < 40 and versions_of(delivered) == {1}
     # the next epoch reads the new version whole
     again = list(AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", part_size=2 << 20,
@@ -199,7 +200,7 @@ def test_stream_cut_by_the_proxy_resumes_only_on_the_same_version(s3_server, bac
             if overwrite:
                 stack.enter_context(pytest.raises(ObjectChangedError, match=rf"s3://{bucket}/s/a\.tar"))
             for sample in dataset:
-                delivered.append(sample)  # noqa: PERF402 - kept up to the error
+                delivered.append(sample)
         assert proxy.counts["truncate"] == 1
     assert versions_of(delivered) <= {1}
     if overwrite:

@@ -14,7 +14,8 @@ only ``write`` (with memoryviews straight onto tensor memory) and ``flush``, nev
 loop, which uploads up to ``parts_inflight`` at once. The hand-off is a rendezvous that waits
 for a free upload slot (backpressure), so at most ``parts_inflight + 1`` parts exist at any
 time: ``(parts_inflight + 1) * part_size`` beyond the object being saved, 80 MiB with the
-defaults, plus the client's own memory (the measured peaks are in ``bench/results/``). A checkpoint smaller than one part is a single PUT.
+defaults, plus the client's own memory (the measured peaks are in ``bench/results/``). A checkpoint
+smaller than one part is a single PUT.
 Each request is retried by ``loader.retry``. The object appears only when the upload completes,
 atomically; on *any* failure (``torch.save`` raising, a part failing after its retries,
 ``KeyboardInterrupt``) the upload is aborted, so no invisible parts are left behind, and the
@@ -122,7 +123,7 @@ def save(
                     raise writer.error
                 writer.finish()
                 future.result()
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - reraised below as the named cause, after the upload is aborted
                 cause = _cause(exc, writer.error, outer)
                 _abandon(portal, upload, future)
                 if upload.abort_error is not None:
@@ -131,7 +132,7 @@ def save(
                         f"{upload.abort_error}; abort it by hand, or let a bucket lifecycle rule "
                         "(AbortIncompleteMultipartUpload) remove it"
                     )
-                raise _named(cause, uri, "saving checkpoint to", hide=exc)
+                raise _named(cause, uri, "saving checkpoint to", hide=exc)  # noqa: B904 (_named sets the cause)
         finally:
             portal.call(opened.aclose)
 
@@ -170,9 +171,9 @@ def load(
                                   block_size=part_size, parallel=parts_inflight, retry=policy)
             try:
                 return torch.load(reader, map_location=map_location, weights_only=weights_only)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - reraised as the named cause
                 cause = _cause(exc, reader.error, outer)
-                raise _named(cause, uri, "loading checkpoint from", hide=exc)
+                raise _named(cause, uri, "loading checkpoint from", hide=exc)  # noqa: B904 (_named sets the cause)
             finally:
                 reader.close()
         finally:
@@ -233,7 +234,7 @@ class _Upload:
                                     self.upload_id = await self._retried(
                                         self.store.create_multipart, self.bucket, self.key
                                     )
-                        except Exception as exc:  # not raised here: a task group would wrap it
+                        except Exception as exc:  # noqa: BLE001 - not raised here: a task group would wrap it
                             self.error = exc
                             self._slots.release()
                             tg.cancel_scope.cancel()
@@ -263,7 +264,7 @@ class _Upload:
                 self.store.upload_part, self.bucket, self.key, self.upload_id, number, data
             )
             self.parts.append((number, etag))
-        except Exception as exc:  # first failure wins; the others are its cancellations
+        except Exception as exc:  # noqa: BLE001 - first failure wins; the others are its cancellations
             if self.error is None:
                 self.error = exc
             scope.cancel()
@@ -276,7 +277,7 @@ class _Upload:
             return
         try:
             await self._retried(self.store.abort_multipart, self.bucket, self.key, self.upload_id)
-        except Exception as exc:  # reported as a note on the error that caused the abort
+        except Exception as exc:  # noqa: BLE001 - reported as a note on the error that caused the abort
             self.abort_error = exc
 
     async def _retried(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -564,7 +565,7 @@ class _RangeReader(io.RawIOBase):
                     out[index] = data
                 else:  # the caller's thread is blocked in portal.call until we return
                     into[lo - base : hi - base] = data
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - collected; the first one is raised once the scope ends
                 errors.append(exc)
                 scope.cancel()
 
@@ -681,8 +682,8 @@ def _is_torch_echo(exc: BaseException) -> bool:
 def _naming(uri: str, action: str):
     try:
         yield
-    except BaseException as exc:
-        raise _named(exc, uri, action)
+    except BaseException as exc:  # noqa: BLE001 - reraised as the named cause
+        raise _named(exc, uri, action)  # noqa: B904 (_named sets the cause)
 
 
 def _named(

@@ -155,7 +155,7 @@ def _check_endpoint(value: str, name: str) -> str:
         )
     try:
         parts = urlsplit(value)
-        parts.port  # a non-numeric or out-of-range port raises ValueError here, not in botocore
+        _ = parts.port  # a non-numeric or out-of-range port raises ValueError here, not in botocore
     except ValueError as exc:
         raise ConfigError(
             f"{name}={value!r} is not a valid URL ({exc}); set it to scheme, host and port "

@@ -22,9 +22,8 @@ def test_a_session_is_kept_per_credentials():
 
 
 def test_a_session_already_lent_is_never_waited_for():
-    with _SESSIONS.borrow(A) as lent:
-        with _SESSIONS.borrow(A) as meanwhile:  # same thread: waiting here would deadlock
-            assert meanwhile is not lent
+    with _SESSIONS.borrow(A) as lent, _SESSIONS.borrow(A) as meanwhile:  # same thread: waiting here would deadlock
+        assert meanwhile is not lent
     with _SESSIONS.borrow(A) as after:
         assert after is lent, "the throwaway session did not replace the kept one"
 

@@ -27,8 +27,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from fakes import FakeStore
 from loader import AsyncS3Dataset, ConfigError
+from loader.errors import InvalidRangeError, TransientStoreError
+from loader.retry import RetryPolicy
+from loader.stores.base import ObjectStore
 from loader.stores.cache import (
     HEADER_SIZE,
     CachedStore,
@@ -38,9 +40,8 @@ from loader.stores.cache import (
     endpoint_id_for,
     open_cached_store,
 )
-from loader.errors import InvalidRangeError, TransientStoreError
-from loader.retry import RetryPolicy
-from loader.stores.base import ObjectStore
+
+from fakes import FakeStore
 
 pytestmark = pytest.mark.anyio
 DEADLINE = 20

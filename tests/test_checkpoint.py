@@ -12,7 +12,6 @@ import anyio
 import pytest
 import torch
 
-from fakes import FakeStore, reusable
 from loader import checkpoint
 from loader.errors import (
     AccessDeniedError,
@@ -21,6 +20,8 @@ from loader.errors import (
     NoSuchKeyError,
     TransientStoreError,
 )
+
+from fakes import FakeStore, reusable
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 

@@ -20,10 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakes import FakeStore, reusable
-from loader.tools import cli
 from loader.errors import ConfigError, StoreError, TransientStoreError
-from loader.tools.ls import log2_histogram, render_histogram, summarize_listing
+from loader.formats.index import INDEX_NAME, index_counts, read_index_counts
 from loader.formats.packing import (
     END_OF_ARCHIVE,
     PROGRESS_NAME,
@@ -41,11 +39,14 @@ from loader.formats.packing import (
     source_directory,
     tar_header,
 )
-from loader.formats.index import INDEX_NAME, index_counts, read_index_counts
-from loader.tools.sizes import format_size, parse_size
-from loader.tools.shard import PackOptions, pack
-from loader.stores import ObjectInfo
 from loader.formats.tar import TarStreamParser, iter_samples, split_key
+from loader.stores import ObjectInfo
+from loader.tools import cli
+from loader.tools.ls import log2_histogram, render_histogram, summarize_listing
+from loader.tools.shard import PackOptions, pack
+from loader.tools.sizes import format_size, parse_size
+
+from fakes import FakeStore, reusable
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "serve", "ls", "shard", "bench")

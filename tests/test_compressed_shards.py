@@ -26,12 +26,13 @@ import pytest
 import webdataset as wds
 import zstandard
 
-from fakes import FakeStore, reusable
 from loader import AsyncS3Dataset, ConfigError
+from loader.errors import EmptyDatasetError, ShardFormatError
 from loader.formats.compression import compression_of, is_shard_name, open_decoder
-from loader.errors import EmptyDatasetError, ShardFormatError, TransientStoreError
-from loader.retry import RetryPolicy
 from loader.formats.tar import TarStreamParser
+from loader.retry import RetryPolicy
+
+from fakes import FakeStore, reusable
 
 BUCKET = "bucket"
 FAST_RETRY = RetryPolicy(base_delay=0.001, max_delay=0.01)

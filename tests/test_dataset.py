@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-
-from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, SampleError
 from loader.engine.fetch import live_engines
+
+from fakes import FakeStore, payloads, reusable
 
 BUCKET = "bucket"
 

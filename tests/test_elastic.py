@@ -14,7 +14,6 @@ import tarfile
 from collections import Counter
 
 import pytest
-from fakes import FakeStore, payloads, reusable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -28,6 +27,8 @@ from loader.datasets.partition import (
     sequence_ranges,
     steps_per_rank,
 )
+
+from fakes import FakeStore, payloads, reusable
 
 sizes = st.integers(0, 400)
 batch_sizes = st.integers(1, 9)

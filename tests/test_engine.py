@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-
-from waiting import wait_stable, wait_until
-from fakes import FakeStore, payloads, reusable
 from loader.engine.fetch import EngineLimits, FetchEngine, live_engines
 from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError
+
+from fakes import FakeStore, payloads, reusable
+from waiting import wait_stable, wait_until
 
 BUCKET = "b"
 
@@ -138,7 +138,8 @@ def test_a_started_engine_that_is_never_closed_warns():
 
 
 def test_a_fetch_error_names_the_key_after_earlier_items_are_delivered(no_leaked_threads):
-    objects, fake = make(50, fail={"train/000020.bin": AccessDeniedError("denied: train/000020.bin", bucket=BUCKET, key="train/000020.bin")})
+    denied = AccessDeniedError("denied: train/000020.bin", bucket=BUCKET, key="train/000020.bin")
+    objects, fake = make(50, fail={"train/000020.bin": denied})
     got = []
     with pytest.raises(AccessDeniedError, match="000020") as info:
         for item in FetchEngine(fetch_jobs(sorted(objects)), reusable(fake), limits=EngineLimits(max_inflight=8)):
@@ -167,7 +168,8 @@ def test_no_jobs_means_an_empty_iteration(no_leaked_threads):
     assert list(FetchEngine(iter(()), reusable(fake))) == []
 
 
-@pytest.mark.parametrize("name,value", [("max_inflight", 0), ("max_inflight", -3), ("queue_bytes", 0), ("queue_items", 1.5)])
+@pytest.mark.parametrize("name,value", [("max_inflight", 0), ("max_inflight", -3), ("queue_bytes", 0),
+                                        ("queue_items", 1.5)])
 def test_invalid_limits_are_rejected_at_construction(name, value):
     with pytest.raises(ConfigError, match=name):
         EngineLimits(**{name: value})

@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import FakeStore, reusable
 
 from loader import AsyncS3Dataset, ConfigError, SampleError, decode_sample
 from loader._version import DISTRIBUTION
+
+from fakes import FakeStore, reusable
 
 PACKAGE = Path(__file__).resolve().parent.parent / "loader"
 # import name -> the extra that installs it

@@ -9,10 +9,9 @@ from contextlib import aclosing
 
 import anyio
 import pytest
-from anyio.lowlevel import checkpoint
 from anyio import wait_all_tasks_blocked
+from anyio.lowlevel import checkpoint
 
-from fakes import FakeStore
 from loader.errors import (
     AccessDeniedError,
     InvalidRangeError,
@@ -21,6 +20,8 @@ from loader.errors import (
     TransientStoreError,
 )
 from loader.stores.base import ObjectInfo, ObjectStore
+
+from fakes import FakeStore
 
 pytestmark = pytest.mark.anyio
 DEADLINE = 5

@@ -7,12 +7,13 @@ import sys
 
 import anyio
 import pytest
-from fakes import FakeStore
 
 from loader.errors import ConfigError, NoSuchBucketError, TransientStoreError
 from loader.retry import RetryPolicy
 from loader.stores import ObjectInfo
 from loader.stores.listing import KeyList, ListOptions, list_all
+
+from fakes import FakeStore
 
 FAST = RetryPolicy(base_delay=0.0, max_delay=0.0)
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-
-from waiting import wait_until
-from fakes import FakeStore, payloads, reusable
 from loader import AccessDeniedError, ConfigError, LoaderOptions, NoSuchKeyError, SampleError
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
+
+from fakes import FakeStore, payloads, reusable
+from waiting import wait_until
 
 BUCKET = "bucket"
 LATENCY = 0.01
@@ -423,7 +423,7 @@ def test_fork_workers_after_use_in_the_parent(closing):
     for _ in range(3):
         assert len(ds.__getitems__(list(range(64)))) == 64
     parent_client = ds._client
-    for epoch in range(2):
+    for _epoch in range(2):
         loader = DataLoader(ds, batch_size=32, shuffle=True, num_workers=2,
                             multiprocessing_context="fork", timeout=60)
         got = [key for batch in loader for key in batch]

@@ -12,16 +12,16 @@ import random
 import time
 from collections import Counter
 
-import anyio
 import pytest
+from test_shards import BUCKET, assert_exactly, make_store, shards_ds
 
-from fakes import FakeStore, reusable
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
 from loader.datasets.options import LoaderOptions, budget_options
 from loader.datasets.shuffle import shuffled
 from loader.engine import EngineLimits, FetchEngine
 from loader.formats.objects import object_job
-from test_shards import BUCKET, assert_exactly, make_store, shards_ds
+
+from fakes import FakeStore, reusable
 
 MiB = 1 << 20
 

@@ -14,15 +14,13 @@ import time
 from contextlib import aclosing, asynccontextmanager
 
 import anyio
-import pytest
-
 import obstore  # noqa: F401  (an installed test dependency: a broken install must fail, not skip)
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from loader.config import S3Config  # noqa: E402
-from loader.errors import (  # noqa: E402
+from loader.config import S3Config
+from loader.errors import (
     AccessDeniedError,
     ConfigError,
     EndpointUnreachableError,
@@ -32,8 +30,8 @@ from loader.errors import (  # noqa: E402
     StoreError,
     TransientStoreError,
 )
-from loader.retry import RetryPolicy  # noqa: E402
-from loader.stores.obstore_store import (  # noqa: E402
+from loader.retry import RetryPolicy
+from loader.stores.obstore_store import (
     ObstoreStore,
     _start_after,
     forked_after_use,

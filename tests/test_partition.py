@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings

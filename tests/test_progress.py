@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-
-from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, ConfigError
 from loader.datasets.progress import Watermark, consumed_per_worker
+
+from fakes import FakeStore, payloads, reusable
 
 
 @given(st.lists(st.integers(0, 300), max_size=400))

@@ -9,7 +9,6 @@ import warnings
 from unittest import mock
 
 import pytest
-from fakes import FakeStore, reusable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -21,6 +20,8 @@ from loader import (
     NoSuchKeyError,
     SampleError,
 )
+
+from fakes import FakeStore, reusable
 
 BUCKET = "bucket"
 

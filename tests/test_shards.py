@@ -20,12 +20,12 @@ import pytest
 from torch.utils.data import DataLoader, get_worker_info
 
 import loader.datasets.iterable
-
-from waiting import wait_stable
-from fakes import FakeStore, reusable
 from loader import AsyncS3Dataset, ConfigError, SampleError
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
 from loader.retry import RetryPolicy
+
+from fakes import FakeStore, reusable
+from waiting import wait_stable
 
 BUCKET = "bucket"
 PATTERN8 = f"s3://{BUCKET}/shards/train-{{0000..0007}}.tar"
@@ -43,7 +43,7 @@ def shard_url(s: int) -> str:
     return f"s3://{BUCKET}/{shard_key(s)}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_shard(s: int, n: int, min_size: int = 200, max_size: int = 3000) -> tuple[bytes, tuple]:
     """A tar of ``n`` samples and, per sample, ``(key, {ext: bytes}, first byte, end byte)``.
 

@@ -7,7 +7,6 @@ import urllib.parse
 from pathlib import Path
 
 import botocore
-
 from hypothesis import given
 from hypothesis import strategies as st
 

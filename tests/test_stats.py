@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from fakes import FakeStore, payloads, reusable
 from loader import AsyncS3Dataset, TransientStoreError
 from loader.stores.recording import BOUNDS, LatencyHistogram
+
+from fakes import FakeStore, payloads, reusable
 
 
 @given(st.lists(st.floats(1e-4, 100.0), min_size=1, max_size=300), st.sampled_from([0.5, 0.9, 0.99]))

@@ -17,7 +17,6 @@ import tarfile
 import anyio
 import pytest
 import torch
-from fakes import FakeStore, reusable
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, checkpoint
 from loader.errors import ObjectChangedError
@@ -25,6 +24,8 @@ from loader.retry import RetryPolicy
 from loader.stores.answers import error_for_answer
 from loader.stores.base import Pin, normalize_etag
 from loader.stores.cache import MAGIC, CachedStore, DiskCache
+
+from fakes import FakeStore, reusable
 
 BUCKET = "bucket"
 FAST_RETRY = RetryPolicy(base_delay=0.001, max_delay=0.01)
@@ -118,7 +119,7 @@ def test_ranged_parts_of_a_shard_overwritten_mid_read_are_never_spliced():
     delivered = []
     with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/a\.tar changed during the read"):
         for sample in ds:
-            delivered.append(sample)  # noqa: PERF402 - kept up to the error
+            delivered.append(sample)
     assert delivered and versions_of(delivered) == {1}
     assert fake.requests_by_key["shards/a.tar"] >= 4
 
@@ -156,7 +157,7 @@ def test_resumed_stream_of_an_overwritten_shard_fails_instead_of_splicing():
     delivered = []
     with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/a\.tar"):
         for sample in shard_dataset(fake, f"s3://{BUCKET}/shards/a.tar"):
-            delivered.append(sample)  # noqa: PERF402 - kept up to the error
+            delivered.append(sample)
     assert 0 < len(delivered) < 40 and versions_of(delivered) == {1}
 
 
@@ -423,5 +424,5 @@ def test_compressed_shard_restarted_after_a_cut_asks_for_its_first_version():
     delivered = []
     with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/a\.tar\.gz"):
         for sample in shard_dataset(fake, f"s3://{BUCKET}/shards/a.tar.gz"):
-            delivered.append(sample)  # noqa: PERF402 - kept up to the error
+            delivered.append(sample)
     assert 0 < len(delivered) < 40 and versions_of(delivered) == {1}

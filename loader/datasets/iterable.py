@@ -18,33 +18,32 @@ import os
 import random
 import time
 import warnings
-from multiprocessing.context import get_spawning_popen
 from collections.abc import Iterable, Iterator, Sequence
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
+from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
-from torch.utils.data import IterableDataset
-
-from . import partition, topology
-from ..stores.cache import CacheStats
+from ..decode import apply_transform
 from ..engine.fetch import (
     Delivery,
     EngineLimits,
     FetchEngine,
 )
-from ..decode import apply_transform
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.index import INDEX_NAME, index_counts, read_index
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job, skippable
+from ..formats.shards import END, ShardOptions, ShardRef, sample_nbytes, shard_job
+from ..stores.cache import CacheStats
+from ..stores.recording import RequestRecorder
+from ..uri import parse_s3_uri
+from . import partition, topology
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
 from .progress import Watermark, consumed_per_worker
-from ..formats.shards import END, ShardOptions, ShardRef, sample_nbytes, shard_job
 from .shuffle import shuffled
-from .stats import MAX_WORKERS, StatsBoard, summarize
-from ..stores.recording import RequestRecorder
 from .sources import check_keys, list_keys, listed_etags, read_manifest, resolve_shards, shard_specs
-from ..uri import parse_s3_uri
+from .stats import MAX_WORKERS, StatsBoard, summarize
 
 log = logging.getLogger(__name__)
 

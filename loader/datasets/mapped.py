@@ -52,21 +52,20 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from typing_extensions import Unpack
-
 import anyio
 from anyio.from_thread import BlockingPortal
 from torch.utils.data import Dataset
+from typing_extensions import Unpack
 
-from .options import LoaderOptions, MapKwargs
 from ..decode import apply_transform
+from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, build_index, skippable
-from ..engine.loopthread import LoopThread
 from ..retry import RetryPolicy, call_with_retries
-from .sources import check_keys, list_keys, listed_etags, read_manifest
 from ..stores import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
+from .options import LoaderOptions, MapKwargs
+from .sources import check_keys, list_keys, listed_etags, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +375,7 @@ class _Client:
                     failures.append(exc)
                     tg.cancel_scope.cancel()
                 out[slot] = exc
-            except Exception as exc:  # the first one ends the batch; cancellation passes by
+            except Exception as exc:  # noqa: BLE001 - the first one ends the batch; cancellation passes by
                 failures.append(exc)
                 tg.cancel_scope.cancel()
 

@@ -24,7 +24,6 @@ from ..formats.shards import (
 )
 from ..retry import RetryPolicy
 from ..stores import StoreFactory, open_store, preload_backend, resolve_backend
-from ..stores.listing import ListOptions
 from ..stores.cache import (
     DEFAULT_VALIDATE,
     CacheStats,
@@ -32,6 +31,7 @@ from ..stores.cache import (
     endpoint_id_for,
     open_cached_store,
 )
+from ..stores.listing import ListOptions
 from ..stores.recording import RequestRecorder
 from . import partition, topology
 

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ConfigError, EmptyDatasetError
+from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
+from ..formats.shards import ShardRef
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
 from ..stores.blocking import run_async, with_store
 from ..stores.listing import KeyList, ListOptions, list_all
-from ..formats.shards import ShardRef
 from ..uri import expand_braces, parse_s3_uri, sibling_matches
-from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
 from .sharing import once_per_job
 
 log = logging.getLogger(__name__)

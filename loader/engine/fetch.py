@@ -41,9 +41,9 @@ from typing import Any, Literal, NamedTuple
 import anyio
 
 from ..errors import ConfigError
-from .loopthread import LoopThread
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
+from .loopthread import LoopThread
 
 DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_QUEUE_BYTES = 256 << 20
@@ -290,7 +290,7 @@ class _Core:
             store = await self.store_factory()
             async with anyio.create_task_group() as tg:
                 await self.launch_all(tg, store)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             self.fatal = exc
         finally:
             self.launch_done = True
@@ -348,7 +348,7 @@ class _Core:
         self.peak_inflight = max(self.peak_inflight, self.inflight)
         try:
             await job(ctx)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it in order
             slot.error = exc
             self.failed = True
             if self.delivery == "completed":

@@ -40,7 +40,7 @@ class LoopThread:
         def run() -> None:
             try:
                 anyio.run(serve)
-            except BaseException as exc:  # surfaced to start() if the loop never came up
+            except BaseException as exc:  # noqa: BLE001 - surfaced to start() if the loop never came up
                 if not ready.done():
                     ready.set_exception(exc)
 

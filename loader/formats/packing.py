@@ -36,8 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError
-from .index import INDEX_VERSION
 from .compression import SUFFIX_OF, Compression, compression_of, is_shard_name
+from .index import INDEX_VERSION
 from .tar import BLOCK_SIZE, split_key
 
 PROGRESS_NAME = "_progress.json"

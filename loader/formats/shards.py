@@ -39,10 +39,10 @@ from ..errors import (
     TransientStoreError,
 )
 from ..retry import backoff_delay, call_with_retries
-from .compression import Compression, compression_of, open_decoder
 from ..stores.base import Pin
-from .tar import SampleGrouper, TarMember, TarStreamParser
 from ..uri import object_url
+from .compression import Compression, compression_of, open_decoder
+from .tar import SampleGrouper, TarMember, TarStreamParser
 
 log = logging.getLogger(__name__)
 
@@ -448,7 +448,7 @@ async def _read_parts(
                 ctx.retry,
                 on_retry=ctx.retried,
             )
-        except Exception as exc:  # handed to the reader below, which raises it in order
+        except Exception as exc:  # noqa: BLE001 - handed to the reader below, which raises it in order
             results[i] = exc
         done.set()  # not arrived[i]: the reader pops that entry as soon as it starts waiting
 
@@ -468,7 +468,7 @@ async def _read_parts(
                 break
             try:
                 await feed(data)
-            except Exception as exc:  # raised below, bare: the task group would wrap it in a group
+            except Exception as exc:  # noqa: BLE001 - raised below, bare: the task group would wrap it in a group
                 failure = exc
                 tg.cancel_scope.cancel()
                 break

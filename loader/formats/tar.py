@@ -499,7 +499,7 @@ class TarStreamParser:
         name = self._member_name(block)
         if self._pax_size is not None:
             size = self._pax_size
-        if typeflag == _HARD_LINK or typeflag == _SYMLINK:
+        if typeflag in (_HARD_LINK, _SYMLINK):
             self._count_link(typeflag, name, block)
         self._pax_path = self._pax_size = self._gnu_name = None
         self._pax_link = self._gnu_link = None

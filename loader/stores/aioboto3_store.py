@@ -313,7 +313,7 @@ class Aioboto3Store:
             pieces = self._botocore_stream(bucket, key, start, chunk_size, if_match)
         expected, received, first = -1, 0, True
         try:
-            async for chunk, expected, etag in pieces:
+            async for chunk, expected, etag in pieces:  # noqa: B007 (expected is read after the loop)
                 if first and pin is not None:
                     pin.observe(etag, bucket, key)  # before the first byte reaches the caller
                 first = False

@@ -81,7 +81,8 @@ the few bytes of ``.lock``; files being written in ``tmp/`` are not counted (at 
 in flight). All processes share one running total in ``.lock``, updated under the lock on each
 commit and discard; when a commit would take it over the limit, the directory is scanned and
 the least recently used entries (oldest mtime) are deleted, *before* the new file is renamed
-into place, until the total with it is at most ``evict_to * limit`` (90%). Evicting to below the limit makes the O(entries) scan happen once
+into place, until the total with it is at most ``evict_to * limit`` (90%). Evicting to below the limit
+makes the O(entries) scan happen once
 per 10% of the limit written rather than on every commit; the scan also corrects the total if a
 crash or a user's ``rm`` made it drift. A hit sets the file's mtime (at most every
 ``touch_after`` seconds), so all processes share one recency order. A file another process

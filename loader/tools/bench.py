@@ -20,8 +20,8 @@ from typing import Any
 from ..config import S3Config
 from ..engine.fetch import DEFAULT_MAX_INFLIGHT
 from ..errors import ConfigError
-from .sizes import format_size
 from ..uri import parse_s3_uri
+from .sizes import format_size
 
 DEFAULT_SAMPLES = 5000
 DEFAULT_WORKERS = 2

@@ -124,11 +124,10 @@ def run_serve(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         background.stop(Path(args.stop).absolute(), err)
         return EXIT_OK
     pidfile = Path(args.pidfile).absolute() if args.pidfile else None
-    if args.background or args.detached:
-        if pidfile is None:
-            print("loader serve: error: --background needs --pidfile FILE, the file "
-                  "`loader serve --stop FILE` stops it by (see `loader serve --help`)", file=err)
-            return EXIT_USAGE
+    if (args.background or args.detached) and pidfile is None:
+        print("loader serve: error: --background needs --pidfile FILE, the file "
+              "`loader serve --stop FILE` stops it by (see `loader serve --help`)", file=err)
+        return EXIT_USAGE
     if args.background:
         exports, status = background.start_detached(_serve_argv(args), pidfile,
                                                     timeout=DEFAULT_START_TIMEOUT + 30)

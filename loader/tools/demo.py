@@ -199,7 +199,8 @@ def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2) -> 
         started = time.perf_counter()
         upload(config, {**samples, **shards})
         mb = sum(map(len, samples.values())) / 1e6
-        print(f"uploaded {len(samples)} objects (train/<class>/<n>.jpg) and {len(shards)} shards ({mb:.1f} MB of JPEGs) "
+        print(f"uploaded {len(samples)} objects (train/<class>/<n>.jpg) and {len(shards)} shards "
+              f"({mb:.1f} MB of JPEGs) "
               f"in {time.perf_counter() - started:.1f}s", flush=True)
 
         runs = [

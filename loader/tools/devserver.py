@@ -8,7 +8,8 @@ process, all bound to 127.0.0.1 on free ports picked at start, signed S3 only (a
 and secret written to a mode-0600 identities file, never to the command line), telemetry off and
 the optional Iceberg/Lance listeners disabled. With ``certfile`` and ``keyfile`` (PEM: a server
 certificate for 127.0.0.1, its chain, its key) the S3 gateway also serves https on a port of its
-own, and ``endpoint_url`` and ``config`` name that one (``cafile`` is then what clients trust). The process runs in its own session so ``stop()``
+own, and ``endpoint_url`` and ``config`` name that one (``cafile`` is then what clients trust). The process runs
+in its own session so ``stop()``
 signals only it; a temporary directory is removed at ``stop()``, a given ``data_dir`` is kept and
 can be started again with its objects (and credentials) intact.
 

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..config import S3Config, resolve_config
-from .sizes import format_size
-from ..retry import RetryPolicy
 from ..datasets.sources import list_prefix
-from ..stores import ObjectInfo, open_store, resolve_backend
 from ..formats.tar import split_key
+from ..retry import RetryPolicy
+from ..stores import ObjectInfo, open_store, resolve_backend
+from .sizes import format_size
 
 SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
 BAR_WIDTH = 40

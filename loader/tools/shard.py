@@ -41,8 +41,10 @@ from typing import Any
 import anyio
 
 from ..config import S3Config, resolve_config
+from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
+from ..formats.index import INDEX_NAME, build_index
 from ..formats.packing import (
     PROGRESS_NAME,
     Member,
@@ -60,14 +62,12 @@ from ..formats.packing import (
     progress_document,
     shuffle_samples,
 )
-from ..formats.index import INDEX_NAME, build_index
-from .sizes import format_size
 from ..retry import RetryPolicy, call_with_retries
-from ..datasets.sources import list_objects
-from ..stores.blocking import run_async
 from ..stores import ObjectStore, StoreFactory, open_store, resolve_backend
 from ..stores.base import S3_MIN_PART_SIZE, MultipartStore
+from ..stores.blocking import run_async
 from ..uri import parse_s3_uri
+from .sizes import format_size
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
