@@ -110,3 +110,10 @@ def test_map_dataset_keywords_are_the_options_a_sampler_leaves_to_it():
 
     fields = {f.name for f in dataclasses.fields(LoaderOptions)}
     assert set(MapKwargs.__optional_keys__) == fields - set(mapped._SAMPLER_DECIDES) - set(mapped._NO_QUEUE)
+
+
+def test_test_modules_have_unique_basenames():
+    """tests/ and integration/ run in one pytest session without packages: a basename used in both
+    makes collection fail with 'import file mismatch'."""
+    names = [p.name for folder in ("tests", "integration") for p in (ROOT / folder).glob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
