@@ -181,6 +181,7 @@ def goals_table(items: list[Goal]) -> str:
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     items = goals(results)
     met = sum(g.status == "met" for g in items)
+    measured = sum(g.status != "n/a" for g in items)
     legend = "\n".join(f"- `{name}`: {loader.label}" for name, loader in LOADERS.items()
                        if any(r["loader"] == name for r in results))
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
@@ -212,7 +213,7 @@ this run, never absolute numbers.**
 
 Versions: Python {meta.get('python')}, {versions}.
 
-## Goals ({met} of {len(items)} met)
+## Goals ({met} of {measured} measured met; {len(items) - measured} of {len(items)} not measured in this run)
 
 {goals_table(items)}
 
