@@ -423,3 +423,28 @@ async def test_cancellation_during_backoff_propagates():
             await call_with_retries(attempt, policy, on_retry=retried.append, rng=Late())
     assert scope.cancelled_caught
     assert attempt.calls == 1 and len(retried) == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("progress", [True, False])
+async def test_progress_restarts_the_attempt_count(progress):
+    """A call that gets somewhere before failing (a listing page, a resumed stream) starts its
+    attempts over: five failures each with progress succeed under max_attempts=2; without
+    progress the second failure gives up."""
+    calls = 0
+
+    async def attempt():
+        nonlocal calls
+        calls += 1
+        if calls <= 5:
+            raise TransientStoreError(f"cut after some progress ({calls})", bucket="b", key="k")
+        return "done"
+
+    policy = RetryPolicy(max_attempts=2, base_delay=0)
+    if progress:
+        assert await call_with_retries(attempt, policy, progressed=lambda: True) == "done"
+        assert calls == 6
+    else:
+        with pytest.raises(TransientStoreError):
+            await call_with_retries(attempt, policy, progressed=lambda: False)
+        assert calls == 2

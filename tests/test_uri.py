@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loader.errors import ConfigError
-from loader.uri import MAX_EXPANSION, S3Uri, expand_braces, object_url, parse_s3_uri
+from loader.uri import MAX_EXPANSION, S3Uri, expand_braces, object_url, parse_s3_uri, sibling_matches
 
 # ------------------------------------------------------------------------------ parse_s3_uri
 
@@ -248,3 +248,34 @@ def test_count_is_the_product_of_group_sizes(groups):
             pattern += "[{" + ",".join(group) + "}]"
             expected *= len(group)
     assert len(expand_braces(pattern)) == expected
+
+
+def test_sibling_matches_names_what_else_a_folder_prefix_matched():
+    keys = ["train/imgs/0.jpg", "train/imgs/1.jpg", "train/imgs-shards/s0.tar", "train/imgs.txt",
+            "train/imgs-shards/s1.tar"]
+    assert sibling_matches("train/imgs", keys) == ["train/imgs-shards/", "train/imgs.txt"]
+    assert sibling_matches("train/imgs/", keys) == [], "a trailing slash names only the folder"
+    assert sibling_matches("", keys) == []
+    assert sibling_matches("train/img", ["train/img0.jpg", "train/img1.jpg"]) == [], "a partial name"
+    assert sibling_matches("train/imgs", ["train/imgs/0.jpg"]) == [], "only the folder matched"
+
+
+folder_names = st.text(alphabet="abc-.", min_size=1, max_size=4)
+
+
+@given(prefix=folder_names, inside=st.lists(folder_names, max_size=4),
+       beside=st.lists(st.tuples(folder_names, st.booleans()), max_size=4))
+def test_sibling_matches_returns_exactly_the_other_matches(prefix, inside, beside):
+    """Keys in the folder never appear; every other key matched appears once, cut after its own
+    first slash past the prefix; nothing at all when no key lies in the folder."""
+    keys = [f"{prefix}/{name}" for name in inside]
+    others = set()
+    for suffix, nested in beside:
+        key = prefix + suffix + ("/x" if nested else "")
+        if key.startswith(prefix + "/"):
+            continue
+        keys.append(key)
+        slash = key.find("/", len(prefix))
+        others.add(key if slash < 0 else key[: slash + 1])
+    got = sibling_matches(prefix, keys)
+    assert got == (sorted(others) if inside else [])
