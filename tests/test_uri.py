@@ -279,3 +279,28 @@ def test_sibling_matches_returns_exactly_the_other_matches(prefix, inside, besid
         others.add(key if slash < 0 else key[: slash + 1])
     got = sibling_matches(prefix, keys)
     assert got == (sorted(others) if inside else [])
+
+
+def test_expansion_limit_is_exact(monkeypatch):
+    """The cap counts exactly: a pattern of MAX_EXPANSION names expands, one more is refused,
+    for one range (wherever it starts) and for a product of groups."""
+    import loader.uri as uri_module
+
+    monkeypatch.setattr(uri_module, "MAX_EXPANSION", 100)
+    assert len(expand_braces("s{1..100}")) == 100
+    assert len(expand_braces("s{51..150}")) == 100
+    assert len(expand_braces("s{1..10}-{1..10}")) == 100
+    for too_many in ("s{1..101}", "s{50..150}", "s{1..10}-{1..11}"):
+        with pytest.raises(ConfigError):
+            expand_braces(too_many)
+
+
+def test_zero_padding_follows_the_written_width():
+    assert expand_braces("x{0..10}")[:3] == ["x0", "x1", "x2"], "a lone 0 is not padding"
+    assert expand_braces("x{-03..-01}") == ["x-03", "x-02", "x-01"]
+    assert expand_braces("x{08..10}") == ["x08", "x09", "x10"]
+
+
+def test_sibling_matches_cuts_nested_keys_at_their_first_folder():
+    keys = ["train/imgs/0.jpg", "train/imgs-shards/a/b/c.tar", "train/imgs-shards/a/d.tar"]
+    assert sibling_matches("train/imgs", keys) == ["train/imgs-shards/"]
