@@ -34,16 +34,6 @@ def gather(spec, env):
     return result["keys"], result.get("length")
 
 
-def test_per_object_ranks_split_the_data_set_exactly(s3_server):
-    bucket = s3_server.new_bucket()
-    expected = jpeg_dataset(s3_server.minio, bucket, "train/", 600, seed=2)
-    keys, length = gather({"mode": "objects", "uri": f"s3://{bucket}/train/"}, s3_server.env)
-    assert {len(rank_keys) for rank_keys in keys} == {200} and length == 200, "equal counts per rank"
-    flat = list(itertools.chain(*keys))
-    assert len(flat) == len(set(flat)), "no sample on two ranks"
-    assert set(flat) == {key.rsplit(".", 1)[0] for key in expected}
-
-
 def test_shard_ranks_split_the_data_set_exactly_with_equal_lengths(s3_server):
     bucket = s3_server.new_bucket()
     # 7 shards of uneven sizes, 600 samples: fewer shards than the 6 slots' worth would balance.
