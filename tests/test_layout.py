@@ -28,7 +28,7 @@ def layer(module: str) -> str:
     parts = module.split(".")[1:]
     if not parts or parts[0] in FOUNDATION:
         return "foundation"
-    if parts[0] == "__main__":
+    if parts[0] in ("__main__", "cli"):
         return "tools"
     return parts[0]
 
@@ -75,7 +75,7 @@ def test_imports_between_folders_run_one_way():
 
 
 def test_the_cli_and_the_package_import_without_torch():
-    code = "import sys, loader, loader.tools.cli; print('torch' in sys.modules)"
+    code = "import sys, loader, loader.cli, loader.tools.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
 
