@@ -142,6 +142,12 @@ def test_empty_key_list_is_rejected():
         AsyncS3Dataset.from_keys(BUCKET, [])
 
 
+@pytest.mark.parametrize("given", [{"keys": ["a.jpg"]}, {"prefix": "train/"}])
+def test_keys_or_prefix_without_a_bucket_is_a_clear_error(given):
+    with pytest.raises(ConfigError, match=f"{next(iter(given))}= needs bucket="):
+        AsyncS3Dataset(**given)
+
+
 def test_state_dict_resumes_the_rest_of_the_epoch_exactly_once():
     ds, objects, _ = dataset(100, shuffle=True, seed=5)
     ds.set_epoch(2)

@@ -18,7 +18,7 @@ import os
 import random
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -33,7 +33,7 @@ from ..engine.fetch import (
 )
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.index import INDEX_NAME, index_counts, read_index
-from ..formats.objects import LabelFrom, SampleIndex, Skipped, build_index, sample_job, skippable
+from ..formats.objects import LabelFrom, SampleIndex, Skipped, sample_job, skippable
 from ..formats.shards import END, ShardOptions, ShardRef, sample_nbytes, shard_job
 from ..stores.cache import CacheStats
 from ..stores.recording import RequestRecorder
@@ -42,7 +42,7 @@ from . import partition, topology
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
 from .progress import Watermark, consumed_per_worker
 from .shuffle import shuffled
-from .sources import check_keys, list_keys, listed_etags, read_manifest, resolve_shards, shard_specs
+from .sources import ObjectSamples, check_keys, read_manifest, resolve_shards, shard_specs
 from .stats import MAX_WORKERS, StatsBoard, summarize
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-class AsyncS3Dataset(IterableDataset):
+class AsyncS3Dataset(ObjectSamples, IterableDataset):
     """Stream samples from S3 with many requests in flight. Build it with a constructor:
 
     * ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)``, ``from_manifest(path)``:
@@ -90,13 +90,16 @@ class AsyncS3Dataset(IterableDataset):
                  if value is not None]
         if len(given) != 1:
             raise ConfigError(f"give exactly one of keys=, prefix= or shards= (got {given or 'none'})")
+        if shards is None and bucket is None:
+            raise ConfigError(f"{given[0]}= needs bucket= (or use from_prefix('s3://bucket/...'), "
+                              "from_keys(bucket, keys) or from_manifest(path))")
         self.mode = "shards" if shards is not None else "objects"
         self.bucket = bucket
         self.prefix = prefix
         self.options = options or LoaderOptions()
         self.shard_options = shard_options or ShardOptions()
         check_budget(self.options, self.shard_options if self.mode == "shards" else None)
-        self._keys: Sequence[str] | None = None if keys is None else check_keys(bucket, keys)
+        self._keys = None if keys is None or bucket is None else check_keys(bucket, keys)
         self._group = group
         self._label_from = label_from
         self._labels = None if labels is None else tuple(labels)
@@ -179,48 +182,16 @@ class AsyncS3Dataset(IterableDataset):
 
     # ----------------------------------------------------------------------- what to read
 
-    def keys(self) -> Sequence[str]:
-        """Per-object mode: the full key list, listing the prefix now if not done yet."""
-        if self.mode != "objects":
-            raise TypeError("keys() is for per-object datasets; this one reads shards (see shards())")
-        if self._keys is None:
-            self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
-                                   retry=self.options.retry, options=self.options.listing)
-        return self._keys
-
-    def samples(self) -> SampleIndex:
-        """Per-object mode: which objects form each sample (the unit of an epoch), and labels."""
-        if self._index is None:
-            self.keys()
-            self._index = self._build_index()
-        return self._index
-
     @property
-    def classes(self) -> list[str] | None:
-        """Class names by index when labels come from names (``label_from="parent"`` or a
-        manifest's label column of names), sorted as ``ImageFolder`` sorts them; else None."""
-        if self.mode != "objects":
-            return None
-        classes = self.samples().classes
-        return None if classes is None else list(classes)
-
-    @property
-    def class_to_idx(self) -> dict[str, int] | None:
-        """``{class name: index}``, the inverse of ``classes`` (None without named classes)."""
-        return None if self.mode != "objects" else self.samples().class_to_idx
-
-    def _build_index(self) -> SampleIndex:
-        where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
-        root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
-        return build_index(self.keys(), group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root,
-                           etags=listed_etags(self.keys()))
+    def _per_object(self) -> bool:
+        return self.mode == "objects"
 
     def shards(self) -> list[ShardRef]:
         """Shard mode: the shard list, listing prefixes now if not done yet."""
         if self.mode != "shards":
             raise TypeError("shards() is for shard datasets; this one reads objects (see keys())")
         if self._shards is None:
+            assert self._shard_specs is not None  # the constructor set it in shard mode
             self._shards = resolve_shards(self._shard_specs, factory=self.options.listing_factory(),
                                           retry=self.options.retry, options=self.options.listing)
         return self._shards
@@ -407,23 +378,24 @@ class AsyncS3Dataset(IterableDataset):
             worker=worker, num_workers=num_workers, policy=self.options.pad_policy,
         )
 
-    def _iter_objects(self, skip: int = 0) -> Iterator[tuple[Any, dict[str, Any]]]:
+    def _iter_objects(self, skip: int = 0) -> Generator[tuple[Any, dict[str, Any]], None, None]:
         index = self.samples()
         done = self._progress.objects
         for slot in range(skip):  # plain-DataLoader resume: the first ``skip`` were delivered
             done.add(slot)
         todo = [(slot, pos) for slot, pos in enumerate(self.plan()) if slot not in done]
-        on_error = self.options.on_error
-        jobs = (sample_job(index, self.bucket, pos, slot, on_error) for slot, pos in todo)
-        delivery = "ordered" if self.options.ordered else "completed"
+        on_error, bucket = self.options.on_error, self.bucket
+        assert bucket is not None  # the constructor requires it in per-object mode
+        jobs = (sample_job(index, bucket, pos, slot, on_error) for slot, pos in todo)
+        delivery: Delivery = "ordered" if self.options.ordered else "completed"
         yield from self._run(jobs, self.options.object_limits(delivery))
 
-    def _iter_shards(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+    def _iter_shards(self) -> Generator[tuple[Any, dict[str, Any]], None, None]:
         shards = self.shards()
         rank, world_size = self._world()
         worker, num_workers = topology.worker()
         seed = self.options.effective_seed
-        where = dict(seed=seed, epoch=self.epoch, shuffle=self.options.shuffle, rank=rank,
+        where: dict[str, Any] = dict(seed=seed, epoch=self.epoch, shuffle=self.options.shuffle, rank=rank,
                      world_size=world_size, worker=worker, num_workers=num_workers)
         slot, slots = partition.slot_of(rank, world_size, worker, num_workers)
         counts = self.shard_counts()
@@ -454,7 +426,7 @@ class AsyncS3Dataset(IterableDataset):
             delivery = "interleave" if self.options.ordered else "completed"
         limits = self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight)
 
-        def samples() -> Iterator[tuple[Tag, dict[str, Any]]]:
+        def samples() -> Generator[tuple[Tag, dict[str, Any]], None, None]:
             for tag, item in self._run(jobs, limits):
                 if tag[1] == END:
                     progress.shard_samples[tag[0]] = item.samples
@@ -471,7 +443,7 @@ class AsyncS3Dataset(IterableDataset):
             yield from shuffled(stream, size, rng, max_bytes=self.shard_options.shuffle_bytes,
                                 nbytes=_tagged_nbytes)
 
-    def _run(self, jobs: Iterable[Any], limits: EngineLimits) -> Iterator[Any]:
+    def _run(self, jobs: Iterable[Any], limits: EngineLimits) -> Generator[Any, None, None]:
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
         factory = self.options.store_factory(on_cache_close=cache_stats.append,
                                              recorder=self._recorder)
@@ -666,7 +638,7 @@ class AsyncS3Dataset(IterableDataset):
         """Samples each worker of this rank yields this epoch (shards without counts: assumed
         equal, which holds until the first worker runs dry)."""
         rank, world_size = self._world()
-        where = dict(seed=self.options.effective_seed, epoch=self.epoch,
+        where: dict[str, Any] = dict(seed=self.options.effective_seed, epoch=self.epoch,
                      shuffle=self.options.shuffle, rank=rank, world_size=world_size,
                      num_workers=num_workers)
         workers = range(max(1, num_workers))
@@ -676,8 +648,10 @@ class AsyncS3Dataset(IterableDataset):
         counts = self.shard_counts()
         if counts is None:
             return [1 << 62 for _ in workers]
-        return [sum(a.stop - a.start for a in partition.balanced_shard_ranges(
-            counts, worker=w, policy=self.options.pad_policy, **where)) for w in workers]
+        return [sum((counts[a.shard] if a.stop is None else a.stop) - a.start
+                    for a in partition.balanced_shard_ranges(
+                        counts, worker=w, policy=self.options.pad_policy, **where))
+                for w in workers]
 
     def _size(self) -> int:
         return len(self.samples()) if self.mode == "objects" else len(self.shards())
@@ -702,7 +676,8 @@ class AsyncS3Dataset(IterableDataset):
 
     def __repr__(self) -> str:
         if self.mode == "shards":
-            what = f"{len(self._shards)} shards" if self._shards is not None else f"shards {self._shard_specs[:2]}"
+            what = (f"{len(self._shards)} shards" if self._shards is not None
+                    else f"shards {(self._shard_specs or [])[:2]}")
         else:
             what = f"{len(self._keys)} keys" if self._keys is not None else f"prefix {self.prefix!r}"
         return (f"AsyncS3Dataset({what}, bucket={self.bucket!r}, shuffle={self.options.shuffle}, "
@@ -755,7 +730,8 @@ class _Progress:
         )
 
 
-def _drop(tagged: Iterator[Any], count: int, progress: _Progress) -> Iterator[Any]:
+def _drop(tagged: Generator[Any, None, None], count: int,
+          progress: _Progress) -> Generator[Any, None, None]:
     """Skip the first ``count`` samples (read, not transformed), recording them as delivered."""
     with contextlib.closing(tagged):
         for number, (tag, sample) in enumerate(tagged):

@@ -60,12 +60,12 @@ from typing_extensions import Unpack
 from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
-from ..formats.objects import LabelFrom, SampleIndex, build_index, skippable
+from ..formats.objects import LabelFrom, SampleIndex, skippable
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
 from .options import LoaderOptions, MapKwargs
-from .sources import check_keys, list_keys, listed_etags, read_manifest
+from .sources import ObjectSamples, check_keys, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ _NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
 _DEFAULTS = LoaderOptions.__dataclass_fields__
 
 
-class AsyncS3MapDataset(Dataset):
+class AsyncS3MapDataset(ObjectSamples, Dataset):
     """Random access to S3 samples. Build it with a constructor:
 
     ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)`` or ``from_manifest(path)``.
@@ -92,6 +92,8 @@ class AsyncS3MapDataset(Dataset):
     ``rank``, ``world_size``, ``pad_policy`` and ``batch_size`` are rejected; so are the queue bounds, as there
     is no queue.
     """
+
+    bucket: str
 
     def __init__(
         self,
@@ -153,37 +155,6 @@ class AsyncS3MapDataset(Dataset):
                    group=group, label_from=label_from, labels=manifest.labels)
 
     # ----------------------------------------------------------------------- the Dataset protocol
-
-    def keys(self) -> Sequence[str]:
-        """Every object key, listing the prefix now if not done yet (once)."""
-        if self._keys is None:
-            self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
-                                   retry=self.options.retry, options=self.options.listing)
-        return self._keys
-
-    def samples(self) -> SampleIndex:
-        """Which objects form each index's sample, and their labels."""
-        if self._index is None:
-            self.keys()
-            self._index = self._build_index()
-        return self._index
-
-    @property
-    def classes(self) -> list[str] | None:
-        """Class names by index when labels come from names (as ``ImageFolder.classes``)."""
-        classes = self.samples().classes
-        return None if classes is None else list(classes)
-
-    @property
-    def class_to_idx(self) -> dict[str, int] | None:
-        return self.samples().class_to_idx
-
-    def _build_index(self) -> SampleIndex:
-        where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
-        root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
-        return build_index(self.keys(), group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root,
-                           etags=listed_etags(self.keys()))
 
     def __len__(self) -> int:
         return len(self.samples())
@@ -363,12 +334,14 @@ class _Client:
                         missing_ok: bool) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
+        store, limiter = self.store, self.limiter
+        assert store is not None and limiter is not None  # open() set both
 
         async def get(slot: int, key: str, etag: str | None) -> None:
             try:
-                async with self.limiter:
+                async with limiter:
                     out[slot] = await call_with_retries(
-                        functools.partial(self.store.get, bucket, key, listed_etag=etag),
+                        functools.partial(store.get, bucket, key, listed_etag=etag),
                         self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
@@ -404,7 +377,8 @@ class _Client:
         self.closed = True
         try:
             with contextlib.suppress(RuntimeError):  # the loop is already gone
-                self.portal.call(_close_in_loop, self.store)
+                if self.store is not None:
+                    self.portal.call(_close_in_loop, self.store)
         finally:
             self.stop()
 
