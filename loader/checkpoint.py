@@ -56,7 +56,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import CancelledError, Future
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar, cast
 
 import anyio
 import torch
@@ -118,7 +118,7 @@ def save(
             future = portal.start_task_soon(upload.run)
             writer = _PartWriter(portal, upload, future, part_size)
             try:
-                torch.save(obj, writer)
+                torch.save(obj, cast(IO[bytes], writer))  # it needs write() and flush() only
                 if writer.error is not None:  # raised inside torch, which may have hidden it
                     raise writer.error
                 writer.finish()
@@ -170,7 +170,8 @@ def load(
             reader = _RangeReader(portal, opened, bucket, key, listed.size, Pin(listed.etag),
                                   block_size=part_size, parallel=parts_inflight, retry=policy)
             try:
-                return torch.load(reader, map_location=map_location, weights_only=weights_only)
+                return torch.load(cast(IO[bytes], reader),  # a RawIOBase, which typeshed tells apart
+                                  map_location=map_location, weights_only=weights_only)
             except BaseException as exc:  # noqa: BLE001 - reraised as the named cause
                 cause = _cause(exc, reader.error, outer)
                 raise _named(cause, uri, "loading checkpoint from", hide=exc)  # noqa: B904 (_named sets the cause)

@@ -82,7 +82,7 @@ def _pillow() -> tuple[Any, Any]:
 def _simplejpeg() -> Any:
     """The simplejpeg module, or None: then Pillow decodes JPEGs too (slower, same pixels)."""
     try:
-        import simplejpeg  # type: ignore[import-untyped]
+        import simplejpeg
     except ImportError:
         return None
     return simplejpeg
@@ -326,7 +326,7 @@ def _nvjpeg() -> tuple[Any, Any] | None:
     """``(torchvision.io.decode_jpeg, ImageReadMode)``, or None where torchvision is missing or
     does not load next to this torch (a CPU torch with a CUDA torchvision raises at import)."""
     try:
-        from torchvision.io import ImageReadMode, decode_jpeg  # type: ignore[import-not-found]
+        from torchvision.io import ImageReadMode, decode_jpeg
     except Exception:  # noqa: BLE001 - ImportError, or RuntimeError/OSError from its operators
         return None
     return decode_jpeg, ImageReadMode

@@ -403,9 +403,9 @@ def test_index_counts_checks_the_document():
 
 def test_log2_histogram_and_its_text():
     buckets = log2_histogram([0, 1, 3, 3, 8, 20, 1000, 1024])
-    assert [(b.low, b.high, b.count) for b in buckets][:6] == [
+    assert [(b.low, b.high, b.objects) for b in buckets][:6] == [
         (0, 1, 1), (1, 2, 1), (2, 4, 2), (4, 8, 0), (8, 16, 1), (16, 32, 1)]
-    assert buckets[-1] == (1024, 2048, 1) and sum(b.count for b in buckets) == 8
+    assert buckets[-1] == (1024, 2048, 1) and sum(b.objects for b in buckets) == 8
     lines = render_histogram(buckets, width=10)
     assert "██████████" in lines[2] and lines[2].endswith(" 2")
     assert "4 B – 8 B" in lines[3] and "█" not in lines[3]  # one empty bucket: shown

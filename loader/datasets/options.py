@@ -101,11 +101,13 @@ class LoaderOptions:
                                   "delivery would mix across batches; drop ordered=False")
         if (self.rank is None) != (self.world_size is None):
             raise ConfigError("give rank and world_size together, or neither (then torch.distributed decides)")
-        if self.world_size is not None and not 0 <= self.rank < self.world_size:
+        if (self.rank is not None and self.world_size is not None
+                and not 0 <= self.rank < self.world_size):
             raise ConfigError(f"rank={self.rank!r} must lie in [0, world_size={self.world_size!r})")
         if not callable(self.store):
-            object.__setattr__(self, "store", resolve_backend(self.store))
-            preload_backend(self.store)
+            backend = resolve_backend(self.store)
+            object.__setattr__(self, "store", backend)
+            preload_backend(backend)
             object.__setattr__(self, "config", resolve_config(self.config))
         cache_dir, cache_limit = check_cache_options(self.cache_dir, self.cache_limit,
                                                      self.cache_validate)
@@ -131,9 +133,15 @@ class LoaderOptions:
 
     def world(self) -> tuple[int, int]:
         """Read in ``__iter__``, never at construction (the process group may not exist yet)."""
-        if self.world_size is not None:
+        if self.rank is not None and self.world_size is not None:
             return self.rank, self.world_size
         return topology.world()
+
+    def _resolved(self) -> tuple[str, S3Config]:
+        """The backend name and config, which ``__post_init__`` resolved unless ``store=`` is a
+        factory (then nothing asks for them)."""
+        assert isinstance(self.store, str) and self.config is not None
+        return self.store, self.config
 
     def listing_factory(self) -> StoreFactory:
         """The store that lists keys and shards in the process that builds the dataset.
@@ -143,7 +151,7 @@ class LoaderOptions:
         which leaves nothing behind, and ``store="obstore"`` then works with forked workers.
         """
         if self.store == "obstore":
-            return functools.partial(open_store, "aioboto3", self.config,
+            return functools.partial(open_store, "aioboto3", self._resolved()[1],
                                      max_connections=self.listing.parallel, retry=self.retry)
         return self.store_factory(cached=False)
 
@@ -154,15 +162,17 @@ class LoaderOptions:
         (``store=`` may be one: for custom backends and for tests with an in-memory store),
         wrapped in the disk cache when ``cache_dir`` is set and ``cached`` (listings are not).
         A ``recorder`` counts the requests that reach the backend (cache hits are not)."""
+        factory: StoreFactory
         if callable(self.store):
             factory = self.store
         else:
-            factory = functools.partial(open_store, self.store, self.config,
+            factory = functools.partial(open_store, *self._resolved(),
                                         max_connections=self.max_inflight, retry=self.retry)
         if recorder is not None:
             factory = recorder.wrap(factory)
         if self.cache_dir is None or not cached:
             return factory
+        assert self.cache_limit is not None  # __post_init__ gave the default
         return functools.partial(open_cached_store, factory, self.cache_dir, self.cache_limit,
                                  endpoint_id_for(self.store, self.config),
                                  validate=self.cache_validate, on_close=on_cache_close)

@@ -166,6 +166,7 @@ class FetchEngine:
     def __iter__(self) -> Iterator[Any]:
         """Yield items until every job is done; re-raises the first job error in order."""
         self.start()
+        assert self._loop is not None  # start() made it
         portal, take = self._loop.portal, self._core.take
         try:
             while True:

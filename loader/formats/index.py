@@ -8,6 +8,7 @@ each sample's first header; ``read_index_counts(uri)`` turns it into the ``sampl
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,8 @@ def build_index(source: str, bucket: str, names: Sequence[str], plans: Sequence[
         for name, plan in zip(names, plans, strict=True)
     ]
     if compression is not None:
-        for shard, stored in zip(shards, stored_bytes or [None] * len(shards), strict=True):
+        for shard, stored in zip(shards, stored_bytes or itertools.repeat(None, len(shards)),
+                                 strict=True):
             shard["stored_bytes"] = stored
     return {
         "version": INDEX_VERSION,

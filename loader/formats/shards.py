@@ -435,6 +435,7 @@ async def _read_parts(
     Each part is retried whole on a transient fault. Memory: ``parts_inflight`` parts.
     """
     size, part = shard.size, options.part_size
+    assert size is not None  # only shards of listed size are fetched in parts
     count = -(-size // part)
     results: dict[int, bytes | BaseException] = {}
     arrived: dict[int, anyio.Event] = {}

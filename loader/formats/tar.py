@@ -190,6 +190,11 @@ class TarStreamParser:
     ``restart_at(parser.resume_offset)`` and feed a new GET starting at that offset instead.
     """
 
+    # Parser state, set by _reset(); declared here for the methods written above it.
+    _state: int
+    _offset: int
+    _hdr: bytearray
+
     def __init__(self, url: str, start_offset: int = 0) -> None:
         self.url = url
         self.members_parsed = 0  # members returned by feed()
@@ -543,6 +548,7 @@ class TarStreamParser:
     def _on_data(self, data: bytes, out: list[TarMember]) -> None:
         kind = self._kind
         if kind == _K_MEMBER:
+            assert self._unit_start is not None  # set by the member's first header
             out.append(TarMember(self._name, data, self._unit_start))
             self.members_parsed += 1
             self._unit_start = None

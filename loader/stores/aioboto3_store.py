@@ -12,13 +12,14 @@ botocore/aiohttp error is translated in ``_translate``, worded by ``answers``.
 from __future__ import annotations
 
 import asyncio
+import builtins  # list() below is a method: annotations after it name the type this way
 import contextlib
 import io
 import os
 import re
 import ssl
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import aiohttp
@@ -201,7 +202,7 @@ class Aioboto3Store:
             raise
         return cls(client, stack, config.endpoint_url or "AWS S3", getter)
 
-    async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+    async def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         async with contextlib.aclosing(self.list_pages(bucket, prefix)) as pages:
             async for page in pages:
                 for info in page.objects:
@@ -215,7 +216,7 @@ class Aioboto3Store:
         token: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
-    ) -> AsyncIterator[ListPage]:
+    ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token)."""
         while True:
             try:
@@ -305,7 +306,7 @@ class Aioboto3Store:
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
         pin: Pin | None = None, listed_etag: str | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         if_match = None if pin is None else pin.if_match()
         if self._getter is not None:
             pieces = self._direct_stream(bucket, key, start, chunk_size, if_match)
@@ -331,7 +332,7 @@ class Aioboto3Store:
 
     async def _direct_stream(
         self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
-    ) -> AsyncIterator[tuple[bytes, int, str | None]]:
+    ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
         assert self._getter is not None
         byte_range = _range_header(start, None) if start else None
         conditions = None if if_match is None else {"If-Match": if_match}
@@ -346,7 +347,7 @@ class Aioboto3Store:
 
     async def _botocore_stream(
         self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
-    ) -> AsyncIterator[tuple[bytes, int, str | None]]:
+    ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
         kwargs = {"Bucket": bucket, "Key": key}
         if start:
             kwargs["Range"] = _range_header(start, None)
@@ -397,7 +398,7 @@ class Aioboto3Store:
         return str(response["ETag"])
 
     async def complete_multipart(
-        self, bucket: str, key: str, upload_id: str, parts: list[tuple[int, str]]
+        self, bucket: str, key: str, upload_id: str, parts: builtins.list[tuple[int, str]]
     ) -> None:
         listed = [{"PartNumber": number, "ETag": etag} for number, etag in parts]
         try:  # botocore turns a "200 OK with an error in the body" into a ClientError here
@@ -415,7 +416,9 @@ class Aioboto3Store:
                 return  # already aborted or completed: nothing is left to clean up
             raise self._translate_multipart(exc, bucket, key, upload_id) from exc
 
-    async def list_multipart_uploads(self, bucket: str, prefix: str = "") -> list[tuple[str, str]]:
+    async def list_multipart_uploads(
+        self, bucket: str, prefix: str = ""
+    ) -> builtins.list[tuple[str, str]]:
         found: list[tuple[str, str]] = []
         markers: dict[str, str] = {}
         while True:
@@ -532,7 +535,7 @@ class _PartBody(io.BytesIO):
         super().__init__(data)
         self._data = data
 
-    def getbuffer(self) -> memoryview:  # type: ignore[override]
+    def getbuffer(self) -> memoryview:
         return memoryview(self._data)
 
 

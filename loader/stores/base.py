@@ -32,7 +32,7 @@ the cache revalidates an entry when the key list has no ETag: a 304 costs a requ
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from .answers import changed_during_read
@@ -111,7 +111,7 @@ class ListPage(NamedTuple):
 class ObjectStore(Protocol):
     """Async access to one S3-compatible service (see the module docstring for the rules)."""
 
-    def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         """Every object under ``prefix``, in key order, page by page."""
         ...
 
@@ -131,7 +131,7 @@ class ObjectStore(Protocol):
     def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
         pin: Pin | None = None, listed_etag: str | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The object from byte ``start`` on, as chunks of at most ``chunk_size`` bytes."""
         ...
 
@@ -169,7 +169,7 @@ class PagedLister(Protocol):
         token: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
-    ) -> AsyncIterator[ListPage]:
+    ) -> AsyncGenerator[ListPage, None]:
         """The listing's pages from ``token`` on (``None``: from the start), at most
         ``page_size`` objects each. When it fails, calling it again with the last page's token
         resumes after that page: nothing is listed twice. With ``delimiter="/"`` the prefix

@@ -114,7 +114,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -127,7 +127,7 @@ from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 try:
     import fcntl
 except ImportError:  # not on Windows: one process at a time there (see _locked)
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ class DiskCache:
 
     def scan(self) -> list[tuple[int, int, str]]:
         """Every entry as ``(mtime_ns, size, path)``; entries deleted meanwhile are left out."""
-        entries = []
+        entries: list[tuple[int, int, str]] = []
         try:
             top = list(os.scandir(self.directory))
         except FileNotFoundError:
@@ -740,7 +740,7 @@ class CachedStore:
 
     # ----------------------------------------------------------------- the protocol
 
-    def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return self.inner.list(bucket, prefix)
 
     async def get(
@@ -801,7 +801,7 @@ class CachedStore:
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
         pin: Pin | None = None, listed_etag: str | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
         name = self._name(bucket, key)

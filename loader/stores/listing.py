@@ -244,7 +244,7 @@ class _Runs:
         sizes = array.array("q")
         tags: list[bytes] = []
         last = None
-        for raw, size, tag in heapq.merge(*(zip(_raw_keys(run), run._sizes, _raw_etags(run))
+        for raw, size, tag in heapq.merge(*(zip(_raw_keys(run), _listed_sizes(run), _raw_etags(run))
                                             for run in runs)):
             if raw != last:
                 blob += raw
@@ -271,6 +271,12 @@ def _raw_etags(keys: KeyList) -> Iterator[bytes]:
     return _raw_keys(keys._etags)
 
 
+def _listed_sizes(run: KeyList) -> array.array:
+    """A run's sizes: runs are built from listings, which always carry them."""
+    assert run._sizes is not None
+    return run._sizes
+
+
 def _concat(runs: list[KeyList]) -> KeyList:
     blob = b"".join(run._blob for run in runs)
     ends = array.array(_offset_type(len(blob)))
@@ -278,7 +284,7 @@ def _concat(runs: list[KeyList]) -> KeyList:
     base = 0
     for run in runs:
         ends.extend(end + base for end in run._ends)
-        sizes.extend(run._sizes)
+        sizes.extend(_listed_sizes(run))
         base += len(run._blob)
     etags = None
     if any(run._etags is not None for run in runs):
@@ -345,7 +351,7 @@ async def _find_folders(
 
         await _list_pages(store, bucket, prefix, "/", retry, options.page_size, take,
                           whole=True)
-        if len(found) != 1 or sum(objects):
+        if len(found) != 1 or any(objects):
             return found
         prefix = found[0]
     return [prefix]

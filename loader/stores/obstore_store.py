@@ -68,7 +68,7 @@ import asyncio
 import contextlib
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from datetime import timedelta
 from typing import Any
 
@@ -207,7 +207,7 @@ class ObstoreStore:
 
     # ------------------------------------------------------------------------- the protocol
 
-    async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+    async def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         async with contextlib.aclosing(self.list_pages(bucket, prefix)) as pages:
             async for page in pages:
                 for info in page.objects:
@@ -221,7 +221,7 @@ class ObstoreStore:
         token: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
-    ) -> AsyncIterator[ListPage]:
+    ) -> AsyncGenerator[ListPage, None]:
         """Pages of ``page_size`` keys; the token is the page's last key, and resuming lists
         from just after it (S3's ``start-after``; object_store has no continuation tokens).
 
@@ -368,7 +368,7 @@ class ObstoreStore:
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
         pin: Pin | None = None, listed_etag: str | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
         _check_range_args(bucket, key, start, None)

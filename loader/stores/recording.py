@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from .base import ObjectInfo, ObjectStore, Pin
@@ -27,7 +27,7 @@ class LatencyHistogram:
     __slots__ = ("counts",)
 
     def __init__(self, counts: Sequence[float] | None = None) -> None:
-        self.counts = list(counts) if counts is not None else [0] * (len(BOUNDS) + 1)
+        self.counts: list[float] = list(counts) if counts is not None else [0] * (len(BOUNDS) + 1)
 
     def add(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(BOUNDS, seconds)] += 1
@@ -45,7 +45,7 @@ class LatencyHistogram:
         if total == 0:
             return None
         rank = max(1, math.ceil(q * total))
-        seen = 0
+        seen = 0.0
         for index, count in enumerate(self.counts):
             seen += count
             if seen >= rank:
@@ -81,7 +81,7 @@ class _RecordedStore:
         self.inner = inner
         self.recorder = recorder
 
-    def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return self.inner.list(bucket, prefix)
 
     async def get(
@@ -119,7 +119,7 @@ class _RecordedStore:
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = 1 << 20, *,
         pin: Pin | None = None, listed_etag: str | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         recorder = self.recorder
         recorder.requests += 1
         started = time.perf_counter()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 from xml.etree import ElementTree
 
@@ -108,7 +108,7 @@ class SignedGetter:
     async def stream(
         self, bucket: str, key: str, byte_range: str | None, chunk_size: int,
         conditions: Conditions = None,
-    ) -> AsyncIterator[tuple[bytes, int | None, str | None]]:
+    ) -> AsyncGenerator[tuple[bytes, int | None, str | None], None]:
         """Yield ``(chunk, content_length, etag)`` pieces of the body as they arrive."""
         async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
             await _raise_for_error(response)

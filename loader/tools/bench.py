@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import S3Config
 from ..engine.fetch import DEFAULT_MAX_INFLIGHT
 from ..errors import ConfigError
 from ..uri import parse_s3_uri
 from .sizes import format_size
+
+if TYPE_CHECKING:
+    from ..datasets.options import LoaderKwargs
 
 DEFAULT_SAMPLES = 5000
 DEFAULT_WORKERS = 2
@@ -68,8 +71,8 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
 
     options = options or BenchOptions()
     mode = "shards" if options.shards or looks_like_shards(uri) else "objects"
-    common = dict(shuffle=True, seed=options.seed, max_inflight=options.max_inflight,
-                  store=options.store, config=config)
+    common: LoaderKwargs = dict(shuffle=True, seed=options.seed, max_inflight=options.max_inflight,
+                                store=options.store, config=config)
     total: int | None
     if mode == "objects":
         dataset = AsyncS3Dataset.from_prefix(uri, **common)

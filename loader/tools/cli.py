@@ -128,7 +128,7 @@ def run_serve(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         print("loader serve: error: --background needs --pidfile FILE, the file "
               "`loader serve --stop FILE` stops it by (see `loader serve --help`)", file=err)
         return EXIT_USAGE
-    if args.background:
+    if args.background and pidfile is not None:
         exports, status = background.start_detached(_serve_argv(args), pidfile,
                                                     timeout=DEFAULT_START_TIMEOUT + 30)
         out.write(exports)
@@ -140,7 +140,7 @@ def run_serve(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         try:
             version = weed_version()
             server.start()
-            if args.detached:
+            if args.detached and pidfile is not None:
                 background.write_pidfile(pidfile, server.endpoint_url)
             _print_exports(server.env, out)
             print(f"# SeaweedFS {version} serving S3 at {server.endpoint_url} "
@@ -153,7 +153,7 @@ def run_serve(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         finally:
             _ignore_stop_signals()
             server.stop()
-            if args.detached:
+            if args.detached and pidfile is not None:
                 background.remove_pidfile(pidfile)
 
 

@@ -212,7 +212,7 @@ def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2) -> 
         ]
         results = []
         for name, dataset in runs:
-            result = train(name, dataset, epochs, num_workers, num_samples)
+            result: dict[str, Any] = dict(train(name, dataset, epochs, num_workers, num_samples))
             result.update(mode=name, mb_per_s=result["samples"] * (mb / num_samples) / result["seconds"])
             results.append(result)
     print()

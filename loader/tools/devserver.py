@@ -153,8 +153,10 @@ class DevServer:
             raise ConfigError(f"port={port!r} is not a TCP port; give 1-65535 or leave it out")
         if (certfile is None) != (keyfile is None):
             raise ConfigError("give certfile and keyfile together (PEM files), or neither")
-        self._tls = None if certfile is None else tuple(
-            str(Path(path).expanduser().resolve()) for path in (certfile, keyfile))
+        self._tls: tuple[str, str] | None = None
+        if certfile is not None and keyfile is not None:
+            self._tls = (str(Path(certfile).expanduser().resolve()),
+                         str(Path(keyfile).expanduser().resolve()))
         self._cafile = None if cafile is None else str(Path(cafile).expanduser().resolve())
         self._given_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
         self._want_port = port
@@ -182,7 +184,8 @@ class DevServer:
     @property
     def pid(self) -> int | None:
         """The ``weed`` process id while it runs (it leads its own process group)."""
-        return self._proc.pid if self.running else None
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     @property
     def ports(self) -> Ports:
@@ -346,7 +349,7 @@ class DevServer:
         wanted = 8 + (self._tls is not None)
         free = _free_ports(wanted if self._want_port is None else wanted - 1, avoid={self._want_port})
         s3 = self._want_port if self._want_port is not None else free.pop()
-        return Ports(s3, *free[:7], s3_https=free[7] if self._tls else None)
+        return Ports._make([s3, *free[:7], free[7] if self._tls else None])
 
     def _launch(self) -> None:
         """Spawn ``weed`` in its own session, logging to ``root/weed.log``, in a private run dir."""

@@ -28,7 +28,7 @@ class Bucket(NamedTuple):
 
     low: int
     high: int
-    count: int
+    objects: int
 
 
 def log2_histogram(sizes: Sequence[int]) -> list[Bucket]:
@@ -44,21 +44,21 @@ def log2_histogram(sizes: Sequence[int]) -> list[Bucket]:
 def render_histogram(buckets: Sequence[Bucket], width: int = BAR_WIDTH) -> list[str]:
     """One text line per bucket: range, a bar scaled to the fullest bucket, the count; a run of
     three or more empty buckets is one ``...`` line."""
-    most = max((b.count for b in buckets), default=0)
+    most = max((b.objects for b in buckets), default=0)
     lines = []
     empty_run = 0
     for position, b in enumerate(buckets):
-        if not b.count:
+        if not b.objects:
             empty_run += 1
-            next_full = position + 1 < len(buckets) and buckets[position + 1].count
+            next_full = position + 1 < len(buckets) and buckets[position + 1].objects
             if next_full and empty_run >= 3:
                 lines.append(f"  {'...':>21}  {'':<{width}}  0")
             elif next_full:
                 lines.extend(_row(e, "", width) for e in buckets[position - empty_run + 1 : position + 1])
             continue
         empty_run = 0
-        bar = "█" * (round(width * b.count / most) if most else 0)
-        if b.count and not bar:
+        bar = "█" * (round(width * b.objects / most) if most else 0)
+        if b.objects and not bar:
             bar = "▏"
         lines.append(_row(b, bar, width))
     return lines
@@ -66,7 +66,7 @@ def render_histogram(buckets: Sequence[Bucket], width: int = BAR_WIDTH) -> list[
 
 def _row(b: Bucket, bar: str, width: int) -> str:
     label = "0 B (empty)" if b.high == 1 else f"{format_size(b.low)} – {format_size(b.high)}"
-    return f"  {label:>21}  {bar:<{width}}  {b.count:,}"
+    return f"  {label:>21}  {bar:<{width}}  {b.objects:,}"
 
 
 def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions: int = 6) -> list[str]:

@@ -122,9 +122,9 @@ class PackOptions:
             raise ConfigError(f"compress={self.compress!r} must be 'gzip', 'zstd' or None")
         if self.compress is not None:
             open_encoder(self.compress)  # a missing zstd library fails here, before any I/O
-        if self.name_format is None:
-            object.__setattr__(self, "name_format", default_name_format(self.compress))
-        check_name_format(self.name_format, self.compress)
+        name_format = self.name_format or default_name_format(self.compress)
+        object.__setattr__(self, "name_format", name_format)
+        check_name_format(name_format, self.compress)
 
     def plan_options(self) -> dict[str, Any]:
         """The options that decide what the shards hold (part of the fingerprint)."""
@@ -216,7 +216,7 @@ class _Packer:
         self.done: set[int] = set()
         self.written_progress: set[int] = set()
         self.progress_lock = anyio.Lock()
-        self.store: ObjectStore | None = None
+        self.store: ObjectStore  # opened by run()
         self.gets = anyio.CapacityLimiter(options.max_inflight)
         self.stored: dict[int, int] = {}  # shard number -> object size (compressed shards)
 
@@ -253,7 +253,9 @@ class _Packer:
         if options.shuffle:
             samples = shuffle_samples(samples, options.seed)
         plans = plan_shards(samples, options.target_size)
-        self.names = [self.prefix + options.name_format.format(p.number) for p in plans]
+        name_format = options.name_format
+        assert name_format is not None  # PackOptions gave the default
+        self.names = [self.prefix + name_format.format(p.number) for p in plans]
         if len(set(self.names)) != len(self.names):
             raise ConfigError(f"name format {options.name_format!r} gives two of the "
                               f"{len(plans)} shards the same name; use more digits")
