@@ -18,9 +18,11 @@ import gc
 import itertools
 import os
 import secrets
+import socket
+import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +35,7 @@ from loader.errors import ConfigError
 MINIO_IMAGE = "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z"  # same tag as docker/docker-compose.yml
 MINIO_PORT = 9000
 DOCKER_PING_TIMEOUT = 2.0
+RESTART_TIMEOUT = 60.0
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT")
 # Everything S3Config.from_env() reads for endpoint and credentials; s3_env clears these first.
 _S3_VARS = ENDPOINT_VARS + (
@@ -57,11 +60,13 @@ class ServerChoice:
 class S3Server:
     """A running S3 server for tests: ``kind``, ``config``, ``env``, a ``minio`` client, helpers."""
 
-    def __init__(self, kind: str, config: S3Config, description: str, devserver: Any = None) -> None:
+    def __init__(self, kind: str, config: S3Config, description: str, devserver: Any = None,
+                 container: Any = None) -> None:
         self.kind = kind
         self.config = config
         self.description = description
         self.devserver = devserver  # the loader.tools.devserver.DevServer when kind == "seaweedfs-embedded"
+        self.container = container  # the docker-py container when kind == "minio-testcontainers"
         self.minio = minio_client(config)
         self.created_buckets: list[str] = []
 
@@ -75,8 +80,9 @@ class S3Server:
 
     @property
     def supports_restart(self) -> bool:
-        """Whether ``restart()`` works (only the embedded server can be restarted)."""
-        return self.devserver is not None
+        """Whether ``restart()`` works: for a server this session started, not one from the
+        environment."""
+        return self.devserver is not None or self.container is not None
 
     def new_bucket(self, prefix: str = "it") -> str:
         """Create and return a fresh, uniquely named bucket."""
@@ -86,11 +92,23 @@ class S3Server:
         return name
 
     def restart(self, *, downtime: float = 0.0, kill: bool = False) -> None:
-        """Stop and start the server on the same data, endpoint and credentials (embedded only;
-        skips the calling test otherwise). Call from a thread to fault a running loader."""
-        if self.devserver is None:
-            pytest.skip(f"restart() needs the embedded SeaweedFS server; this session uses {self.kind}")
-        self.devserver.restart(downtime=downtime, kill=kill)
+        """Stop (``kill``: SIGKILL) and start the server on the same data, endpoint and
+        credentials, ``downtime`` seconds later. Call from a thread to fault a running loader.
+        An endpoint from the environment is someone else's server: the calling test skips."""
+        if self.devserver is not None:
+            self.devserver.restart(downtime=downtime, kill=kill)
+        elif self.container is not None:
+            restart_container(self.container, downtime=downtime, kill=kill, ready=self.answers)
+        else:
+            pytest.skip(f"restart() needs a server this session started; {self.description} is not")
+
+    def answers(self) -> bool:
+        """Whether the server answers an authenticated request now."""
+        try:
+            self.minio.list_buckets()
+        except Exception:  # refused, reset, 503 while starting: not yet
+            return False
+        return True
 
     def delete_created_buckets(self) -> None:
         """Best effort: empty and delete every bucket ``new_bucket()`` made (for shared servers)."""
@@ -220,18 +238,46 @@ def minio_container(image: str = MINIO_IMAGE) -> Iterator[S3Server]:
     access, secret = "it" + secrets.token_hex(8), secrets.token_urlsafe(24)
     container = MinioContainer(image=image, port=MINIO_PORT, access_key=access, secret_key=secret)
     container.with_env("MINIO_ROOT_USER", access).with_env("MINIO_ROOT_PASSWORD", secret)
-    container.ports[str(MINIO_PORT)] = ("127.0.0.1",)  # random host port, loopback only
+    # A fixed free port on loopback: Docker may give a published random port a new number when
+    # the container restarts, and restart() must keep the endpoint.
+    container.ports[str(MINIO_PORT)] = ("127.0.0.1", free_port())
     with container:
         host = container.get_container_host_ip()
         host = "127.0.0.1" if host == "localhost" else host
         port = container.get_exposed_port(MINIO_PORT)
         config = S3Config(endpoint_url=f"http://{host}:{port}", access_key_id=access,
                           secret_access_key=secret, addressing_style="path")
-        server = S3Server("minio-testcontainers", config, f"MinIO {image} at {config.endpoint_url}")
+        server = S3Server("minio-testcontainers", config, f"MinIO {image} at {config.endpoint_url}",
+                          container=container.get_wrapped_container())
         try:
             yield server
         finally:
             server.close()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def restart_container(container: Any, *, downtime: float, kill: bool, ready: Callable[[], bool],
+                      timeout: float = RESTART_TIMEOUT) -> None:
+    """Stop a docker-py ``container`` (``kill``: SIGKILL, else a graceful stop), start it again
+    ``downtime`` seconds later, and wait until ``ready()``; its filesystem, so the data, stays."""
+    if kill:
+        container.kill()
+    else:
+        container.stop(timeout=10)
+    time.sleep(downtime)
+    container.start()
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"container {container.name} did not answer within {timeout:.0f} s "
+                               "of its restart")
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -26,6 +27,7 @@ from loader.errors import ConfigError
 from loader.tools import cli
 from loader.tools.devserver import DevServer, find_weed
 
+from conftest import restart_container
 from datasets import jpeg_dataset, make_jpeg, sha256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -327,3 +329,46 @@ def test_minio_testcontainer_round_trip(docker_engine, start_minio_container, s3
         client = s3client(server.config)
         for key, digest in expected.items():
             assert sha256(client.get_object(Bucket=bucket, Key=key)["Body"].read()) == digest
+
+        server.restart(kill=True, downtime=0.5)  # the endpoint and the objects outlive a SIGKILL
+        client = s3client(server.config)
+        for key, digest in expected.items():
+            assert sha256(client.get_object(Bucket=bucket, Key=key)["Body"].read()) == digest
+
+
+class _FakeContainer:
+    """Records what ``restart_container`` asks of a docker-py container."""
+
+    name = "fake-minio"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+
+    def kill(self) -> None:
+        self.calls.append(("kill", time.monotonic()))
+
+    def stop(self, timeout: int) -> None:
+        self.calls.append(("stop", time.monotonic()))
+
+    def start(self) -> None:
+        self.calls.append(("start", time.monotonic()))
+
+
+@pytest.mark.parametrize("kill", [True, False])
+def test_restart_container_stops_waits_starts_and_waits_until_ready(kill):
+    container, polls = _FakeContainer(), []
+
+    def ready() -> bool:
+        polls.append(time.monotonic())
+        return len(polls) >= 3  # refused twice while the server starts
+
+    restart_container(container, downtime=0.3, kill=kill, ready=ready)
+    (first, stopped), (second, started) = container.calls
+    assert (first, second) == ("kill" if kill else "stop", "start")
+    assert started - stopped >= 0.3
+    assert len(polls) == 3 and polls[0] >= started
+
+
+def test_restart_container_that_never_answers_is_a_timeout_naming_it():
+    with pytest.raises(TimeoutError, match="fake-minio did not answer"):
+        restart_container(_FakeContainer(), downtime=0, kill=True, ready=lambda: False, timeout=0.5)
