@@ -46,6 +46,7 @@ from .base import (
     ObjectInfo,
     Pin,
     normalize_etag,
+    objects_of,
 )
 from .credentials import credentials_error, no_credentials_found
 from .signed_get import SignedGetter, can_sign_directly
@@ -202,11 +203,8 @@ class Aioboto3Store:
             raise
         return cls(client, stack, config.endpoint_url or "AWS S3", getter)
 
-    async def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
-        async with contextlib.aclosing(self.list_pages(bucket, prefix)) as pages:
-            async for page in pages:
-                for info in page.objects:
-                    yield info
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return objects_of(self.list_pages(bucket, prefix))
 
     async def list_pages(
         self,

@@ -32,6 +32,7 @@ the cache revalidates an entry when the key list has no ETag: a 304 costs a requ
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -225,3 +226,12 @@ class MultipartStore(Protocol):
     async def list_multipart_uploads(self, bucket: str, prefix: str = "") -> list[tuple[str, str]]:
         """``(key, upload_id)`` of every upload under ``prefix`` neither completed nor aborted."""
         ...
+
+
+async def objects_of(pages: AsyncGenerator[ListPage, None]) -> AsyncGenerator[ObjectInfo, None]:
+    """Every object of a listing's ``pages``, in order: ``list()`` for a store that has
+    ``list_pages()``. Stopping early closes the pages (their connection goes back)."""
+    async with contextlib.aclosing(pages) as opened:
+        async for page in opened:
+            for info in page.objects:
+                yield info

@@ -65,7 +65,6 @@ error code and reqwest's error kind are read from that text.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 from collections.abc import AsyncGenerator
@@ -102,6 +101,7 @@ from .base import (
     ObjectInfo,
     Pin,
     normalize_etag,
+    objects_of,
 )
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 
@@ -207,11 +207,8 @@ class ObstoreStore:
 
     # ------------------------------------------------------------------------- the protocol
 
-    async def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
-        async with contextlib.aclosing(self.list_pages(bucket, prefix)) as pages:
-            async for page in pages:
-                for info in page.objects:
-                    yield info
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return objects_of(self.list_pages(bucket, prefix))
 
     async def list_pages(
         self,
