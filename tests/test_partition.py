@@ -19,14 +19,19 @@ from hypothesis import strategies as st
 from loader.datasets.partition import (
     DEFAULT_SEED,
     ShardAssignment,
+    balanced_shard_ranges,
+    block_shape,
     epoch_order,
     epoch_seed,
     needs_sample_split,
     partition,
     rank_length,
     rank_share,
+    samples_consumed,
+    sequence_ranges,
     shard_assignments,
     slot_of,
+    steps_per_rank,
     worker_share,
 )
 
@@ -165,6 +170,28 @@ def test_small_examples():
         (lambda: rank_length(3, True), r"world_size=True is not an int"),
         (lambda: shard_assignments(-1, seed=0, epoch=0, shuffle=False, rank=0, world_size=1,
                                    worker=0, num_workers=0), r"num_shards=-1 must be >= 0"),
+        (lambda: needs_sample_split(-1, 2), r"num_shards=-1 must be >= 0"),
+        (lambda: needs_sample_split(1, 0), r"slots=0 must be >= 1"),
+        (lambda: needs_sample_split(1.0, 2), r"num_shards=1.0 is not an int"),
+        (lambda: slot_of(0, 0, 0, 0), r"world_size=0 must be >= 1"),
+        (lambda: slot_of(2, 2, 0, 0), r"rank=2 is outside \[0, world_size=2\)"),
+        (lambda: slot_of(0, 1, 2, 2), r"worker=2 is outside \[0, max\(1, num_workers\)=2\)"),
+        (lambda: balanced_shard_ranges([3, -1], seed=0, epoch=0, shuffle=False, rank=0,
+                                       world_size=1, worker=0, num_workers=0),
+         r"counts\[1\]=-1 must be >= 0"),
+        (lambda: balanced_shard_ranges([3], seed=0, epoch=0, shuffle=False, rank=1,
+                                       world_size=1, worker=0, num_workers=0), r"rank=1 is outside"),
+        (lambda: balanced_shard_ranges([3], seed=0, epoch=0, shuffle=False, rank=0,
+                                       world_size=1, worker=0, num_workers=0, policy="keep"),
+         r"policy='keep' is not one of"),
+        (lambda: rank_length(-1, 2), r"n=-1 must be >= 0"),
+        (lambda: rank_length(3, 0), r"world_size=0 must be >= 1"),
+        (lambda: slot_of("0", 1, 0, 0), r"rank='0' is not an int"),
+        (lambda: block_shape(-1, 2, 1), r"m=-1 must be >= 0"),
+        (lambda: block_shape(5, 0, 1), r"batch_size=0 must be >= 1"),
+        (lambda: block_shape(5, 2, 0), r"world_size=0 must be >= 1"),
+        (lambda: block_shape(5, 2, 1, "keep"), r"policy='keep' is not one of"),
+        (lambda: samples_consumed(5, -1, batch_size=2, world_size=1), r"steps=-1 must be >= 0"),
     ],
 )
 def test_bad_arguments_are_named(call, match):
@@ -229,6 +256,44 @@ def test_shard_examples():
     assert slot_of(1, 2, 3, 4) == (7, 8)
     assert slot_of(1, 2, 0, 0) == (1, 2)
     assert not needs_sample_split(0, 4) and needs_sample_split(3, 4) and not needs_sample_split(4, 4)
+    assert needs_sample_split(1, 2) and not needs_sample_split(1, 1)
+
+
+def test_the_default_policy_is_pad():
+    """Without ``policy=``, ranks get ``ceil(n / W)`` items: nothing is dropped."""
+    where = dict(seed=0, epoch=0, shuffle=False, world_size=2, worker=0, num_workers=0)
+    assert partition(5, rank=1, **where) == partition(5, rank=1, policy="pad", **where) == [1, 3, 0]
+    assert partition(5, rank=1, policy="drop", **where) == [1, 3]
+    assert rank_length(5, 2) == 3
+    ranges = balanced_shard_ranges([3, 2], rank=1, **where)
+    assert ranges == balanced_shard_ranges([3, 2], rank=1, policy="pad", **where)
+    assert sum(a.stop - a.start for a in ranges) == 3  # wraps around to sample 0 of shard 0
+    assert block_shape(5, 2, 2) == block_shape(5, 2, 2, "pad") == (1, 1) != block_shape(5, 2, 2, "drop")
+    assert steps_per_rank(5, 2, 2) == 2 and steps_per_rank(5, 2, 2, "drop") == 1
+
+
+def test_balanced_ranges_follow_the_epoch_order_and_keep_what_they_say():
+    counts = [4, 3, 5, 2, 6]
+    where = dict(seed=7, epoch=3, world_size=2, num_workers=2)
+    for shuffle in (False, True):
+        order = epoch_order(len(counts), seed=7, epoch=3, shuffle=shuffle)
+        read = [a for rank in range(2) for worker in range(2)
+                for a in balanced_shard_ranges(counts, rank=rank, worker=worker, shuffle=shuffle, **where)]
+        assert list(dict.fromkeys(a.shard for a in read)) == order
+        for a in read:  # the engine asks keeps()/wanted(), not start/stop
+            assert [i for i in range(counts[a.shard]) if a.keeps(i)] == list(range(a.start, a.stop))
+            assert a.wanted(counts[a.shard]) == a.stop - a.start
+    assert epoch_order(len(counts), seed=7, epoch=3, shuffle=True) != list(range(len(counts)))
+
+
+def test_sequence_ranges_merge_ascending_runs_of_one_shard():
+    # shard 1 first, then shard 0; three ascending runs in shard 0 become one assignment
+    out = sequence_ranges([10, 4], [1, 0], [0, 1, 4, 5, 8, 10, 11, 2])
+    assert [(a.shard, a.ranges) for a in out] == [
+        (1, ((0, 2),)), (0, ((0, 2), (4, 5), (6, 8))), (1, ((2, 3),))]
+    assert [i for i in range(10) if out[1].keeps(i)] == [0, 1, 4, 6, 7]
+    with pytest.raises(ValueError, match="position 14 is outside the 14 samples of these shards"):
+        sequence_ranges([10, 4], [1, 0], [13, 14])
 
 
 def test_shard_order_follows_the_epoch():

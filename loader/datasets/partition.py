@@ -243,12 +243,11 @@ def balanced_shard_ranges(
     out: list[ShardAssignment] = []
     position = lo
     while position < hi:
-        wrapped = position % total
-        cycle_end = position - wrapped + total  # the sequence repeats (pad) past ``total``
+        wrapped = position % total  # the sequence repeats (pad) past ``total``
         for place, shard in enumerate(order):
             begin, end = starts[place], starts[place] + counts[shard]
             if begin <= wrapped < end:
-                stop = min(end, wrapped + (hi - position), cycle_end)
+                stop = min(end, wrapped + (hi - position))
                 out.append(ShardAssignment(shard, 1, 0, wrapped - begin, stop - begin))
                 position += stop - wrapped
                 break
