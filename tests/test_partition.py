@@ -292,6 +292,10 @@ def test_sequence_ranges_merge_ascending_runs_of_one_shard():
     assert [(a.shard, a.ranges) for a in out] == [
         (1, ((0, 2),)), (0, ((0, 2), (4, 5), (6, 8))), (1, ((2, 3),))]
     assert [i for i in range(10) if out[1].keeps(i)] == [0, 1, 4, 6, 7]
+    # every sample inside the ranges is kept: stride 1, phase 0, the span of the ranges
+    assert out[1] == ShardAssignment(0, 1, 0, 0, 8, ((0, 2), (4, 5), (6, 8)))
+    # the last two runs merge too
+    assert sequence_ranges([10], [0], [0, 1, 5, 6]) == [ShardAssignment(0, 1, 0, 0, 7, ((0, 2), (5, 7)))]
     with pytest.raises(ValueError, match="position 14 is outside the 14 samples of these shards"):
         sequence_ranges([10, 4], [1, 0], [13, 14])
 
