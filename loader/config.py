@@ -55,6 +55,12 @@ class S3Config:
             raise ConfigError("profile is empty; give a profile name or None (AWS_PROFILE or 'default')")
         if not self.region:
             raise ConfigError("region is empty; set AWS_REGION (e.g. 'us-east-1')")
+        for field in ("access_key_id", "secret_access_key"):
+            if getattr(self, field) == "":
+                raise ConfigError(
+                    f"{field} is empty; give both keys, or leave both None to look credentials up "
+                    "the way boto3 does"
+                )
         if (self.access_key_id is None) != (self.secret_access_key is None):
             given = "access_key_id" if self.access_key_id is not None else "secret_access_key"
             raise ConfigError(
@@ -131,9 +137,10 @@ class S3Config:
         out = {"AWS_REGION": self.region}
         if self.endpoint_url:
             out["AWS_ENDPOINT_URL"] = self.endpoint_url
-        if self.access_key_id:
+        if self.access_key_id is not None:
+            assert self.secret_access_key is not None  # __post_init__: both keys or neither
             out["AWS_ACCESS_KEY_ID"] = self.access_key_id
-            out["AWS_SECRET_ACCESS_KEY"] = self.secret_access_key or ""
+            out["AWS_SECRET_ACCESS_KEY"] = self.secret_access_key
         if self.session_token:
             out["AWS_SESSION_TOKEN"] = self.session_token
         if isinstance(self.verify, str):

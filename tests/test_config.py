@@ -210,6 +210,30 @@ def test_endpoint_with_credentials_inside_is_refused_without_echoing_them():
     assert_no_secret(str(info.value))
 
 
+def test_endpoint_errors_read_whole():
+    """The advice at the end of each message is part of the message."""
+    with pytest.raises(ConfigError) as info:
+        S3Config(endpoint_url="http://u:p@localhost:9000")
+    assert str(info.value) == (
+        "endpoint_url contains '@' (credentials in the URL?); give only scheme, host and port and "
+        "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for the credentials")
+    with pytest.raises(ConfigError) as info:
+        S3Config(endpoint_url="http://h:port")
+    assert str(info.value).endswith("set it to scheme, host and port (e.g. http://127.0.0.1:9000 for a local MinIO)")
+    with pytest.raises(ConfigError) as info:
+        S3Config(endpoint_url="ftp://h")
+    assert str(info.value) == ("endpoint_url='ftp://h' is not a URL with a scheme; set it to an http:// or "
+                               "https:// URL (e.g. http://127.0.0.1:9000 for a local MinIO)")
+
+
+@pytest.mark.parametrize("profile", ["", "  "])
+def test_empty_profile_is_refused(profile):
+    with pytest.raises(ConfigError) as info:
+        S3Config(profile=profile)
+    assert str(info.value) == "profile is empty; give a profile name or None (AWS_PROFILE or 'default')"
+    assert S3Config(profile="work").profile == "work"
+
+
 def test_explicit_bad_endpoint_names_the_field():
     with pytest.raises(ConfigError, match=r"^endpoint_url='localhost:9000' .*'http://localhost:9000'"):
         S3Config(endpoint_url="localhost:9000")
@@ -364,6 +388,16 @@ def test_explicit_partial_credentials(kwargs, given):
     assert_no_secret(str(info.value))
 
 
+@pytest.mark.parametrize("field", ["access_key_id", "secret_access_key"])
+def test_explicit_empty_key_is_refused(field):
+    keys = {"access_key_id": ACCESS, "secret_access_key": SECRET, field: ""}
+    with pytest.raises(ConfigError) as info:
+        S3Config(**keys)
+    assert str(info.value) == (f"{field} is empty; give both keys, or leave both None to look "
+                               "credentials up the way boto3 does")
+    assert_no_secret(str(info.value))
+
+
 # ------------------------------------------------------------------------------ region, token, CA
 
 
@@ -502,6 +536,14 @@ def test_repr_says_unset_without_credentials():
     assert text == (
         "S3Config(endpoint_url=None, region='us-east-1', credentials=<unset>, "
         "addressing_style='auto', verify=True)"
+    )
+
+
+def test_repr_of_a_full_config():
+    cfg = dataclasses.replace(full_config(), profile="work")
+    assert repr(cfg) == (
+        "S3Config(endpoint_url='http://localhost:9000', region='us-east-1', credentials=<set>, "
+        "session_token=<set>, profile='work', addressing_style='auto', verify=True)"
     )
 
 
