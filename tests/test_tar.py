@@ -661,3 +661,279 @@ def test_key_runs_and_indices():
     assert out[3]["__key__"] == "b" and out[3]["__index__"] == 11
     assert grouper.pending_offset == 3 * 1024
     assert grouper.flush()["__index__"] == 12  # a key that comes back starts another sample
+
+
+# -- every field and message as written (each test below was asked for by mutation testing) -----
+
+
+def test_numeric_fields_octal_and_base256():
+    from loader.formats.tar import _parse_number
+
+    assert _parse_number(b"00000001750\x00") == 0o1750
+    assert _parse_number(b"000000001750") == 0o1750  # all twelve bytes digits, no NUL
+    assert _parse_number(b"  1750 \x00\x00\x00\x00\x00") == 0o1750
+    assert _parse_number(bytes(12)) == 0 and _parse_number(b"    \x00" + bytes(7)) == 0
+    assert _parse_number(b"\x80\x01" + bytes(10)) == 1 << 80  # big-endian, after the marker byte
+    assert _parse_number(b"\x80" + (700).to_bytes(11, "big")) == 700
+    assert _parse_number(b"\xff" * 11 + b"\xfe") == -2  # two's complement over the whole field
+    assert _parse_number(b"\xff\x00" + bytes(10)) == -(1 << 88)
+    with pytest.raises(ValueError):
+        _parse_number(b"1\xff" + bytes(10))
+
+
+@given(st.binary(min_size=BLOCK_SIZE, max_size=BLOCK_SIZE))
+def test_byte_sum_is_the_sum_of_the_bytes(block):
+    from loader.formats.tar import _byte_sum
+
+    assert _byte_sum(block) == sum(block)
+
+
+@pytest.mark.parametrize("form", [b"%06o\x00 ", b"%07o\x00", b"%07o ", b"%6o\x00 "],
+                         ids=["tarfile", "gnu", "space-ended", "space-padded"])
+def test_checksum_field_as_each_writer_ends_it(form):
+    block = header(b"k.txt", 2)
+    block[148:156] = form % block_checksum(block)
+    stream = bytes(block) + padded(b"hi") + END
+    assert [(m.name, m.data) for m in parse_members([stream])] == [("k.txt", b"hi")]
+
+
+def test_pax_records():
+    from loader.formats.tar import _parse_pax
+
+    assert _parse_pax(b"11 path=ab\n" + bytes(5)) == {"path": b"ab"}  # NUL padding ends the records
+    assert _parse_pax(b"6 a=b\n12 size=700\n") == {"a": b"b", "size": b"700"}
+    assert _parse_pax(b"7 \xffk=v\n") == {"\udcffk": b"v"}  # keys keep undecodable bytes
+    for data, message in [
+        (b"path=ab\n", "record without a length"),
+        (b" 6 a=b\n", "record without a length"),
+        (b"x6 a=b\n", "record length b'x6' is not a number"),
+        (b"99 path=x\n", "record length 99 does not fit"),
+        (b"1 \n", "record length 1 does not fit"),
+        (b"6 =ab\n", "record without 'key='"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            _parse_pax(data)
+        assert str(info.value) == message, data
+
+
+def pax_record(key: str, value: str) -> bytes:
+    """One pax record, ``"%d key=value\\n"``, whose length counts its own digits."""
+    body = f" {key}={value}\n".encode()
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length += 1
+    return str(length).encode() + body
+
+
+def pax_header(records: bytes, at_name: bytes = b"././@PaxHeader") -> bytes:
+    return with_checksum(header(at_name, len(records), typeflag=b"x")) + padded(records)
+
+
+def test_pax_errors_name_the_header_and_its_offset():
+    first = with_checksum(header(b"a.txt", 1)) + padded(b"1")
+    cases = [
+        (pax_record("GNU.sparse.major", "1"), "unsupported tar member: the pax extended header at byte 1024 "
+                                     "is for a GNU sparse file"),
+        (pax_record("size", "abc"), "corrupt tar: the pax extended header at byte 1024 has a bad size b'abc'"),
+        (pax_record("size", "-5"), "corrupt tar: the pax extended header at byte 1024 has a bad size b'-5'"),
+        (b"9 a=bcd\n", "corrupt tar: bad record in the pax extended header at byte 1024 "
+                         "(record length 9 does not fit)"),
+    ]
+    for records, message in cases:
+        stream = first + pax_header(records) + with_checksum(header(b"k.bin", 0)) + END
+        parser = TarStreamParser(URL)
+        assert [m.name for m in parser.feed(stream)] == ["a.txt"]  # delivered before the error
+        with pytest.raises(ShardFormatError) as info:
+            parser.close()
+        assert str(info.value) == f"{URL}: {message}", records
+        assert (info.value.url, info.value.offset) == (URL, 1024)
+
+
+def test_pax_size_zero_overrides_a_header_size():
+    stream = pax_header(pax_record("size", "0")) + with_checksum(header(b"k.bin", 5)) + END
+    assert [(m.name, m.data) for m in parse_members([stream])] == [("k.bin", b"")]
+
+
+def test_negative_base256_size_is_refused_with_its_offset():
+    first = with_checksum(header(b"a.txt", 1)) + padded(b"1")
+    block = header(b"k.bin", 0)
+    block[124:136] = b"\xff" * 11 + b"\xfe"
+    parser = TarStreamParser(URL)
+    with pytest.raises(ShardFormatError) as info:
+        parser.feed(first)
+        parser.feed(with_checksum(block) + END)
+    assert str(info.value) == f"{URL}: corrupt tar header at byte 1024: negative size -2"
+    assert info.value.offset == 1024
+
+
+def test_bad_size_field_message_shows_the_field():
+    block = header(b"k.txt", 0)
+    block[124:136] = b"12x4\x00" + bytes(7)
+    with pytest.raises(ShardFormatError) as info:
+        parse_members([with_checksum(block) + END])
+    assert str(info.value) == (
+        f"{URL}: corrupt tar header at byte 0: size field {bytes(block[124:136])!r} is not a number")
+
+
+def test_compression_hints_read_whole():
+    plain = random.Random(3).randbytes(BLOCK_SIZE)
+    zstd_like = b"\x28\xb5\x2f\xfd" + plain[4:]
+    gzip_like = gzip.compress(b"x" * 4000)
+    expected = {
+        plain: "",
+        zstd_like: "; it looks zstd-compressed: name it .tar.zst (read as zstd), or store it as plain tar",
+        gzip_like: "; it looks gzip-compressed: name it .tar.gz or .tgz (read as gzip), or store it as "
+                   "plain tar",
+    }
+    for data, hint in expected.items():
+        with pytest.raises(ShardFormatError) as info:
+            parse_members([data + bytes(BLOCK_SIZE)])  # a whole first block: its checksum fails
+        assert str(info.value) == f"{URL}: not a tar archive (bad header checksum at byte 0){hint}"
+
+
+def test_errors_without_a_url_say_stream():
+    with pytest.raises(ShardFormatError) as info:
+        parse_members([b"hello"], url="")
+    assert str(info.value).startswith("<stream>: truncated or not a tar archive: stream ended at byte 5")
+
+
+def test_feed_after_close_is_refused():
+    parser = TarStreamParser(URL)
+    parser.feed(tar_bytes([("k.txt", b"1")]))
+    parser.close()
+    with pytest.raises(ValueError, match="feed\\(\\) after close\\(\\)"):
+        parser.feed(b"")
+
+
+def test_a_stream_ending_inside_the_end_block_is_complete():
+    member = with_checksum(header(b"k.txt", 1)) + padded(b"1")
+    parser = TarStreamParser(URL)
+    assert [m.name for m in parser.feed(member + bytes(100))] == ["k.txt"]
+    assert not parser.finished
+    parser.close()
+    assert parser.finished and parser.resume_offset == len(member)
+
+
+def test_end_block_right_after_an_extension_header():
+    stream = pax_header(pax_record("path", "ab")) + END
+    with pytest.raises(ShardFormatError) as info:
+        parse_members([stream])
+    assert str(info.value) == (
+        f"{URL}: corrupt tar: end-of-archive block at byte 1024 right after the extension header "
+        "at byte 0, which must be followed by a member")
+    assert info.value.offset == 1024
+
+
+def test_truncated_inside_a_long_name_or_a_skipped_member_says_which():
+    long_name = with_checksum(header(b"././@LongLink", 300, typeflag=b"L"))
+    with pytest.raises(ShardFormatError) as info:
+        parse_members([long_name + b"n" * 100])
+    assert str(info.value) == (f"{URL}: truncated: stream ended at byte 612 inside the GNU long-name "
+                               "header at byte 0 which needs 200 more bytes")
+    volume = with_checksum(header(b"label", 5, typeflag=b"V"))
+    with pytest.raises(ShardFormatError) as info:
+        parse_members([volume + b"12"])
+    assert str(info.value) == (f"{URL}: truncated: stream ended at byte 514 inside member 'label' "
+                               "which needs 3 more bytes")
+
+
+def test_a_name_filling_all_100_bytes():
+    name = b"n" * 96 + b".txt"
+    block = header(name, 1)
+    assert len(name) == 100 and block[100:101] == b"0"  # the mode field follows without a NUL
+    stream = with_checksum(block) + padded(b"1") + END
+    assert [m.name for m in parse_members([stream])] == [name.decode()]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_links_are_counted_with_the_first_ones_target(fmt):
+    # a target longer than the 100-byte linkname field needs GNU 'K' or pax 'linkpath'
+    target = "t.jpg" if fmt == tarfile.USTAR_FORMAT else "d/" * 60 + "t.jpg"
+    stream = tar_bytes([
+        ("k.jpg", b"jpeg"),
+        ("k.soft", b"", tarfile.SYMTYPE, target),
+        ("k.hard", b"", tarfile.LNKTYPE, "k.jpg"),
+        ("k.soft2", b"", tarfile.SYMTYPE, "other.jpg"),
+        ("k.hard2", b"", tarfile.LNKTYPE, "k.jpg"),
+        ("a/", b"", tarfile.DIRTYPE),
+        ("k.cls", b"3"),
+    ], fmt=fmt)
+    parser = TarStreamParser(URL)
+    members = parser.feed(stream)
+    parser.close()
+    assert [m.name for m in members] == ["k.jpg", "k.cls"] and parser.members_parsed == 2
+    assert (parser.hard_links, parser.symlinks) == (2, 2)
+    assert parser.first_link == ("k.soft", target)
+
+
+def test_hard_link_first_and_no_links():
+    stream = tar_bytes([("k.jpg", b"1"), ("k.hard", b"", tarfile.LNKTYPE, "k.jpg"),
+                        ("k.soft", b"", tarfile.SYMTYPE, "k.jpg")], fmt=tarfile.USTAR_FORMAT)
+    parser = TarStreamParser(URL)
+    parser.feed(stream)
+    assert (parser.hard_links, parser.symlinks, parser.first_link) == (1, 1, ("k.hard", "k.jpg"))
+    plain = TarStreamParser(URL)
+    plain.feed(tar_bytes([("a.txt", b"1"), ("b.txt", b"2"), ("c.txt", b"3")]))
+    assert (plain.hard_links, plain.symlinks, plain.first_link, plain.members_parsed) == (0, 0, None, 3)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("a/b.c/d.jpg", ("a/b.c/d", "jpg")),  # only the basename's dot counts
+    (".jpg", ("", "jpg")),
+])
+def test_split_key_more(name, expected):
+    assert split_key(name) == expected
+
+
+def test_grouper_skips_hidden_files_in_nested_folders_and_errors_carry_url_and_offset():
+    grouper = SampleGrouper(URL)
+    assert grouper.pending_offset is None
+    assert grouper.add(TarMember("a/b/._k.jpg", b"x", 0)) is None and grouper.members_skipped == 1
+    with pytest.raises(ShardFormatError) as info:
+        grouper.add(TarMember("k.__url__", b"x", 4096))
+    assert (info.value.url, info.value.offset) == (URL, 4096)
+    assert str(info.value) == (f"{URL}: member 'k.__url__' at byte 4096 has the extension '__url__', "
+                               "which is a reserved sample field; rename it")
+
+
+def test_offsets_and_byte_counts_run_on_after_the_end():
+    stream = tar_bytes([("k.txt", b"1")])
+    parser = TarStreamParser(URL)
+    parser.feed(stream[:700])
+    parser.feed(stream[700:])
+    parser.feed(b"trailing bytes")
+    assert parser.finished and parser.bytes_parsed == parser.offset == len(stream) + 14
+
+
+def test_unknown_type_takes_its_size_from_pax():
+    volume = with_checksum(header(b"label", 0, typeflag=b"V"))
+    stream = (pax_header(pax_record("size", "5")) + volume + padded(b"12345")
+              + with_checksum(header(b"k.txt", 2)) + padded(b"hi") + END)
+    assert [(m.name, m.data) for m in parse_members([stream])] == [("k.txt", b"hi")]
+
+
+def test_sparse_and_truncated_extension_headers_say_which():
+    with pytest.raises(ShardFormatError) as info:
+        parse_members([with_checksum(header(b"k.bin", 0, typeflag=b"S")) + END])
+    assert str(info.value) == f"{URL}: unsupported tar member at byte 0: GNU sparse file 'k.bin'"
+    for typeflag, what in [(b"K", "GNU long-link"), (b"g", "pax global")]:
+        with pytest.raises(ShardFormatError) as info:
+            parse_members([with_checksum(header(b"x", 300, typeflag=typeflag)) + b"n" * 100])
+        assert str(info.value) == (f"{URL}: truncated: stream ended at byte 612 inside the {what} "
+                                   "header at byte 0 which needs 200 more bytes")
+
+
+def test_six_digit_checksums_and_full_width_fields():
+    # bytes of 0xff in the name and link name push the checksum to six significant octal digits
+    block = header(b"\xff" * 95 + b".txt", 1, typeflag=b"2")
+    block[157:257] = b"t" * 96 + b".txt"  # a link name filling its 100 bytes, magic right after
+    stream = with_checksum(block) + with_checksum(header(b"k.txt", 1)) + padded(b"1") + END
+    assert block_checksum(block) >= 0o100000
+    parser = TarStreamParser(URL)
+    assert [m.name for m in parser.feed(stream)] == ["k.txt"]
+    assert parser.first_link == ("\udcff" * 95 + ".txt", "t" * 96 + ".txt")
+    prefixed = header(b"k.txt", 1)
+    prefixed[345:500] = b"p" * 155  # a prefix filling its 155 bytes; the unused bytes after it
+    prefixed[500:512] = b"junk" + bytes(8)  # are not part of it
+    (member,) = parse_members([with_checksum(prefixed) + padded(b"1") + END])
+    assert member.name == "p" * 155 + "/k.txt"

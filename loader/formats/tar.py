@@ -152,9 +152,12 @@ def _parse_pax(data: bytes) -> dict[str, bytes]:
         if data[pos] == 0:  # some writers pad with NULs
             break
         space = data.find(b" ", pos)
-        if space < 0:
+        if space <= pos:
             raise ValueError("record without a length")
-        length = int(data[pos:space])
+        digits = data[pos:space]
+        if not digits.isdigit():
+            raise ValueError(f"record length {digits!r} is not a number")
+        length = int(digits)
         stop = pos + length
         if length <= space - pos or stop > end or data[stop - 1] != 0x0A:
             raise ValueError(f"record length {length} does not fit")
@@ -393,7 +396,7 @@ class TarStreamParser:
     ) -> int:
         take = min(self._need, end - pos)
         if take == self._need and not self._pieces and not self._acc:
-            self._need = 0  # the whole data is in this chunk: one slice, one copy
+            # the whole data is in this chunk: one slice, one copy (_on_data sets _need next)
             self._offset += take
             self._on_data(chunk[pos : pos + take], out)
             return pos + take
