@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import trustme
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, S3Config, TLSError
@@ -26,7 +27,6 @@ from loader.tools.devserver import DevServer
 from conftest import _S3_VARS, minio_client
 from datasets import jpeg_dataset
 
-trustme = pytest.importorskip("trustme")  # a test dependency (extra "test"); skips nothing in make test
 BACKENDS = ["aioboto3", "obstore"]
 QUICK = RetryPolicy(max_attempts=2, base_delay=0.01, connect_timeout=5, read_timeout=10)
 
