@@ -34,7 +34,7 @@ from ..engine.fetch import (
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.index import INDEX_NAME, index_counts, read_index
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, sample_job, skippable
-from ..formats.shards import END, ShardOptions, ShardRef, sample_nbytes, shard_job
+from ..formats.shards import END, ShardOptions, ShardRef, Tag, sample_nbytes, shard_job
 from ..stores.cache import CacheStats
 from ..stores.recording import RequestRecorder
 from ..uri import parse_s3_uri
@@ -683,8 +683,6 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
         return (f"AsyncS3Dataset({what}, bucket={self.bucket!r}, shuffle={self.options.shuffle}, "
                 f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
 
-
-Tag = tuple[int, int]
 
 
 @dataclasses.dataclass

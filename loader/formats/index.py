@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import resolve_config
+from ..config import S3Config, resolve_config
 from ..errors import ConfigError
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import open_store, resolve_backend
@@ -75,7 +75,9 @@ def index_counts(index: Any, where: str = "the index") -> dict[str, int]:
     return counts
 
 
-def read_index(uri: str, *, config: Any = None, store: str | Callable[[], Any] | None = None) -> dict[str, Any]:
+def read_index(
+    uri: str, *, config: S3Config | None = None, store: str | Callable[[], Any] | None = None
+) -> dict[str, Any]:
     """Fetch and parse ``s3://bucket/.../index.json`` written by ``loader shard``.
 
     Configuration comes from the environment unless ``config`` (an ``S3Config``) is given;
@@ -104,7 +106,9 @@ def read_index(uri: str, *, config: Any = None, store: str | Callable[[], Any] |
     return document
 
 
-def read_index_counts(uri: str, **options: Any) -> dict[str, int]:
+def read_index_counts(
+    uri: str, *, config: S3Config | None = None, store: str | Callable[[], Any] | None = None
+) -> dict[str, int]:
     """``{shard url: samples}`` from a ``loader shard`` index, for ``from_shards(sample_counts=)``::
 
         counts = read_index_counts("s3://bucket/shards/index.json")
@@ -112,5 +116,5 @@ def read_index_counts(uri: str, **options: Any) -> dict[str, int]:
 
     A prefix (``s3://bucket/shards/``) means its ``index.json``.
     """
-    document = read_index(uri, **options)
+    document = read_index(uri, config=config, store=store)
     return index_counts(document, uri)

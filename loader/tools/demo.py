@@ -132,7 +132,7 @@ def dominant_channel(data: bytes) -> int:
 
 def small_cnn(classes: int = 3) -> torch.nn.Module:
     """A patchify stem, two strided convolutions and a linear head (~24k parameters): a real
-    training step, light enough that 2 cores can also fetch and decode."""
+    training step, light enough that a laptop's cores can also fetch and decode."""
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 4, stride=4), torch.nn.ReLU(),
         torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
@@ -144,8 +144,8 @@ def small_cnn(classes: int = 3) -> torch.nn.Module:
 def train(name: str, dataset: AsyncS3Dataset, epochs: int, num_workers: int, total: int) -> dict[str, float]:
     """Train ``small_cnn`` from scratch; returns samples/s over all epochs and the last loss."""
     torch.manual_seed(0)
-    # one intra-op thread: the DataLoader workers decode on the other cores, and a second
-    # OpenMP thread fighting them for a core made each step several times slower on 2 cores
+    # one intra-op thread: the DataLoader workers decode on the other cores; on a machine with few
+    # cores a second OpenMP thread fights them for a core and slows every step
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = small_cnn()
