@@ -18,7 +18,8 @@ def run_rank(rank: int, world_size: int, port: int, spec: dict, env: dict, out: 
     try:
         config = S3Config.from_env()
         if spec["mode"] == "objects":
-            dataset = AsyncS3Dataset.from_prefix(spec["uri"], shuffle=True, seed=5, config=config)
+            dataset = AsyncS3Dataset.from_prefix(spec["uri"], shuffle=True, seed=5, config=config,
+                                                 pad_policy=spec.get("pad_policy", "pad"))
         else:
             dataset = AsyncS3Dataset.from_shards(spec["uri"], shuffle=True, seed=5, config=config,
                                                  sample_counts=spec.get("counts"), shuffle_buffer=50)

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch.multiprocessing as mp
 
-from datasets import jpeg_dataset
+from datasets import jpeg_dataset, upload_objects
 from ddp_worker import run_rank
 from shardsets import upload_shards
 
@@ -44,6 +44,25 @@ def test_shard_ranks_split_the_data_set_exactly_with_equal_lengths(s3_server):
     assert {len(rank_keys) for rank_keys in keys} == {200} and length == 200
     flat = list(itertools.chain(*keys))
     assert len(flat) == len(set(flat)) and set(flat) == set(expected)
+
+
+@pytest.mark.parametrize("pad_policy", ["pad", "drop"])
+def test_object_ranks_pad_or_drop_the_remainder(s3_server, pad_policy):
+    """200 objects over 3 ranks found from the process group: "pad" repeats one sample so every
+    rank reads 67, "drop" leaves out two so every rank reads 66 and none twice."""
+    bucket = s3_server.new_bucket()
+    upload_objects(s3_server.minio, bucket, {f"train/{i:04d}.bin": bytes([i % 256]) * 64 for i in range(200)})
+    spec = {"mode": "objects", "uri": f"s3://{bucket}/train/", "pad_policy": pad_policy}
+    keys, length = gather(spec, s3_server.env)
+    flat = list(itertools.chain(*keys))
+    stems = {f"train/{i:04d}" for i in range(200)}
+    assert set(flat) <= stems
+    if pad_policy == "drop":
+        assert {len(rank_keys) for rank_keys in keys} == {66} and length == 66
+        assert len(flat) == len(set(flat)) == 198, "drop repeated a sample or lost more than the remainder"
+    else:
+        assert {len(rank_keys) for rank_keys in keys} == {67} and length == 67
+        assert set(flat) == stems and len(flat) - len(set(flat)) == 1, "pad should repeat exactly one sample"
 
 
 RESUME = textwrap.dedent('''
