@@ -8,286 +8,27 @@
 
 The header line says which one runs and why. Tests get ``s3_server`` (session-wide, see
 ``S3Server``) and, to read configuration from ``os.environ`` like a user would, ``s3_env``.
+
+The servers themselves are in ``s3servers.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
-import itertools
-import os
-import secrets
-import socket
-import time
-import uuid
-import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit
+from collections.abc import Iterator
 
 import pytest
 
-from loader.config import S3Config
-from loader.errors import ConfigError
-
-MINIO_IMAGE = "quay.io/minio/minio:RELEASE.2025-04-22T22-12-26Z"  # same tag as docker/docker-compose.yml
-MINIO_PORT = 9000
-DOCKER_PING_TIMEOUT = 2.0
-RESTART_TIMEOUT = 60.0
-ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT")
-# Everything S3Config.from_env() reads for endpoint and credentials; s3_env clears these first.
-_S3_VARS = ENDPOINT_VARS + (
-    "MINIO_SECURE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-    "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD",
-    "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+from s3servers import (
+    S3_VARS,
+    S3Server,
+    choose_server,
+    docker_engine_answers,
+    embedded_server,
+    minio_container,
+    server_from_env,
 )
-_LOCAL_DOCKER_SCHEMES = ("unix", "npipe")
-_LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-_bucket_numbers = itertools.count()
-_USED = pytest.StashKey["S3Server"]()
 
-
-@dataclass(frozen=True)
-class ServerChoice:
-    """Which server the session will use, and the header line that explains why."""
-
-    kind: str
-    headline: str
-
-
-class S3Server:
-    """A running S3 server for tests: ``kind``, ``config``, ``env``, a ``minio`` client, helpers."""
-
-    def __init__(self, kind: str, config: S3Config, description: str, devserver: Any = None,
-                 container: Any = None) -> None:
-        self.kind = kind
-        self.config = config
-        self.description = description
-        self.devserver = devserver  # the loader.tools.devserver.DevServer when kind == "seaweedfs-embedded"
-        self.container = container  # the docker-py container when kind == "minio-testcontainers"
-        self.minio = minio_client(config)
-        self.created_buckets: list[str] = []
-
-    @property
-    def env(self) -> dict[str, str]:
-        """Environment variables that make ``S3Config.from_env()`` point at this server."""
-        env = self.config.to_env()
-        if isinstance(self.config.verify, str):
-            env["AWS_CA_BUNDLE"] = self.config.verify
-        return env
-
-    @property
-    def supports_restart(self) -> bool:
-        """Whether ``restart()`` works: for a server this session started, not one from the
-        environment."""
-        return self.devserver is not None or self.container is not None
-
-    def new_bucket(self, prefix: str = "it") -> str:
-        """Create and return a fresh, uniquely named bucket."""
-        name = f"{prefix}-{next(_bucket_numbers):03d}-{uuid.uuid4().hex[:10]}"
-        self.minio.make_bucket(name)
-        self.created_buckets.append(name)
-        return name
-
-    def restart(self, *, downtime: float = 0.0, kill: bool = False) -> None:
-        """Stop (``kill``: SIGKILL) and start the server on the same data, endpoint and
-        credentials, ``downtime`` seconds later. Call from a thread to fault a running loader.
-        An endpoint from the environment is someone else's server: the calling test skips."""
-        if self.devserver is not None:
-            self.devserver.restart(downtime=downtime, kill=kill)
-        elif self.container is not None:
-            restart_container(self.container, downtime=downtime, kill=kill, ready=self.answers)
-        else:
-            pytest.skip(f"restart() needs a server this session started; {self.description} is not")
-
-    def answers(self) -> bool:
-        """Whether the server answers an authenticated request now."""
-        try:
-            self.minio.list_buckets()
-        except Exception:  # refused, reset, 503 while starting: not yet
-            return False
-        return True
-
-    def delete_created_buckets(self) -> None:
-        """Best effort: empty and delete every bucket ``new_bucket()`` made (for shared servers)."""
-        from minio.deleteobjects import DeleteObject
-
-        for bucket in self.created_buckets:
-            try:
-                names = (DeleteObject(o.object_name) for o in
-                         self.minio.list_objects(bucket, recursive=True))
-                for error in self.minio.remove_objects(bucket, names):
-                    raise RuntimeError(str(error))
-                self.minio.remove_bucket(bucket)
-            except Exception as exc:
-                warnings.warn(f"could not delete test bucket {bucket!r}: {exc}", stacklevel=1)
-
-    def close(self) -> None:
-        """Release the minio client's connection pool."""
-        self.minio._http.clear()
-
-    def __repr__(self) -> str:
-        return f"S3Server(kind={self.kind!r}, endpoint={self.config.endpoint_url!r})"
-
-
-# ---------------------------------------------------------------- choosing the server
-
-
-@functools.lru_cache(maxsize=1)
-def choose_server() -> ServerChoice:
-    """Environment endpoint, else MinIO in Docker, else embedded SeaweedFS (decided once)."""
-    for name in ENDPOINT_VARS:
-        if os.environ.get(name):
-            return ServerChoice("env", f"S3 server: {os.environ[name]} from ${name} (environment)")
-    answers, why = docker_engine_answers()
-    if answers:
-        return ServerChoice("minio-testcontainers",
-                            f"S3 server: MinIO {MINIO_IMAGE} via testcontainers (Docker engine {why})")
-    return ServerChoice("seaweedfs-embedded", f"S3 server: {_embedded_name()} (no Docker engine answered: {why})")
-
-
-@functools.lru_cache(maxsize=1)
-def docker_engine_answers(timeout: float = DOCKER_PING_TIMEOUT) -> tuple[bool, str]:
-    """``(True, where)`` if a local Docker engine answers a ping within ``timeout`` s, else
-    ``(False, reason)``. Remote engines (DOCKER_HOST=tcp://other-host) are not used unless
-    LOADER_TEST_REMOTE_DOCKER=1, since the tests only talk to this machine."""
-    host = os.environ.get("DOCKER_HOST", "")
-    if host and not _is_local_docker_host(host) and os.environ.get("LOADER_TEST_REMOTE_DOCKER") != "1":
-        return False, f"DOCKER_HOST={host!r} is not on this machine (set LOADER_TEST_REMOTE_DOCKER=1 to use it)"
-    try:
-        import docker
-    except ImportError:
-        return False, "the docker SDK is not installed (pip install docker)"
-    try:
-        client = docker.from_env(timeout=timeout)
-        try:
-            client.ping()
-            where = client.api.base_url
-        finally:
-            client.close()
-    except Exception as exc:
-        reason = _one_line(exc)
-    else:
-        return True, f"answered at {where}"
-    with warnings.catch_warnings():  # the SDK drops its half-open socket when no engine answers
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
-    return False, reason
-
-
-def _is_local_docker_host(host: str) -> bool:
-    parts = urlsplit(host)
-    return parts.scheme in _LOCAL_DOCKER_SCHEMES or (parts.hostname or "") in _LOCAL_HOSTS
-
-
-def _embedded_name() -> str:
-    try:
-        from loader.tools.devserver import weed_version
-
-        return f"embedded SeaweedFS {weed_version()}"
-    except Exception as exc:
-        return f"embedded SeaweedFS, unavailable: {_one_line(exc)}"
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# ---------------------------------------------------------------- starting it
-
-
-def minio_client(config: S3Config):
-    """A ``minio.Minio`` client for ``config`` with a pool big enough for 16+ upload threads."""
-    import urllib3
-    from minio import Minio
-
-    parts = urlsplit(config.endpoint_url or "https://s3.amazonaws.com")
-    verify = config.verify
-    http = urllib3.PoolManager(
-        maxsize=32,
-        timeout=urllib3.Timeout(connect=10, read=120),
-        retries=urllib3.Retry(total=3, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
-        cert_reqs="CERT_REQUIRED" if verify else "CERT_NONE",
-        **({"ca_certs": verify} if isinstance(verify, str) else {}),
-    )
-    return Minio(parts.netloc, access_key=config.access_key_id, secret_key=config.secret_access_key,
-                 session_token=config.session_token, secure=parts.scheme == "https",
-                 region=config.region, http_client=http)
-
-
-def server_from_env() -> S3Server:
-    """The endpoint and credentials the environment names."""
-    config = S3Config.from_env()
-    if not config.has_credentials:  # the tests' own minio client needs the keys themselves
-        raise ConfigError(f"the tests' S3 server {config.endpoint_url} from the environment needs "
-                          "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY set (e.g. from docker/minio.env)")
-    return S3Server("env", config, f"{config.endpoint_url} from the environment")
-
-
-@contextlib.contextmanager
-def minio_container(image: str = MINIO_IMAGE) -> Iterator[S3Server]:
-    """MinIO in a testcontainer, published on 127.0.0.1 only, with random credentials."""
-    try:
-        from testcontainers.community.minio import MinioContainer
-    except ImportError:  # testcontainers < 4.10
-        from testcontainers.minio import MinioContainer
-
-    access, secret = "it" + secrets.token_hex(8), secrets.token_urlsafe(24)
-    container = MinioContainer(image=image, port=MINIO_PORT, access_key=access, secret_key=secret)
-    container.with_env("MINIO_ROOT_USER", access).with_env("MINIO_ROOT_PASSWORD", secret)
-    # A fixed free port on loopback: Docker may give a published random port a new number when
-    # the container restarts, and restart() must keep the endpoint.
-    container.ports[str(MINIO_PORT)] = ("127.0.0.1", free_port())
-    with container:
-        host = container.get_container_host_ip()
-        host = "127.0.0.1" if host == "localhost" else host
-        port = container.get_exposed_port(MINIO_PORT)
-        config = S3Config(endpoint_url=f"http://{host}:{port}", access_key_id=access,
-                          secret_access_key=secret, addressing_style="path")
-        server = S3Server("minio-testcontainers", config, f"MinIO {image} at {config.endpoint_url}",
-                          container=container.get_wrapped_container())
-        try:
-            yield server
-        finally:
-            server.close()
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def restart_container(container: Any, *, downtime: float, kill: bool, ready: Callable[[], bool],
-                      timeout: float = RESTART_TIMEOUT) -> None:
-    """Stop a docker-py ``container`` (``kill``: SIGKILL, else a graceful stop), start it again
-    ``downtime`` seconds later, and wait until ``ready()``; its filesystem, so the data, stays."""
-    if kill:
-        container.kill()
-    else:
-        container.stop(timeout=10)
-    time.sleep(downtime)
-    container.start()
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"container {container.name} did not answer within {timeout:.0f} s "
-                               "of its restart")
-        time.sleep(0.2)
-
-
-@contextlib.contextmanager
-def embedded_server() -> Iterator[S3Server]:
-    """The embedded SeaweedFS ``DevServer`` in a temporary directory."""
-    from loader.tools.devserver import DevServer
-
-    with DevServer() as server:
-        description = f"embedded SeaweedFS at {server.endpoint_url} (started in {server.start_seconds:.1f} s)"
-        yield S3Server("seaweedfs-embedded", server.config, description, devserver=server)
+_USED = pytest.StashKey[S3Server]()  # the server this session used, for the summary line
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -336,7 +77,7 @@ def start_minio_container():
 @pytest.fixture
 def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Point ``os.environ`` at ``s3_server`` for one test (other S3 variables cleared); returns it."""
-    for name in _S3_VARS:
+    for name in S3_VARS:
         monkeypatch.delenv(name, raising=False)
     env = s3_server.env
     for name, value in env.items():

@@ -27,16 +27,14 @@ from loader.formats.index import read_index_counts
 from loader.tools.sizes import format_size
 
 from datasets import jpeg_dataset, sha256, upload_objects
+from s3servers import S3_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 N_SAMPLES = 1000  # x 2 objects (.jpg + .cls)
-_S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT",
-            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MINIO_ACCESS_KEY",
-            "MINIO_SECRET_KEY", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "LOADER_STORE")
 
 
 def cli_env(s3_server, **override: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _S3_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in S3_VARS + ("LOADER_STORE",)}
     env.update(s3_server.env)
     env.update(override)
     return env

@@ -309,7 +309,7 @@ def own_server(tmp_path_factory):
     except ConfigError as exc:
         pytest.fail(f"the embedded SeaweedFS (a test dependency) did not start: {exc}")
     try:
-        from conftest import minio_client
+        from s3servers import minio_client
 
         minio = minio_client(server.config)
         objects = jpeg_dataset(minio, "rel", "objects/", RESTART_OBJECTS, seed=31)

@@ -47,6 +47,7 @@ from loader import (
 from loader.engine.fetch import live_engines
 
 from datasets import jpeg_dataset, sha256, upload_objects
+from s3servers import S3_VARS
 from shardsets import upload_shards
 
 BACKENDS = ("aioboto3", "obstore")
@@ -179,10 +180,6 @@ def test_an_ended_iteration_leaves_nothing_behind(s3_server, data, store, mode, 
 
 
 SECRET_LOGGERS = ("loader", "botocore", "aiobotocore", "aiohttp", "urllib3", "s3transfer")
-S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT",
-           "MINIO_SECURE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-           "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD",
-           "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
 
 
 @pytest.fixture
@@ -213,7 +210,7 @@ def canary_server(tmp_path):
 def test_the_secret_appears_nowhere(canary_server, monkeypatch, caplog, tmp_path):
     from torch.utils.data import _utils
 
-    from conftest import minio_client
+    from s3servers import minio_client
 
     # after a worker raised, torch waits this long per worker before ending them (see
     # test_reliability.py's quick_worker_exit)

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from s3servers import S3_VARS
+
 REPO = Path(__file__).resolve().parents[1]
-_S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT",
-            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MINIO_ACCESS_KEY",
-            "MINIO_SECRET_KEY", "AWS_PROFILE")
 LIST_BUCKET = (  # what a user's script would do with the exported variables
     "import os, boto3; s3 = boto3.client('s3', endpoint_url=os.environ['AWS_ENDPOINT_URL']); "
     "print('endpoint', os.environ['AWS_ENDPOINT_URL'], 'objects', "
@@ -31,7 +30,7 @@ def shell_env() -> dict[str, str]:
     from loader.tools.devserver import find_weed
 
     find_weed()  # a test dependency: missing, it fails here with the install advice
-    env = {k: v for k, v in os.environ.items() if k not in _S3_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in S3_VARS}
     env["PYTHON"] = sys.executable
     return env
 

@@ -27,12 +27,10 @@ from loader.errors import ConfigError
 from loader.tools import cli
 from loader.tools.devserver import DevServer, find_weed
 
-from conftest import restart_container
 from datasets import jpeg_dataset, make_jpeg, sha256
+from s3servers import S3_VARS, restart_container
 
 REPO = Path(__file__).resolve().parents[1]
-_S3_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL", "MINIO_ENDPOINT",
-            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +236,7 @@ def _exports(lines: queue.Queue, want: int = 4, timeout: float = 90) -> dict[str
 
 
 def test_serve_prints_exports_and_stops_cleanly_on_sigterm(tmp_path, s3client):
-    child_env = {k: v for k, v in os.environ.items() if k not in _S3_VARS}
+    child_env = {k: v for k, v in os.environ.items() if k not in S3_VARS}
     argv = [sys.executable, "-m", "loader", "serve", "--bucket", "served", "--data-dir", str(tmp_path / "d")]
     weed: list[psutil.Process] = []
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

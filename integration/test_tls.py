@@ -24,8 +24,8 @@ from loader.retry import RetryPolicy
 from loader.stores import open_store
 from loader.tools.devserver import DevServer
 
-from conftest import _S3_VARS, minio_client
 from datasets import jpeg_dataset
+from s3servers import S3_VARS, minio_client
 
 BACKENDS = ["aioboto3", "obstore"]
 QUICK = RetryPolicy(max_attempts=2, base_delay=0.01, connect_timeout=5, read_timeout=10)
@@ -67,7 +67,7 @@ def tls_data(tls_server):
 @pytest.fixture
 def tls_env(tls_server, monkeypatch):
     """The environment a user sets for an https endpoint with a private CA."""
-    for name in _S3_VARS + ("AWS_CA_BUNDLE",):
+    for name in S3_VARS + ("AWS_CA_BUNDLE",):
         monkeypatch.delenv(name, raising=False)
     env = tls_server.config.to_env()
     assert tls_server.config.endpoint_url.startswith("https://") and env["AWS_CA_BUNDLE"]

@@ -117,3 +117,27 @@ def test_test_modules_have_unique_basenames():
     makes collection fail with 'import file mismatch'."""
     names = [p.name for folder in ("tests", "integration") for p in (ROOT / folder).glob("test_*.py")]
     assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
+def test_no_test_module_imports_from_a_conftest():
+    """Three ``conftest.py`` files share one module name: which one ``from conftest import`` finds
+    depends on the order the folders were given (``pytest integration tests`` broke collection).
+    Shared helpers live in plainly named modules (``fakes``, ``s3servers``, ...)."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for folder in ("tests", "integration")
+        for path in (ROOT / folder).glob("*.py")
+        if path.name != "conftest.py" and "conftest" in imports_by_name(path)
+    ]
+    assert offenders == []
+
+
+def imports_by_name(path: Path) -> set[str]:
+    """Top-level module names a file imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
