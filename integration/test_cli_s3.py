@@ -31,10 +31,11 @@ from s3servers import S3_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 N_SAMPLES = 1000  # x 2 objects (.jpg + .cls)
+CLI_VARS = S3_VARS + ("LOADER_STORE",)  # what a shell user may have set, cleared for each run
 
 
 def cli_env(s3_server, **override: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in S3_VARS + ("LOADER_STORE",)}
+    env = {k: v for k, v in os.environ.items() if k not in CLI_VARS}
     env.update(s3_server.env)
     env.update(override)
     return env

@@ -33,8 +33,8 @@ def layer(module: str) -> str:
     return parts[0]
 
 
-def imports_of(path: Path) -> set[str]:
-    """The absolute ``loader.*`` modules a file imports (relative imports resolved)."""
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name a file imports, at any depth of its code (relative imports resolved)."""
     relative = path.relative_to(ROOT).with_suffix("")
     package = list(relative.parts[:-1])
     found = set()
@@ -43,11 +43,16 @@ def imports_of(path: Path) -> set[str]:
             if node.level:
                 base = package[: len(package) - node.level + 1]
                 found.add(".".join(base + ([node.module] if node.module else [])))
-            elif node.module and node.module.startswith("loader"):
+            elif node.module:
                 found.add(node.module)
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("loader"))
+            found.update(a.name for a in node.names)
     return found
+
+
+def imports_of(path: Path) -> set[str]:
+    """The ``loader.*`` modules a file imports."""
+    return {name for name in imported_modules(path) if name.startswith("loader")}
 
 
 def test_readme_module_table_matches_the_tree():
@@ -127,17 +132,7 @@ def test_no_test_module_imports_from_a_conftest():
         str(path.relative_to(ROOT))
         for folder in ("tests", "integration")
         for path in (ROOT / folder).glob("*.py")
-        if path.name != "conftest.py" and "conftest" in imports_by_name(path)
+        if path.name != "conftest.py" and "conftest" in {m.split(".")[0] for m in imported_modules(path)}
     ]
     assert offenders == []
 
-
-def imports_by_name(path: Path) -> set[str]:
-    """Top-level module names a file imports, at any depth of its code."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            found.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-    return found

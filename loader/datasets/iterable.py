@@ -684,7 +684,6 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
                 f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
 
 
-
 @dataclasses.dataclass
 class _Progress:
     """What this process delivered in the current epoch (the basis of ``state_dict``).
