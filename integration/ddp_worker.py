@@ -10,6 +10,12 @@ from torch.utils.data import DataLoader
 from loader import AsyncS3Dataset, S3Config
 
 
+def keys_of_batch(batch: list[dict]) -> list[str]:
+    """A module-level collate function: ranks started by mp.spawn start their workers by spawn too,
+    which pickles it."""
+    return [sample["__key__"] for sample in batch]
+
+
 def run_rank(rank: int, world_size: int, port: int, spec: dict, env: dict, out: dict) -> None:
     """One rank: init gloo on 127.0.0.1, read one epoch with 2 workers, gather keys on rank 0."""
     os.environ.update(env)
@@ -24,8 +30,8 @@ def run_rank(rank: int, world_size: int, port: int, spec: dict, env: dict, out: 
             dataset = AsyncS3Dataset.from_shards(spec["uri"], shuffle=True, seed=5, config=config,
                                                  sample_counts=spec.get("counts"), shuffle_buffer=50)
         dataset.set_epoch(1)  # dataset built and rank read after init_process_group, as users do
-        loader = DataLoader(dataset, batch_size=16, num_workers=2, multiprocessing_context="fork",
-                            collate_fn=lambda batch: [sample["__key__"] for sample in batch],
+        loader = DataLoader(dataset, batch_size=16, num_workers=2,
+                            collate_fn=keys_of_batch,
                             timeout=120)
         keys = [key for batch in loader for key in batch]
         gathered = [None] * world_size
