@@ -42,6 +42,7 @@ from . import partition, topology
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
 from .progress import Watermark, consumed_per_worker
 from .shuffle import shuffled
+from .snapshots import is_snapshot, snapshot_uri
 from .sources import ObjectSamples, check_keys, read_manifest, resolve_shards, shard_specs
 from .stats import MAX_WORKERS, StatsBoard, summarize
 
@@ -107,6 +108,7 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
         if self._keys is not None:
             self._index = self._build_index()  # a bad key list fails here, not in a worker
         self._shard_specs = None if shards is None else shard_specs(shards)
+        self._share_listing(bucket, prefix, self._shard_specs)
         self._shards: list[ShardRef] | None = None
         self._sample_counts: dict[str, int] | None = None
         self._epoch = topology.SharedEpoch(0)  # workers follow it, however they were started
@@ -126,7 +128,7 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
 
     @classmethod
     def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
-                    **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
+                    snapshot: str | None = None, **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
         """Every object under ``s3://bucket/prefix``, listed once when first needed.
 
         Objects sharing a stem form one sample (``group=False``: one object per sample).
@@ -134,11 +136,15 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
         ``"cls"``, an ``int``; ``classes`` and ``class_to_idx`` name them, as in ``ImageFolder``).
         Hidden objects (basename starting with a dot) are left out. A prefix without a trailing
         slash matches siblings too (``imgs`` matches ``imgs-shards/``): that is warned about.
+        ``snapshot=PATH``: read the listing from that file, or list and save it there (see
+        ``snapshots``).
         """
         bucket, prefix = parse_s3_uri(uri)
-        return cls(bucket=bucket, prefix=prefix, group=group,
-                   options=LoaderOptions(**budget_options(options, "objects")),
-                   label_from=label_from)
+        dataset = cls(bucket=bucket, prefix=prefix, group=group,
+                      options=LoaderOptions(**budget_options(options, "objects")),
+                      label_from=label_from)
+        dataset._use_snapshot(snapshot)
+        return dataset
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
@@ -156,7 +162,13 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
                       label_from: LabelFrom | None = None, **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
         """Keys from a file: plain text (one key or ``s3://`` URI per line), or CSV / JSON lines
         with a ``key`` (or ``url``) column and optionally a ``label`` column (class names or
-        integers), see ``sources.read_manifest``. Grouped by stem as in ``from_prefix``."""
+        integers), see ``sources.read_manifest``. Grouped by stem as in ``from_prefix``.
+        A listing snapshot (``loader ls --save``) is read without any LIST."""
+        if is_snapshot(path):
+            dataset = cls.from_prefix(snapshot_uri(path, bucket), group=group, label_from=label_from,
+                                      **options)
+            dataset._use_snapshot(path, create=False)
+            return dataset
         manifest = read_manifest(path, bucket)
         return cls(bucket=manifest.bucket, keys=manifest.keys,
                    options=LoaderOptions(**budget_options(options, "objects")),
@@ -193,7 +205,8 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
         if self._shards is None:
             assert self._shard_specs is not None  # the constructor set it in shard mode
             self._shards = resolve_shards(self._shard_specs, factory=self.options.listing_factory(),
-                                          retry=self.options.retry, options=self.options.listing)
+                                          retry=self.options.retry, options=self.options.listing,
+                                          ticket=self._listing_ticket)
         return self._shards
 
     def resolve(self) -> None:

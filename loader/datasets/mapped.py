@@ -62,9 +62,10 @@ from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, skippable
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore, StoreFactory
+from ..stores import ObjectStore, Pin, StoreFactory
 from ..uri import parse_s3_uri
 from .options import LoaderOptions, MapKwargs
+from .snapshots import is_snapshot, snapshot_uri
 from .sources import ObjectSamples, check_keys, read_manifest
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         self._index: SampleIndex | None = None
         if self._keys is not None:
             self._index = self._build_index()
+        self._share_listing(bucket, prefix, None)
         self._client: _Client | None = None
         self._closer: weakref.finalize | None = None
         self._lock = threading.Lock()
@@ -128,12 +130,14 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
 
     @classmethod
     def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
-                    **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
+                    snapshot: str | None = None, **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
         """Every object under ``s3://bucket/prefix``, listed once when first needed (hidden
-        objects left out; see ``AsyncS3Dataset.from_prefix``)."""
+        objects left out; ``snapshot=``: see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
-        return cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
-                   label_from=label_from)
+        dataset = cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
+                      label_from=label_from)
+        dataset._use_snapshot(snapshot)
+        return dataset
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
@@ -149,7 +153,12 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
     def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
                       label_from: LabelFrom | None = None, **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
-        ``sources.read_manifest``)."""
+        ``sources.read_manifest``), or a listing snapshot (read without any LIST)."""
+        if is_snapshot(path):
+            dataset = cls.from_prefix(snapshot_uri(path, bucket), group=group, label_from=label_from,
+                                      **options)
+            dataset._use_snapshot(path, create=False)
+            return dataset
         manifest = read_manifest(path, bucket)
         return cls(bucket=manifest.bucket, keys=manifest.keys, options=_options(options),
                    group=group, label_from=label_from, labels=manifest.labels)
@@ -185,7 +194,8 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
             listed = {key: etag for i in wanted
                       for key, etag in zip(index.objects(i), index.object_etags(i) or ())}
             etags = [listed[key] for key in unique]
-        bodies = self._client_here().get_many(self.bucket, unique, etags, missing_ok=skip)
+        bodies = self._client_here().get_many(self.bucket, unique, etags, missing_ok=skip,
+                                              pinned=index.pinned)
         fetched = dict(zip(unique, bodies))
         out = []
         for i in wanted:
@@ -317,13 +327,13 @@ class _Client:
         return client
 
     def get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None = None, *,
-                 missing_ok: bool = False) -> list[Any]:
+                 missing_ok: bool = False, pinned: bool = False) -> list[Any]:
         """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here.
         ``etags``: the listing's, one per key (for the disk cache's validation).
 
         ``missing_ok``: an object that is gone (404) gives its ``NoSuchKeyError`` in its place
-        instead of failing the batch."""
-        future = self.portal.start_task_soon(self._get_many, bucket, keys, etags, missing_ok)
+        instead of failing the batch. ``pinned``: each GET must find the listed version."""
+        future = self.portal.start_task_soon(self._get_many, bucket, keys, etags, missing_ok, pinned)
         try:
             return future.result()
         except BaseException:
@@ -331,7 +341,7 @@ class _Client:
             raise
 
     async def _get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None,
-                        missing_ok: bool) -> list[Any]:
+                        missing_ok: bool, pinned: bool = False) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
         store, limiter = self.store, self.limiter
@@ -341,7 +351,8 @@ class _Client:
             try:
                 async with limiter:
                     out[slot] = await call_with_retries(
-                        functools.partial(store.get, bucket, key, listed_etag=etag),
+                        functools.partial(store.get, bucket, key, listed_etag=etag,
+                                          pin=Pin(etag) if pinned and etag else None),
                         self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:

@@ -1,67 +1,114 @@
-"""One listing per job: in a ``torch.distributed`` job, rank 0 lists and the other ranks read it.
+"""One listing per job, one copy of it per machine, however ranks and DataLoader workers start.
 
-Every rank listing the same prefix multiplies the LIST requests (and the time: 100 million keys
-are ~100,000 pages) by the number of ranks, and the ranks may even see different listings if
-objects change meanwhile, which breaks the partition. So, in the process where a process group
-is initialized (never in a DataLoader worker, which has none), rank 0 lists and publishes the
-pickled ``KeyList`` through the group's key-value store (the ``TCPStore`` that
-``init_process_group`` set up), and the other ranks wait for it there.
+* **Who lists.** In a ``torch.distributed`` job (a group of 2+ ranks, inherited by forked
+  DataLoader workers too), rank 0: its main process or one of its workers, whichever needs the
+  keys first. Elsewhere a process lists for itself and its DataLoader workers. A plain process
+  (no group, not a worker) just lists, in memory: no file, no wait.
+* **To the processes of a machine**: a file in a node-local directory (``stores.nodeshare``)
+  that each process maps read-only; a file lock elects the one process per machine that lists
+  or fetches, and the others map its file. Spawned and forkserver workers receive the key list
+  pickled as a reference to that file.
+* **To other machines**: through the job's ``TCPStore`` (the one ``init_process_group`` set
+  up): rank 0 puts the file there, one process per machine fetches it, and the store's copy
+  is freed once every rank has it. A forked worker opens a connection of its own to that store.
+  A store is polled, not waited on in a collective, so a long listing hits no NCCL timeout.
+* **Names.** A listing is named by its target and the dataset's ``ticket`` (the n-th dataset
+  this process built over that target), so every rank must build its datasets in the same order,
+  as DDP requires of models. The machine-wide file name starts with a job id: one the job's
+  store hands out, else the pid and start time of the process that built the dataset. Files of
+  an earlier or killed job are never taken for this job's, and are removed (``nodeshare``).
 
-Why the store and not ``broadcast_object_list``: a collective would block the other ranks
-inside the backend while rank 0 lists, and a long listing outlives NCCL's watchdog (10 minutes
-by default); it would also hang for good where only rank 0 builds a dataset (a validation set,
-say). Waiting on the store is a poll that no timeout cuts, and rank 0 never waits for anyone.
-
-The rule that makes it work: every rank that builds a dataset over a prefix builds it in the
-same order as rank 0 (as DDP requires of models anyway); listings are matched by their URI and
-how many times this process listed it. A rank that finds no listing started by rank 0 within
-``START_WAIT`` seconds lists for itself, with a warning. ``ListOptions(once_per_job=False)``
-turns all this off.
+A rank that sees no listing started by rank 0 within ``START_WAIT`` seconds lists for itself,
+with a warning. ``ListOptions(once_per_job=False)`` turns all this off. See
+``docs/listing-once-per-job.md`` for the choices behind this.
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import hashlib
 import logging
+import os
 import pickle
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple
 
-T = TypeVar("T")
+from ..stores import nodeshare
+from ..stores.keyfile import to_bytes
+from ..stores.listing import KeyList
+from . import topology
+
 log = logging.getLogger(__name__)
 
 START_WAIT = 300.0  # seconds a rank waits for rank 0 to start a listing before listing itself
-CHUNK = 64 << 20  # bytes per store value (the pickled key list is split into these)
+CHUNK = 64 << 20  # bytes per store value (a key list file is split into these)
+STORE_TIMEOUT = 120.0  # seconds to connect to the job's store from a DataLoader worker
+JOB_KEY = "loader/job"  # the job id every process of the job reads from its store
 _POLL = (0.02, 0.5)  # first and longest pause between looks at the store
 
-_listed: collections.Counter[str] = collections.Counter()  # listings per target in this process
+_tickets: collections.Counter[str] = collections.Counter()
 
 
-def once_per_job(target: str, produce: Callable[[], T]) -> T:
-    """``produce()`` on rank 0 only, its result handed to every rank (see the module doc);
-    just ``produce()`` outside a multi-rank process group."""
-    job = _job()
-    if job is None:
+class Ticket(int):
+    """Which dataset over a target this is, in the order this process built them (from 1).
+
+    An ``int`` that registers, wherever it arrives (built or unpickled), the clean-up of the
+    shared files that DataLoader workers may anchor to that process (``nodeshare``)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrived, (int(self),))
+
+
+def ticket(target: str) -> Ticket:
+    """A new dataset over ``target``: its ticket (see the module doc)."""
+    _tickets[target] += 1
+    return _arrived(_tickets[target])
+
+
+def _arrived(number: int) -> Ticket:
+    if nodeshare.supported():
+        nodeshare.release_at_exit()
+    return Ticket(number)
+
+
+class Job(NamedTuple):
+    """A distributed job as this process reaches it: its rank, size and key-value store."""
+
+    rank: int
+    world_size: int
+    store: Callable[[], Any]  # opens (or returns) this process's client of the job's store
+
+
+def once_per_job(target: str, produce: Callable[[], KeyList], ticket: int = 0) -> KeyList:
+    """The key list ``produce()`` makes, made once per job and mapped once per machine (see
+    the module doc); just ``produce()`` in a plain process."""
+    worker = topology.in_worker()
+    job = _job(worker)
+    if (job is None and not worker) or not nodeshare.supported():
         return produce()
-    rank, world_size, store = job
-    _listed[target] += 1
-    name = hashlib.sha256(f"{target}#{_listed[target]}".encode()).hexdigest()[:24]
-    import torch.distributed as dist
-
-    kv = dist.PrefixStore(f"loader/listing/{name}/", store)
-    if rank == 0:
-        return _publish(kv, target, produce)
-    return _receive(kv, target, world_size, produce)
+    name = hashlib.sha256(f"{target}#{ticket}".encode()).hexdigest()[:20]
+    anchor = (topology.parent_pid() or os.getpid()) if worker else os.getpid()
+    if job is None:  # the DataLoader workers of one process share its listing
+        node = nodeshare.NodeFile(f"p{nodeshare.process_ident(anchor)}-{name}")
+        return _on_this_machine(node, anchor, produce)
+    return _in_job(job, name, target, anchor, produce)
 
 
-def _job() -> tuple[int, int, Any] | None:
-    """``(rank, world_size, store)`` where a multi-rank group can share a listing, else None."""
-    from torch.utils.data import get_worker_info
+def _on_this_machine(node: nodeshare.NodeFile, anchor: int, produce: Callable[[], KeyList]) -> KeyList:
+    keys = node.open(anchor)
+    if keys is not None:
+        return keys
+    with node.lock("produce"):
+        keys = node.open(anchor)
+        return keys if keys is not None else node.publish(produce(), anchor)
 
-    if get_worker_info() is not None:  # a DataLoader worker: a forked copy of the group is unusable
-        return None
+
+def _job(worker: bool) -> Job | None:
+    """The job this process belongs to, if a multi-rank group is initialized here (or in the
+    parent a worker was forked from) and its store can be reached from here; else None."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -70,55 +117,124 @@ def _job() -> tuple[int, int, Any] | None:
         from torch.distributed.distributed_c10d import _get_default_store
 
         store = _get_default_store()
-    except Exception as exc:  # noqa: BLE001 - any failure: every rank lists for itself
-        log.debug("no key-value store in this process group (%s): every rank lists", exc)
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+    except Exception as exc:  # noqa: BLE001 - any failure: this rank lists for itself
+        log.debug("no key-value store in this process group (%s): this rank lists", exc)
         return None
-    return dist.get_rank(), dist.get_world_size(), store
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not worker:
+        return Job(rank, world_size, lambda: store)
+    if not isinstance(store, dist.TCPStore):
+        _warn_once(f"a DataLoader worker cannot reach this job's key-value store (a "
+                   f"{type(store).__name__}, not a TCPStore), so each rank whose workers list "
+                   "lists for itself; call ds.set_epoch() or ds.resolve() before iterating to "
+                   "list in the ranks instead")
+        return None
+    host, port = store.host, store.port  # the inherited client belongs to the parent
+
+    def connect() -> Any:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=STORE_TIMEOUT))
+
+    return Job(rank, world_size, connect)
 
 
-def _publish(kv: Any, target: str, produce: Callable[[], T]) -> T:
-    kv.set("state", "listing")
-    try:
-        result = produce()
-    except BaseException as exc:
+def _in_job(job: Job, name: str, target: str, anchor: int, produce: Callable[[], KeyList]) -> KeyList:
+    import torch.distributed as dist
+
+    store = job.store()
+    job_id = store.compare_set(JOB_KEY, "", uuid.uuid4().hex).decode()
+    kv = dist.PrefixStore(f"loader/listing/{name}/", store)
+    node = nodeshare.NodeFile(f"{job_id[:16]}-{name}")
+    keys = node.open(anchor)
+    if keys is None and job.rank == 0:
+        keys = _lead(kv, node, target, anchor, produce)
+    elif keys is None:
+        keys = _follow(kv, node, target, anchor, produce)
+    if job.rank != 0:
+        _got(kv, job.rank, job.world_size)
+    return keys
+
+
+def _lead(kv: Any, node: nodeshare.NodeFile, target: str, anchor: int,
+          produce: Callable[[], KeyList]) -> KeyList:
+    """Rank 0: list (one process of it), share on this machine, then put it in the store."""
+    with node.lock("produce"):
+        keys = node.open(anchor)
+        if keys is not None:
+            return keys
+        if kv.check(["state"]) and kv.get("state") == b"failed":
+            raise pickle.loads(kv.get("error"))  # another process of rank 0 tried and failed
+        kv.set("state", "listing")
         try:
-            payload = pickle.dumps(exc)
-        except Exception:  # noqa: BLE001 - an unpicklable error: its text still travels
-            payload = pickle.dumps(RuntimeError(f"rank 0 could not list {target}: {exc}"))
-        kv.set("error", payload)
-        kv.set("state", "failed")
-        raise
-    blob = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    chunks = max(1, -(-len(blob) // CHUNK))
-    for index in range(chunks):
-        kv.set(f"data/{index}", blob[index * CHUNK:(index + 1) * CHUNK])
-    kv.set("chunks", str(chunks))
-    kv.set("state", "done")
-    log.info("rank 0 listed %s and shared it (%d bytes)", target, len(blob))
-    return result
-
-
-def _receive(kv: Any, target: str, world_size: int, produce: Callable[[], T]) -> T:
-    started = time.monotonic()
-    pause = _POLL[0]
-    while not kv.check(["state"]):
-        if time.monotonic() - started > START_WAIT:
-            log.warning(
-                "rank 0 did not start listing %s within %.0f s, so this rank lists it itself; "
-                "in a distributed job every rank should build its datasets in the same order "
-                "(or pass listing=ListOptions(once_per_job=False))", target, START_WAIT)
-            return produce()
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL[1])
-    pause = _POLL[0]
-    while (state := kv.get("state")) == b"listing":  # as long as rank 0 takes: its retries bound it
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL[1])
-    if state == b"failed":
-        raise pickle.loads(kv.get("error"))
-    chunks = int(kv.get("chunks"))
-    blob = b"".join(kv.get(f"data/{index}") for index in range(chunks))
-    if kv.add("readers", 1) == world_size - 1:  # the last rank to read frees the store's copy
+            keys = node.publish(produce(), anchor)
+        except BaseException as exc:
+            _fail(kv, target, exc)
+            raise
+        blob = to_bytes(keys)
+        chunks = max(1, -(-len(blob) // CHUNK))
         for index in range(chunks):
+            kv.set(f"data/{index}", blob[index * CHUNK:(index + 1) * CHUNK])
+        kv.set("chunks", str(chunks))
+        kv.set("state", "done")
+        log.info("rank 0 listed %s and shared it (%d keys, %d bytes)", target, len(keys), len(blob))
+        return keys
+
+
+def _fail(kv: Any, target: str, exc: BaseException) -> None:
+    try:
+        payload = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an unpicklable error: its text still travels
+        payload = pickle.dumps(RuntimeError(f"rank 0 could not list {target}: {exc}"))
+    kv.set("error", payload)
+    kv.set("state", "failed")
+
+
+def _follow(kv: Any, node: nodeshare.NodeFile, target: str, anchor: int,
+            produce: Callable[[], KeyList]) -> KeyList:
+    """Another rank: one process per machine waits for rank 0's listing and fetches it (unless
+    rank 0 runs on this machine and its file appears); the others then map that file."""
+    with node.lock("fetch"):
+        started = time.monotonic()
+        pause = _POLL[0]
+        while True:
+            keys = node.open(anchor)
+            if keys is not None:
+                return keys
+            if kv.check(["state"]):
+                state = kv.get("state")
+                if state == b"done":
+                    break
+                if state == b"failed":
+                    raise pickle.loads(kv.get("error"))
+            elif time.monotonic() - started > START_WAIT:
+                log.warning(
+                    "rank 0 did not start listing %s within %.0f s, so this rank lists it itself; "
+                    "in a distributed job every rank should build its datasets in the same order "
+                    "(or pass listing=ListOptions(once_per_job=False))", target, START_WAIT)
+                return node.publish(produce(), anchor)
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL[1])
+        if not kv.check(["data/0"]):  # freed: every rank had it, and then this machine lost it
+            log.warning("the listing of %s is no longer in the job's store; this rank lists it "
+                        "again", target)
+            return node.publish(produce(), anchor)
+        chunks = int(kv.get("chunks"))
+        return node.publish_bytes(b"".join(kv.get(f"data/{i}") for i in range(chunks)), anchor)
+
+
+def _got(kv: Any, rank: int, world_size: int) -> None:
+    """This rank has the listing; the last rank to get it frees the store's copy."""
+    if kv.add(f"got/{rank}", 1) == 1 and kv.add("ranks", 1) == world_size - 1 and kv.check(["chunks"]):
+        for index in range(int(kv.get("chunks"))):
             kv.delete_key(f"data/{index}")
-    return pickle.loads(blob)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)

@@ -12,11 +12,12 @@ import functools
 import io
 import json
 import logging
+import os
 import re
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
@@ -28,7 +29,8 @@ from ..stores.blocking import run_async, with_store
 from ..stores.listing import KeyList, ListOptions, list_all
 from ..uri import expand_braces, parse_s3_uri, sibling_matches
 from .options import LoaderOptions
-from .sharing import once_per_job
+from .sharing import once_per_job, ticket
+from .snapshots import Snapshot, load_snapshot, save_snapshot, snapshot_option
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +71,32 @@ def list_prefix(
     retry: RetryPolicy,
     suffix: str | tuple[str, ...] = "",
     options: ListOptions | None = None,
+    ticket: int = 0,
+    keep: Callable[[KeyList], KeyList] | None = None,
+    snapshot: Snapshot | None = None,
 ) -> KeyList:
-    """Synchronous ``list_objects`` for an ``s3://bucket/prefix`` URI; in a ``torch.distributed``
-    job, listed by rank 0 alone and shared with the others (``sharing.once_per_job``)."""
+    """Synchronous ``list_objects`` for an ``s3://bucket/prefix`` URI, then ``keep`` (a filter);
+    in a job, listed once and shared (``sharing.once_per_job``, by ``ticket``). ``snapshot``:
+    read the key list from that file instead, or list and save it there (``snapshots``)."""
     bucket, prefix = parse_s3_uri(uri)
+    uri = f"s3://{bucket}/{prefix}"
     options = options or ListOptions()
 
     async def use(store: ObjectStore) -> KeyList:
         return await list_objects(store, bucket, prefix, retry, suffix=suffix, options=options)
 
     def produce() -> KeyList:
-        return run_async(functools.partial(with_store, factory, use))
+        if snapshot is not None and (not snapshot.create or os.path.exists(snapshot.path)):
+            found = load_snapshot(snapshot.path, uri)
+        else:
+            found = run_async(functools.partial(with_store, factory, use))
+            if snapshot is not None:
+                found = save_snapshot(found, snapshot.path, uri)
+        return found if keep is None else keep(found)
 
     if options.once_per_job:
-        return once_per_job(f"s3://{bucket}/{prefix}*{suffix}", produce)
+        what = "objects" if keep is not None else "all"
+        return once_per_job(f"{uri}*{suffix}|{what}", produce, ticket)
     return produce()
 
 
@@ -240,8 +254,10 @@ def resolve_shards(
     factory: Callable[[], Awaitable[ObjectStore]],
     retry: RetryPolicy,
     options: ListOptions | None = None,
+    ticket: int = 0,
 ) -> list[ShardRef]:
-    """Turn shard URIs and prefixes into ``ShardRef``s; prefixes are listed (sizes known)."""
+    """Turn shard URIs and prefixes into ``ShardRef``s; prefixes are listed (sizes known), once
+    per job (``ticket``: the dataset's, see ``sharing``)."""
     shards: list[ShardRef] = []
     for uri in specs:
         bucket, key = parse_s3_uri(uri)
@@ -249,7 +265,7 @@ def resolve_shards(
             shards.append(ShardRef(bucket, key))
         else:
             found = list_prefix(uri, factory=factory, retry=retry, suffix=SHARD_SUFFIXES,
-                                options=options)
+                                options=options, ticket=ticket)
             warn_siblings(bucket, key, found)
             for info in found.infos():
                 require_codec(f"s3://{bucket}/{info.key}")
@@ -264,30 +280,53 @@ def list_keys(
     factory: Callable[[], Awaitable[ObjectStore]],
     retry: RetryPolicy,
     options: ListOptions | None = None,
+    ticket: int = 0,
+    snapshot: Snapshot | None = None,
 ) -> KeyList:
     """The keys a per-object dataset reads under ``s3://bucket/prefix``: hidden objects (a
     basename starting with a dot: ``.DS_Store``, ``._x.jpg``) are left out, and a prefix that
     also matched sibling folders is warned about (``warn_siblings``)."""
-    found = list_prefix(f"s3://{bucket}/{prefix}", factory=factory, retry=retry, options=options)
-    keys = found
-    if any(key.startswith(".", key.rfind("/") + 1) for key in found):
-        keys = KeyList.from_infos(info for info in found.infos()
-                                  if not info.key.startswith(".", info.key.rfind("/") + 1))
-    if len(keys) < len(found):
-        log.info("left out %d hidden objects under s3://%s/%s", len(found) - len(keys), bucket, prefix)
-    if not keys:
-        raise EmptyDatasetError(f"only hidden objects (names starting with a dot) under "
-                                f"s3://{bucket}/{prefix}")
+    where = f"s3://{bucket}/{prefix}"
+
+    def visible(found: KeyList) -> KeyList:
+        keys = found
+        if any(key.startswith(".", key.rfind("/") + 1) for key in found):
+            keys = KeyList.from_infos(info for info in found.infos()
+                                      if not info.key.startswith(".", info.key.rfind("/") + 1))
+            log.info("left out %d hidden objects under %s", len(found) - len(keys), where)
+        if not keys:
+            raise EmptyDatasetError(f"only hidden objects (names starting with a dot) under {where}")
+        return keys
+
+    keys = list_prefix(where, factory=factory, retry=retry, options=options, ticket=ticket,
+                       keep=visible, snapshot=snapshot)
     warn_siblings(bucket, prefix, keys)
-    log.info("listed %d objects under s3://%s/%s (%d bytes)", len(keys), bucket, prefix,
-             keys.nbytes)
+    log.info("listed %d objects under %s (%d bytes)", len(keys), where, keys.nbytes)
     return keys
 
 
-def listed_etags(keys: Sequence[str]) -> list[str | None] | None:
+def listed_etags(keys: Sequence[str]) -> Sequence[str | None] | None:
     """The ETags a listing gave for ``keys`` (None for a key list from the user or a manifest):
-    what ``cache_validate="listing"`` compares cache entries with."""
-    return keys.etags() if isinstance(keys, KeyList) else None
+    what ``cache_validate="listing"`` compares cache entries with. Read from the packed list
+    when asked, not unpacked into a list of strings."""
+    if isinstance(keys, KeyList) and keys._etags is not None:
+        return _ListedEtags(keys)
+    return None
+
+
+class _ListedEtags(Sequence["str | None"]):
+    """The ETags of a ``KeyList``, one decoded per lookup."""
+
+    def __init__(self, keys: KeyList) -> None:
+        self._keys = keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self._keys.etag(i) for i in range(len(self._keys))[index]]
+        return self._keys.etag(index)
 
 
 def warn_siblings(bucket: str, prefix: str, keys: Iterable[str]) -> None:
@@ -315,6 +354,8 @@ class ObjectSamples:
     _group: bool
     _label_from: LabelFrom | None
     _labels: tuple[int | str | None, ...] | None
+    _listing_ticket: int = 0  # which dataset over its target this is (``sharing.ticket``)
+    _snapshot: Snapshot | None = None  # a snapshot file to read the keys from (or write)
 
     @property
     def _per_object(self) -> bool:
@@ -329,7 +370,8 @@ class ObjectSamples:
             # a constructor takes exactly one of keys= and prefix= (and a bucket with them)
             assert self.bucket is not None and self.prefix is not None
             self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
-                                   retry=self.options.retry, options=self.options.listing)
+                                   retry=self.options.retry, options=self.options.listing,
+                                   ticket=self._listing_ticket, snapshot=self._snapshot)
         return self._keys
 
     def samples(self) -> SampleIndex:
@@ -357,4 +399,15 @@ class ObjectSamples:
         root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
         keys = self.keys()
         return build_index(keys, group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root, etags=listed_etags(keys))
+                           labels=self._labels, where=where, root=root, etags=listed_etags(keys),
+                           pinned=self._snapshot is not None)
+
+    def _share_listing(self, *target: object) -> None:
+        """In a constructor: this dataset's ticket for the listing of ``target`` it shares with
+        the other ranks of a job (``sharing``)."""
+        self._listing_ticket = ticket(repr(target))
+
+    def _use_snapshot(self, path: str | os.PathLike[str] | None, *, create: bool = True) -> None:
+        """``snapshot=``: read the keys from that file (``create``: or list and write it)."""
+        option = snapshot_option(path)
+        self._snapshot = None if option is None else option._replace(create=create)

@@ -31,6 +31,7 @@ import anyio
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..retry import call_with_retries
+from ..stores.base import Pin
 from ..uri import object_url
 from .tar import split_key
 
@@ -60,33 +61,45 @@ def parent_folder(key: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SampleIndex:
-    """Samples over object keys: sample ``i`` is ``keys[starts[i]:starts[i + 1]]``.
+    """Samples over object keys: sample ``i`` is the keys at ``positions(i)``.
 
+    ``keys`` is the key list as given (a ``KeyList`` stays packed, possibly shared by every
+    process of the machine: the index adds ~8 bytes per sample, not a copy of each key);
+    ``order`` lists positions sample by sample when grouping had to reorder them (None: the
+    samples are runs of ``keys`` in its own order, the usual case for a sorted listing).
     ``labels`` holds one class index per sample when the samples carry a label; ``classes``
-    names the classes (index -> name) when labels came from names.
+    names the classes (index -> name) when labels came from names. ``etags``: the listing's,
+    aligned with ``keys``; ``pinned``: reads must get exactly those versions (a snapshot).
     """
 
-    keys: tuple[str, ...]
+    keys: Sequence[str]
     starts: array
     labels: array | None = None
     classes: tuple[str, ...] | None = None
-    etags: tuple[str | None, ...] | None = None  # the listing's, aligned with ``keys``
+    etags: Sequence[str | None] | None = None
+    order: array | None = None
+    pinned: bool = False
 
     def __len__(self) -> int:
         return len(self.starts) - 1
 
+    def positions(self, index: int) -> Sequence[int]:
+        """Where the keys of sample ``index`` are in ``keys``, in key order."""
+        start, end = self.starts[index], self.starts[index + 1]
+        return range(start, end) if self.order is None else self.order[start:end]
+
     def objects(self, index: int) -> tuple[str, ...]:
         """The keys of sample ``index``, in key order."""
-        return self.keys[self.starts[index]:self.starts[index + 1]]
+        keys = self.keys
+        return tuple(keys[p] for p in self.positions(index))
 
     def object_etags(self, index: int) -> tuple[str | None, ...] | None:
         """The listed ETags of ``objects(index)`` (None when the key list had none)."""
-        if self.etags is None:
-            return None
-        return self.etags[self.starts[index]:self.starts[index + 1]]
+        etags = self.etags
+        return None if etags is None else tuple(etags[p] for p in self.positions(index))
 
     def stem(self, index: int) -> str:
-        return split_key(self.keys[self.starts[index]])[0]
+        return split_key(self.keys[self.positions(index)[0]])[0]
 
     def label(self, index: int) -> int | None:
         return None if self.labels is None else self.labels[index]
@@ -115,6 +128,7 @@ def build_index(
     where: str = "",
     root: str | None = None,
     etags: Sequence[str | None] | None = None,
+    pinned: bool = False,
 ) -> SampleIndex:
     """Group ``keys`` into samples (first appearance of each stem decides the sample order).
 
@@ -122,7 +136,8 @@ def build_index(
     one value among its keys. ``where`` names the source in errors (a prefix URL, a manifest).
     ``root``: with ``label_from="parent"``, the folder listed; objects directly in it have no
     class folder and are an error (``ImageFolder`` reads only the class folders under its root).
-    ``etags``: the listing's ETag of each key, kept beside it (for the disk cache's validation).
+    ``etags``: the listing's ETag of each key, kept beside it (for the disk cache's validation);
+    ``pinned``: read exactly those versions (see ``SampleIndex``).
     """
     if label_from is not None and label_from not in LABEL_SOURCES:
         raise ConfigError(f"label_from={label_from!r} must be 'parent' or None")
@@ -131,45 +146,17 @@ def build_index(
                           "replace it: use one or the other")
     if labels is not None and len(labels) != len(keys):
         raise ValueError(f"{len(labels)} labels for {len(keys)} keys")
-    members: dict[str, list[int]] = {}
-    if group:
-        for position, key in enumerate(keys):
-            members.setdefault(split_key(key)[0], []).append(position)
-    groups = list(members.values()) if group else [[position] for position in range(len(keys))]
-    ordered: list[str] = []
-    ordered_etags: list[str | None] = []
-    starts = array("q", [0])
-    for positions in groups:
-        fields: dict[str, str] = {}
-        for position in positions:
-            key = keys[position]
-            field = field_of(key)
-            if field in RESERVED_FIELDS:
-                raise ConfigError(f"{_object(where, key)} has the extension {field!r}, which is a "
-                                  "reserved sample field; rename it")
-            if field in fields:
-                raise ConfigError(
-                    f"{_object(where, key)} and {fields[field]!r} both give field {field!r} of "
-                    f"sample {split_key(key)[0]!r}; rename one, or pass group=False to read every "
-                    "object as a sample of its own")
-            if field == LABEL_FIELD and (label_from is not None or labels is not None):
-                raise ConfigError(
-                    f"{_object(where, key)} fills the field {LABEL_FIELD!r}, where the label "
-                    f"({'label_from=' + repr(label_from) if label_from else 'label column'}) goes; "
-                    "use the objects or the label, not both")
-            fields[field] = key
-            ordered.append(key)
-            if etags is not None:
-                ordered_etags.append(etags[position])
-        starts.append(len(ordered))
-    index = SampleIndex(tuple(ordered), starts,
-                        etags=None if etags is None else tuple(ordered_etags))
+    order, starts = _groups(keys) if group else (None, array("q", range(len(keys) + 1)))
+    index = SampleIndex(keys, starts, etags=etags, order=order, pinned=pinned)
+    label = ("label_from=" + repr(label_from) if label_from else "label column" if labels is not None
+             else None)
+    for sample in range(len(index)):
+        _check_fields(index, sample, where, label)
     if label_from == "parent":
         return _with_names(index, [_parent_label(index, i, where, root) for i in range(len(index))])
     if labels is not None:
-        order = [position for positions in groups for position in positions]
-        per_sample = [_one_label(index, i, [labels[p] for p in order[index.starts[i]:index.starts[i + 1]]],
-                                 where) for i in range(len(index))]
+        per_sample = [_one_label(index, i, [labels[p] for p in index.positions(i)], where)
+                      for i in range(len(index))]
         numbers = [label for label in per_sample if isinstance(label, int)]
         names = [label for label in per_sample if isinstance(label, str)]
         if len(numbers) == len(per_sample):
@@ -180,6 +167,77 @@ def build_index(
     return index
 
 
+def _groups(keys: Sequence[str]) -> tuple[array | None, array]:
+    """``(order, starts)`` of the samples: keys sharing a stem, by first appearance.
+
+    A sorted key list (every listing) is grouped in one pass holding only the stems that are
+    prefixes of the current key: the keys of a stem all start with it, so in sorted order they
+    lie in one stretch and a stem that stops being a prefix never comes back. The stretch can
+    hold other stems' keys (``a/1.cls``, ``a/1.d/x.jpg``, ``a/1.jpg``): then ``order`` says where
+    each sample's keys are. Any other order is grouped through a dict of every stem.
+    """
+    group_of = _sorted_groups(keys)
+    if group_of is None:
+        members: dict[str, int] = {}
+        group_of = array("q", (members.setdefault(split_key(key)[0], len(members)) for key in keys))
+    count = max(group_of, default=-1) + 1
+    starts = array("q", [0]) * (count + 1)
+    for group in group_of:
+        starts[group + 1] += 1
+    for group in range(count):
+        starts[group + 1] += starts[group]
+    if all(a <= b for a, b in zip(group_of, group_of[1:])):
+        return None, starts  # every sample is a run of keys in their own order
+    order = array("q", [0]) * len(group_of)
+    filled = array("q", starts[:-1])
+    for position, group in enumerate(group_of):
+        order[filled[group]] = position
+        filled[group] += 1
+    return order, starts
+
+
+def _sorted_groups(keys: Sequence[str]) -> array | None:
+    """The group of every key of a sorted list (see ``_groups``); None if it is not sorted."""
+    group_of = array("q")
+    stack: list[tuple[str, int]] = []  # open stems, each a prefix of the next
+    previous = None
+    groups = 0
+    for key in keys:
+        if previous is not None and key <= previous:
+            return None
+        previous = key
+        while stack and not key.startswith(stack[-1][0]):
+            stack.pop()
+        stem = split_key(key)[0]
+        if stack and stack[-1][0] == stem:
+            group_of.append(stack[-1][1])
+        else:
+            stack.append((stem, groups))
+            group_of.append(groups)
+            groups += 1
+    return group_of
+
+
+def _check_fields(index: SampleIndex, sample: int, where: str, label: str | None) -> None:
+    """One field per object of a sample, none reserved, and no ``cls`` beside a label."""
+    fields: dict[str, str] = {}
+    for key in index.objects(sample):
+        field = field_of(key)
+        if field in RESERVED_FIELDS:
+            raise ConfigError(f"{_object(where, key)} has the extension {field!r}, which is a "
+                              "reserved sample field; rename it")
+        if field in fields:
+            raise ConfigError(
+                f"{_object(where, key)} and {fields[field]!r} both give field {field!r} of "
+                f"sample {split_key(key)[0]!r}; rename one, or pass group=False to read every "
+                "object as a sample of its own")
+        if field == LABEL_FIELD and label is not None:
+            raise ConfigError(
+                f"{_object(where, key)} fills the field {LABEL_FIELD!r}, where the label "
+                f"({label}) goes; use the objects or the label, not both")
+        fields[field] = key
+
+
 def _with_names(index: SampleIndex, names: list[str]) -> SampleIndex:
     classes = tuple(sorted(set(names)))
     number = {name: i for i, name in enumerate(classes)}
@@ -188,7 +246,7 @@ def _with_names(index: SampleIndex, names: list[str]) -> SampleIndex:
 
 
 def _parent_label(index: SampleIndex, i: int, where: str, root: str | None) -> str:
-    key = index.keys[index.starts[i]]
+    key = index.objects(i)[0]
     folder = key.rpartition("/")[0]
     name = parent_folder(key)
     if name is None or (root is not None and folder + "/" == root):
@@ -261,20 +319,23 @@ def object_job(bucket: str, key: str, position: int, etag: str | None = None) ->
 
 async def fetch_all(
     ctx: JobContext, bucket: str, keys: Sequence[str],
-    etags: Sequence[str | None] | None = None,
+    etags: Sequence[str | None] | None = None, *, pinned: bool = False,
 ) -> list[bytes]:
     """Every object of ``keys`` (one GET each, retried), concurrently; the first failure
     cancels the others and is raised as itself (not wrapped in an exception group).
 
     ``etags``: the ones the key list gave, which tell a disk cache whether its copy is current.
-    One request cannot mix versions, so nothing is pinned.
+    ``pinned``: each GET must find that version (``If-Match``; a key list from a snapshot), so
+    an object replaced since is ``ObjectChangedError`` naming it, never other bytes.
     """
     listed = {} if etags is None else dict(zip(keys, etags))
 
     async def get(key: str) -> bytes:
+        etag = listed.get(key)
         return await call_with_retries(
-            lambda: ctx.store.get(bucket, key, listed_etag=listed.get(key)), ctx.retry,
-            on_retry=ctx.retried,
+            lambda: ctx.store.get(bucket, key, listed_etag=etag,
+                                  pin=Pin(etag) if pinned and etag else None),
+            ctx.retry, on_retry=ctx.retried,
         )
 
     if len(keys) == 1:
@@ -309,7 +370,8 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
 
     async def job(ctx: JobContext) -> None:
         try:
-            bodies = await fetch_all(ctx, bucket, keys, index.object_etags(sample))
+            bodies = await fetch_all(ctx, bucket, keys, index.object_etags(sample),
+                                     pinned=index.pinned)
         except NoSuchKeyError as exc:
             if on_error == "raise":
                 raise

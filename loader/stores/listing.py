@@ -76,9 +76,12 @@ class KeyList(Sequence[str]):
     ``keys[i]`` decodes one key; iteration, ``len``, slicing and pickling work like a tuple of
     ``str``, at a fraction of its memory (``nbytes``). It pickles as its buffers, so handing it
     to DataLoader workers or other ranks copies a few large blocks, not millions of objects.
+    The buffers may also be read-only maps of a file (``keyfile``, ``nodeshare``): such a list
+    is shared by every process that maps it, and pickles into a process being started as a
+    reference to its file.
     """
 
-    __slots__ = ("_blob", "_ends", "_etags", "_sizes")
+    __slots__ = ("_blob", "_ends", "_etags", "_origin", "_sizes")
 
     def __init__(self, blob: bytes, ends: array.array, sizes: array.array | None = None,
                  etags: KeyList | None = None) -> None:
@@ -90,6 +93,7 @@ class KeyList(Sequence[str]):
         self._ends = ends
         self._sizes = sizes
         self._etags = etags  # packed by _pack_etag: 17 bytes for an md5 ETag, not ~80
+        self._origin: Any = None  # the file it is mapped from (keyfile.KeyFile), if any
 
     @classmethod
     def from_keys(cls, keys: Iterable[str], sizes: Iterable[int] | None = None) -> KeyList:
@@ -162,6 +166,10 @@ class KeyList(Sequence[str]):
             return map(ObjectInfo, self, self._sizes)
         return map(ObjectInfo, self, self._sizes, self.etags() or ())
 
+    def etag(self, index: int) -> str | None:
+        """The listed ETag of key ``index`` (None when the listing gave none)."""
+        return None if self._etags is None else _unpack_etag(self._etags._raw(index))
+
     def etags(self) -> list[str | None] | None:
         """The listed ETag of every key, in order; None when the listing gave none."""
         if self._etags is None:
@@ -176,8 +184,9 @@ class KeyList(Sequence[str]):
                 + (0 if self._etags is None else self._etags.nbytes))
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, KeyList):
-            return self._blob == other._blob and self._ends == other._ends
+        if isinstance(other, KeyList):  # memoryview: the buffers may be maps of a file
+            return (memoryview(self._blob) == memoryview(other._blob)
+                    and memoryview(self._ends) == memoryview(other._ends))
         if isinstance(other, (tuple, list)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
@@ -185,7 +194,15 @@ class KeyList(Sequence[str]):
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (KeyList, (self._blob, self._ends, self._sizes, self._etags))
+        from .nodeshare import reduce_keys  # a file reference or the buffers (no import cycle)
+
+        return reduce_keys(self)
+
+    def __copy__(self) -> KeyList:
+        return self  # immutable: a copy would only cost memory
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KeyList:
+        return self
 
     def __repr__(self) -> str:
         first = ", ".join(repr(key) for key in itertools.islice(self, 3))

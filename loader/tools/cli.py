@@ -260,10 +260,14 @@ def register_ls(subparsers: argparse._SubParsersAction) -> None:
                     "statistics, the extensions and a histogram of object sizes in power-of-two "
                     "buckets. When the median object is small (< 1 MiB) it suggests packing them "
                     "into tar shards with `loader shard`. " + ENV_HELP,
-        epilog="examples:\n  loader ls s3://my-bucket/train/\n  loader ls s3://my-bucket/shards/",
+        epilog="examples:\n  loader ls s3://my-bucket/train/\n  loader ls s3://my-bucket/shards/\n"
+               "  loader ls --save train.keys s3://my-bucket/train/   # then from_manifest('train.keys')",
         formatter_class=_Formatter,
     )
     p.add_argument("uri", type=_s3_uri, metavar="URI", help="s3://bucket/prefix to list")
+    p.add_argument("--save", metavar="PATH", default=None,
+                   help="also write the listing (keys, sizes, ETags) to PATH, a snapshot that "
+                        "AsyncS3Dataset.from_manifest(PATH) reads back without listing again")
     p.set_defaults(run=run_ls)
 
 
@@ -271,9 +275,12 @@ def run_ls(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     from .ls import list_uri, summarize_listing
 
     out = out or sys.stdout
-    objects = list_uri(args.uri)
+    objects = list_uri(args.uri, save=getattr(args, "save", None))
     for line in summarize_listing(args.uri, objects):
         print(line, file=out)
+    if getattr(args, "save", None):
+        print(f"saved the listing to {args.save}: read it with AsyncS3Dataset.from_manifest("
+              f"{args.save!r})", file=out)
     return EXIT_OK
 
 

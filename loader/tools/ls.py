@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..config import S3Config, resolve_config
+from ..datasets.snapshots import save_snapshot, snapshot_option
 from ..datasets.sources import list_prefix
 from ..formats.tar import split_key
 from ..retry import RetryPolicy
 from ..stores import ObjectInfo, open_store, resolve_backend
+from ..uri import parse_s3_uri
 from .sizes import format_size
 
 SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
@@ -99,9 +101,16 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
     return lines
 
 
-def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None) -> list[ObjectInfo]:
-    """Every object under ``uri`` (sorted; an empty prefix is an ``EmptyDatasetError``)."""
+def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None,
+             save: str | None = None) -> list[ObjectInfo]:
+    """Every object under ``uri`` (sorted; an empty prefix is an ``EmptyDatasetError``);
+    ``save``: also write it as a listing snapshot to that path (``datasets.snapshots``)."""
     retry = RetryPolicy()
     factory = functools.partial(open_store, resolve_backend(store), resolve_config(config),
                                 max_connections=4, retry=retry)
-    return list(list_prefix(uri, factory=factory, retry=retry).infos())
+    snapshot = snapshot_option(save)  # checked before listing: a bad path fails now
+    found = list_prefix(uri, factory=factory, retry=retry)
+    if snapshot is not None:
+        bucket, prefix = parse_s3_uri(uri)
+        found = save_snapshot(found, snapshot.path, f"s3://{bucket}/{prefix}")
+    return list(found.infos())

@@ -1,0 +1,182 @@
+"""One listing per job, counted: LIST requests through the proxy for every launch x start method.
+
+Every cell of ``list_once_worker.py`` reads a prefix of its own, so the proxy's log says how
+many LIST requests each cell cost the whole job; one plain process listing such a prefix is
+the yardstick. Spawned processes import torch again (seconds each on a small machine), so two
+launches carry all the cells: ``torchrun`` (workers fork by default) and
+``torch.multiprocessing.spawn`` with an explicit rank (workers spawn by default), each with
+datasets built before and after ``init_process_group``, workers started every way,
+``num_workers=0``, persistent workers, several epochs, shard prefixes and the map dataset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import list_once_worker
+import pytest
+import torch.multiprocessing as mp
+
+from loader import AsyncS3Dataset, ListOptions
+
+from datasets import upload_objects
+from faults import FaultProxy
+from s3servers import free_port
+
+WORLD = 3
+HERE = Path(__file__).resolve().parent
+FOLDERS, PER_FOLDER = 2, 6  # objects: a folder page, then 2 pages of PAGE keys per folder
+SHARDS, PER_SHARD = 3, 4
+
+
+def cell(name: str, mode: str, start: str, **extra: object) -> dict:
+    return {"name": name, "mode": mode, "start": start, **extra}
+
+
+# launch -> (what "default" starts workers with there, its cells). Spawned and forkserver workers
+# import torch again: one each; forked ones are cheap: two.
+LAUNCHES = {
+    "torchrun": ("fork", [
+        cell("t-objects-fork", "objects", "default", epochs=2),          # the issue's scenario
+        cell("t-objects-early", "objects", "default", early=True),
+        cell("t-objects-persistent", "objects", "fork", persistent=True, epochs=2),
+        cell("t-objects-forkserver", "objects", "forkserver", workers=1),
+        cell("t-objects-w0", "objects", "none", workers=0),
+        cell("t-shards-fork", "shards", "default"),
+        cell("t-map-fork", "map", "default", early=True),
+    ]),
+    "mp.spawn": ("spawn", [
+        cell("s-objects-spawn", "objects", "default", workers=1),
+        cell("s-objects-fork-early", "objects", "fork", early=True, epochs=2),
+        cell("s-objects-spawn-persistent", "objects", "spawn", workers=1, persistent=True,
+             epochs=2, early=True),
+        cell("s-shards-forkserver", "shards", "forkserver", workers=1),
+        cell("s-map-spawn", "map", "default", workers=1),
+    ]),
+}
+
+
+def tar_of(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def cell_objects(name: str, mode: str) -> tuple[dict[str, bytes], set[str]]:
+    """What a cell's prefix holds, and the sample keys it must yield."""
+    if mode == "shards":
+        items, samples = {}, set()
+        for shard in range(SHARDS):
+            stems = [f"{name}-{shard}-{i}" for i in range(PER_SHARD)]
+            samples.update(stems)
+            items[f"{name}/train-{shard:04d}.tar"] = tar_of({f"{stem}.bin": stem.encode() for stem in stems})
+        return items, samples
+    items = {f"{name}/f{f}/{i:03d}.bin": b"x" for f in range(FOLDERS) for i in range(PER_FOLDER)}
+    return items, {key.rsplit(".", 1)[0] for key in items}
+
+
+def list_requests(proxy: FaultProxy, bucket: str, prefix: str) -> int:
+    quoted = prefix.replace("/", "%2F")
+    return sum(1 for method, target, _ in proxy.decisions
+               if method == "GET" and target.startswith(f"/{bucket}?") and "list-type=2" in target
+               and (f"prefix={quoted}" in target))
+
+
+@pytest.fixture(scope="module")
+def matrix(s3_server, tmp_path_factory):
+    """Run both launches once through one counting proxy; what every cell saw, and the counts."""
+    bucket = s3_server.new_bucket("once")
+    expected = {}
+    for _, cells in LAUNCHES.values():
+        for spec in cells:
+            items, expected[spec["name"]] = cell_objects(spec["name"], spec["mode"])
+            upload_objects(s3_server.minio, bucket, items)
+    for mode in ("objects", "shards"):  # the yardstick prefixes
+        upload_objects(s3_server.minio, bucket, cell_objects(f"plain-{mode}", mode)[0])
+    out = tmp_path_factory.mktemp("once")
+    before = shared_files()
+    seconds = {}
+    with FaultProxy(s3_server.config.endpoint_url, max_lifetime=1800) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        listing = ListOptions(page_size=list_once_worker.PAGE)
+        AsyncS3Dataset.from_prefix(f"s3://{bucket}/plain-objects/", config=config, listing=listing).keys()
+        AsyncS3Dataset.from_shards(f"s3://{bucket}/plain-shards/", config=config, listing=listing).shards()
+        env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url}
+        for style, (_, cells) in LAUNCHES.items():
+            plan = {"cells": cells, "bucket": bucket, "env": env, "out": str(out / style),
+                    "init_method": f"tcp://127.0.0.1:{free_port()}"}
+            started = time.monotonic()
+            launch(style, plan, out)
+            seconds[style] = round(time.monotonic() - started, 1)
+        counts = {name: list_requests(proxy, bucket, f"{name}/")
+                  for cells in LAUNCHES.values() for name in (c["name"] for c in cells[1])}
+        plain = {mode: list_requests(proxy, bucket, f"plain-{mode}/") for mode in ("objects", "shards")}
+    print(f"launch seconds: {seconds}; LIST requests per cell: {counts}; one process: {plain}")
+    return {"out": out, "counts": counts, "plain": plain, "expected": expected,
+            "left": shared_files() - before}
+
+
+def shared_files() -> set[str]:
+    from loader.stores.nodeshare import PREFIX, share_dirs
+
+    return {str(path) for where in share_dirs() for path in where.glob(f"*{PREFIX}*")}
+
+
+def launch(style: str, plan: dict, out: Path) -> None:
+    if style == "mp.spawn":
+        mp.spawn(list_once_worker.spawned, args=(WORLD, plan), nprocs=WORLD, join=True)
+        return
+    plan_file = out / f"{style}.json"
+    plan_file.write_text(json.dumps(plan))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={WORLD}", "--max-restarts=0",
+               str(HERE / "list_once_worker.py"), str(plan_file)]
+    subprocess.run(command, env=env, check=True, timeout=600)
+
+
+@pytest.mark.parametrize("style", list(LAUNCHES))
+def test_a_job_lists_each_prefix_once_and_every_process_reads_that_listing(matrix, style):
+    default, cells = LAUNCHES[style]
+    problems = []
+    for spec in cells:
+        name = spec["name"]
+        ranks = [json.loads((matrix["out"] / style / name / f"rank{r}.json").read_text())
+                 for r in range(WORLD)]
+        want = matrix["plain"]["shards" if spec["mode"] == "shards" else "objects"]
+        if matrix["counts"][name] != want:
+            problems.append(f"{name}: {matrix['counts'][name]} LIST requests, one listing is {want}")
+        snapshots = {snapshot for rank in ranks for snapshot in rank["snapshots"]}
+        if len(snapshots) != 1:
+            problems.append(f"{name}: processes read different listings {sorted(snapshots)}")
+        elif spec["mode"] != "shards" and not next(iter(snapshots)).startswith("file:"):
+            problems.append(f"{name}: the key list was not the node's shared file: {snapshots}")
+        for epoch in range(spec.get("epochs", 1)):
+            read = [key for rank in ranks for key in rank["epochs"][epoch]]
+            if sorted(read) != sorted(matrix["expected"][name]):
+                problems.append(f"{name} epoch {epoch}: {len(read)} samples read, "
+                                f"{len(set(read))} distinct, want each of {len(matrix['expected'][name])} once")
+        started = {how for rank in ranks for how in rank["started"]}
+        expected_start = {"none" if spec.get("workers") == 0 else
+                          default if spec["start"] == "default" else spec["start"]}
+        if started != expected_start:
+            problems.append(f"{name}: workers were {sorted(started)}, not {expected_start}")
+    assert not problems, f"{style}: " + "; ".join(problems)
+
+
+def test_no_shared_file_outlives_the_job(matrix):
+    """Every rank and worker has exited: nothing they shared is left in the share directory."""
+    assert matrix["left"] == set()
