@@ -1,0 +1,70 @@
+"""The sample index over a packed key list: grouping a sorted listing in one pass is exact."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.formats.objects import build_index
+from loader.formats.tar import split_key
+from loader.stores.base import ObjectInfo
+from loader.stores.listing import KeyList
+
+# Few characters, the ones that make stems interleave in sorted order: "-" sorts before ".",
+# a dot may sit in a folder name (a/1.d/x.jpg), a key may have no extension at all.
+PIECES = st.text(st.sampled_from("a1-./"), min_size=1, max_size=7).filter(
+    lambda key: not key.endswith("/") and "//" not in key and not key.startswith("/"))
+
+
+def reference(keys):
+    """Samples as the dict-based grouping forms them: stems by first appearance, keys in order."""
+    members: dict[str, list[str]] = {}
+    for key in keys:
+        members.setdefault(split_key(key)[0], []).append(key)
+    return [tuple(group) for group in members.values()]
+
+
+def samples(index):
+    return [index.objects(i) for i in range(len(index))]
+
+
+def fields_unique(keys) -> bool:
+    seen = set()
+    for key in keys:
+        stem, ext = split_key(key)
+        if (stem, ext or "data") in seen or ext in ("__key__", "__url__", "__index__"):
+            return False
+        seen.add((stem, ext or "data"))
+    return True
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(PIECES, max_size=40, unique=True))
+def test_a_sorted_listing_groups_exactly_as_the_dict_does(keys):
+    keys = sorted(keys)
+    if not fields_unique(keys):
+        return  # two objects giving one field of a sample: an error either way
+    packed = KeyList.from_infos(ObjectInfo(key, len(key), None) for key in keys)
+    index = build_index(packed)
+    assert samples(index) == reference(keys)
+    assert index.keys is packed, "the index reads the packed list, it does not copy the keys"
+    assert samples(build_index(list(reversed(keys)))) == reference(list(reversed(keys)))
+
+
+def test_interleaved_stems_are_reordered_and_plain_runs_are_not():
+    keys = ["a/1", "a/1-x.jpg", "a/1.cls", "a/1.d/x.jpg", "a/1.jpg", "a/2.jpg"]
+    index = build_index(KeyList.from_keys(keys))
+    assert samples(index) == [("a/1", "a/1.cls", "a/1.jpg"), ("a/1-x.jpg",), ("a/1.d/x.jpg",),
+                              ("a/2.jpg",)]
+    assert index.order is not None
+    plain = build_index(KeyList.from_keys(["a/1.cls", "a/1.jpg", "a/2.cls", "a/2.jpg"]))
+    assert plain.order is None and samples(plain) == [("a/1.cls", "a/1.jpg"), ("a/2.cls", "a/2.jpg")]
+
+
+def test_etags_are_read_from_the_packed_list_per_sample():
+    packed = KeyList.from_infos([ObjectInfo("a/1.cls", 1, "e1"), ObjectInfo("a/1.jpg", 2, "e2"),
+                                 ObjectInfo("a/2.jpg", 3, None)])
+    from loader.datasets.sources import listed_etags
+
+    index = build_index(packed, etags=listed_etags(packed))
+    assert index.object_etags(0) == ("e1", "e2") and index.object_etags(1) == (None,)

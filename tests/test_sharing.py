@@ -1,0 +1,144 @@
+"""The job-wide protocol of ``sharing``: ranks as threads around a real ``TCPStore``.
+
+Threads of one process stand for ranks (their ``flock``s on separate descriptors exclude each
+other as processes' do); a second share directory stands for a second machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from loader import EmptyDatasetError
+from loader.datasets import sharing
+from loader.datasets.sharing import Job, once_per_job, ticket
+from loader.stores import nodeshare
+from loader.stores.listing import KeyList
+
+KEYS = KeyList.from_keys([f"train/{i:05d}.jpg" for i in range(500)], range(500))
+
+
+@pytest.fixture(autouse=True)
+def share_dir(tmp_path, monkeypatch):
+    where = tmp_path / "node-a"
+    where.mkdir()
+    monkeypatch.setenv(nodeshare.SHARE_DIR_ENV, str(where))
+    yield where
+    nodeshare.release(nodeshare.process_ident(os.getpid()))
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    host, port = master.host, master.port
+
+    def client():
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=30))
+
+    yield client
+    del master
+
+
+def ranks(world: int, store, produce, *, delays=(), name="n1") -> dict[int, object]:
+    """Run ``_in_job`` as ``world`` ranks in threads; each rank's key list (or error)."""
+    got: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        time.sleep(delays[r] if r < len(delays) else 0)
+        try:
+            got[r] = sharing._in_job(Job(r, world, store), name, "s3://b/train/", os.getpid(), produce)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            got[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return got
+
+
+def counted(keys=KEYS, fail: Exception | None = None):
+    calls = []
+
+    def produce() -> KeyList:
+        calls.append(threading.get_ident())
+        time.sleep(0.2)
+        if fail is not None:
+            raise fail
+        return keys
+
+    return produce, calls
+
+
+def test_rank_0_lists_once_and_every_rank_maps_the_same_file(store, share_dir):
+    produce, calls = counted()
+    got = ranks(3, store, produce, delays=(0.3, 0, 0))  # ranks 1 and 2 ask before rank 0 starts
+    assert len(calls) == 1
+    ids = {got[r]._origin.id for r in range(3)}
+    assert len(ids) == 1 and all(list(got[r]) == list(KEYS) for r in range(3))
+    kv = dist.PrefixStore("loader/listing/n1/", store())
+    assert not kv.check(["data/0"]), "every rank has it: the store's copy is freed"
+    assert [p.name for p in share_dir.glob("*.keys")], "one file on this machine"
+
+
+def test_another_machine_fetches_the_file_once_from_the_store(store, share_dir, tmp_path):
+    produce, calls = counted()
+    job_id = store().compare_set(sharing.JOB_KEY, "", "feedfacefeedface").decode()
+    kv = dist.PrefixStore("loader/listing/n2/", store())
+    here = nodeshare.NodeFile(f"{job_id}-n2")
+    there = nodeshare.NodeFile(f"{job_id}-n2")
+    there.dirs = [tmp_path / "node-b"]
+    there.dirs[0].mkdir()
+    fetched = {}
+
+    def follower() -> None:
+        fetched["keys"] = sharing._follow(kv, there, "s3://b/train/", os.getpid(), produce)
+
+    thread = threading.Thread(target=follower)
+    thread.start()
+    lead = sharing._lead(dist.PrefixStore("loader/listing/n2/", store()), here, "s3://b/train/",
+                         os.getpid(), produce)
+    thread.join(timeout=60)
+    assert len(calls) == 1
+    assert fetched["keys"]._origin.id == lead._origin.id and fetched["keys"] == KEYS
+    assert fetched["keys"]._origin.path.startswith(str(tmp_path / "node-b"))
+
+
+def test_a_failed_listing_reaches_every_rank_as_the_same_error(store):
+    produce, calls = counted(fail=EmptyDatasetError("no objects under s3://b/train/"))
+    got = ranks(3, store, produce, name="n3")
+    assert len(calls) == 1, "the other ranks do not list again"
+    assert all(isinstance(got[r], EmptyDatasetError) and "no objects under" in str(got[r])
+               for r in range(3))
+
+
+def test_a_rank_that_sees_no_listing_started_lists_itself_with_a_warning(store, monkeypatch, caplog):
+    monkeypatch.setattr(sharing, "START_WAIT", 0.3)
+    produce, calls = counted()
+    with caplog.at_level(logging.WARNING, logger="loader.datasets.sharing"):
+        keys = sharing._in_job(Job(1, 2, store), "n4", "s3://b/train/", os.getpid(), produce)
+    assert len(calls) == 1 and keys == KEYS
+    assert "rank 0 did not start listing s3://b/train/" in caplog.text
+
+
+def test_a_plain_process_lists_in_memory_without_files_or_waits(share_dir):
+    produce, calls = counted()
+    started = time.monotonic()
+    keys = once_per_job("s3://b/train/", produce, ticket=1)
+    assert keys is KEYS and len(calls) == 1 and time.monotonic() - started < 1
+    assert list(share_dir.iterdir()) == []
+
+
+def test_tickets_count_datasets_per_target_and_travel_with_them():
+    first, second, other = ticket("s3://b/x/"), ticket("s3://b/x/"), ticket("s3://b/y/")
+    assert second == first + 1 and other >= 1
+    assert pickle.loads(pickle.dumps(second)) == second
