@@ -60,9 +60,9 @@ from typing_extensions import Unpack
 from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
-from ..formats.objects import LabelFrom, SampleIndex, skippable
+from ..formats.objects import LabelFrom, SampleIndex, get_listed, skippable
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore, Pin, StoreFactory
+from ..stores import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
 from .options import LoaderOptions, MapKwargs
 from .snapshots import is_snapshot, snapshot_uri
@@ -351,8 +351,7 @@ class _Client:
             try:
                 async with limiter:
                     out[slot] = await call_with_retries(
-                        functools.partial(store.get, bucket, key, listed_etag=etag,
-                                          pin=Pin(etag) if pinned and etag else None),
+                        functools.partial(get_listed, store, bucket, key, etag, pinned=pinned),
                         self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:

@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple
 import anyio
 
 from ..engine.fetch import Job, JobContext
-from ..errors import ConfigError, NoSuchKeyError, SampleError
+from ..errors import ConfigError, NoSuchKeyError, ObjectChangedError, SampleError
 from ..retry import call_with_retries
 from ..stores.base import Pin
 from ..uri import object_url
@@ -333,9 +333,8 @@ async def fetch_all(
     async def get(key: str) -> bytes:
         etag = listed.get(key)
         return await call_with_retries(
-            lambda: ctx.store.get(bucket, key, listed_etag=etag,
-                                  pin=Pin(etag) if pinned and etag else None),
-            ctx.retry, on_retry=ctx.retried,
+            lambda: get_listed(ctx.store, bucket, key, etag, pinned=pinned), ctx.retry,
+            on_retry=ctx.retried,
         )
 
     if len(keys) == 1:
@@ -356,6 +355,22 @@ async def fetch_all(
     if failures:
         raise failures[0]
     return out
+
+
+async def get_listed(store: Any, bucket: str, key: str, etag: str | None, *,
+                     pinned: bool = False) -> bytes:
+    """One GET of an object a key list gave (``etag``: the version it listed); ``pinned``: that
+    version or ``ObjectChangedError``, worded for a snapshot that no longer holds."""
+    if not (pinned and etag):
+        return await store.get(bucket, key, listed_etag=etag)
+    try:
+        return await store.get(bucket, key, listed_etag=etag, pin=Pin(etag))
+    except ObjectChangedError as exc:
+        raise ObjectChangedError(
+            f"s3://{bucket}/{key} was replaced after the listing snapshot was saved (it recorded "
+            f"ETag {etag}; the server no longer has that version), so the snapshot no longer "
+            "describes the data: save a new one (`loader ls --save`, or delete the snapshot file "
+            "to list again)", bucket=bucket, key=key) from exc
 
 
 def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,

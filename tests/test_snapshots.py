@@ -1,0 +1,80 @@
+"""Listing snapshots over the in-memory store: written once, read back without a LIST, never stale."""
+
+from __future__ import annotations
+
+import pytest
+from torch.utils.data import DataLoader
+
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, NoSuchKeyError
+from loader.errors import ObjectChangedError
+from loader.stores.keyfile import read_header
+
+from fakes import FakeStore, payloads, reusable
+
+BUCKET = "bucket"
+
+
+@pytest.fixture
+def fake():
+    return FakeStore.with_objects(BUCKET, {**payloads(12), "train/.DS_Store": b"x"}, page_size=5)
+
+
+def keys_read(dataset) -> list[str]:
+    return sorted(sample["__key__"] for sample in dataset)
+
+
+def test_the_first_listing_is_saved_and_later_datasets_read_it_without_listing(fake, tmp_path):
+    path = tmp_path / "train.keys"
+    first = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", snapshot=str(path), store=reusable(fake))
+    expected = keys_read(first)
+    assert fake.list_requests == 3 and path.exists()
+    header = read_header(path)
+    assert header.uri == f"s3://{BUCKET}/train/" and header.count == 13, "the raw listing is kept"
+    for again in (AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", snapshot=str(path),
+                                             store=reusable(fake)),
+                  AsyncS3Dataset.from_manifest(str(path), store=reusable(fake))):
+        assert keys_read(again) == expected and len(again.keys()) == 12, "hidden objects left out"
+    mapped = AsyncS3MapDataset.from_manifest(str(path), store=reusable(fake))
+    loader = DataLoader(mapped, batch_size=4, collate_fn=lambda batch: [s["__key__"] for s in batch])
+    assert sorted(key for batch in loader for key in batch) == expected
+    assert fake.list_requests == 3, "no LIST after the first"
+
+
+def test_a_snapshot_of_another_prefix_or_bucket_is_refused(fake, tmp_path):
+    path = tmp_path / "train.keys"
+    AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", snapshot=str(path), store=reusable(fake)).keys()
+    other = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/val/", snapshot=str(path), store=reusable(fake))
+    with pytest.raises(ConfigError, match=r"was listed from s3://bucket/train/, not s3://bucket/val/"):
+        other.keys()
+    with pytest.raises(ConfigError, match=r"lists bucket 'bucket', not 'elsewhere'"):
+        AsyncS3Dataset.from_manifest(str(path), bucket="elsewhere")
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(ConfigError, match=r"exists but is not a listing snapshot"):
+        AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", snapshot=str(tmp_path / "notes.txt"))
+
+
+def test_objects_replaced_or_deleted_since_the_snapshot_are_errors_not_other_bytes(fake, tmp_path):
+    path = tmp_path / "train.keys"
+    AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", snapshot=str(path), store=reusable(fake)).keys()
+    fake.objects[BUCKET, "train/000003.bin"] = b"another version"
+    replaced = AsyncS3Dataset.from_manifest(str(path), store=reusable(fake))
+    with pytest.raises(ObjectChangedError, match=r"train/000003.bin"):
+        keys_read(replaced)
+    del fake.objects[BUCKET, "train/000003.bin"]
+    with pytest.raises(NoSuchKeyError, match=r"train/000003.bin"):
+        keys_read(AsyncS3Dataset.from_manifest(str(path), store=reusable(fake)))
+    skipping = AsyncS3Dataset.from_manifest(str(path), store=reusable(fake), on_error="skip")
+    assert len(keys_read(skipping)) == 11
+    mapped = AsyncS3MapDataset.from_manifest(str(path), store=reusable(fake))
+    fake.objects[BUCKET, "train/000005.bin"] = b"changed too"
+    position = list(mapped.keys()).index("train/000005.bin")
+    with pytest.raises(ObjectChangedError, match=r"train/000005.bin"):
+        mapped[position]
+
+
+def test_a_fresh_listing_is_not_pinned(fake):
+    dataset = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", store=reusable(fake))
+    dataset.keys()
+    fake.objects[BUCKET, "train/000003.bin"] = b"another version"
+    samples = {s["__key__"]: s["bin"] for s in dataset}
+    assert samples["train/000003"] == b"another version", "as before: the current object"
