@@ -1,26 +1,12 @@
 """One listing per job, one copy of it per machine, however ranks and DataLoader workers start.
 
-* **Who lists.** In a ``torch.distributed`` job (a group of 2+ ranks, inherited by forked
-  DataLoader workers too), rank 0: its main process or one of its workers, whichever needs the
-  keys first. Elsewhere a process lists for itself and its DataLoader workers. A plain process
-  (no group, not a worker) just lists, in memory: no file, no wait.
-* **To the processes of a machine**: a file in a node-local directory (``stores.nodeshare``)
-  that each process maps read-only; a file lock elects the one process per machine that lists
-  or fetches, and the others map its file. Spawned and forkserver workers receive the key list
-  pickled as a reference to that file.
-* **To other machines**: through the job's ``TCPStore`` (the one ``init_process_group`` set
-  up): rank 0 puts the file there, one process per machine fetches it, and the store's copy
-  is freed once every rank has it. A forked worker opens a connection of its own to that store.
-  A store is polled, not waited on in a collective, so a long listing hits no NCCL timeout.
-* **Names.** A listing is named by its target and the dataset's ``ticket`` (the n-th dataset
-  this process built over that target), so every rank must build its datasets in the same order,
-  as DDP requires of models. The machine-wide file name starts with a job id: one the job's
-  store hands out, else the pid and start time of the process that built the dataset. Files of
-  an earlier or killed job are never taken for this job's, and are removed (``nodeshare``).
-
-A rank that sees no listing started by rank 0 within ``START_WAIT`` seconds lists for itself,
-with a warning. ``ListOptions(once_per_job=False)`` turns all this off. See
-``docs/listing-once-per-job.md`` for the choices behind this.
+In a ``torch.distributed`` job rank 0 (its main process or a worker, whichever needs the keys
+first) lists; one process per other machine fetches the result once through the job's
+``TCPStore`` (a forked worker opens its own connection to it); every process of a machine maps
+the one file ``stores.nodeshare`` keeps. Listings are named by target and the dataset's
+``ticket`` (so ranks must build datasets in the same order) under a job id the store hands out.
+A process without a group shares with its own workers only; a plain process lists in memory.
+Why and how: ``docs/listing-once-per-job.md``.
 """
 
 from __future__ import annotations
