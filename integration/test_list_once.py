@@ -180,3 +180,26 @@ def test_a_job_lists_each_prefix_once_and_every_process_reads_that_listing(matri
 def test_no_shared_file_outlives_the_job(matrix):
     """Every rank and worker has exited: nothing they shared is left in the share directory."""
     assert matrix["left"] == set()
+
+
+def test_a_single_process_and_its_forked_workers_list_once(s3_server):
+    """No group at all: the workers list once between them, later epochs' workers and the
+    process itself (``set_epoch``, ``len``) map their file."""
+    from torch.utils.data import DataLoader
+
+    bucket = s3_server.new_bucket("once1")
+    items, expected = cell_objects("single", "objects")
+    upload_objects(s3_server.minio, bucket, items)
+    with FaultProxy(s3_server.config.endpoint_url) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        listing = ListOptions(page_size=list_once_worker.PAGE)
+        uri = f"s3://{bucket}/single/"
+        AsyncS3Dataset.from_prefix(uri, config=config, listing=listing).keys()  # the yardstick
+        one = list_requests(proxy, bucket, "single/")
+        proxy.reset_counts()
+        dataset = AsyncS3Dataset.from_prefix(uri, config=config, listing=listing)
+        loader = DataLoader(dataset, batch_size=None, num_workers=2, timeout=120)
+        epochs = [sorted(sample["__key__"] for sample in loader) for _ in range(2)]
+        dataset.set_epoch(2)
+        assert len(dataset) == len(expected) and epochs == [sorted(expected)] * 2
+        assert list_requests(proxy, bucket, "single/") == one > 1, "one listing for everyone"

@@ -142,3 +142,16 @@ def test_tickets_count_datasets_per_target_and_travel_with_them():
     first, second, other = ticket("s3://b/x/"), ticket("s3://b/x/"), ticket("s3://b/y/")
     assert second == first + 1 and other >= 1
     assert pickle.loads(pickle.dumps(second)) == second
+
+
+def test_a_plain_process_uses_the_listing_its_workers_made(share_dir, monkeypatch):
+    """Workers listed (the first epoch ran without ``set_epoch``); the process itself then needs
+    the keys (``set_epoch``, ``len``): it maps their file instead of listing again."""
+    produce, calls = counted()
+    with monkeypatch.context() as as_a_worker:
+        as_a_worker.setattr(sharing.topology, "in_worker", lambda: True)
+        as_a_worker.setattr(sharing.topology, "parent_pid", lambda: os.getpid())
+        in_worker = once_per_job("s3://b/train/", produce, ticket=7)
+    in_parent = once_per_job("s3://b/train/", produce, ticket=7)
+    assert len(calls) == 1 and in_parent._origin.id == in_worker._origin.id
+    assert once_per_job("s3://b/train/", produce, ticket=8) is KEYS, "another dataset: its own listing"

@@ -73,14 +73,20 @@ def once_per_job(target: str, produce: Callable[[], KeyList], ticket: int = 0) -
     the module doc); just ``produce()`` in a plain process."""
     worker = topology.in_worker()
     job = _job(worker)
-    if (job is None and not worker) or not nodeshare.supported():
+    if not nodeshare.supported():
         return produce()
     name = hashlib.sha256(f"{target}#{ticket}".encode()).hexdigest()[:20]
     anchor = (topology.parent_pid() or os.getpid()) if worker else os.getpid()
-    if job is None:  # the DataLoader workers of one process share its listing
-        node = nodeshare.NodeFile(f"p{nodeshare.process_ident(anchor)}-{name}")
+    if job is not None:
+        return _in_job(job, name, target, anchor, produce)
+    node = nodeshare.NodeFile(f"p{nodeshare.process_ident(anchor)}-{name}")
+    if worker:  # the DataLoader workers of one process share its listing
         return _on_this_machine(node, anchor, produce)
-    return _in_job(job, name, target, anchor, produce)
+    if node.exists():  # this process's workers listed already: no second listing here
+        keys = node.open(anchor)
+        if keys is not None:
+            return keys
+    return produce()  # a plain process: in memory, no file, no wait
 
 
 def _on_this_machine(node: nodeshare.NodeFile, anchor: int, produce: Callable[[], KeyList]) -> KeyList:

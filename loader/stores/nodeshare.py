@@ -105,6 +105,10 @@ class NodeFile:
                 return open_keys(path)
         return None
 
+    def exists(self) -> bool:
+        """Whether a process of this machine made the file (nothing is held or created)."""
+        return any((where / f"{self.name}.keys").exists() for where in self.dirs)
+
     def hold(self, anchor: int) -> None:
         """Keep the file while ``anchor`` lives (see the module doc)."""
         marker = self.dirs[0] / f"{self.name}.h{process_ident(anchor)}"
