@@ -78,3 +78,18 @@ def test_a_fresh_listing_is_not_pinned(fake):
     fake.objects[BUCKET, "train/000003.bin"] = b"another version"
     samples = {s["__key__"]: s["bin"] for s in dataset}
     assert samples["train/000003"] == b"another version", "as before: the current object"
+
+
+def test_a_disk_cache_serves_only_the_version_the_snapshot_recorded(fake, tmp_path):
+    path, cache = tmp_path / "train.keys", tmp_path / "cache"
+    options = dict(store=reusable(fake), cache_dir=str(cache))
+    AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", snapshot=str(path), **options).keys()
+    old = fake.objects[BUCKET, "train/000003.bin"]
+    assert len(keys_read(AsyncS3Dataset.from_manifest(str(path), **options))) == 12  # cache filled
+    fake.objects[BUCKET, "train/000003.bin"] = b"another version"
+    cached = {s["__key__"]: s["bin"] for s in AsyncS3Dataset.from_manifest(str(path), **options)}
+    assert cached["train/000003"] == old, "the cached copy is the snapshot's version"
+    fresh = {s["__key__"]: s["bin"] for s in AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", **options)}
+    assert fresh["train/000003"] == b"another version", "a fresh listing refills the cache"
+    with pytest.raises(ObjectChangedError, match=r"train/000003.bin was replaced after the listing"):
+        keys_read(AsyncS3Dataset.from_manifest(str(path), **options))
