@@ -155,3 +155,21 @@ def test_a_plain_process_uses_the_listing_its_workers_made(share_dir, monkeypatc
     in_parent = once_per_job("s3://b/train/", produce, ticket=7)
     assert len(calls) == 1 and in_parent._origin.id == in_worker._origin.id
     assert once_per_job("s3://b/train/", produce, ticket=8) is KEYS, "another dataset: its own listing"
+
+
+def test_a_list_larger_than_a_store_value_travels_in_chunks(store, tmp_path):
+    """TCPStore's libuv server drops a connection that sends a value over 8 MiB (and with it
+    the job's store): the file crosses machines in chunks."""
+    big = KeyList.from_keys([f"train/class-{i % 1000:04d}/{i:09d}.jpeg" for i in range(300_000)],
+                            range(300_000))
+    assert big.nbytes > 9 << 20
+    produce, calls = counted(big)
+    kv = dist.PrefixStore("loader/listing/n5/", store())
+    here = nodeshare.NodeFile("job-n5")
+    there = nodeshare.NodeFile("job-n5")
+    there.dirs = [tmp_path / "node-b"]
+    there.dirs[0].mkdir()
+    sharing._lead(kv, here, "s3://b/train/", os.getpid(), produce)
+    fetched = sharing._follow(dist.PrefixStore("loader/listing/n5/", store()), there, "s3://b/train/",
+                              os.getpid(), produce)
+    assert len(calls) == 1 and fetched == big and int(kv.get("chunks")) > 2

@@ -30,7 +30,7 @@ from . import topology
 log = logging.getLogger(__name__)
 
 START_WAIT = 300.0  # seconds a rank waits for rank 0 to start a listing before listing itself
-CHUNK = 64 << 20  # bytes per store value (a key list file is split into these)
+CHUNK = 4 << 20  # bytes per store value: TCPStore's libuv server refuses values over 8 MiB
 STORE_TIMEOUT = 120.0  # seconds to connect to the job's store from a DataLoader worker
 JOB_KEY = "loader/job"  # the job id every process of the job reads from its store
 _POLL = (0.02, 0.5)  # first and longest pause between looks at the store
