@@ -145,6 +145,9 @@ def _synthetic_listing(count: int, signals: str) -> Any:
 
 
 def _rank(rank: int, world_size: int, port: int, count: int, workers: int, signals: str) -> None:
+    import faulthandler
+    import signal
+
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
@@ -152,12 +155,13 @@ def _rank(rank: int, world_size: int, port: int, count: int, workers: int, signa
     from loader.datasets import sources
 
     sources.list_objects = _synthetic_listing(count, signals)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where a stuck process is
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         dataset = AsyncS3Dataset.from_prefix("s3://bench/train/", store=_open_store, max_inflight=8,
                                              queue_items=64)
         loader = DataLoader(dataset, batch_size=16, num_workers=workers, persistent_workers=workers > 0,
-                            collate_fn=_keys, timeout=600)
+                            collate_fn=_keys, timeout=int(os.environ.get("BENCH_TIMEOUT", "600")))
         batches = iter(loader)
         for _ in range(2 * max(1, workers)):
             next(batches)

@@ -173,3 +173,25 @@ def test_a_list_larger_than_a_store_value_travels_in_chunks(store, tmp_path):
     fetched = sharing._follow(dist.PrefixStore("loader/listing/n5/", store()), there, "s3://b/train/",
                               os.getpid(), produce)
     assert len(calls) == 1 and fetched == big and int(kv.get("chunks")) > 2
+
+
+def test_a_process_lists_just_before_it_forks_so_forked_workers_inherit_the_keys():
+    """The DataLoader forks workers without asking the dataset: the fork hook lists first."""
+    import multiprocessing
+
+    from loader import AsyncS3Dataset, AsyncS3MapDataset
+
+    from fakes import FakeStore, payloads, reusable
+
+    fake = FakeStore.with_objects("bucket", payloads(7), page_size=3)
+    objects = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake))
+    mapped = AsyncS3MapDataset.from_prefix("s3://bucket/train/", store=reusable(fake))
+    assert objects._keys is None and mapped._keys is None and fake.list_requests == 0
+    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    child.start()
+    child.join()
+    assert len(objects._keys) == len(mapped._keys) == 7 and fake.list_requests == 6
+    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    child.start()
+    child.join()
+    assert fake.list_requests == 6, "listed once, not at every fork"

@@ -1,24 +1,24 @@
 """One listing per job, one copy of it per machine, however ranks and DataLoader workers start.
 
-In a ``torch.distributed`` job rank 0 (its main process or a worker, whichever needs the keys
-first) lists; one process per other machine fetches the result once through the job's
-``TCPStore`` (a forked worker opens its own connection to it); every process of a machine maps
-the one file ``stores.nodeshare`` keeps. Listings are named by target and the dataset's
-``ticket`` (so ranks must build datasets in the same order) under a job id the store hands out.
-A process without a group shares with its own workers only; a plain process lists in memory.
-Why and how: ``docs/listing-once-per-job.md``.
+A rank lists (or receives) its key list before its DataLoader starts workers: just before it
+forks them (``track``), when it pickles the dataset for spawned ones, or in ``__iter__`` without
+workers. In a ``torch.distributed`` job rank 0 lists; one process per other machine fetches the
+result once through the job's ``TCPStore``; every process of a machine maps the one file
+``stores.nodeshare`` keeps. Listings are named by target and the dataset's ``ticket`` (so ranks
+must build datasets in the same order) under a job id the store hands out. A plain process lists
+in memory (its forked workers share the pages). Why and how: ``docs/listing-once-per-job.md``.
 """
 
 from __future__ import annotations
 
 import collections
-import datetime
 import hashlib
 import logging
 import os
 import pickle
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 START_WAIT = 300.0  # seconds a rank waits for rank 0 to start a listing before listing itself
 CHUNK = 4 << 20  # bytes per store value: TCPStore's libuv server refuses values over 8 MiB
-STORE_TIMEOUT = 120.0  # seconds to connect to the job's store from a DataLoader worker
 JOB_KEY = "loader/job"  # the job id every process of the job reads from its store
 _POLL = (0.02, 0.5)  # first and longest pause between looks at the store
 
@@ -99,11 +98,22 @@ def _on_this_machine(node: nodeshare.NodeFile, anchor: int, produce: Callable[[]
 
 
 def _job(worker: bool) -> Job | None:
-    """The job this process belongs to, if a multi-rank group is initialized here (or in the
-    parent a worker was forked from) and its store can be reached from here; else None."""
+    """The job this process belongs to, if a multi-rank group is initialized here; else None.
+
+    Never in a DataLoader worker: a forked worker must not open a connection to the job's store.
+    A new connection makes rank 0's store thread resolve the peer's address, and a worker
+    forked while that thread holds glibc's resolver lock inherits it held: its next name lookup
+    (a store client's, or an S3 request's) then waits forever. Ranks list before their workers
+    fork instead (``track``); a worker that still finds no key list lists for its rank, with a
+    warning."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    if worker:
+        _warn_once("a DataLoader worker needs a key list its rank did not list before starting "
+                   "it, so this rank's workers list it between them; call ds.resolve() (or "
+                   "set_epoch) before iterating to list once per job")
         return None
     try:
         from torch.distributed.distributed_c10d import _get_default_store
@@ -114,22 +124,34 @@ def _job(worker: bool) -> Job | None:
     except Exception as exc:  # noqa: BLE001 - any failure: this rank lists for itself
         log.debug("no key-value store in this process group (%s): this rank lists", exc)
         return None
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if not worker:
-        return Job(rank, world_size, lambda: store)
-    if not isinstance(store, dist.TCPStore):
-        _warn_once(f"a DataLoader worker cannot reach this job's key-value store (a "
-                   f"{type(store).__name__}, not a TCPStore), so each rank whose workers list "
-                   "lists for itself; call ds.set_epoch() or ds.resolve() before iterating to "
-                   "list in the ranks instead")
-        return None
-    host, port = store.host, store.port  # the inherited client belongs to the parent
+    return Job(dist.get_rank(), dist.get_world_size(), lambda: store)
 
-    def connect() -> Any:
-        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=STORE_TIMEOUT))
 
-    return Job(rank, world_size, connect)
+_pending: weakref.WeakSet[Any] = weakref.WeakSet()
+_hooked_in: int | None = None
+
+
+def track(dataset: Any) -> None:
+    """List ``dataset``'s keys (if still needed) just before this process forks, so forked
+    DataLoader workers inherit them: the one point where a rank's own process runs before its
+    workers do. Registered on first use, not at import."""
+    global _hooked_in
+    _pending.add(dataset)
+    if _hooked_in != os.getpid():
+        _hooked_in = os.getpid()
+        os.register_at_fork(before=_before_fork)
+
+
+def _before_fork() -> None:
+    if topology.in_worker():
+        return
+    for dataset in list(_pending):
+        try:
+            resolve = getattr(dataset, "resolve", None)
+            resolve() if resolve is not None else dataset.samples()
+        except Exception as exc:  # noqa: BLE001 - the workers meet it again and raise it there
+            log.debug("listing %r before a fork failed (%s); the workers list", dataset, exc)
+        _pending.discard(dataset)
 
 
 def _in_job(job: Job, name: str, target: str, anchor: int, produce: Callable[[], KeyList]) -> KeyList:

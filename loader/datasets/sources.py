@@ -29,7 +29,7 @@ from ..stores.blocking import run_async, with_store
 from ..stores.listing import KeyList, ListOptions, list_all
 from ..uri import expand_braces, parse_s3_uri, sibling_matches
 from .options import LoaderOptions
-from .sharing import once_per_job, ticket
+from .sharing import once_per_job, ticket, track
 from .snapshots import Snapshot, load_snapshot, save_snapshot, snapshot_option
 
 log = logging.getLogger(__name__)
@@ -406,6 +406,7 @@ class ObjectSamples:
         """In a constructor: this dataset's ticket for the listing of ``target`` it shares with
         the other ranks of a job (``sharing``)."""
         self._listing_ticket = ticket(repr(target))
+        track(self)
 
     def _use_snapshot(self, path: str | os.PathLike[str] | None, *, create: bool = True) -> None:
         """``snapshot=``: read the keys from that file (``create``: or list and write it)."""
