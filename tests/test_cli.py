@@ -150,6 +150,7 @@ BAD_ARGUMENTS = [
     (["bench", "s3://bkt/x/", "--store", "boto2"], ["invalid choice"]),
     (["demo", "--samples", "0"], ["not a positive integer"]),
     (["serve", "--port", "99999"], ["TCP port"]),
+    (["serve", "--bucket", "ft"], ["--bucket", "'ft' is not a valid bucket name", "3-63 characters"]),
 ]
 NO_CREDENTIALS = [
     ["ls", "s3://bkt/train/"],

@@ -98,8 +98,9 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                         "directory removed at exit")
     p.add_argument("--port", type=_port, metavar="PORT",
                    help="S3 port on 127.0.0.1 (default: a free port)")
-    p.add_argument("--bucket", action="append", default=[], metavar="NAME",
-                   help="create this bucket at start (repeatable)")
+    p.add_argument("--bucket", action="append", default=[], type=_bucket_name, metavar="NAME",
+                   help="create this bucket at start (repeatable; 3-63 lowercase letters, digits, "
+                        "dots, hyphens)")
     p.add_argument("--background", action="store_true",
                    help="run detached: print the export lines once the server is ready, then "
                         "return (needs --pidfile)")
@@ -491,6 +492,16 @@ def _s3_uri(text: str) -> str:
         parse_s3_uri(text)
     except LoaderError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _bucket_name(text: str) -> str:
+    """A name ``serve`` may create, checked before the server starts (S3's naming rules)."""
+    from ..uri import BUCKET_NAME_RULE, bucket_name_problem
+
+    problem = bucket_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid bucket name ({problem}); use {BUCKET_NAME_RULE}")
     return text
 
 
