@@ -24,9 +24,7 @@ import tarfile
 import pytest
 import torch
 
-from loader import AsyncS3Dataset, checkpoint
-from loader.errors import ObjectChangedError
-from loader.retry import RetryPolicy
+from loader import AsyncS3Dataset, ObjectChangedError, RetryPolicy, checkpoint
 from loader.stores import open_store
 from loader.stores.aioboto3_store import Aioboto3Store
 
