@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import io
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -402,6 +404,60 @@ def test_server_killed_and_restarted_mid_epoch_completes_exactly_once(running, m
     print(f"\nrestart ({mode}, {store}, num_workers={num_workers}): {len(expected)} samples exactly "
           f"once; {stats['retries']} retries; server down for "
           f"{fault.ended - fault.started:.1f} s")
+
+
+OUTAGE = 20.0  # a MinIO rolling restart or a load balancer failover
+
+
+def test_the_default_retry_policy_rides_out_a_20_s_restart_in_both_modes(running, caplog):
+    """Both modes read at once with ``RetryPolicy()`` as users leave it; the server is SIGKILLed
+    and down for 20 s (then ~3 s to start). Every sample arrives exactly once, and while it waits
+    the loader says so in warning lines naming what fails and for how long, a few, not a flood."""
+    server, objects, samples = running
+    datasets = {mode: restart_dataset(mode, server.config, "aioboto3", RetryPolicy())
+                for mode in ("objects", "shards")}
+    for dataset in datasets.values():
+        dataset.resolve()
+    iterators = {mode: iter(dataloader(dataset, "aioboto3", 0)) for mode, dataset in datasets.items()}
+    digests: dict[str, dict[str, str]] = {"objects": {}, "shards": {}}
+    repeated: list[str] = []
+
+    def take(mode: str, n: int | None = None) -> None:
+        digest = object_digest if mode == "objects" else shard_digest
+        for count, sample in enumerate(iterators[mode], start=1):
+            key, value = digest(sample)
+            if key in digests[mode]:
+                repeated.append(key)
+            digests[mode][key] = value
+            if count == n:
+                return
+
+    fault: InThread | None = None
+    with caplog.at_level("WARNING", logger="loader"):
+        try:
+            take("objects", 100)
+            take("shards", 100)
+            fault = InThread(lambda: server.restart(downtime=OUTAGE, kill=True))
+            while server.running:  # killed before the rest is asked for
+                time.sleep(0.01)
+            drains = [InThread(functools.partial(take, mode)) for mode in iterators]  # both ask at once
+            for drain in drains:
+                drain.join(timeout=120)
+        finally:
+            if fault is not None:
+                fault.join(timeout=120)
+    assert fault is not None and fault.ended is not None and server.running
+    assert fault.ended - fault.started >= OUTAGE
+    assert repeated == [] and digests == {"objects": objects, "shards": samples}
+    assert all(dataset.stats()["retries"] > 0 for dataset in datasets.values())
+    lines = [r.getMessage() for r in caplog.records if r.name == "loader.retry"]
+    assert lines, "the loader waited for the server without a word"
+    assert len(lines) <= (fault.ended - fault.started) / 5 + 2, lines  # one per 5 s per process
+    assert all(re.match(r"still retrying( .*)? after \d+ s of failures \(attempt \d+; gives up after "
+                        r"120 s, see RetryPolicy\): .*s3://rel/", line) for line in lines), lines
+    assert max(int(re.search(r"after (\d+) s", line).group(1)) for line in lines) >= OUTAGE / 2
+    print(f"\n{OUTAGE:.0f} s outage ridden out with the default policy, "
+          f"{fault.ended - fault.started:.1f} s down in all; {len(lines)} progress lines, e.g.\n  {lines[-1][:300]}")
 
 
 @pytest.mark.parametrize(

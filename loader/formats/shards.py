@@ -22,8 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import random
-import time
 import warnings
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, NamedTuple
@@ -38,7 +36,7 @@ from ..errors import (
     ShardFormatError,
     TransientStoreError,
 )
-from ..retry import backoff_delay, call_with_retries
+from ..retry import Retrying, call_with_retries
 from ..stores.base import Pin
 from ..uri import object_url
 from .compression import Compression, compression_of, open_decoder
@@ -365,10 +363,10 @@ async def _read_stream(
 
     Each resumed request gets the full attempt budget again once the previous one made
     progress, so a long shard over a flaky link still finishes; an attempt that makes no
-    progress counts toward ``RetryPolicy.max_attempts`` and its deadline.
+    progress counts toward ``RetryPolicy.max_attempts`` and its deadline (from the first
+    failure: a stream that ran for minutes before breaking is not out of time).
     """
-    policy, rng = ctx.retry, random.Random()
-    failures, first_failure = 0, 0.0
+    retrying = Retrying(ctx.retry, started=None, what=shard.url)
     compression = shard.compression
     while True:
         resume = parser.resume_offset
@@ -404,21 +402,11 @@ async def _read_stream(
                 return  # resumed exactly at the end: nothing was left to read
             raise
         except TransientStoreError as exc:
-            if parser.resume_offset > resume:  # a member completed (bytes alone are no progress)
-                failures = 0
-            if failures == 0:
-                first_failure = time.monotonic()
-            failures += 1
-            elapsed = time.monotonic() - first_failure
-            if failures >= policy.max_attempts or elapsed >= policy.deadline:
-                raise type(exc)(
-                    f"{exc} (gave up on {shard.url} at byte {parser.resume_offset} after "
-                    f"{failures} attempt(s) without progress)",
-                    bucket=shard.bucket,
-                    key=shard.key,
-                ) from exc
+            retrying.what = f"{shard.url} at byte {parser.resume_offset}"
+            # a member completed since the last failure (bytes alone are no progress)
+            delay = retrying.failed(exc, progressed=parser.resume_offset > resume)
             ctx.retried(exc)
-            await anyio.sleep(backoff_delay(failures - 1, policy, rng))
+            await anyio.sleep(delay)
             parser.restart_at(parser.resume_offset)
 
 
