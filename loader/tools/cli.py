@@ -314,7 +314,8 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("src", type=_s3_uri, metavar="SRC_PREFIX", help="s3://bucket/prefix/ of the objects to pack")
     p.add_argument("dst", type=_s3_uri, metavar="DST_PREFIX",
-                   help="s3://bucket/prefix/ for the shards and index.json (not under SRC_PREFIX)")
+                   help="s3://bucket/prefix/ for the shards and index.json (inside SRC_PREFIX is fine: "
+                        "what lies under it is left out of the source)")
     p.add_argument("--target-size", type=_size, default="256MB", metavar="SIZE",
                    help="tar bytes per shard, e.g. 256MB, 1GiB, 500k (default: 256MB); a sample is "
                         "never split, so only a single larger sample makes a larger shard")
@@ -417,15 +418,16 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Read URI through AsyncS3Dataset and a DataLoader exactly as a training script "
             "would (with a collate function that only counts) and print samples/s, MB/s, "
-            "requests and request latency percentiles. A prefix is read in per-object mode "
-            "(a seeded random subset of N objects); a .tar URI, a brace pattern or --shards "
-            "reads tar shards and stops after N samples. " + ENV_HELP
+            "requests and request latency percentiles. A prefix of objects is read in per-object "
+            "mode (a seeded random subset of N samples); tar shards (a .tar/.tar.gz/.tar.zst URI, "
+            "a brace pattern, or a prefix where `loader ls` sees shards) are read in shard mode, "
+            "stopping after N samples. --shards or --objects decides instead. " + ENV_HELP
         ),
         epilog=(
             "examples:\n"
             "  loader bench s3://data/train/ --samples 5000 --workers 4\n"
             "  loader bench 's3://data/shards/shard-{00000..00099}.tar' --workers 8\n"
-            "  loader bench s3://data/shards/ --shards --store obstore"
+            "  loader bench s3://data/shards/ --store obstore   # a prefix of shards: shard mode"
         ),
         formatter_class=_Formatter,
     )
@@ -438,8 +440,11 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                    help="DataLoader num_workers (default: 2)")
     p.add_argument("--batch-size", type=_positive_int, default=64, metavar="B",
                    help="DataLoader batch size (default: 64)")
-    p.add_argument("--shards", action="store_true",
-                   help="URI is a prefix of .tar shards (not one object per sample)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--shards", action="store_true",
+                      help="read URI as tar shards, whatever the prefix holds")
+    mode.add_argument("--objects", action="store_true",
+                      help="read every object under URI as a sample, tar shards included")
     p.add_argument("--store", choices=("aioboto3", "obstore"), default=None,
                    help="backend (default: $LOADER_STORE or aioboto3)")
     p.add_argument("--max-inflight", type=_positive_int, default=64, metavar="K",
@@ -454,7 +459,8 @@ def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
 
     out = out or sys.stdout
     options = BenchOptions(samples=args.samples, workers=args.workers, batch_size=args.batch_size,
-                           shards=args.shards, store=args.store, max_inflight=args.max_inflight)
+                           shards=args.shards, objects=args.objects, store=args.store,
+                           max_inflight=args.max_inflight)
     result = bench(args.uri, options, progress=not _bar_disabled(args.progress, sys.stderr))
     for line in bench_lines(result):
         print(line, file=out)
@@ -543,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  loader demo\n"
                "  loader ls s3://my-bucket/train/\n"
                "  loader shard s3://my-bucket/train/ s3://my-bucket/shards/ --target-size 256MB\n"
-               "  loader bench s3://my-bucket/shards/ --shards --workers 4\n"
+               "  loader bench s3://my-bucket/shards/ --workers 4\n"
                "\n`loader COMMAND --help` explains each command.",
         formatter_class=_Formatter,
     )
