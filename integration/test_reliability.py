@@ -188,6 +188,7 @@ def first_requests(dataset: AsyncS3Dataset, mode: str) -> int:
 
 @pytest.mark.parametrize("store", BACKENDS)
 @pytest.mark.parametrize("mode", ["objects", "shards-stream", "shards-parts"])
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_every_epoch_is_exact_through_injected_faults(s3_server, fault_data, fault_report, mode, store):
     bucket, objects, samples = fault_data
     expected = objects if mode == "objects" else samples

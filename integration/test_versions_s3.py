@@ -157,6 +157,7 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
 
 
 @pytest.mark.parametrize("backend", ["aioboto3", "obstore"])
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shard_replaced_between_listing_and_reading_is_read_in_its_new_version(s3_server, backend):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))
@@ -273,6 +274,7 @@ def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, 
     assert again.stats()["requests"] == 8 + 1  # 8 answered 304 (no body), one refetch
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shards_from_the_cache_are_refetched_when_overwritten(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARDS_INFLIGHT = 4
 DEFAULT_SHUFFLE_BUFFER = 1000
 DEFAULT_PART_SIZE = 16 << 20
+MIN_PART_SIZE = 1 << 20  # a ranged part smaller than this costs more in requests than it saves
 DEFAULT_PARTS_INFLIGHT = 4
 DEFAULT_CHUNK_SIZE = 1 << 20
 
@@ -87,7 +88,8 @@ class ShardOptions:
     ``shards_inflight``: shards streamed at once per worker (their samples interleave).
     ``shuffle_buffer``: samples mixed after reading (0 = off); costs that many samples of RAM.
     ``part_size``/``parts_inflight``: a shard of known size above two parts is fetched as
-    ranged GETs of ``part_size`` bytes, ``parts_inflight`` at a time, reassembled in order.
+    ranged GETs of ``part_size`` bytes (``MIN_PART_SIZE`` at least), ``parts_inflight`` at a
+    time, reassembled in order.
     ``shuffle_bytes``: the shuffle buffer's limit in bytes as well (None: samples only);
     ``memory_budget`` sets it.
     """
@@ -104,6 +106,11 @@ class ShardOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.part_size < MIN_PART_SIZE:
+            raise ConfigError(
+                f"part_size={self.part_size!r} is below the floor of {MIN_PART_SIZE} bytes: each part is "
+                "one ranged GET, and parts that small spend their time on requests, not bytes; give "
+                f"part_size={MIN_PART_SIZE} (1 MiB) or more, or leave the default (16 MiB)")
         if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer={self.shuffle_buffer!r} must be 0 (off) or more")
         value = self.shuffle_bytes
