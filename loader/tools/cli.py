@@ -240,13 +240,19 @@ def register_demo(subparsers: argparse._SubParsersAction) -> None:
                    help="epochs per mode (default: 2)")
     p.add_argument("--workers", type=_non_negative_int, default=2, metavar="W",
                    help="DataLoader num_workers (default: 2)")
+    p.add_argument("--cache-dir", metavar="DIR", type=Path,
+                   help="where the generated JPEGs are kept between runs, one file per --samples "
+                        "(default: $XDG_CACHE_HOME/s3stream-loader/demo, i.e. ~/.cache/...)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="make the JPEGs afresh and keep nothing")
     p.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo as demo
 
-    demo(args.samples, epochs=args.epochs, num_workers=args.workers)
+    demo(args.samples, epochs=args.epochs, num_workers=args.workers, cache_dir=args.cache_dir,
+         keep=not args.no_cache)
     return EXIT_OK
 
 
