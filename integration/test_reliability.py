@@ -52,6 +52,7 @@ from loader import (
     RetryPolicy,
     SampleError,
     ShardFormatError,
+    TransientStoreError,
 )
 from loader.engine.fetch import live_engines
 
@@ -289,6 +290,27 @@ def test_streamed_shards_resume_exactly_under_heavy_truncation(s3_server, fault_
     injected = sum(counts[kind] for kind in FAULT_KINDS)
     lower = injected - (counts["reset"] if store == "aioboto3" else 0)
     assert lower <= stats["retries"] <= injected, (stats, dict(counts))
+
+
+@pytest.mark.parametrize("mode,store,fault", [
+    ("objects", "aioboto3", "slowdown"), ("shards-stream", "obstore", "slowdown"),
+    ("objects", "obstore", "reset"), ("shards-stream", "aioboto3", "reset"),
+])
+def test_the_error_that_ends_the_retries_reads_as_final(s3_server, fault_data, mode, store, fault):
+    """Every GET answered 503 SlowDown, or its connection reset: the error raised once the policy
+    is spent says it gave up, after how many attempts and why, and nowhere that it will retry."""
+    bucket, _, _ = fault_data
+    policy = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, connect_timeout=2, read_timeout=2)
+    with proxy_for(s3_server, FaultPlan(**{fault: 1.0})) as proxy:
+        dataset = build_fault_dataset(mode, bucket, through(s3_server, proxy), store, retry=policy)
+        with pytest.raises(TransientStoreError) as info:
+            for _ in dataloader(dataset, store, 0):
+                pass
+    message = str(info.value)
+    assert "will retry" not in message and "retrying" not in message, message
+    assert re.search(r"; gave up( on s3://\S+/shard-\d{4}\.tar at byte 0)? after 3 attempt\(s\) over "
+                     r"\d+\.\ds \(RetryPolicy\(max_attempts=3\) allows no more\)$", message), message
+    assert (("SlowDown (HTTP 503)" in message) if fault == "slowdown" else ("connection" in message)), message
 
 
 # ---------------------------------------------------------------------------- server restarts
