@@ -21,7 +21,6 @@ from typing import Any
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
-from ..decode import apply_transform
 from ..engine.fetch import EngineLimits, FetchEngine, Job
 from ..errors import ConfigError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, skippable
@@ -275,7 +274,7 @@ class AsyncS3Dataset(IterableDataset):
                         self._skip(item.url, item.reason)
                         continue
                     try:
-                        sample = apply_transform(self.options.transform, item)
+                        sample = self.source.transform(item)
                     except SampleError as exc:
                         if self.options.on_error == "raise" or not skippable(exc):
                             raise
@@ -296,11 +295,13 @@ class AsyncS3Dataset(IterableDataset):
         else:
             log.info(message)
 
-    def _run(self, jobs: Iterable[Job], limits: EngineLimits) -> Generator[Any, None, None]:
+    def _run(self, jobs: Iterable[Job], limits: EngineLimits,
+             schedule: Iterable[int] | None = None) -> Generator[Any, None, None]:
         """Run a source's jobs in one engine, closed when the iteration ends."""
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
         factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder)
-        engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine")
+        engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine",
+                             schedule=schedule)
         try:
             yield from engine
         finally:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..decode import apply_transform
 from ..engine.fetch import Delivery
 from ..formats.objects import LabelFrom, SampleIndex, build_index, sample_job
 from . import partition
 from .options import LoaderOptions
 from .progress import Watermark
-from .source import Progress, Run, Slot, Tagged
+from .source import Progress, Read, Run, Slot, Tagged
 from .sources import check_keys, list_keys, listed_etags
 
 
@@ -122,6 +123,17 @@ class ObjectSource:
         jobs = (sample_job(index, bucket, pos, tag, on_error) for tag, pos in todo)
         delivery: Delivery = "ordered" if self.options.ordered else "completed"
         yield from run(jobs, self.options.object_limits(delivery))
+
+    def reads(self, slot: Slot) -> list[Read]:
+        if slot.positions is None:
+            raise ValueError("reads() needs the slot's positions")
+        index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
+        order = partition.epoch_order(len(index), seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle)
+        return [Read(sample_job(index, bucket, order[p], tag, on_error), 1)
+                for tag, p in enumerate(slot.positions)]
+
+    def transform(self, sample: dict[str, Any]) -> Any:
+        return apply_transform(self.options.transform, sample)
 
     def describe(self) -> str:
         if self.prefix is not None and self._keys is None:

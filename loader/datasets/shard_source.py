@@ -15,6 +15,7 @@ import random
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
+from ..decode import apply_transform
 from ..engine.fetch import Delivery
 from ..errors import ConfigError, NoSuchKeyError
 from ..formats.index import INDEX_NAME, index_counts, read_index
@@ -23,7 +24,7 @@ from . import partition
 from .options import LoaderOptions, check_budget
 from .progress import Watermark
 from .shuffle import shuffled
-from .source import Progress, Run, Slot, Tagged
+from .source import Progress, Read, Run, Slot, Tagged
 from .sources import resolve_shards, shard_specs
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,20 @@ class ShardSource:
         with contextlib.closing(samples()) as stream:
             yield from shuffled(stream, size, rng, max_bytes=options.shuffle_bytes, nbytes=_tagged_nbytes)
 
+    def reads(self, slot: Slot) -> list[Read]:
+        if slot.positions is None:
+            raise ValueError("reads() needs the slot's positions")
+        shards, counts = self.shards(), self.shard_counts()
+        assert counts is not None  # assignments() raised without them
+        return [Read(shard_job(shards[a.shard], position, a, self.shard_options,
+                               on_error=self.options.on_error,
+                               offsets=(self._sample_offsets or {}).get(shards[a.shard].url)),
+                     a.wanted(counts[a.shard]), _is_sample)
+                for position, a in enumerate(self.assignments(slot))]
+
+    def transform(self, sample: dict[str, Any]) -> Any:
+        return apply_transform(self.options.transform, sample)
+
     def describe(self) -> str:
         if self._shards is not None:
             return f"{len(self._shards)} shards"
@@ -217,6 +232,10 @@ def check_counts(counts: Any) -> dict[str, int]:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ConfigError(f"sample_counts[{url!r}]={count!r} must be a non-negative integer")
     return dict(counts)
+
+
+def _is_sample(tag: Tag) -> bool:
+    return tag[1] != END
 
 
 def _tagged_nbytes(tagged: tuple[Tag, dict[str, Any]]) -> int:
