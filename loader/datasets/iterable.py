@@ -265,6 +265,7 @@ class AsyncS3Dataset(IterableDataset):
         self._samples_skipped = 0
         self._recorder = RequestRecorder()
         started, samples = time.perf_counter(), 0
+        self._check_loader_batch_size()
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
@@ -284,6 +285,18 @@ class AsyncS3Dataset(IterableDataset):
                     yield sample
         finally:
             self._publish(worker, samples, time.perf_counter() - started)
+
+    def _check_loader_batch_size(self) -> None:
+        """Blocks of ``batch_size=`` line up with the DataLoader's batches only when the two batch
+        sizes agree; otherwise resume would repeat and skip samples, so say it before the first one."""
+        dealt = self.options.batch_size
+        asked = topology.dataloader_batch_size(depth=3)
+        if dealt is not None and asked is not None and asked != dealt:
+            raise ConfigError(
+                f"the dataset deals the epoch in blocks of batch_size={dealt}, but the DataLoader "
+                f"asks for batches of {asked}: give both the same batch size (DataLoader(ds, "
+                f"batch_size={dealt}) or the dataset's batch_size={asked}), or samples_seen() and "
+                "resume() would count the wrong samples")
 
     def _skip(self, url: str, reason: str) -> None:
         """Count a sample that ``on_error`` skips, and say so as it asks."""
