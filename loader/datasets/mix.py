@@ -51,14 +51,6 @@ class Part:
     sampling: Sampling
     seed: int  # of this source's passes, from the mix's seed and the name
 
-    def reserve(self) -> int | None:
-        """Bytes one read of this source holds while it runs (shards: parts and the member being
-        parsed), for the engine's budget; None: the engine judges by the items it has seen."""
-        options = getattr(self.source, "shard_options", None)
-        if options is None:
-            return None
-        return int((options.parts_inflight + 1) * options.part_size)
-
 
 class MixSource:
     """Sources mixed by weight into one epoch (see the module docstring)."""
@@ -200,7 +192,7 @@ def _labelled(read: Read, tags: list[int], part: Part) -> Job:
     async def job(ctx: JobContext) -> None:
         await read.job(_Context(ctx, tags, read, part.name))  # type: ignore[arg-type]
 
-    job.reserve = part.reserve()  # type: ignore[attr-defined]
+    job.reserve = read.reserve  # type: ignore[attr-defined]  # what the engine's budget counts
     return job
 
 

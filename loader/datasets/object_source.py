@@ -7,12 +7,14 @@ groups them into samples and labels them. Both datasets read through it: the ite
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..decode import apply_transform
 from ..engine.fetch import Delivery
 from ..formats.objects import LabelFrom, SampleIndex, build_index, sample_job
+from ..stores.listing import KeyList
 from . import partition
 from .options import LoaderOptions
 from .progress import Watermark
@@ -129,8 +131,22 @@ class ObjectSource:
             raise ValueError("reads() needs the slot's positions")
         index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
         order = partition.epoch_order(len(index), seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle)
-        return [Read(sample_job(index, bucket, order[p], tag, on_error), 1)
+        return [Read(sample_job(index, bucket, order[p], tag, on_error), 1, reserve=self._reserve(order[p]))
                 for tag, p in enumerate(slot.positions)]
+
+    def _reserve(self, sample: int) -> int | None:
+        """Twice the listed bytes of a sample's objects (arriving, then joined), when the key list
+        came from a listing; None leaves it to the engine."""
+        keys = self.keys()
+        if not isinstance(keys, KeyList) or not keys.has_sizes:
+            return None
+        total = 0
+        for key in self.samples().objects(sample):
+            at = bisect.bisect_left(keys, key)  # a listing is sorted
+            if at == len(keys) or keys[at] != key:
+                return None
+            total += keys.size(at)
+        return 2 * max(total, 1)
 
     def transform(self, sample: dict[str, Any]) -> Any:
         return apply_transform(self.options.transform, sample)

@@ -209,10 +209,12 @@ class ShardSource:
             raise ValueError("reads() needs the slot's positions")
         shards, counts = self.shards(), self.shard_counts()
         assert counts is not None  # assignments() raised without them
-        return [Read(shard_job(shards[a.shard], position, a, self.shard_options,
+        options = self.shard_options
+        reserve = (options.parts_inflight + 1) * options.part_size  # parts, or chunks and a member
+        return [Read(shard_job(shards[a.shard], position, a, options,
                                on_error=self.options.on_error,
                                offsets=(self._sample_offsets or {}).get(shards[a.shard].url)),
-                     a.wanted(counts[a.shard]), _is_sample)
+                     a.wanted(counts[a.shard]), _is_sample, reserve)
                 for position, a in enumerate(self.assignments(slot))]
 
     def transform(self, sample: dict[str, Any]) -> Any:

@@ -58,11 +58,13 @@ def _always(tag: Any) -> bool:
 class Read(NamedTuple):
     """One job of a source's share, for a mix: it emits ``(tag, sample)`` for the next ``size``
     positions of the slot, in order (fewer when a fault ends it early); items whose tag
-    ``is_sample`` refuses are bookkeeping (an end-of-shard marker) and carry no position."""
+    ``is_sample`` refuses are bookkeeping (an end-of-shard marker) and carry no position.
+    ``reserve``: the bytes the job holds while it runs, when known (the engine's budget)."""
 
     job: Job
     size: int
     is_sample: Callable[[Any], bool] = _always
+    reserve: int | None = None
 
 
 class Progress(Protocol):

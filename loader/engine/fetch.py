@@ -15,8 +15,9 @@ at the budget, and the job the consumer waits for may always deliver one item (o
 delivery could deadlock while the room is held by other jobs' items). With ``inflight_bytes``
 the middle term is bounded in bytes too: each job started reserves twice the largest item seen
 so far (its body arriving, then joined into one object), and a job starts only while the
-reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. Before
-the first item arrives nothing is known of sizes, so the first job runs alone.
+reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. A job
+that knows what it will hold says so in a ``reserve`` attribute (bytes); otherwise, before the
+first item arrives nothing is known of sizes, so the first job runs alone.
 
 Lifecycle: nothing starts in ``__init__``. Iterating starts the thread; exhaustion, ``break``,
 an exception, ``close()``, garbage collection and interpreter exit all cancel the jobs, close

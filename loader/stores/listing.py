@@ -148,6 +148,11 @@ class KeyList(Sequence[str]):
             yield blob[start:end].decode("utf-8", "surrogatepass")
             start = end
 
+    @property
+    def has_sizes(self) -> bool:
+        """Whether the list carries each key's size (made from a listing)."""
+        return self._sizes is not None
+
     def size(self, index: int) -> int:
         """The listed size of key ``index`` (only for lists made from a listing)."""
         if self._sizes is None:
