@@ -62,6 +62,7 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from .checks import check_int
 from .config import S3Config, resolve_config
 from .errors import ConfigError, LoaderError, NoSuchKeyError, StoreError
 from .retry import RetryPolicy, call_with_retries
@@ -623,18 +624,11 @@ def _object_uri(uri: str) -> tuple[str, str]:
 
 
 def _check_sizes(part_size: int, parts_inflight: int) -> None:
-    if isinstance(part_size, bool) or not isinstance(part_size, int) or not (
-        1 <= part_size <= S3_MAX_PART_SIZE
-    ):
-        raise ConfigError(
-            f"part_size={part_size!r} must be an integer number of bytes from 1 to "
-            f"{S3_MAX_PART_SIZE} (5 GiB); S3 needs at least 5 MiB (default {DEFAULT_PART_SIZE})"
-        )
-    if isinstance(parts_inflight, bool) or not isinstance(parts_inflight, int) or parts_inflight < 1:
-        raise ConfigError(
-            f"parts_inflight={parts_inflight!r} must be a positive integer "
-            f"(default {DEFAULT_PARTS_INFLIGHT})"
-        )
+    check_int("part_size", part_size, minimum=1, maximum=S3_MAX_PART_SIZE,
+              must=f"an integer number of bytes from 1 to {S3_MAX_PART_SIZE} (5 GiB); S3 needs at "
+                   f"least 5 MiB (default {DEFAULT_PART_SIZE})")
+    check_int("parts_inflight", parts_inflight, minimum=1,
+              must=f"a positive integer (default {DEFAULT_PARTS_INFLIGHT})")
 
 
 def _store_factory(

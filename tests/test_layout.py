@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "loader"
 # lower layers first: a module may import from its own layer or any layer below it
 LAYERS = ("foundation", "stores", "engine", "formats", "datasets", "checkpoint", "tools")
-FOUNDATION = {"config", "uri", "errors", "retry", "decode", "_version"}
+FOUNDATION = {"config", "uri", "errors", "retry", "decode", "checks", "lifecycle", "_version"}
 
 
 def modules() -> list[str]:

@@ -61,6 +61,7 @@ from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, skippable
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
@@ -266,7 +267,7 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
                                   self.options.retry)
             self._closer = weakref.finalize(self, client.close)
             self._client = client
-            _track(self)
+            _owners.add(self)
             return client
 
     @staticmethod
@@ -428,19 +429,8 @@ def _reject_defaults_changed(options: LoaderOptions) -> None:
 
 
 # --------------------------------------------------------------------- process-wide hygiene
-# Registered on first use, not at import (importing the package must have no side effects).
 
-_owners: weakref.WeakSet[AsyncS3MapDataset] = weakref.WeakSet()
 _orphans: list[_Client] = []
-_hook_installed = False
-
-
-def _track(dataset: AsyncS3MapDataset) -> None:
-    global _hook_installed
-    if not _hook_installed:
-        _hook_installed = True
-        os.register_at_fork(after_in_child=_forget_inherited)
-    _owners.add(dataset)
 
 
 def _park(client: _Client) -> None:
@@ -451,21 +441,22 @@ def _park(client: _Client) -> None:
     _orphans.append(client)
 
 
-def _forget_inherited() -> None:
-    """In a forked child: disown the clients whose loop thread stayed behind in the parent.
+def _disown(dataset: AsyncS3MapDataset) -> None:
+    """In a forked child: disown the client whose loop thread stayed behind in the parent.
 
-    Their finalizers are detached and their parts parked in ``_orphans``, so that neither
-    garbage collection nor exit ever tries to stop a loop that does not run here. Locks are
-    replaced too: one held by another parent thread at the fork would never be released.
+    Its finalizer is detached and its parts parked in ``_orphans``, so that neither garbage
+    collection nor exit ever tries to stop a loop that does not run here. The lock is replaced
+    too: one held by another parent thread at the fork would never be released.
     """
-    for dataset in list(_owners):
-        if dataset._closer is not None:
-            dataset._closer.detach()
-        if dataset._client is not None:
-            _park(dataset._client)
-        dataset._client = dataset._closer = None
-        dataset._lock = threading.Lock()
-    _owners.clear()
+    if dataset._closer is not None:
+        dataset._closer.detach()
+    if dataset._client is not None:
+        _park(dataset._client)
+    dataset._client = dataset._closer = None
+    dataset._lock = threading.Lock()
+
+
+_owners: LiveObjects[AsyncS3MapDataset] = LiveObjects(in_child=_disown)
 
 
 def live_clients() -> int:

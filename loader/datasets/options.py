@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from typing_extensions import TypedDict
 
+from ..checks import check_int
 from ..config import S3Config, resolve_config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
 from ..errors import ConfigError
@@ -75,17 +76,16 @@ class LoaderOptions:
         self.limits("ordered")  # validates the engine settings now, not in a worker later
         budget = self.memory_budget
         if budget is not None:
-            if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_MEMORY_BUDGET:
-                raise ConfigError(f"memory_budget={budget!r} must be a number of bytes, at least "
-                                  f"{MIN_MEMORY_BUDGET} (8 MiB), e.g. 512 << 20 for 512 MiB")
+            check_int("memory_budget", budget, minimum=MIN_MEMORY_BUDGET,
+                      must=f"a number of bytes, at least {MIN_MEMORY_BUDGET} (8 MiB), e.g. 512 << 20 "
+                           "for 512 MiB")
             if self.queue_bytes >= budget:
                 raise ConfigError(
                     f"queue_bytes={self.queue_bytes} leaves nothing of memory_budget={budget} for "
                     "requests in flight; give a smaller queue_bytes (the budget alone gives the "
                     "queue half in per-object mode, a quarter in shard mode), or a larger budget"
                 )
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ConfigError(f"seed={self.seed!r} must be an integer or None")
+        check_int("seed", self.seed, optional=True, must="an integer or None")
         if self.transform is not None and not callable(self.transform):
             raise ConfigError(f"transform={self.transform!r} is not callable")
         if not isinstance(self.listing, ListOptions):
@@ -93,9 +93,8 @@ class LoaderOptions:
         if self.pad_policy not in ("pad", "drop"):
             raise ConfigError(f"pad_policy={self.pad_policy!r} must be 'pad' or 'drop'")
         if self.batch_size is not None:
-            if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
-                raise ConfigError(f"batch_size={self.batch_size!r} must be a positive integer (the "
-                                  "DataLoader's batch size on each rank)")
+            check_int("batch_size", self.batch_size, minimum=1,
+                      must="a positive integer (the DataLoader's batch size on each rank)")
             if not self.ordered:
                 raise ConfigError("batch_size= deals the epoch's order in blocks, which as-completed "
                                   "delivery would mix across batches; drop ordered=False")

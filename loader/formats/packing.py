@@ -35,6 +35,7 @@ import tarfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from ..checks import check_int
 from ..errors import ConfigError
 from .compression import SUFFIX_OF, Compression, compression_of, is_shard_name
 from .index import INDEX_VERSION
@@ -216,8 +217,7 @@ def plan_shards(samples: Iterable[Sample], target_size: int) -> list[ShardPlan]:
     A shard is closed when the next sample would take it past the target; a sample larger than
     the target on its own gets a shard to itself. Every sample lands in exactly one shard.
     """
-    if not isinstance(target_size, int) or target_size < 1:
-        raise ConfigError(f"target_size={target_size!r} must be a positive number of bytes")
+    check_int("target_size", target_size, minimum=1, must="a positive number of bytes")
     plans: list[ShardPlan] = []
     current: list[Sample] = []
     offsets: list[int] = []

@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from ..checks import check_int
 from ..engine.fetch import Job, JobContext
 from ..errors import (
-    ConfigError,
     InvalidRangeError,
     ObjectChangedError,
     ShardFormatError,
@@ -103,14 +103,10 @@ class ShardOptions:
 
     def __post_init__(self) -> None:
         for name in ("shards_inflight", "part_size", "parts_inflight", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
-            raise ConfigError(f"shuffle_buffer={self.shuffle_buffer!r} must be 0 (off) or more")
-        value = self.shuffle_bytes
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"shuffle_bytes={value!r} must be a positive number of bytes or None")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("shuffle_buffer", self.shuffle_buffer, minimum=0, must="0 (off) or more")
+        check_int("shuffle_bytes", self.shuffle_bytes, minimum=1, optional=True,
+                  must="a positive number of bytes or None")
 
 
 class ShardRef(NamedTuple):

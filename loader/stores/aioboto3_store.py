@@ -28,6 +28,7 @@ from botocore import exceptions as bce
 
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..uri import object_url
 from .answers import (
@@ -81,7 +82,6 @@ class _SessionCache:
 
     def __init__(self) -> None:
         self._forget()
-        self._fork_hook = False  # registered on first use: importing must have no side effects
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
@@ -89,9 +89,7 @@ class _SessionCache:
 
     @contextlib.contextmanager
     def borrow(self, config: S3Config) -> Iterator[Any]:
-        if not self._fork_hook:
-            self._fork_hook = True
-            os.register_at_fork(after_in_child=self._forget)
+        _session_caches.add(self)  # on use, not at import; again in a forked child
         if not self._lock.acquire(blocking=False):
             yield _new_session(config)
             return
@@ -103,6 +101,9 @@ class _SessionCache:
             yield session
         finally:
             self._lock.release()
+
+
+_session_caches: LiveObjects[_SessionCache] = LiveObjects(in_child=_SessionCache._forget)
 
 
 def _session_key(config: S3Config) -> tuple[str | None, ...]:

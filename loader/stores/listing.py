@@ -36,6 +36,7 @@ from typing import Any, overload
 import anyio
 import anyio.abc
 
+from ..checks import check_int
 from ..errors import ConfigError
 from ..retry import RetryPolicy, call_with_retries
 from .base import DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, ObjectStore, PagedLister
@@ -61,9 +62,7 @@ class ListOptions:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "parallel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"ListOptions.{name}={value!r} must be a positive integer")
+            check_int(f"ListOptions.{name}", getattr(self, name), minimum=1, must="a positive integer")
         if self.page_size > DEFAULT_PAGE_SIZE:
             raise ConfigError(f"ListOptions.page_size={self.page_size!r}: S3 returns at most "
                               f"{DEFAULT_PAGE_SIZE} keys per page")

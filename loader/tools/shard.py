@@ -40,6 +40,7 @@ from typing import Any
 
 import anyio
 
+from ..checks import check_int
 from ..config import S3Config, resolve_config
 from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
@@ -113,11 +114,8 @@ class PackOptions:
 
     def __post_init__(self) -> None:
         for name in ("target_size", "concurrency", "max_inflight", "part_size", "readahead"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ConfigError(f"stop_after={self.stop_after!r} must be a positive integer")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("stop_after", self.stop_after, minimum=1, optional=True, must="a positive integer")
         if self.compress not in (None, "gzip", "zstd"):
             raise ConfigError(f"compress={self.compress!r} must be 'gzip', 'zstd' or None")
         if self.compress is not None:
