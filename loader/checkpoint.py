@@ -63,10 +63,10 @@ import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .checks import check_int
-from .config import S3Config, resolve_config
+from .config import S3Config
 from .errors import ConfigError, LoaderError, NoSuchKeyError, StoreError
 from .retry import RetryPolicy, call_with_retries
-from .stores import ObjectInfo, ObjectStore, Pin, open_store, resolve_backend
+from .stores import ObjectInfo, ObjectStore, Pin, StoreSpec
 from .stores.base import S3_MAX_PART_SIZE, S3_MAX_PARTS, S3_MIN_PART_SIZE, MultipartStore
 from .uri import object_url, parse_s3_uri
 
@@ -634,13 +634,10 @@ def _check_sizes(part_size: int, parts_inflight: int) -> None:
 def _store_factory(
     store: StoreArg, config: S3Config | None, connections: int, retry: RetryPolicy
 ) -> Callable[[], Awaitable[Any]]:
-    """An async factory for the store: a user-given one, else aioboto3 (obstore included)."""
-    if callable(store):
-        return store
-    resolve_backend(store)  # an unknown name fails here, before any I/O
-    return functools.partial(
-        open_store, "aioboto3", resolve_config(config), max_connections=connections, retry=retry
-    )
+    """An async factory for the store: a user-given one, else aioboto3 (obstore included: the
+    multipart uploads go through botocore)."""
+    return StoreSpec.of(store, config).opener(max_connections=connections, retry=retry,
+                                              backend="aioboto3")
 
 
 def _cause(

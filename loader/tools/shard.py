@@ -41,7 +41,7 @@ from typing import Any
 import anyio
 
 from ..checks import check_int
-from ..config import S3Config, resolve_config
+from ..config import S3Config
 from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
@@ -64,7 +64,7 @@ from ..formats.packing import (
     shuffle_samples,
 )
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore, StoreFactory, open_store, resolve_backend
+from ..stores import ObjectStore, StoreFactory, StoreSpec
 from ..stores.base import S3_MIN_PART_SIZE, MultipartStore
 from ..stores.blocking import run_async
 from ..uri import parse_s3_uri
@@ -185,13 +185,8 @@ def pack(
             f"{src_prefix}, so the shards would become source objects of a rerun; choose a DST_PREFIX "
             "outside the source"
         )
-    if callable(store):
-        factory = store
-    else:
-        factory = functools.partial(
-            open_store, resolve_backend(store), resolve_config(config),
-            max_connections=options.max_inflight + options.concurrency, retry=retry,
-        )
+    factory = StoreSpec.of(store, config).opener(
+        max_connections=options.max_inflight + options.concurrency, retry=retry)
     packer = _Packer(src_bucket, src_prefix, dst_bucket, dst_prefix, options, retry, progress)
     return run_async(functools.partial(packer.run, factory))
 
