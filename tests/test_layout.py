@@ -136,3 +136,23 @@ def test_no_test_module_imports_from_a_conftest():
     ]
     assert offenders == []
 
+
+
+def test_store_reads_take_the_protocols_parameters_and_no_more():
+    """The store protocol is narrow: what only a wrapper needs (the cache's expected versions)
+    is given to that wrapper, never added to every read's signature."""
+    import inspect
+
+    from loader.stores.aioboto3_store import Aioboto3Store
+    from loader.stores.base import ObjectStore
+    from loader.stores.cache import CachedStore
+    from loader.stores.obstore_store import ObstoreStore
+    from loader.stores.recording import _RecordedStore
+
+    from fakes import FakeStore
+
+    for method in ("get", "get_range", "stream", "get_if_changed", "put", "list"):
+        wanted = list(inspect.signature(getattr(ObjectStore, method)).parameters)
+        for store in (Aioboto3Store, ObstoreStore, CachedStore, _RecordedStore, FakeStore):
+            assert list(inspect.signature(getattr(store, method)).parameters) == wanted, (store, method)
+    assert list(inspect.signature(ObjectStore.get).parameters) == ["self", "bucket", "key", "pin"]

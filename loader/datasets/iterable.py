@@ -37,6 +37,7 @@ from ..formats.objects import LabelFrom, SampleIndex, Skipped, sample_job, skipp
 from ..formats.shards import END, ShardOptions, ShardRef, Tag, sample_nbytes, shard_job
 from ..stores.cache import CacheStats
 from ..stores.recording import RequestRecorder
+from ..stores.versions import Versions, listed_versions, versions_of
 from ..uri import parse_s3_uri
 from . import partition, topology
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
@@ -388,7 +389,8 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
         assert bucket is not None  # the constructor requires it in per-object mode
         jobs = (sample_job(index, bucket, pos, slot, on_error) for slot, pos in todo)
         delivery: Delivery = "ordered" if self.options.ordered else "completed"
-        yield from self._run(jobs, self.options.object_limits(delivery))
+        yield from self._run(jobs, self.options.object_limits(delivery),
+                             listed_versions(bucket, self.keys()))
 
     def _iter_shards(self) -> Generator[tuple[Any, dict[str, Any]], None, None]:
         shards = self.shards()
@@ -427,7 +429,7 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
         limits = self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight)
 
         def samples() -> Generator[tuple[Tag, dict[str, Any]], None, None]:
-            for tag, item in self._run(jobs, limits):
+            for tag, item in self._run(jobs, limits, versions_of(shards)):
                 if tag[1] == END:
                     progress.shard_samples[tag[0]] = item.samples
                     progress.shards_skipped += item.skipped
@@ -443,10 +445,11 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
             yield from shuffled(stream, size, rng, max_bytes=self.shard_options.shuffle_bytes,
                                 nbytes=_tagged_nbytes)
 
-    def _run(self, jobs: Iterable[Any], limits: EngineLimits) -> Generator[Any, None, None]:
+    def _run(self, jobs: Iterable[Any], limits: EngineLimits,
+             versions: Versions | None = None) -> Generator[Any, None, None]:
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
         factory = self.options.store_factory(on_cache_close=cache_stats.append,
-                                             recorder=self._recorder)
+                                             recorder=self._recorder, versions=versions)
         engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry,
                              name="loader-engine")
         try:

@@ -64,6 +64,7 @@ from ..formats.objects import LabelFrom, SampleIndex, skippable
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
+from ..stores.versions import listed_versions
 from ..uri import parse_s3_uri
 from .options import LoaderOptions, MapKwargs
 from .sources import ObjectSamples, check_keys, read_manifest
@@ -181,12 +182,7 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         if not wanted:
             return []
         unique = list(dict.fromkeys(key for i in wanted for key in index.objects(i)))
-        etags = None
-        if index.etags is not None:
-            listed = {key: etag for i in wanted
-                      for key, etag in zip(index.objects(i), index.object_etags(i) or ())}
-            etags = [listed[key] for key in unique]
-        bodies = self._client_here().get_many(self.bucket, unique, etags, missing_ok=skip)
+        bodies = self._client_here().get_many(self.bucket, unique, missing_ok=skip)
         fetched = dict(zip(unique, bodies))
         out = []
         for i in wanted:
@@ -263,8 +259,8 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
                 return client  # another thread opened it meanwhile
             if self._closer is not None:
                 self._closer.detach()  # an inherited or already closed client's
-            client = _Client.open(self.options.store_factory(), self.options.max_inflight,
-                                  self.options.retry)
+            factory = self.options.store_factory(versions=listed_versions(self.bucket, self.keys()))
+            client = _Client.open(factory, self.options.max_inflight, self.options.retry)
             self._closer = weakref.finalize(self, client.close)
             self._client = client
             _owners.add(self)
@@ -317,33 +313,29 @@ class _Client:
             raise
         return client
 
-    def get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None = None, *,
-                 missing_ok: bool = False) -> list[Any]:
+    def get_many(self, bucket: str, keys: list[str], *, missing_ok: bool = False) -> list[Any]:
         """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here.
-        ``etags``: the listing's, one per key (for the disk cache's validation).
 
         ``missing_ok``: an object that is gone (404) gives its ``NoSuchKeyError`` in its place
         instead of failing the batch."""
-        future = self.portal.start_task_soon(self._get_many, bucket, keys, etags, missing_ok)
+        future = self.portal.start_task_soon(self._get_many, bucket, keys, missing_ok)
         try:
             return future.result()
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt: do not leave the batch running
             raise
 
-    async def _get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None,
-                        missing_ok: bool) -> list[Any]:
+    async def _get_many(self, bucket: str, keys: list[str], missing_ok: bool) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
         store, limiter = self.store, self.limiter
         assert store is not None and limiter is not None  # open() set both
 
-        async def get(slot: int, key: str, etag: str | None) -> None:
+        async def get(slot: int, key: str) -> None:
             try:
                 async with limiter:
-                    out[slot] = await call_with_retries(
-                        functools.partial(store.get, bucket, key, listed_etag=etag),
-                        self.retry)
+                    out[slot] = await call_with_retries(functools.partial(store.get, bucket, key),
+                                                        self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
                     failures.append(exc)
@@ -355,7 +347,7 @@ class _Client:
 
         async with anyio.create_task_group() as tg:
             for slot, key in enumerate(keys):
-                tg.start_soon(get, slot, key, None if etags is None else etags[slot])
+                tg.start_soon(get, slot, key)
         if failures:
             raise failures[0]
         return out

@@ -284,12 +284,6 @@ def list_keys(
     return keys
 
 
-def listed_etags(keys: Sequence[str]) -> list[str | None] | None:
-    """The ETags a listing gave for ``keys`` (None for a key list from the user or a manifest):
-    what ``cache_validate="listing"`` compares cache entries with."""
-    return keys.etags() if isinstance(keys, KeyList) else None
-
-
 def warn_siblings(bucket: str, prefix: str, keys: Iterable[str]) -> None:
     """Warn, once per listing, when a prefix without its trailing slash matched more than the
     folder it names (``s3://b/imgs`` also matches ``imgs-shards/`` and ``imgs.txt``)."""
@@ -357,4 +351,4 @@ class ObjectSamples:
         root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
         keys = self.keys()
         return build_index(keys, group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root, etags=listed_etags(keys))
+                           labels=self._labels, where=where, root=root)

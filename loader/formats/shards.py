@@ -263,8 +263,7 @@ def _ranged_job(
                 if stop < len(offsets) and offsets[stop] - offsets[start] <= options.part_size:
                     # One bounded GET: the range ends where the next sample's first header starts.
                     get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
-                                            offsets[start], offsets[stop], pin=pin,
-                                            listed_etag=shard.etag)
+                                            offsets[start], offsets[stop], pin=pin)
                     data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
                     await feed(data)
                 else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
@@ -372,7 +371,7 @@ async def _read_stream(
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size,
-                                 pin=pin, listed_etag=shard.etag)
+                                 pin=pin)
             ) as chunks:
                 if compression is None:
                     async for chunk in chunks:
@@ -440,8 +439,7 @@ async def _read_parts(
         end = min(size, (i + 1) * part)
         try:
             results[i] = await call_with_retries(
-                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin,
-                                            listed_etag=shard.etag),
+                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin),
                 ctx.retry,
                 on_retry=ctx.retried,
             )

@@ -245,14 +245,11 @@ class Aioboto3Store:
         next_token = page.get("NextContinuationToken")
         return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         return await self._read(bucket, key, None, pin)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         if end is not None and end <= start:
             return b""
@@ -304,7 +301,7 @@ class Aioboto3Store:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         if_match = None if pin is None else pin.if_match()
         if self._getter is not None:

@@ -153,6 +153,15 @@ class KeyList(Sequence[str]):
             raise TypeError("this key list carries no sizes (it was not made from a listing)")
         return self._sizes[index]
 
+    @property
+    def has_etags(self) -> bool:
+        """Whether the listing gave ETags (``etag`` then answers for every key)."""
+        return self._etags is not None
+
+    def etag(self, index: int) -> str | None:
+        """The listed ETag of key ``index`` (None when the listing gave none)."""
+        return None if self._etags is None else _unpack_etag(self._etags._raw(index))
+
     def infos(self) -> Iterator[ObjectInfo]:
         """``ObjectInfo(key, size, etag)`` for every key, in order (sizes needed)."""
         if self._sizes is None:

@@ -260,9 +260,7 @@ class ObstoreStore:
                 yield ListPage(objects, [], batch[-1]["path"])
         yield ListPage([], [], None)
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         _check_key(bucket, key)
         if pin is not None:  # the response's ETag is needed: get_range_async does not give it
             return await self._get_plain(bucket, key, pin=pin)
@@ -309,8 +307,7 @@ class ObstoreStore:
         return _checked(data, stop - start, bucket, key, start)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         _check_range_args(bucket, key, start, end)
         if end is not None and end == start:
@@ -364,7 +361,7 @@ class ObstoreStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
