@@ -55,6 +55,46 @@ def imports_of(path: Path) -> set[str]:
     return {name for name in imported_modules(path) if name.startswith("loader")}
 
 
+def module_name(path: Path) -> str:
+    """``loader/stores/cache.py`` -> ``loader.stores.cache``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the modules of the package it imports, at any depth of its
+    code (``TYPE_CHECKING`` and function-local imports included); ``from pkg import mod`` names
+    the module ``pkg.mod``. The lazy public namespace (``loader/__init__.py``) is left out."""
+    files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        if name == "loader":
+            continue
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                found.update(f"{module}.{a.name}" if f"{module}.{a.name}" in files else module
+                             for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {target for target in found if target in files and target != name}
+    return graph
+
+
+def test_no_import_circle_between_modules():
+    """Imports between the package's modules form no circle, not even one that only the type
+    checker or a function-local import walks (they hide which module owns what)."""
+    import graphlib
+
+    try:
+        tuple(graphlib.TopologicalSorter(module_graph()).static_order())
+    except graphlib.CycleError as exc:
+        raise AssertionError("an import circle: " + " -> ".join(exc.args[1])) from None
+
+
 def test_readme_module_table_matches_the_tree():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("| module | its one job |"):]

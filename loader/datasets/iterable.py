@@ -32,8 +32,8 @@ from ..engine.fetch import (
     FetchEngine,
 )
 from ..errors import ConfigError, NoSuchKeyError, SampleError
-from ..formats.index import INDEX_NAME, index_counts, read_index
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, sample_job, skippable
+from ..formats.packing import INDEX_NAME, index_counts
 from ..formats.shards import END, ShardOptions, ShardRef, Tag, sample_nbytes, shard_job
 from ..stores.cache import CacheStats
 from ..stores.recording import RequestRecorder
@@ -42,6 +42,7 @@ from ..uri import parse_s3_uri
 from . import partition, topology
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options, check_budget
 from .progress import Watermark, consumed_per_worker
+from .shard_index import read_index
 from .shuffle import shuffled
 from .sources import ObjectSamples, check_keys, read_manifest, resolve_shards, shard_specs
 from .stats import MAX_WORKERS, StatsBoard, summarize
@@ -215,7 +216,7 @@ class AsyncS3Dataset(ObjectSamples, IterableDataset):
         (bucket, folder), = places
         uri = f"s3://{bucket}/{folder + '/' if folder else ''}{INDEX_NAME}"
         try:
-            document = read_index(uri, store=self.options.listing_factory())
+            document = read_index(uri, store=self.options.listing_factory(), retry=self.options.retry)
         except NoSuchKeyError:
             return
         self._sample_counts = index_counts(document, uri)

@@ -45,12 +45,13 @@ from ..config import S3Config
 from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
-from ..formats.index import INDEX_NAME, build_index
 from ..formats.packing import (
+    INDEX_NAME,
     PROGRESS_NAME,
     Member,
     ShardPlan,
     Skipped,
+    build_index,
     check_name_format,
     default_name_format,
     encode_member,
