@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.lowlevel
 
+from ..checks import check_int
 from ..errors import ConfigError, InvalidRangeError
 from .base import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 from .cache_files import CacheEntry, CorruptEntry, DiskCache, TempFile
@@ -202,8 +203,7 @@ class CachedStore:
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
         pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
+        check_int("chunk_size", chunk_size, minimum=1)
         name = self._name(bucket, key)
         position = start
         used = Pin() if pin is None else pin
@@ -516,22 +516,17 @@ async def open_cached_store(
     directory: str | os.PathLike[str],
     limit_bytes: int,
     endpoint_id: str,
-    *,
-    validate: str = DEFAULT_VALIDATE,
-    on_close: Callable[[CacheStats], None] | None = None,
-    versions: Versions | None = None,
-    **cache_options: Any,
+    **options: Any,
 ) -> CachedStore:
     """``factory()``'s store wrapped in a cache; await it inside the loop that will use it.
+    ``options``: ``CachedStore``'s keywords (``validate``, ``on_close``, ``versions``).
 
     The directory is checked first, so a bad ``cache_dir`` fails before any connection opens.
-    ``versions``: what the key list says each object's version is (``versions.py``).
     """
     try:
-        cache = await anyio.to_thread.run_sync(lambda: DiskCache(directory, limit_bytes, **cache_options))
+        cache = await anyio.to_thread.run_sync(DiskCache, directory, limit_bytes)
     except OSError as exc:
         raise ConfigError(
             f"cache_dir={os.fspath(directory)!r} cannot be used: {type(exc).__name__}: {exc}"
         ) from exc
-    return CachedStore(await factory(), cache, endpoint_id, validate=validate, on_close=on_close,
-                       versions=versions)
+    return CachedStore(await factory(), cache, endpoint_id, **options)

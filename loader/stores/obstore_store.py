@@ -75,6 +75,7 @@ import obstore
 from obstore import exceptions as obe
 from obstore.store import S3Store
 
+from ..checks import check_int
 from ..config import S3Config
 from ..errors import (
     ConfigError,
@@ -363,8 +364,7 @@ class ObstoreStore:
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
         pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
+        check_int("chunk_size", chunk_size, minimum=1)
         _check_range_args(bucket, key, start, None)
         store = self._store(bucket)
         options: Any = {"range": {"offset": start}} if start else None
