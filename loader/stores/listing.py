@@ -162,6 +162,22 @@ class KeyList(Sequence[str]):
         """The listed ETag of key ``index`` (None when the listing gave none)."""
         return None if self._etags is None else _unpack_etag(self._etags._raw(index))
 
+    def find(self, key: str) -> int | None:
+        """The position of ``key`` in a list in key order (a listing's), by bisection over the
+        packed bytes (UTF-8 sorts like the keys); None when it is not there."""
+        raw = key.encode("utf-8", "surrogatepass")
+        blob, ends = self._blob, self._ends
+        lo, hi = 0, len(ends)
+        while lo < hi:  # bisect.bisect_left, without decoding a str at every step
+            mid = (lo + hi) // 2
+            if blob[ends[mid - 1] if mid else 0:ends[mid]] < raw:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(ends) and blob[ends[lo - 1] if lo else 0:ends[lo]] == raw:
+            return lo
+        return None
+
     def infos(self) -> Iterator[ObjectInfo]:
         """``ObjectInfo(key, size, etag)`` for every key, in order (sizes needed)."""
         if self._sizes is None:

@@ -6,7 +6,6 @@ such hint. A listed ``KeyList`` is sorted: it is searched by bisection, no dict 
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -69,8 +68,8 @@ class _SortedKeys:
             return None
         keys = self.keys
         if self._positions is None:
-            at = bisect.bisect_left(keys, key)
-            if at < len(keys) and keys[at] == key:
+            at = keys.find(key)
+            if at is not None:
                 return keys.etag(at)
             if self._ascending is None:
                 self._ascending = all(a < b for a, b in itertools.pairwise(keys))
