@@ -38,6 +38,7 @@ _PUBLIC = {
     "EngineStats": "loader.engine.fetch",
     "FetchEngine": "loader.engine.fetch",
     "decode_sample": "loader.decode",
+    "mix": "loader.datasets.mix",
     "read_index": "loader.datasets.shard_index",
     "read_index_counts": "loader.datasets.shard_index",
     "DevServer": "loader.tools.devserver",
@@ -79,6 +80,7 @@ __all__ = [
     "checkpoint",
     "decode",
     "decode_sample",
+    "mix",
     "read_index",
     "read_index_counts",
 ]
@@ -104,6 +106,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .config import S3Config
     from .datasets.iterable import AsyncS3Dataset
     from .datasets.mapped import AsyncS3MapDataset
+    from .datasets.mix import mix
     from .datasets.options import LoaderOptions
     from .datasets.shard_index import read_index, read_index_counts
     from .decode import decode_sample

@@ -185,11 +185,11 @@ def test_pickling_for_a_worker_carries_the_parents_rank(in_worker, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with monkeypatch.context() as m:
         m.setattr(topology, "in_worker", lambda: False)
-        expected = ds.plan()
+        expected = ds.source.plan(ds._slot())
         worker_copy = _pickled_for_a_worker(ds)
     monkeypatch.delenv("RANK")  # the worker has neither group nor environment
     monkeypatch.delenv("WORLD_SIZE")
-    assert worker_copy.plan() == expected
+    assert worker_copy.source.plan(worker_copy._slot()) == expected
     assert len(expected) == 12
 
 

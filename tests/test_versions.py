@@ -470,6 +470,19 @@ def test_keys_from_the_user_and_shards_without_etags_give_no_versions():
         "e1", "e2", None)
 
 
+def test_a_mix_asks_its_sources_key_lists_in_turn():
+    from loader.stores.versions import first_known
+
+    def listing(table):
+        return lambda bucket, key: table.get((bucket, key))
+
+    a, b = listing({("x", "k"): "1"}), listing({("x", "k"): "2", ("y", "k"): "3"})
+    assert first_known([None, None]) is None and first_known([None, a]) is a
+    both = first_known([a, None, b])
+    assert both is not None
+    assert (both("x", "k"), both("y", "k"), both("z", "k")) == ("1", "3", None)
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 @pytest.mark.parametrize("validate", ["listing", "always", "never"])

@@ -64,10 +64,10 @@ from ..formats.objects import LabelFrom, SampleIndex, skippable
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
-from ..stores.versions import listed_versions
 from ..uri import parse_s3_uri
+from .object_source import ObjectSource
 from .options import LoaderOptions, MapKwargs
-from .sources import ObjectSamples, check_keys, read_manifest
+from .sources import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ _NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
 _DEFAULTS = LoaderOptions.__dataclass_fields__
 
 
-class AsyncS3MapDataset(ObjectSamples, Dataset):
+class AsyncS3MapDataset(Dataset):
     """Random access to S3 samples. Build it with a constructor:
 
     ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)`` or ``from_manifest(path)``.
@@ -95,8 +95,6 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
     is no queue.
     """
 
-    bucket: str
-
     def __init__(
         self,
         *,
@@ -111,17 +109,10 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         super().__init__()
         if (keys is None) == (prefix is None):
             raise ConfigError("give exactly one of keys= or prefix=")
-        self.bucket = bucket
-        self.prefix = prefix
         self.options = options or LoaderOptions()
         _reject_defaults_changed(self.options)
-        self._keys: Sequence[str] | None = None if keys is None else check_keys(bucket, keys)
-        self._group = group
-        self._label_from = label_from
-        self._labels = None if labels is None else tuple(labels)
-        self._index: SampleIndex | None = None
-        if self._keys is not None:
-            self._index = self._build_index()
+        self.source = ObjectSource(bucket, self.options, keys=keys, prefix=prefix, group=group,
+                                   label_from=label_from, labels=labels)
         self._client: _Client | None = None
         self._closer: weakref.finalize | None = None
         self._lock = threading.Lock()
@@ -155,6 +146,29 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         manifest = read_manifest(path, bucket)
         return cls(bucket=manifest.bucket, keys=manifest.keys, options=_options(options),
                    group=group, label_from=label_from, labels=manifest.labels)
+
+    # ----------------------------------------------------------------------- what is read
+
+    @property
+    def bucket(self) -> str:
+        return self.source.bucket
+
+    def keys(self) -> Sequence[str]:
+        """Every object key (the prefix is listed now if not yet)."""
+        return self.source.keys()
+
+    def samples(self) -> SampleIndex:
+        """Which objects form each sample: index ``i`` is sample ``i``."""
+        return self.source.samples()
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names by index when labels come from names (as ``ImageFolder``); else None."""
+        return self.source.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        return self.source.class_to_idx
 
     # ----------------------------------------------------------------------- the Dataset protocol
 
@@ -240,8 +254,7 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        what = f"{len(self._keys)} keys" if self._keys is not None else f"prefix {self.prefix!r}"
-        return (f"AsyncS3MapDataset({what}, bucket={self.bucket!r}, "
+        return (f"AsyncS3MapDataset({self.source.describe()}, "
                 f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
 
     # ----------------------------------------------------------------------- helpers
@@ -259,7 +272,7 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
                 return client  # another thread opened it meanwhile
             if self._closer is not None:
                 self._closer.detach()  # an inherited or already closed client's
-            factory = self.options.store_factory(versions=listed_versions(self.bucket, self.keys()))
+            factory = self.options.store_factory(versions=self.source.versions())
             client = _Client.open(factory, self.options.max_inflight, self.options.retry)
             self._closer = weakref.finalize(self, client.close)
             self._client = client

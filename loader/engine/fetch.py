@@ -49,8 +49,8 @@ DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_QUEUE_ITEMS = 1024
 TAKE_BATCH = 256  # items handed across the thread boundary per call: amortises the portal hop
-Delivery = Literal["ordered", "interleave", "completed"]
-DELIVERIES = ("ordered", "interleave", "completed")
+Delivery = Literal["ordered", "interleave", "completed", "scheduled"]
+DELIVERIES = ("ordered", "interleave", "completed", "scheduled")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,7 +60,9 @@ class EngineLimits:
     ``delivery``: ``"ordered"`` gives every item of job 0, then of job 1, ...;
     ``"interleave"`` takes one item at a time from ``max_inflight`` jobs in turn (round robin
     over lanes; a finished job's lane takes the next job), deterministic like ``"ordered"``
-    but mixing streams; ``"completed"`` gives items as they arrive (fastest, not repeatable).
+    but mixing streams; ``"completed"`` gives items as they arrive (fastest, not repeatable);
+    ``"scheduled"`` follows a schedule given to the engine: the job index of every item, in
+    delivery order (jobs numbered in the order of their first entry), for exact interleaves.
     """
 
     max_inflight: int = DEFAULT_MAX_INFLIGHT
@@ -150,14 +152,17 @@ class FetchEngine:
         limits: EngineLimits | None = None,
         retry: RetryPolicy | None = None,
         name: str = "loader-engine",
+        schedule: Iterable[int] | None = None,
     ) -> None:
+        self._loop: LoopThread | None = None
+        self._closed = False
         self.limits = limits or EngineLimits()
         self.retry = retry or RetryPolicy()
-        self._core = _Core(jobs, store_factory, self.limits, self.retry)
+        if (schedule is None) == (self.limits.delivery == "scheduled"):
+            raise ConfigError("a schedule= goes with delivery='scheduled', and only with it")
+        self._core = _Core(jobs, store_factory, self.limits, self.retry, schedule)
         self._name = name
-        self._loop: LoopThread | None = None
         self._pid = os.getpid()
-        self._closed = False
         self._consumer_wait = 0.0
 
     def __iter__(self) -> Iterator[Any]:
@@ -248,8 +253,12 @@ class _Core:
         store_factory: Callable[[], Awaitable[ObjectStore]],
         limits: EngineLimits,
         retry: RetryPolicy,
+        schedule: Iterable[int] | None = None,
     ) -> None:
         self.jobs = jobs
+        self.schedule = iter(schedule or ())  # "scheduled": the job of each item to deliver
+        self.entry: int | None = None  # "scheduled": the schedule's current entry
+        self.schedule_done = False
         self.store_factory = store_factory
         self.limits = limits
         self.retry = retry
@@ -299,12 +308,13 @@ class _Core:
 
     async def launch_all(self, tg: anyio.abc.TaskGroup, store: ObjectStore) -> None:
         for index, job in enumerate(self.jobs):
-            await self.wait_for_room(index)
+            fixed = getattr(job, "reserve", None)  # a job may say what it holds (a shard read)
+            await self.wait_for_room(index, fixed)
             if self.failed:
                 break
             slot = _Slot(index)
             if self.limits.inflight_bytes is not None:
-                slot.reserved = self.reservation()
+                slot.reserved = self.reservation(fixed)
                 self.reserved_bytes += slot.reserved
                 self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
             self.slots[index] = slot
@@ -312,8 +322,8 @@ class _Core:
             self.pending.append((job, JobContext(self, slot, store, self.retry)))
             if self.idle:
                 self.idle.pop().set()
-            elif self.runners < self.limits.max_inflight:
-                self.runners += 1
+            elif self.runners < self.limits.max_inflight or self.overdue(index):
+                self.runners += 1  # a job the consumer already waits for gets a runner even past the limit
                 tg.start_soon(self.runner)
         self.launch_done = True
         self.notify()
@@ -334,7 +344,8 @@ class _Core:
             while self.pending:
                 job, ctx = self.pending.popleft()
                 await self.run_job(job, ctx)
-            if self.launch_done:
+            if self.launch_done or self.runners > self.limits.max_inflight:
+                self.runners -= 1
                 return
             wake = anyio.Event()
             self.idle.append(wake)
@@ -377,7 +388,7 @@ class _Core:
             return False  # the reorder window
         return not self.full()
 
-    async def wait_for_room(self, index: int) -> None:
+    async def wait_for_room(self, index: int, fixed: int | None = None) -> None:
         """Wait until job ``index`` may start: a free job slot and room in the buffer.
 
         The job slots are a plain count, not an ``anyio.Semaphore``: only this one task takes
@@ -385,26 +396,35 @@ class _Core:
         free (one loop iteration per job, about a third of the engine's CPU per sample). Here
         the launcher starts jobs back to back until the limit, then sleeps until one finishes.
         """
-        while not self.failed and not (
+        while not self.failed and not self.overdue(index) and not (
             self.launched - self.jobs_done < self.limits.max_inflight
             and self.room_for(index)
-            and self.bytes_room()
+            and self.bytes_room(fixed)
         ):
             await self.wait_change()
 
-    def reservation(self) -> int:
-        """What a job about to start reserves of ``inflight_bytes``: twice the largest item seen
-        (its body arriving, then joined), or all of it before any size is known."""
+    def overdue(self, index: int) -> bool:
+        """Whether job ``index`` must start whatever the limits say: with a schedule, the
+        consumer may wait for it while the buffer is full of items of jobs that started
+        earlier but are due later (a long shard beside many small objects)."""
+        return self.delivery == "scheduled" and index <= self.wanted
+
+    def reservation(self, fixed: int | None = None) -> int:
+        """What a job about to start reserves of ``inflight_bytes``: what it says it holds
+        (``fixed``), else twice the largest item seen (its body arriving, then joined), or all
+        of it before any size is known."""
         budget = self.limits.inflight_bytes or 0
+        if fixed is not None:
+            return min(fixed, budget)
         if not self.largest_item:
             return budget
         return min(2 * self.largest_item, budget)
 
-    def bytes_room(self) -> bool:
+    def bytes_room(self, fixed: int | None = None) -> bool:
         """Whether another job's reservation fits (one job may always run)."""
         if self.limits.inflight_bytes is None or self.launched == self.jobs_done:
             return True
-        return self.reserved_bytes + self.reservation() <= self.limits.inflight_bytes
+        return self.reserved_bytes + self.reservation(fixed) <= self.limits.inflight_bytes
 
     async def emit(self, slot: _Slot, item: Any, nbytes: int) -> None:
         # The job the consumer waits for may always deliver one item when it has none buffered:
@@ -432,6 +452,8 @@ class _Core:
                 return out
             if self.finished():
                 return []
+            if self.delivery == "scheduled":
+                self.notify()  # the launcher may be holding back the job now wanted
             await self.wait_change()
 
     def pop_ordered(self, max_items: int) -> list[Any]:
@@ -479,6 +501,40 @@ class _Core:
             self.notify()  # the launcher may be waiting for that
         return out
 
+    def pop_scheduled(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < max_items:
+            if self.entry is None:
+                self.entry = next(self.schedule, None)
+                if self.entry is None:
+                    self.end_schedule()
+                    break
+            index = self.wanted = self.entry
+            slot = self.slots.get(index)
+            if slot is None:
+                if index < self.launched or self.launch_done:
+                    self.entry = None  # a job that gave fewer items than scheduled, or none at all
+                    continue
+                break  # not started yet
+            if slot.items:
+                out.append(self.account(slot.items.popleft()))
+                self.entry = None
+                continue
+            if not slot.done or (slot.error is not None and out):
+                break
+            del self.slots[index]
+            self.entry = None
+            if slot.error is not None:
+                raise slot.error
+        return out
+
+    def end_schedule(self) -> None:
+        """The schedule is exhausted: every job must have delivered all it emitted."""
+        self.schedule_done = True
+        left = [index for index, slot in self.slots.items() if slot.items]
+        if left:
+            raise RuntimeError(f"jobs {left[:5]} emitted more items than the schedule gave them")
+
     def pop_completed(self, max_items: int) -> list[Any]:
         out: list[Any] = []
         while self.ready and len(out) < max_items:
@@ -499,9 +555,12 @@ class _Core:
         self.delivered_bytes += nbytes
         return item
 
-    pop = {"ordered": pop_ordered, "interleave": pop_interleave, "completed": pop_completed}
+    pop = {"ordered": pop_ordered, "interleave": pop_interleave, "completed": pop_completed,
+           "scheduled": pop_scheduled}
 
     def finished(self) -> bool:
+        if self.delivery == "scheduled":
+            return self.schedule_done and self.launch_done and self.jobs_done == self.launched
         return (
             self.launch_done
             and self.jobs_done == self.launched

@@ -50,6 +50,23 @@ def versions_of(objects: Iterable[Listed]) -> Versions | None:
     return versions
 
 
+def first_known(lookups: Iterable[Versions | None]) -> Versions | None:
+    """One lookup over several key lists (the sources of a mix): the first that has an ETag for
+    the object answers; None when none of them has versions."""
+    found = [lookup for lookup in lookups if lookup is not None]
+    if len(found) <= 1:
+        return found[0] if found else None
+
+    def versions(bucket: str, key: str) -> str | None:
+        for lookup in found:
+            etag = lookup(bucket, key)
+            if etag is not None:
+                return etag
+        return None
+
+    return versions
+
+
 class _SortedKeys:
     """A ``KeyList``'s ETags found by bisection. A listing's key list is sorted; one that is not
     (packed in another order) is indexed by a dict the first time a search misses, so a key of
