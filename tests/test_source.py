@@ -64,6 +64,9 @@ class Numbers:
     def describe(self):
         return f"{self.n} numbers"
 
+    def versions(self):
+        return None  # nothing listed: no versions for a disk cache to check
+
 
 def numbers(n, **options):
     fake = FakeStore.with_objects("bucket", {})

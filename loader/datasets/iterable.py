@@ -312,7 +312,8 @@ class AsyncS3Dataset(IterableDataset):
              schedule: Iterable[int] | None = None) -> Generator[Any, None, None]:
         """Run a source's jobs in one engine, closed when the iteration ends."""
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
-        factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder)
+        factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder,
+                                             versions=self.source.versions())
         engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine",
                              schedule=schedule)
         try:

@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from typing_extensions import Unpack
 
+from ..checks import check_int
 from ..decode import apply_transform
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
+from ..stores.versions import Versions, first_known
 from . import partition
 from .interleave import Interleave, apportion
 from .object_source import ObjectProgress
@@ -160,6 +162,9 @@ class MixSource:
             out.setdefault(SOURCE_FIELD, name)
         return out
 
+    def versions(self) -> Versions | None:
+        return first_known([part.source.versions() for part in self.parts])
+
     def describe(self) -> str:
         return "a mix of " + ", ".join(f"{part.name} ({part.source.describe()})" for part in self.parts)
 
@@ -224,9 +229,7 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
     if weights is not None and set(weights) != set(datasets):
         raise ConfigError(f"weights name {sorted(weights)}, the datasets {sorted(datasets)}; give one "
                           "weight per dataset")
-    if samples_per_epoch is not None and (not isinstance(samples_per_epoch, int)
-                                          or isinstance(samples_per_epoch, bool) or samples_per_epoch < 1):
-        raise ConfigError(f"samples_per_epoch={samples_per_epoch!r} must be a positive integer")
+    check_int("samples_per_epoch", samples_per_epoch, minimum=1, optional=True, must="a positive integer")
     loader_options = LoaderOptions(**options)
     parts = []
     for name, dataset in datasets.items():

@@ -7,7 +7,6 @@ groups them into samples and labels them. Both datasets read through it: the ite
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,11 +14,12 @@ from ..decode import apply_transform
 from ..engine.fetch import Delivery
 from ..formats.objects import LabelFrom, SampleIndex, build_index, sample_job
 from ..stores.listing import KeyList
+from ..stores.versions import Versions, listed_versions
 from . import partition
 from .options import LoaderOptions
 from .progress import Watermark
 from .source import Progress, Read, Run, Slot, Tagged
-from .sources import check_keys, list_keys, listed_etags
+from .sources import check_keys, list_keys
 
 
 class ObjectProgress:
@@ -88,7 +88,7 @@ class ObjectSource:
         root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
         keys = self.keys()
         return build_index(keys, group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root, etags=listed_etags(keys))
+                           labels=self._labels, where=where, root=root)
 
     # ------------------------------------------------------------------ the Source protocol
 
@@ -142,14 +142,17 @@ class ObjectSource:
             return None
         total = 0
         for key in self.samples().objects(sample):
-            at = bisect.bisect_left(keys, key)  # a listing is sorted
-            if at == len(keys) or keys[at] != key:
+            at = keys.find(key)
+            if at is None:
                 return None
             total += keys.size(at)
         return 2 * max(total, 1)
 
     def transform(self, sample: dict[str, Any]) -> Any:
         return apply_transform(self.options.transform, sample)
+
+    def versions(self) -> Versions | None:
+        return listed_versions(self.bucket, self.keys())
 
     def describe(self) -> str:
         if self.prefix is not None and self._keys is None:

@@ -15,14 +15,17 @@ import random
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
+from ..checks import check_int
 from ..decode import apply_transform
 from ..engine.fetch import Delivery
 from ..errors import ConfigError, NoSuchKeyError
-from ..formats.index import INDEX_NAME, index_counts, read_index
+from ..formats.packing import INDEX_NAME, index_counts
 from ..formats.shards import END, ShardAssignment, ShardOptions, ShardRef, Tag, sample_nbytes, shard_job
+from ..stores.versions import Versions, versions_of
 from . import partition
 from .options import LoaderOptions, check_budget
 from .progress import Watermark
+from .shard_index import read_index
 from .shuffle import shuffled
 from .source import Progress, Read, Run, Slot, Tagged
 from .sources import resolve_shards, shard_specs
@@ -115,7 +118,7 @@ class ShardSource:
         (bucket, folder), = places
         uri = f"s3://{bucket}/{folder + '/' if folder else ''}{INDEX_NAME}"
         try:
-            document = read_index(uri, store=self.options.listing_factory())
+            document = read_index(uri, store=self.options.listing_factory(), retry=self.options.retry)
         except NoSuchKeyError:
             return
         self._sample_counts = index_counts(document, uri)
@@ -220,6 +223,9 @@ class ShardSource:
     def transform(self, sample: dict[str, Any]) -> Any:
         return apply_transform(self.options.transform, sample)
 
+    def versions(self) -> Versions | None:
+        return versions_of(self.shards())
+
     def describe(self) -> str:
         if self._shards is not None:
             return f"{len(self._shards)} shards"
@@ -231,8 +237,7 @@ def check_counts(counts: Any) -> dict[str, int]:
     if not isinstance(counts, Mapping):
         raise ConfigError(f"sample_counts must map shard URL -> sample count, not {type(counts).__name__}")
     for url, count in counts.items():
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ConfigError(f"sample_counts[{url!r}]={count!r} must be a non-negative integer")
+        check_int(f"sample_counts[{url!r}]", count, minimum=0, must="a non-negative integer")
     return dict(counts)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from ..engine.fetch import EngineLimits, Job
+from ..stores.versions import Versions
 from .partition import PadPolicy
 
 Tagged = tuple[Any, Any]
@@ -115,6 +116,11 @@ class Source(Protocol):
 
     def describe(self) -> str:
         """A short phrase for reprs and errors (``"4000 keys"``, ``"12 shards"``)."""
+        ...
+
+    def versions(self) -> Versions | None:
+        """What the source's listing says each object's version is, which a disk cache checks
+        its entries against (``loader.stores.versions``); None when no listing gave ETags."""
         ...
 
     def transform(self, sample: dict[str, Any]) -> Any:

@@ -26,12 +26,12 @@ import logging
 import multiprocessing
 import os
 import sys
-import weakref
 from collections.abc import Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 from ..errors import ConfigError
+from ..lifecycle import LiveObjects
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class SharedEpoch:
     def __init__(self, value: int = 0) -> None:
         self._cell: Any = multiprocessing.RawValue("q", value)
         self._owner = os.getpid()
-        _track(self)
+        _epochs.add(self)
 
     @property
     def value(self) -> int:
@@ -205,28 +205,17 @@ class SharedEpoch:
 def _rebuild_epoch(cell: Any, owner: int) -> SharedEpoch:
     epoch = SharedEpoch.__new__(SharedEpoch)
     epoch._cell, epoch._owner = cell, owner
-    _track(epoch)
+    _epochs.add(epoch)
     return epoch
 
 
-# Registered on first use, not at import (importing the package must have no side effects).
-_epochs: weakref.WeakSet[SharedEpoch] = weakref.WeakSet()
-_hook_installed = False
-
-
-def _track(epoch: SharedEpoch) -> None:
-    global _hook_installed
-    if not _hook_installed:
-        _hook_installed = True
-        os.register_at_fork(before=_claim_all)
-    _epochs.add(epoch)
-
-
-def _claim_all() -> None:
+def _claim(epoch: SharedEpoch) -> None:
     """Before a fork: forked workers must hold this process's cells, not a launcher's."""
-    for epoch in list(_epochs):
-        if epoch._owner != os.getpid():
-            epoch.claim()
+    if epoch._owner != os.getpid():
+        epoch.claim()
+
+
+_epochs: LiveObjects[SharedEpoch] = LiveObjects(before_fork=_claim)
 
 
 def _env_int(name: str, value: str, *, minimum: int) -> int:

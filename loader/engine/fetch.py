@@ -27,21 +27,21 @@ inherited from its parent (their thread does not exist there) instead of touchin
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import anyio
 
+from ..checks import check_int
 from ..errors import ConfigError
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
 from .loopthread import LoopThread
@@ -76,12 +76,9 @@ class EngineLimits:
         if self.delivery not in DELIVERIES:
             raise ConfigError(f"delivery={self.delivery!r} is not one of {DELIVERIES}")
         for name in ("max_inflight", "queue_bytes", "queue_items"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        value = self.inflight_bytes
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"inflight_bytes={value!r} must be a positive integer or None")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("inflight_bytes", self.inflight_bytes, minimum=1, optional=True,
+                  must="a positive integer or None")
 
 
 class EngineStats(NamedTuple):
@@ -191,7 +188,7 @@ class FetchEngine:
             raise RuntimeError("this FetchEngine is closed; build a new one for another pass")
         if self._loop is not None:
             return
-        _track(self)
+        _live.add(self)
         self._loop = LoopThread.start(self._name)
         self._loop.portal.start_task_soon(self._core.main)
 
@@ -590,37 +587,23 @@ class _Failure(NamedTuple):
 
 
 # --------------------------------------------------------------------- process-wide hygiene
-# Registered on first use, not at import (importing the package must have no side effects).
-
-_live: weakref.WeakSet[FetchEngine] = weakref.WeakSet()
-_hooks_installed = False
 
 
-def _track(engine: FetchEngine) -> None:
-    global _hooks_installed
-    if not _hooks_installed:
-        _hooks_installed = True
-        os.register_at_fork(after_in_child=_forget_inherited)
-        atexit.register(_close_all)
-    _live.add(engine)
+def _disown(engine: FetchEngine) -> None:
+    """In a forked child: disown an engine whose loop thread stayed behind in the parent.
 
-
-def _forget_inherited() -> None:
-    """In a forked child: disown engines whose loop thread stayed behind in the parent.
-
-    Their portals must never be *called* here (the thread that would answer does not exist in
-    this process); dropping them is safe because ``LoopThread`` has no finalizer.
+    Its portal must never be *called* here (the thread that would answer does not exist in
+    this process); dropping it is safe because ``LoopThread`` has no finalizer.
     """
-    for engine in list(_live):
-        engine._loop = None
-        engine._closed = True
-    _live.clear()
+    engine._loop = None
+    engine._closed = True
 
 
-def _close_all() -> None:
-    for engine in list(_live):
-        with contextlib.suppress(Exception):
-            engine.close()
+def _close(engine: FetchEngine) -> None:
+    engine.close()
+
+
+_live: LiveObjects[FetchEngine] = LiveObjects(in_child=_disown, at_exit=_close)
 
 
 def live_engines() -> int:
