@@ -18,6 +18,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..checks import check_int
 from ..config import S3Config
 from ..engine.fetch import DEFAULT_MAX_INFLIGHT
 from ..errors import ConfigError
@@ -49,9 +50,7 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         for name, low in (("samples", 0), ("workers", 0), ("batch_size", 1), ("max_inflight", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+            check_int(name, getattr(self, name), minimum=low, must=f"an integer >= {low}")
         if self.shards and self.objects:
             raise ConfigError("shards=True and objects=True contradict each other; give one")
 
