@@ -484,7 +484,7 @@ def test_the_default_policy_rides_out_an_outage_of_a_minute_and_more(seed):
     policy = RetryPolicy()
     starts, gave_up_at = schedule(policy, seed)
     assert policy.max_attempts is None and gave_up_at >= policy.deadline - policy.max_delay > 60
-    assert gave_up_at < policy.deadline
+    assert starts[-1] < policy.deadline  # the last attempt starts in time (and may end after it)
     assert all(b - a <= policy.max_delay + 0.01 for a, b in zip(starts, starts[1:]))  # wait + attempt
 
 
