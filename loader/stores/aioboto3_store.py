@@ -212,16 +212,21 @@ class Aioboto3Store:
         prefix: str = "",
         *,
         token: str | None = None,
+        start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
-        """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token)."""
+        """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token) or started
+        after ``start_after``."""
         while True:
+            after = None if token else start_after
             try:
                 if self._getter is not None:
-                    page = await self._getter.list_page(bucket, prefix, token, delimiter, page_size)
+                    page = await self._getter.list_page(bucket, prefix, token, delimiter, page_size,
+                                                        after)
                 else:
-                    page = await self._botocore_page(bucket, prefix, token, delimiter, page_size)
+                    page = await self._botocore_page(bucket, prefix, token, delimiter, page_size,
+                                                     after)
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
             yield page
@@ -230,11 +235,14 @@ class Aioboto3Store:
             token = page.token
 
     async def _botocore_page(
-        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int
+        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
+        start_after: str | None = None,
     ) -> ListPage:
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size}
         if token:
             kwargs["ContinuationToken"] = token
+        elif start_after:
+            kwargs["StartAfter"] = start_after
         if delimiter:
             kwargs["Delimiter"] = delimiter
         page = await self._client.list_objects_v2(**kwargs)

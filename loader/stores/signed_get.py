@@ -118,7 +118,8 @@ class SignedGetter:
                 yield chunk, expected, etag
 
     async def list_page(
-        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int
+        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
+        start_after: str | None = None,
     ) -> ListPage:
         """One ``ListObjectsV2`` page, parsed with ElementTree.
 
@@ -130,6 +131,8 @@ class SignedGetter:
                  "encoding-type": "url"}
         if token:
             query["continuation-token"] = token
+        elif start_after:
+            query["start-after"] = start_after
         if delimiter:
             query["delimiter"] = delimiter
         async with await self._send(bucket, "", None, query) as response:
