@@ -5,7 +5,9 @@ prefix of one or two pages costs exactly its pages), an idle lister takes a piec
 largest unfinished range: from a key halfway between that range's last key and its bound, or,
 for the range that runs to the end of the prefix, from as far beyond its last key as the
 listing has covered so far (doubling, so an unknown size is found in a few steps). Fewer
-ranges run than pages have arrived, so concurrency grows with what the listing has shown.
+ranges run than pages have arrived, so concurrency grows with what the listing has shown, and
+splitting pauses while split-off ranges keep coming back empty (keys of a tree of folders are
+far from evenly spread over the key space: the guesses land between folders).
 Where ranges end and why nothing is missed on either kind of server: ``keyranges``.
 
 Each range is retried page by page (``call_with_retries``, counted from its last page), and
@@ -28,6 +30,7 @@ from .keyranges import KeySpace, past
 
 RAMP_PAGES = 2  # pages listed one after the other before any range is split
 MIN_SPLIT_PAGES = 3  # a range estimated to hold fewer pages than this is left whole
+MAX_MISSES = 0.2  # empty ranges split off, per page received, beyond which splitting pauses
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,6 +59,7 @@ class RangeLister:
         self.active: list[KeyRange] = []
         self.ranges = 0  # started, for statistics and tests
         self.pages = 0
+        self.misses = 0  # ranges split off that held nothing: the guesses that went wrong
         self._chars: set[str] = set()  # the alphabet of the keys seen
         self._folder_ends: set[int] = set()  # lengths at which keys seen have a "/"
         self._space: KeySpace | None = None
@@ -131,6 +135,8 @@ class RangeLister:
                 kept = [info for info in objects if not past(info.key, hi)]
                 if len(kept) < len(objects):
                     objects, part.done = kept, True
+        if part.pages == 0 and part.done and not objects:
+            self.misses += 1
         part.pages += 1
         part.token = page.token
         if page.token is None:
@@ -178,6 +184,8 @@ class RangeLister:
         """A new range split off the largest splittable active one, or None for now."""
         if self.pages < RAMP_PAGES or len(self.active) >= min(self.pages, self.parallel):
             return None
+        if self.misses > self.pages * MAX_MISSES:
+            return None  # guesses keep landing in empty key space: wait for more pages
         candidates = [part for part in self.active
                       if part.pages and not part.done and part.last is not None]
         if not candidates:
