@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -191,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name, store, parallel in RUNS:
                     if store is None:
                         if repeat < (args.paginator_repeats or args.repeats):
-                            measure(rows, name, lambda: boto3_paginator(config, prefix), count, server.pid)
+                            measure(rows, name, functools.partial(boto3_paginator, config, prefix),
+                                    count, server.pid)
                     else:
-                        measure(rows, name, lambda s=store, p=parallel: ours(config, prefix, s, p),
+                        measure(rows, name, functools.partial(ours, config, prefix, store, parallel),
                                 count, server.pid)
             out.append(table(count, rows))
     print("\n\n".join(out))
