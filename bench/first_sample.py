@@ -33,9 +33,8 @@ BUCKET = "first"
 CHILD = "bench.first_sample"
 
 
-def upload(config: Any, prefix: str, count: int, concurrency: int = 32) -> None:
-    """``count`` objects of 100-120 KB of random bytes under ``prefix`` (skipped when the last
-    one exists)."""
+def upload(config: Any, prefix: str, count: int, empty: bool, concurrency: int = 32) -> None:
+    """``count`` objects of 100-120 KB of random bytes (``empty``: of no bytes) under ``prefix``."""
     import obstore
     from obstore.store import S3Store
 
@@ -48,7 +47,7 @@ def upload(config: Any, prefix: str, count: int, concurrency: int = 32) -> None:
 
         async def runner() -> None:
             for i in pending:
-                data = os.urandom(100_000 + (i * 7919) % 20_000)
+                data = b"" if empty else os.urandom(100_000 + (i * 7919) % 20_000)
                 await obstore.put_async(store, f"{prefix}{i:07d}.jpg", data, use_multipart=False)
 
         await asyncio.gather(*(runner() for _ in range(concurrency)))
@@ -120,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--objects", type=int, default=4000, help="objects under the prefix (default 4000)")
     parser.add_argument("--workers", default="0,2", help="num_workers values (default 0,2)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case, median (default 3)")
+    parser.add_argument("--empty", action="store_true",
+                        help="empty objects (quick to make by the 100,000)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -132,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         config = server.config
         prefix = f"objects-{args.objects}/"
         started = time.perf_counter()
-        upload(config, prefix, args.objects)
+        upload(config, prefix, args.objects, args.empty)
         print(f"{args.objects:,} objects PUT in {time.perf_counter() - started:.0f} s",
               file=sys.stderr, flush=True)
+        sequential = sequential_listing(config, prefix)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "MINIO_"))}
         env.update(config.to_env())
         env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = config.access_key_id or "", config.secret_access_key or ""
@@ -148,7 +150,27 @@ def main(argv: list[str] | None = None) -> int:
                     results.setdefault((name, w), []).append(result)
                     print(f"  {name} w={w}: {result['first']:.3f} s", file=sys.stderr, flush=True)
     print(report(args.objects, workers, results))
+    print(f"\nThe same prefix listed page after page (list_all, aioboto3, parallel=1): {sequential:.3f} s")
     return 0
+
+
+def sequential_listing(config: Any, prefix: str) -> float:
+    """Seconds to list ``prefix`` page after page, as this project did before key ranges."""
+    from loader.retry import RetryPolicy
+    from loader.stores import open_store
+    from loader.stores.listing import ListOptions, list_all
+
+    async def main() -> float:
+        store = await open_store("aioboto3", config, max_connections=1, retry=RetryPolicy())
+        try:
+            await list_all(store, BUCKET, "none/", RetryPolicy())  # imports, connection
+            started = time.perf_counter()
+            await list_all(store, BUCKET, prefix, RetryPolicy(), options=ListOptions(parallel=1))
+            return time.perf_counter() - started
+        finally:
+            await store.aclose()
+
+    return asyncio.run(main())
 
 
 def report(objects: int, workers: list[int], results: dict[tuple[str, int], list[dict[str, Any]]]) -> str:
