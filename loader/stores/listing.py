@@ -222,10 +222,12 @@ class _Runs:
 
     def add(self, objects: list[ObjectInfo]) -> None:
         # directory markers ("a/") are not data; the suffix filter is the caller's
-        kept = sorted(info for info in objects
-                      if not info.key.endswith("/") and info.key.endswith(self.suffix))
-        kept = [info for info, after in zip(kept, kept[1:] + [None])
-                if after is None or after.key != info.key]
+        kept = [info for info in objects
+                if not info.key.endswith("/") and info.key.endswith(self.suffix)]
+        if any(a.key >= b.key for a, b in itertools.pairwise(kept)):  # S3's pages are in order
+            kept.sort()
+            kept = [info for info, after in zip(kept, kept[1:] + [None])
+                    if after is None or after.key != info.key]
         if kept:
             self.runs.append(KeyList.from_infos(kept))
 
