@@ -20,12 +20,14 @@ import torch.multiprocessing as mp
 from listing_worker import list_on_rank
 
 from loader.retry import RetryPolicy
-from loader.stores import open_store
+from loader.stores import open_listing_store, open_store
+from loader.stores.httplisting import HttpLister
 from loader.stores.listing import ListOptions, list_all
 
 from faults import FaultDecider, FaultPlan, FaultProxy
 
 BACKENDS = ["aioboto3", "obstore"]
+LISTERS = [*BACKENDS, "http"]  # "http": open_listing_store's standard-library lister
 RETRY = RetryPolicy(base_delay=0.01, max_delay=0.2, connect_timeout=5, read_timeout=30)
 
 
@@ -61,7 +63,11 @@ def folder_keys(prefix: str, folders: int, per_folder: int) -> list[str]:
 
 def list_through(config, store: str, bucket: str, prefix: str, options: ListOptions):
     async def main():
-        opened = await open_store(store, config, max_connections=options.parallel, retry=RETRY)
+        if store == "http":
+            opened = await open_listing_store(config, max_connections=options.parallel, retry=RETRY)
+            assert isinstance(opened, HttpLister)
+        else:
+            opened = await open_store(store, config, max_connections=options.parallel, retry=RETRY)
         try:
             return await list_all(opened, bucket, prefix, RETRY, options=options)
         finally:
@@ -96,7 +102,7 @@ def keyspace(s3_server):
     return bucket, sorted(keys)
 
 
-@pytest.mark.parametrize("store", BACKENDS)
+@pytest.mark.parametrize("store", LISTERS)
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_a_listing_through_resets_and_slowdowns_lists_every_key_once(s3_server, keyspace, store,
                                                                      parallel):
@@ -166,7 +172,7 @@ def tricky(s3_server):
     return bucket, sorted(keys)
 
 
-@pytest.mark.parametrize("store", BACKENDS)
+@pytest.mark.parametrize("store", LISTERS)
 @pytest.mark.parametrize("prefix", ["t/", "t/m"])
 def test_key_ranges_in_parallel_list_exactly_the_keys_in_any_order_the_server_lists(
         s3_server, tricky, store, prefix):
@@ -188,6 +194,27 @@ def test_key_ranges_in_parallel_list_exactly_the_keys_in_any_order_the_server_li
     assert "start-after" in "".join(target for _, target, _ in proxy.decisions), "ranges were split"
     # a guessed bound may land between folders: a short or empty page, never a lost key
     assert requests <= 4 * (len(expected) / 20) + counts["reset"] + counts["slowdown"]
+
+
+def test_the_standard_library_lister_names_what_went_wrong(s3_server):
+    from loader.errors import EndpointUnreachableError, NoSuchBucketError
+
+    once = RetryPolicy(max_attempts=1, base_delay=0.0, connect_timeout=2, read_timeout=5)
+
+    async def listing(config, bucket):
+        lister = await open_listing_store(config, max_connections=1, retry=once)
+        try:
+            return await list_all(lister, bucket, "", once)
+        finally:
+            await lister.aclose()
+
+    with pytest.raises(NoSuchBucketError, match="no-such-bucket"):
+        asyncio.run(listing(s3_server.config, "no-such-bucket"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(EndpointUnreachableError, match="cannot connect"):
+        asyncio.run(listing(dataclasses.replace(s3_server.config, endpoint_url=closed), "b"))
 
 
 SLOW_KEYS = int(os.environ.get("LOADER_LISTING_KEYS", "200000"))

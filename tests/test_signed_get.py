@@ -79,7 +79,7 @@ def _list_body(keys: list[str], etags: list[str | None], prefixes: list[str], en
        st.sampled_from(["&#34;", "&quot;", ""]), st.one_of(st.none(), st.text("ab&<+ %", min_size=1)))
 def test_the_fast_list_parser_reads_what_elementtree_reads(keys, etags, folders, encoded, quote,
                                                            token):
-    from loader.stores.signed_get import _parse_flat_page, _parse_list_page, parse_list_page
+    from loader.stores.listxml import _parse_flat_page, _parse_list_page, parse_list_page
 
     tags = [f"{i:032x}" for i in range(len(keys))] if etags == "etags" else [None] * len(keys)
     body = _list_body(keys, tags, ["p/"] if folders else [], encoded, token, quote)

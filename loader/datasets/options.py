@@ -23,7 +23,13 @@ from ..formats.shards import (
     ShardOptions,
 )
 from ..retry import RetryPolicy
-from ..stores import StoreFactory, open_store, preload_backend, resolve_backend
+from ..stores import (
+    StoreFactory,
+    open_listing_store,
+    open_store,
+    preload_backend,
+    resolve_backend,
+)
 from ..stores.cache import (
     DEFAULT_VALIDATE,
     CacheStats,
@@ -107,8 +113,8 @@ class LoaderOptions:
         if not callable(self.store):
             backend = resolve_backend(self.store)
             object.__setattr__(self, "store", backend)
-            preload_backend(backend)
             object.__setattr__(self, "config", resolve_config(self.config))
+            preload_backend(backend, self.config)
         cache_dir, cache_limit = check_cache_options(self.cache_dir, self.cache_limit,
                                                      self.cache_validate)
         object.__setattr__(self, "cache_dir", cache_dir)  # absolute: workers may chdir
@@ -147,13 +153,14 @@ class LoaderOptions:
         """The store that lists keys and shards in the process that builds the dataset.
 
         obstore's native runtime does not survive ``fork()``: a process that used it forks
-        DataLoader workers that hang. Listing is a one-off, so it always goes through aioboto3,
-        which leaves nothing behind, and ``store="obstore"`` then works with forked workers.
+        DataLoader workers that hang. Listing is a one-off, so it never goes through obstore:
+        ``open_listing_store`` lists with the standard library's HTTP client where it can (no
+        aiohttp or botocore to import before the first sample), else through aioboto3.
         """
-        if self.store == "obstore":
-            return functools.partial(open_store, "aioboto3", self._resolved()[1],
-                                     max_connections=self.listing.parallel, retry=self.retry)
-        return self.store_factory(cached=False)
+        if callable(self.store):
+            return self.store_factory(cached=False)
+        return functools.partial(open_listing_store, self._resolved()[1],
+                                 max_connections=self.listing.parallel, retry=self.retry)
 
     def store_factory(self, *, cached: bool = True,
                       on_cache_close: Callable[[CacheStats], None] | None = None,
