@@ -20,7 +20,7 @@ import re
 import ssl
 import threading
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from botocore import exceptions as bce
@@ -510,15 +510,20 @@ def translate_error(
                       f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
 
 
+class _Keys(NamedTuple):
+    """Keys as botocore's frozen credentials hold them (what ``SignedGetter`` signs with)."""
+
+    access_key: str
+    secret_key: str
+    token: str | None
+
+
 def _given_credentials(config: S3Config) -> Any:
     """For keys given in the config: an async function that returns them, with no boto3
     session (whose import and setup cost ~0.1 s at start); None when they are to be looked up."""
     if not config.has_credentials:
         return None
-    from botocore.credentials import Credentials
-
-    frozen = Credentials(config.access_key_id, config.secret_access_key,
-                         config.session_token).get_frozen_credentials()
+    frozen = _Keys(config.access_key_id or "", config.secret_access_key or "", config.session_token)
 
     async def given() -> Any:
         return frozen
