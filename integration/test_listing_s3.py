@@ -217,6 +217,29 @@ def test_the_standard_library_lister_names_what_went_wrong(s3_server):
         asyncio.run(listing(dataclasses.replace(s3_server.config, endpoint_url=closed), "b"))
 
 
+def test_the_standard_library_lister_reads_small_objects_and_ranges(s3_server):
+    import io
+
+    from loader.errors import NoSuchKeyError
+
+    bucket = s3_server.new_bucket("httpget")
+    key = "shards/ä b+c/index.json"
+    s3_server.minio.put_object(bucket, key, io.BytesIO(b"0123456789"), 10)
+
+    async def main():
+        lister = await open_listing_store(s3_server.config, max_connections=2, retry=RETRY)
+        try:
+            whole = await lister.get(bucket, key)
+            part = await lister.get_range(bucket, key, 2, 5)
+            with pytest.raises(NoSuchKeyError, match="index.jsn"):
+                await lister.get(bucket, "shards/index.jsn")
+            return whole, part
+        finally:
+            await lister.aclose()
+
+    assert asyncio.run(main()) == (b"0123456789", b"234")
+
+
 SLOW_KEYS = int(os.environ.get("LOADER_LISTING_KEYS", "200000"))
 
 

@@ -81,7 +81,8 @@ def canonical_query(query: dict[str, str]) -> str:
 
 
 class HttpLister:
-    """``PagedLister`` over ``http.client`` (see the module docstring); it only lists."""
+    """``PagedLister`` over ``http.client`` (see the module docstring); besides listing it
+    reads whole objects and ranges (what a listing may need: a shard index)."""
 
     def __init__(self, config: S3Config, *, max_connections: int = 8,
                  retry: RetryPolicy | None = None) -> None:
@@ -132,19 +133,28 @@ class HttpLister:
 
     def _page(self, bucket: str, prefix: str, query: dict[str, str]) -> ListPage:
         """One page, in a worker thread."""
-        path = f"{self._base}/{urllib.parse.quote(bucket, safe='')}"
+        return parse_list_page(self._call(bucket, prefix, "", query, None, listing=True))
+
+    def _call(self, bucket: str, key: str, path: str, query: dict[str, str],
+              byte_range: str | None, *, listing: bool = False) -> bytes:
+        """One signed GET of ``/bucket`` + ``path`` (already escaped), in a worker thread: the
+        body, or the error that the answer or the connection's failure means."""
+        path = f"{self._base}/{urllib.parse.quote(bucket, safe='')}{path}"
         config = self._config
         headers = sign_v4("GET", self._netloc, path, query, access_key=config.access_key_id or "",
                           secret_key=config.secret_access_key or "", token=config.session_token,
                           region=config.region, when=datetime.datetime.now(datetime.timezone.utc))
+        if byte_range:
+            headers["Range"] = byte_range
+        target = f"{path}?{canonical_query(query)}" if query else path
         connection = self._connection()
         try:
-            connection.request("GET", f"{path}?{canonical_query(query)}", headers=headers)
+            connection.request("GET", target, headers=headers)
             response = connection.getresponse()
             body = response.read()
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
-            self._fail(exc, bucket, prefix)
+            self._fail(exc, bucket, key, listing)
         if response.will_close:
             connection.close()
         else:
@@ -153,8 +163,12 @@ class HttpLister:
         if response.status >= 300:
             code = body.split(b"<Code>", 1)[-1].split(b"</Code>", 1)[0] if b"<Code>" in body else b""
             raise error_for_answer(code.decode("utf-8", "replace"), response.status, bucket=bucket,
-                                   key=prefix, endpoint=self._endpoint, listing=True)
-        return parse_list_page(body)
+                                   key=key, endpoint=self._endpoint, listing=listing)
+        length = response.getheader("Content-Length")
+        if length is not None and length.isdigit() and int(length) != len(body):
+            raise failed_mid_request(bucket, key, f"body of {len(body)} of {length} bytes",
+                                     listing=listing)
+        return body
 
     def _connection(self) -> http.client.HTTPConnection:
         with self._lock:
@@ -172,17 +186,17 @@ class HttpLister:
                                                context=self._context)
         return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
 
-    def _fail(self, exc: BaseException, bucket: str, prefix: str) -> NoReturn:
+    def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
         """Raise ``exc`` as one of ours (wording: ``answers``)."""
         if isinstance(exc, ssl.SSLCertVerificationError):
-            raise certificate_rejected(self._endpoint, bucket, prefix,
-                                       exc.verify_message or str(exc), listing=True) from exc
+            raise certificate_rejected(self._endpoint, bucket, key,
+                                       exc.verify_message or str(exc), listing=listing) from exc
         if isinstance(exc, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(exc):
-            raise plain_http_server(self._endpoint, bucket, prefix, listing=True) from exc
+            raise plain_http_server(self._endpoint, bucket, key, listing=listing) from exc
         if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
-            raise unreachable(self._endpoint, bucket, prefix, listing=True,
+            raise unreachable(self._endpoint, bucket, key, listing=listing,
                               reason=exc.strerror or str(exc)) from exc
-        raise failed_mid_request(bucket, prefix, type(exc).__name__, listing=True) from exc
+        raise failed_mid_request(bucket, key, type(exc).__name__, listing=listing) from exc
 
     async def aclose(self) -> None:
         with self._lock:
@@ -190,19 +204,27 @@ class HttpLister:
         for connection in idle:
             connection.close()
 
-    # A lister, not a reader: the rest of ObjectStore says so.
-
-    def _not_here(self, bucket: str, key: str) -> NoReturn:
-        raise StoreError(f"HttpLister only lists (asked to read s3://{bucket}/{key})",
-                         bucket=bucket, key=key)
+    # Reads: whole objects and ranges (a shard index found beside the shards); not streams or
+    # conditional reads, which the data path makes through the backends.
 
     async def get(self, bucket: str, key: str, *, pin: Pin | None = None,
                   listed_etag: str | None = None) -> bytes:
-        self._not_here(bucket, key)
+        return await self._get(bucket, key, None)
 
     async def get_range(self, bucket: str, key: str, start: int, end: int | None, *,
                         pin: Pin | None = None, listed_etag: str | None = None) -> bytes:
-        self._not_here(bucket, key)
+        if end is not None and end <= start:
+            return b""
+        return await self._get(bucket, key, f"bytes={start}-{'' if end is None else end - 1}")
+
+    async def _get(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+        path = "/" + urllib.parse.quote(key, safe="/~")
+        return await anyio.to_thread.run_sync(self._call, bucket, key, path, {}, byte_range,
+                                              limiter=self._limiter)
+
+    def _not_here(self, bucket: str, key: str) -> NoReturn:
+        raise StoreError(f"HttpLister lists and reads small objects only (asked for a stream or "
+                         f"a write of s3://{bucket}/{key})", bucket=bucket, key=key)
 
     async def stream(self, bucket: str, key: str, start: int = 0,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, *, pin: Pin | None = None,
