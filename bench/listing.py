@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import statistics
@@ -28,6 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .harness import load_faults_module
 
 BUCKET = "listing"
 MARKER = "markers/complete-"  # one per prefix whose objects all exist (outside the prefix)
@@ -148,9 +151,10 @@ RUNS = [("boto3 paginator", None, 0), ("ours aioboto3, page after page", "aiobot
         ("ours obstore, 8 ranges", "obstore", 8)]
 
 
-def table(count: int, rows: dict[str, Row]) -> str:
+def table(count: int, rows: dict[str, Row], latency: float = 0.0) -> str:
     base = statistics.median(rows[RUNS[0][0]].walls)
-    lines = [f"### {count:,} keys", "",
+    added = f", {latency * 1000:.0f} ms added before each request" if latency else ""
+    lines = [f"### {count:,} keys{added}", "",
              "| lister | wall (median) | client CPU | server CPU | vs boto3's paginator |",
              "|---|--:|--:|--:|--:|"]
     for name, *_ in RUNS:
@@ -161,6 +165,26 @@ def table(count: int, rows: dict[str, Row]) -> str:
     return "\n".join(lines)
 
 
+def run_listers(config: Any, count: int, args: argparse.Namespace, pid: int | None) -> dict[str, Row]:
+    """Every lister of ``RUNS`` over ``flat-{count}/``, ``args.repeats`` rounds in turn."""
+    rows: dict[str, Row] = {}
+    prefix = f"flat-{count}/"
+    warm: dict[str, Row] = {}  # imports and sessions made before the clock runs
+    for name, store, parallel in RUNS:
+        run = (functools.partial(boto3_paginator, config, MARKER) if store is None
+               else functools.partial(ours, config, MARKER, store, parallel))
+        measure(warm, name, run, -1, pid, quiet=True)
+    for repeat in range(args.repeats):
+        for name, store, parallel in RUNS:
+            if store is None:
+                if repeat < (args.paginator_repeats or args.repeats):
+                    measure(rows, name, functools.partial(boto3_paginator, config, prefix), count, pid)
+            else:
+                measure(rows, name, functools.partial(ours, config, prefix, store, parallel),
+                        count, pid)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.listing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", default="100000", help="comma-separated key counts (default 100000)")
@@ -168,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paginator-repeats", type=int, default=None,
                         help="runs of boto3's paginator (default: --repeats; it is slow at 1M keys)")
     parser.add_argument("--data-dir", type=Path, help="keep the server's data here between runs")
+    parser.add_argument("--latency", default="0",
+                        help="comma-separated seconds added before each request by a proxy, as a "
+                             "remote S3 would (default 0; e.g. 0,0.02)")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.keys.split(",")]
     from loader.tools.devserver import DevServer
@@ -177,27 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_dir and BUCKET not in {b["Name"] for b in server.client().list_buckets()["Buckets"]}:
             server.create_bucket(BUCKET)
         out = []
+        latencies = [float(x) for x in args.latency.split(",")]
         for count in counts:
             took = ensure_keys(config, count)
             if took is not None:
                 print(f"{count:,} empty objects PUT in {took:.0f} s", file=sys.stderr, flush=True)
-            rows: dict[str, Row] = {}
-            prefix = f"flat-{count}/"
-            warm: dict[str, Row] = {}  # imports and sessions made before the clock runs
-            for name, store, parallel in RUNS:
-                run = (lambda: boto3_paginator(config, MARKER)) if store is None else (
-                    lambda s=store, p=parallel: ours(config, MARKER, s, p))
-                measure(warm, name, run, -1, server.pid, quiet=True)
-            for repeat in range(args.repeats):
-                for name, store, parallel in RUNS:
-                    if store is None:
-                        if repeat < (args.paginator_repeats or args.repeats):
-                            measure(rows, name, functools.partial(boto3_paginator, config, prefix),
-                                    count, server.pid)
-                    else:
-                        measure(rows, name, functools.partial(ours, config, prefix, store, parallel),
-                                count, server.pid)
-            out.append(table(count, rows))
+            for latency in latencies:
+                with contextlib.ExitStack() as stack:
+                    target = config
+                    if latency:
+                        faults = load_faults_module()
+                        proxy = stack.enter_context(faults.FaultProxy(
+                            config.endpoint_url, faults.FaultPlan(latency=latency, objects_only=False),
+                            max_lifetime=6 * 3600))
+                        target = dataclasses.replace(config, endpoint_url=proxy.endpoint_url)
+                    print(f"{count:,} keys, {latency * 1000:.0f} ms added", file=sys.stderr, flush=True)
+                    out.append(table(count, run_listers(target, count, args, server.pid), latency))
     print("\n\n".join(out))
     return 0
 

@@ -10,6 +10,10 @@ splitting pauses while split-off ranges keep coming back empty (keys of a tree o
 far from evenly spread over the key space: the guesses land between folders).
 Where ranges end and why nothing is missed on either kind of server: ``keyranges``.
 
+The number of ranges at once starts at one and doubles while each doubling lists faster
+(``RangeLister._measure``), up to ``parallel``: against a remote S3 that is soon all of them,
+against a server that shares the client's CPU it may stay at one or two.
+
 Each range is retried page by page (``call_with_retries``, counted from its last page), and
 hands its pages to ``sink`` with the keys past its bound dropped (the next range lists them).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable
 
 import anyio
@@ -31,6 +36,8 @@ from .keyranges import KeySpace, past
 RAMP_PAGES = 2  # pages listed one after the other before any range is split
 MIN_SPLIT_PAGES = 3  # a range estimated to hold fewer pages than this is left whole
 MAX_MISSES = 0.2  # empty ranges split off, per page received, beyond which splitting pauses
+LEVEL_PAGES = 3  # pages per range allowed at once that measure a level of parallelism
+GAIN = 1.1  # how much faster a doubling must list for the next one to be tried
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,7 +66,12 @@ class RangeLister:
         self.active: list[KeyRange] = []
         self.ranges = 0  # started, for statistics and tests
         self.pages = 0
+        self._keys = 0
         self.misses = 0  # ranges split off that held nothing: the guesses that went wrong
+        self.limit = 1  # ranges allowed at once, doubled while that lists faster (_measure)
+        self._level: tuple[float, int, int] | None = None  # (time, pages, keys) as it began
+        self._level_rate = 0.0  # keys per second at the level below
+        self._settled = False
         self._chars: set[str] = set()  # the alphabet of the keys seen
         self._folder_ends: set[int] = set()  # lengths at which keys seen have a "/"
         self._space: KeySpace | None = None
@@ -86,6 +98,8 @@ class RangeLister:
                     continue
                 self.active.append(found)
                 self.ranges += 1
+                if self._level is None and len(self.active) >= self.limit and self.pages >= RAMP_PAGES:
+                    self._level = (time.monotonic(), self.pages, self._keys)  # the level is in use
                 try:
                     await self._list(found)
                 finally:
@@ -142,8 +156,37 @@ class RangeLister:
         if page.token is None:
             part.done = True
         self.pages += 1
+        self._keys += len(objects)
         self.sink(objects)
+        self._measure()
         self._notify()
+
+    def _measure(self) -> None:
+        """Double ``limit`` while each doubling lists faster, by ``GAIN`` at least; settle
+        otherwise. Against a remote S3, pages wait on round trips and more ranges list more keys
+        per second; on a server that is short of CPU (a local one sharing the client's cores)
+        more ranges only add requests, and the listing stays nearly page after page."""
+        if self._settled or self.pages < RAMP_PAGES:
+            return
+        now = time.monotonic()
+        if self._level is None:
+            if self.limit == 1:
+                self._level = (now, self.pages, self._keys)
+            return  # measured from when as many ranges run as allowed
+        began, pages, keys = self._level
+        if self.pages - pages < LEVEL_PAGES * self.limit or now <= began:
+            return
+        rate = (self._keys - keys) / (now - began)
+        if self.limit > 1 and rate < self._level_rate * GAIN:
+            self._settled = True
+            if rate < self._level_rate:
+                self.limit //= 2  # the last doubling made it slower: step back
+            return
+        if self.limit >= self.parallel:
+            self._settled = True
+            return
+        self._level_rate, self.limit = rate, min(self.parallel, self.limit * 2)
+        self._level = None
 
     # ------------------------------------------------------------------ splitting
 
@@ -182,7 +225,7 @@ class RangeLister:
 
     def _steal(self) -> KeyRange | None:
         """A new range split off the largest splittable active one, or None for now."""
-        if self.pages < RAMP_PAGES or len(self.active) >= min(self.pages, self.parallel):
+        if self.pages < RAMP_PAGES or len(self.active) >= min(self.pages, self.limit):
             return None
         if self.misses > self.pages * MAX_MISSES:
             return None  # guesses keep landing in empty key space: wait for more pages
