@@ -66,7 +66,7 @@ def test_explicit_knobs_win_and_the_rest_is_derived():
     assert derived["queue_bytes"] == 32 * MiB and derived["shards_inflight"] == 2
     ds = AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", memory_budget=256 * MiB,
                                     queue_bytes=32 * MiB, shards_inflight=2)
-    assert ds.options.queue_bytes == 32 * MiB and ds.shard_options.shards_inflight == 2
+    assert ds.options.queue_bytes == 32 * MiB and ds.source.shard_options.shards_inflight == 2
 
 
 @pytest.mark.parametrize("options, match", [
@@ -169,6 +169,6 @@ def test_the_byte_bounded_shuffle_repeats_for_a_seed():
 def test_shard_dataset_under_a_budget_is_exactly_once():
     fake, expected = make_store(num_shards=6, per_shard=80)
     ds = shards_ds(fake, f"s3://{BUCKET}/shards/", memory_budget=8 * MiB, shuffle=True, seed=2)
-    assert ds.shard_options.shuffle_bytes == 2 * MiB
+    assert ds.source.shard_options.shuffle_bytes == 2 * MiB
     assert_exactly(list(ds), expected)
     assert ds.stats()["peak_buffered_bytes"] <= 2 * MiB + 2 * 10_000

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader, get_worker_info
 
-import loader.datasets.iterable
+import loader.datasets.shard_source
 from loader import AsyncS3Dataset, ConfigError, SampleError
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
 from loader.retry import RetryPolicy
@@ -208,7 +208,7 @@ def test_three_shards_over_two_ranks_of_two_workers():
 
 
 def test_sample_split_warns_once_about_the_cost(caplog, monkeypatch):
-    monkeypatch.setattr(loader.datasets.iterable, "_warned_split", False)
+    monkeypatch.setattr(loader.datasets.shard_source, "_warned_split", False)
     fake, expected = make_store(num_shards=2, per_shard=30)
     spec = f"s3://{BUCKET}/shards/train-{{0000..0001}}.tar"
     samples = []

@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from ..checks import check_int
 from ..engine.fetch import Job, JobContext
 from ..errors import (
-    ConfigError,
     InvalidRangeError,
     ObjectChangedError,
     ShardFormatError,
@@ -103,14 +103,10 @@ class ShardOptions:
 
     def __post_init__(self) -> None:
         for name in ("shards_inflight", "part_size", "parts_inflight", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
-            raise ConfigError(f"shuffle_buffer={self.shuffle_buffer!r} must be 0 (off) or more")
-        value = self.shuffle_bytes
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"shuffle_bytes={value!r} must be a positive number of bytes or None")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("shuffle_buffer", self.shuffle_buffer, minimum=0, must="0 (off) or more")
+        check_int("shuffle_bytes", self.shuffle_bytes, minimum=1, optional=True,
+                  must="a positive number of bytes or None")
 
 
 class ShardRef(NamedTuple):
@@ -267,8 +263,7 @@ def _ranged_job(
                 if stop < len(offsets) and offsets[stop] - offsets[start] <= options.part_size:
                     # One bounded GET: the range ends where the next sample's first header starts.
                     get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
-                                            offsets[start], offsets[stop], pin=pin,
-                                            listed_etag=shard.etag)
+                                            offsets[start], offsets[stop], pin=pin)
                     data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
                     await feed(data)
                 else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
@@ -376,7 +371,7 @@ async def _read_stream(
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size,
-                                 pin=pin, listed_etag=shard.etag)
+                                 pin=pin)
             ) as chunks:
                 if compression is None:
                     async for chunk in chunks:
@@ -444,8 +439,7 @@ async def _read_parts(
         end = min(size, (i + 1) * part)
         try:
             results[i] = await call_with_retries(
-                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin,
-                                            listed_etag=shard.etag),
+                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin),
                 ctx.retry,
                 on_retry=ctx.retried,
             )
