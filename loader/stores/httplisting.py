@@ -207,12 +207,11 @@ class HttpLister:
     # Reads: whole objects and ranges (a shard index found beside the shards); not streams or
     # conditional reads, which the data path makes through the backends.
 
-    async def get(self, bucket: str, key: str, *, pin: Pin | None = None,
-                  listed_etag: str | None = None) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         return await self._get(bucket, key, None)
 
     async def get_range(self, bucket: str, key: str, start: int, end: int | None, *,
-                        pin: Pin | None = None, listed_etag: str | None = None) -> bytes:
+                        pin: Pin | None = None) -> bytes:
         if end is not None and end <= start:
             return b""
         return await self._get(bucket, key, f"bytes={start}-{'' if end is None else end - 1}")
@@ -227,8 +226,8 @@ class HttpLister:
                          f"a write of s3://{bucket}/{key})", bucket=bucket, key=key)
 
     async def stream(self, bucket: str, key: str, start: int = 0,
-                     chunk_size: int = DEFAULT_CHUNK_SIZE, *, pin: Pin | None = None,
-                     listed_etag: str | None = None) -> AsyncGenerator[bytes, None]:
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                     pin: Pin | None = None) -> AsyncGenerator[bytes, None]:
         self._not_here(bucket, key)
         yield b""  # pragma: no cover - makes this an async generator
 
