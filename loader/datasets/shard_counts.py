@@ -22,7 +22,8 @@ from ..errors import ConfigError, NoSuchKeyError
 from ..formats.index import read_index
 from ..formats.index_entries import INDEX_NAME, parse_index, stale_reason
 from ..formats.shards import Expect, ShardRef
-from .options import LoaderOptions
+from ..retry import RetryPolicy
+from ..stores import StoreFactory
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,11 @@ def index_location(shards: Sequence[ShardRef]) -> str | None:
     return f"s3://{shards[0].bucket}/{folder.lstrip('/')}{INDEX_NAME}"
 
 
-def fetch_index(uri: str, options: LoaderOptions) -> tuple[dict[str, Any] | None, str]:
+def fetch_index(uri: str, store: StoreFactory, retry: RetryPolicy) -> tuple[dict[str, Any] | None, str]:
     """The parsed index at ``uri`` (one GET), or None and why there is none to use: an
     ``index.json`` that is not a shard index (another tool's) is left alone, with a warning."""
     try:
-        return read_index(uri, store=options.listing_factory()), ""
+        return read_index(uri, store=store), ""
     except NoSuchKeyError:
         return None, f"no {INDEX_NAME} at {uri}"
     except ConfigError as exc:

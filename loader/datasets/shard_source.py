@@ -150,7 +150,8 @@ class ShardSource:
             uri = index_at(given) if given else index_location(shards)
             document, self._no_index = None, "the shards lie in several buckets (index= can say where their index is)"
             if uri is not None:
-                document, self._no_index = fetch_index(uri, self.options)
+                document, self._no_index = fetch_index(uri, self.options.listing_factory(),
+                                                       self.options.retry)
             if document is None and given:
                 raise ConfigError(f"index={given!r}: {self._no_index}; write one with "
                                   f"`{self._command()} --out {uri}`")

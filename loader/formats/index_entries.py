@@ -23,8 +23,8 @@ from ..stores.base import normalize_etag
 from .compression import compression_of
 from .index import INDEX_NAME, INDEX_VERSION
 
-__all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexEntry", "entry_document", "index_document",
-           "parse_index", "stale_reason"]
+__all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexEntry", "add_versions", "entry_document",
+           "index_document", "parse_index", "stale_reason"]
 
 
 class IndexEntry(NamedTuple):
@@ -113,4 +113,14 @@ def index_document(entries: Iterable[Mapping[str, Any]],
     document.setdefault("created_by", "loader index")
     document.update(version=INDEX_VERSION, samples=sum(s["samples"] for s in shards),
                     bytes=sum(s.get("bytes", 0) for s in shards), shards=shards)
+    return document
+
+
+def add_versions(document: dict[str, Any], listed: Mapping[str, tuple[int, str | None]]) -> dict[str, Any]:
+    """``document`` with each shard's ``size`` and ``etag`` from ``listed`` (key -> the size and
+    ETag a listing gave), as ``loader shard`` records them once its shards are written."""
+    for shard in document.get("shards", ()):
+        version = listed.get(shard.get("key"))
+        if version is not None:
+            shard["size"], shard["etag"] = version[0], normalize_etag(version[1])
     return document
