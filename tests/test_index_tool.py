@@ -175,3 +175,13 @@ def test_loader_shard_records_each_shards_size_and_etag_and_from_shards_finds_it
     lengths = [len(list(AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake), rank=r,
                                                     world_size=4))) for r in range(4)]
     assert lengths == [15] * 4 and len(entries) > 4
+
+
+def test_ranged_parts_when_asked_give_the_same_index():
+    fake, _ = store_with_index(index=False)
+    run(fake)
+    streamed = index_of(fake)[1]
+    fake.reset_counters()
+    run(fake, force=True, parts_inflight=3, part_size=4096)
+    assert index_of(fake)[1] == streamed
+    assert all(fake.requests_by_key[shard_key(s)] > 3 for s in range(4)), "read as ranged parts"

@@ -3,7 +3,7 @@
 
     list the shards (sizes, ETags) ─► read the index already there ─► the shards it lacks or
     that changed since, ``concurrency`` at a time, each streamed once through a ``FetchEngine``
-    (ranged parts for large uncompressed ones, decompressed as they stream), parsed and grouped
+    (or as ranged parts, if asked; decompressed as they stream), parsed and grouped
     into samples exactly as shard mode does ─► the index rewritten as shards finish (every
     ``flush_s`` seconds), at the end, and when interrupted
 
@@ -48,20 +48,23 @@ PROGRESS_STEP = 8 << 20  # tar bytes between progress reports from a shard being
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IndexOptions:
     """``out``: the index's URI (default: ``index.json`` in the shards' common folder).
-    ``concurrency``: shards read at once. ``part_size``: a larger uncompressed shard is read as
-    ranged parts of this size, 4 at a time. ``flush_s``: the index is rewritten at most this
-    often while shards finish. ``force``: read every shard again, even those indexed.
-    ``stop_after``: stop after this many shards (for tests of resuming)."""
+    ``concurrency``: shards read at once, each as one stream (memory: about ``concurrency`` x
+    (a 1 MiB chunk + the largest sample)). ``parts_inflight``: above 1, an uncompressed shard over
+    two ``part_size`` is read as that many ranged GETs at once instead (for a few very large
+    shards on a distant store; holds ``parts_inflight`` x ``part_size`` per shard).
+    ``flush_s``: the index is rewritten at most this often while shards finish. ``force``: read
+    every shard again, even those indexed. ``stop_after``: stop after this many shards (tests)."""
 
     out: str | None = None
     concurrency: int = DEFAULT_CONCURRENCY
+    parts_inflight: int = 1
     part_size: int = DEFAULT_PART_SIZE
     flush_s: float = DEFAULT_FLUSH_S
     force: bool = False
     stop_after: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "part_size"):
+        for name in ("concurrency", "parts_inflight", "part_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -124,7 +127,8 @@ def index_shards(
         report.complete = True
         return report
     engine = FetchEngine(
-        [_index_job(ref, ShardOptions(part_size=options.part_size)) for ref in todo], factory,
+        [_index_job(ref, ShardOptions(part_size=options.part_size, parts_inflight=options.parts_inflight))
+         for ref in todo], factory,
         limits=EngineLimits(max_inflight=options.concurrency, queue_items=4 * options.concurrency,
                             delivery="completed"),
         retry=retry, name="loader-index")

@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(then pass index=URI to from_shards)")
     p.add_argument("--concurrency", type=_positive_int, default=8, metavar="N",
                    help="shards read at once (default: 8)")
+    p.add_argument("--parts-inflight", type=_positive_int, default=1, metavar="P",
+                   help="ranged GETs at once per large uncompressed shard (default: 1, one stream "
+                        "each; more helps a few very large shards on a distant store)")
     p.add_argument("--force", action="store_true",
                    help="read every shard again, even those indexed and unchanged")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | Non
 
     out, err = out or sys.stdout, err or sys.stderr
     options = IndexOptions(out=args.out, concurrency=args.concurrency, force=args.force,
-                           part_size=args.part_size or DEFAULT_PART_SIZE, stop_after=args.stop_after)
+                           parts_inflight=args.parts_inflight, part_size=args.part_size or DEFAULT_PART_SIZE,
+                           stop_after=args.stop_after)
     bars: list[Any] = []
 
     def progress(report: IndexReport, total_bytes: int) -> Callable[[int, int], None]:
