@@ -175,6 +175,7 @@ def test_loader_shard_records_each_shards_size_and_etag_and_from_shards_finds_it
     lengths = [len(list(AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake), rank=r,
                                                     world_size=4))) for r in range(4)]
     assert lengths == [15] * 4 and len(entries) > 4
+    assert len(AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake))) == 60  # no batch_size
 
 
 def test_ranged_parts_when_asked_give_the_same_index():
