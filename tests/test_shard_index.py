@@ -230,15 +230,29 @@ def test_wrong_sample_counts_are_an_error_too(n):
 
 @pytest.mark.parametrize("n", [24, 26])
 def test_stale_offsets_are_never_blamed_on_a_valid_shard(n):
-    fake, _ = without_versions()  # offsets, but no ETag to pin the reads to
+    fake, _ = without_versions()  # offsets, but no ETag to pin the reads to: they are not used
     rewrite(fake, 2, n)
-    with pytest.raises((ConfigError, ShardFormatError)) as caught:
+    with pytest.raises(ConfigError, match=r"train-0002.tar holds .* samples, but the index .* says it "
+                                          r"holds 25.*python -m loader index"):
+        for rank in range(3):
+            list(ds_of(fake, rank=rank, world_size=3, batch_size=4, shuffle=True, seed=2))
+
+
+def test_offsets_that_meet_another_version_say_so():
+    """Offsets are used only for reads pinned to the indexed ETag; should a store not honour the
+    pin, a read that finds no header at an indexed offset still blames the index, not the shard."""
+    fake, _ = store_with_index()
+    fake.etags = False  # a store that sends no ETags: the pin compares nothing
+    data, _ = build_shard(2, 25, 600, 900)  # same count, other sample sizes: offsets point inside members
+    fake.objects[BUCKET, shard_key(2)] = data
+    with pytest.raises((ShardFormatError, ConfigError)) as caught:
         for rank in range(3):
             list(ds_of(fake, rank=rank, world_size=3, batch_size=4, shuffle=True, seed=2))
     message = str(caught.value)
     assert "train-0002.tar" in message and "python -m loader index" in message
     if isinstance(caught.value, ShardFormatError):
-        assert "changed after it was indexed" in message
+        assert message.startswith("s3://bucket/shards/train-0002.tar: no tar header at byte ")
+        assert "the shard changed after it was indexed" in message
 
 
 def test_blocks_with_the_index_read_each_sample_once_with_ranged_gets():

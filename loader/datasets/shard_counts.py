@@ -118,9 +118,12 @@ def match_index(shards: Sequence[ShardRef], document: Any, uri: str, *, fix: str
         found.counts[shard.url] = entry.samples
         if shard.size is None and shard.etag is None:
             found.versions[shard.url] = (entry.size, entry.etag)
-        if offsets and entry.offsets is not None and shard.compression is None:
+        pinned = entry.etag is not None and shard.etag in (None, entry.etag)  # reads ask for that version
+        if offsets and pinned and entry.offsets is not None and shard.compression is None:
             # Each sample's byte offset lets a worker fetch just its blocks (ranged GETs)
             # rather than every shard a step touches from its first byte. 8 bytes a sample.
+            # Only for a read pinned to the indexed version: offsets of another version would
+            # land inside members; without them the shard is read from its start, count checked.
             found.offsets[shard.url] = array.array("q", entry.offsets)
     return found
 

@@ -352,10 +352,15 @@ def _ranged_job(
                         raise
                     raise expect.changed(shard, exc) from exc
                 except ShardFormatError as exc:
-                    raise ShardFormatError(
-                        f"{exc}; this read began at byte {offsets[start]}, where {expect.source} "
-                        f"places sample {start}: if the shard itself is valid, it changed after it "
-                        f"was indexed; {expect.fix}", url=shard.url, offset=exc.offset) from exc
+                    if exc.offset == offsets[start]:  # no header where the index put a sample
+                        message = (f"{shard.url}: no tar header at byte {offsets[start]}, where "
+                                   f"{expect.source} places sample {start}: the shard changed after "
+                                   f"it was indexed (or is damaged); {expect.fix}. The parser said: {exc}")
+                    else:
+                        message = (f"{exc}; this read began at byte {offsets[start]}, where {expect.source} "
+                                   f"places sample {start}: if the shard itself is valid, it changed "
+                                   f"after it was indexed; {expect.fix}")
+                    raise ShardFormatError(message, url=shard.url, offset=exc.offset) from exc
                 if last + 1 < stop:
                     raise expect.mismatch(
                         shard, f"has no sample {last + 1} at byte {offsets[last + 1]}")
