@@ -38,8 +38,9 @@ _PUBLIC = {
     "EngineStats": "loader.engine.fetch",
     "FetchEngine": "loader.engine.fetch",
     "decode_sample": "loader.decode",
-    "read_index": "loader.formats.index",
-    "read_index_counts": "loader.formats.index",
+    "mix": "loader.datasets.mix",
+    "read_index": "loader.datasets.shard_index",
+    "read_index_counts": "loader.datasets.shard_index",
     "DevServer": "loader.tools.devserver",
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
@@ -79,6 +80,7 @@ __all__ = [
     "checkpoint",
     "decode",
     "decode_sample",
+    "mix",
     "read_index",
     "read_index_counts",
 ]
@@ -104,7 +106,9 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .config import S3Config
     from .datasets.iterable import AsyncS3Dataset
     from .datasets.mapped import AsyncS3MapDataset
+    from .datasets.mix import mix
     from .datasets.options import LoaderOptions
+    from .datasets.shard_index import read_index, read_index_counts
     from .decode import decode_sample
     from .engine.fetch import EngineLimits, EngineStats, FetchEngine
     from .errors import (
@@ -122,7 +126,6 @@ if TYPE_CHECKING:  # what editors and type checkers see
         TLSError,
         TransientStoreError,
     )
-    from .formats.index import read_index, read_index_counts
     from .retry import RetryPolicy
     from .stores.listing import KeyList, ListOptions
     from .tools.devserver import DevServer

@@ -206,15 +206,12 @@ class FakeStore:
             return None
         return hashlib.md5(data).hexdigest()
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         async with self._read(key):
             return self._lookup(bucket, key, pin)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         async with self._read(key):
             data = self._lookup(bucket, key, pin)
@@ -237,7 +234,7 @@ class FakeStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncIterator[bytes]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")

@@ -64,8 +64,14 @@ class Numbers:
         jobs = [job(tag, number) for tag, number in enumerate(plan) if tag not in progress.delivered]
         yield from run(jobs, self.options.limits("ordered"))
 
+    def transform(self, sample):
+        return sample
+
     def describe(self):
         return f"{self.n} numbers"
+
+    def versions(self):
+        return None  # nothing listed: no versions for a disk cache to check
 
 
 def numbers(n, **options):

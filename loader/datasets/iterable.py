@@ -21,7 +21,6 @@ from typing import Any
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
-from ..decode import apply_transform
 from ..engine.fetch import EngineLimits, FetchEngine, Job
 from ..errors import ConfigError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, Skipped, skippable
@@ -269,6 +268,7 @@ class AsyncS3Dataset(IterableDataset):
         self._samples_skipped = 0
         self._recorder = RequestRecorder()
         started, samples = time.perf_counter(), 0
+        self._check_loader_batch_size()
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
@@ -278,7 +278,7 @@ class AsyncS3Dataset(IterableDataset):
                         self._skip(item.url, None, item.reason)
                         continue
                     try:
-                        sample = apply_transform(self.options.transform, item)
+                        sample = self.source.transform(item)
                     except SampleError as exc:
                         if self.options.on_error == "raise" or not skippable(exc):
                             raise
@@ -288,6 +288,18 @@ class AsyncS3Dataset(IterableDataset):
                     yield sample
         finally:
             self._publish(worker, samples, time.perf_counter() - started)
+
+    def _check_loader_batch_size(self) -> None:
+        """Blocks of ``batch_size=`` line up with the DataLoader's batches only when the two batch
+        sizes agree; otherwise resume would repeat and skip samples, so say it before the first one."""
+        dealt = self.options.batch_size
+        asked = topology.dataloader_batch_size(depth=3)
+        if dealt is not None and asked is not None and asked != dealt:
+            raise ConfigError(
+                f"the dataset deals the epoch in blocks of batch_size={dealt}, but the DataLoader "
+                f"asks for batches of {asked}: give both the same batch size (DataLoader(ds, "
+                f"batch_size={dealt}) or the dataset's batch_size={asked}), or samples_seen() and "
+                "resume() would count the wrong samples")
 
     def _skip(self, url: str, key: str | None, reason: str) -> None:
         """Count a sample that ``on_error`` skips, and say so as it asks."""
@@ -299,11 +311,14 @@ class AsyncS3Dataset(IterableDataset):
         else:
             log.info(message)
 
-    def _run(self, jobs: Iterable[Job], limits: EngineLimits) -> Generator[Any, None, None]:
+    def _run(self, jobs: Iterable[Job], limits: EngineLimits,
+             schedule: Iterable[int] | None = None) -> Generator[Any, None, None]:
         """Run a source's jobs in one engine, closed when the iteration ends."""
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
-        factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder)
-        engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine")
+        factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder,
+                                             versions=self.source.versions())
+        engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine",
+                             schedule=schedule)
         try:
             yield from engine
         finally:

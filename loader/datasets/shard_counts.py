@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError, NoSuchKeyError
-from ..formats.index import read_index
 from ..formats.index_entries import INDEX_NAME, parse_index, stale_reason
 from ..formats.shards import Expect, ShardRef
 from ..retry import RetryPolicy
 from ..stores import StoreFactory
+from .shard_index import read_index
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def fetch_index(uri: str, store: StoreFactory, retry: RetryPolicy) -> tuple[dict
     """The parsed index at ``uri`` (one GET), or None and why there is none to use: an
     ``index.json`` that is not a shard index (another tool's) is left alone, with a warning."""
     try:
-        return read_index(uri, store=store), ""
+        return read_index(uri, store=store, retry=retry), ""
     except NoSuchKeyError:
         return None, f"no {INDEX_NAME} at {uri}"
     except ConfigError as exc:

@@ -15,6 +15,8 @@ import random
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
+from ..checks import check_int
+from ..decode import apply_transform
 from ..engine.fetch import Delivery, Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.index_entries import INDEX_NAME
@@ -28,6 +30,7 @@ from ..formats.shards import (
     sample_nbytes,
     shard_job,
 )
+from ..stores.versions import Versions, versions_of
 from . import cycling, partition
 from .options import LoaderOptions, check_budget
 from .progress import Watermark
@@ -42,7 +45,7 @@ from .shard_counts import (
     with_versions,
 )
 from .shuffle import shuffled
-from .source import Progress, Run, Slot, Tagged
+from .source import Progress, Read, Run, Slot, Tagged
 from .sources import resolve_shards, shard_specs
 
 log = logging.getLogger(__name__)
@@ -314,6 +317,26 @@ class ShardSource:
         with contextlib.closing(samples()) as stream:
             yield from itertools.islice(mixed(stream), left)
 
+    def reads(self, slot: Slot) -> list[Read]:
+        if slot.positions is None:
+            raise ValueError("reads() needs the slot's positions")
+        assignments = self.assignments(slot)  # raises without counts
+        shards, counts, known = self.shards(), self.shard_counts(), self.counts()
+        assert counts is not None and known is not None
+        options = self.shard_options
+        reserve = (options.parts_inflight + 1) * options.part_size  # parts, or chunks and a member
+        return [Read(shard_job(shards[a.shard], position, a, options,
+                               on_error=self.options.on_error, offsets=known.offsets.get(shards[a.shard].url),
+                               expect=known.expect(shards[a.shard])),
+                     a.wanted(counts[a.shard]), _is_sample, reserve)
+                for position, a in enumerate(assignments)]
+
+    def transform(self, sample: dict[str, Any]) -> Any:
+        return apply_transform(self.options.transform, sample)
+
+    def versions(self) -> Versions | None:
+        return versions_of(self.shards())
+
     def describe(self) -> str:
         if self._shards is not None:
             return f"{len(self._shards)} shards"
@@ -366,9 +389,12 @@ def check_counts(counts: Any) -> dict[str, int]:
     if not isinstance(counts, Mapping):
         raise ConfigError(f"sample_counts must map shard URL -> sample count, not {type(counts).__name__}")
     for url, count in counts.items():
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ConfigError(f"sample_counts[{url!r}]={count!r} must be a non-negative integer")
+        check_int(f"sample_counts[{url!r}]", count, minimum=0, must="a non-negative integer")
     return dict(counts)
+
+
+def _is_sample(tag: Tag) -> bool:
+    return tag[1] != END
 
 
 def tagged_nbytes(tagged: tuple[Tag, dict[str, Any]]) -> int:

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..engine.fetch import EngineLimits, Job
+from ..stores.versions import Versions
 from .partition import PadPolicy
 
 Tagged = tuple[Any, Any]
 """``(tag, item)``: the tag says which part of the slot's plan the item is (for resume)."""
 
-Run = Callable[[Iterable[Job], EngineLimits], Generator[Any, None, None]]
-"""Runs jobs in the dataset's engine and yields what they emit, in the order the limits ask."""
+class Run(Protocol):
+    """Runs jobs in the dataset's engine and yields what they emit, in the order the limits ask
+    (``schedule``: the job of every item, for ``delivery="scheduled"``)."""
+
+    def __call__(self, jobs: Iterable[Job], limits: EngineLimits,
+                 schedule: Iterable[int] | None = None) -> Generator[Any, None, None]: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +53,22 @@ class Slot:
         """The keywords ``partition``'s functions take."""
         return dict(seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, rank=self.rank,
                     world_size=self.world_size, worker=self.worker, num_workers=self.num_workers)
+
+
+def _always(tag: Any) -> bool:
+    return True
+
+
+class Read(NamedTuple):
+    """One job of a source's share, for a mix: it emits ``(tag, sample)`` for the next ``size``
+    positions of the slot, in order (fewer when a fault ends it early); items whose tag
+    ``is_sample`` refuses are bookkeeping (an end-of-shard marker) and carry no position.
+    ``reserve``: the bytes the job holds while it runs, when known (the engine's budget)."""
+
+    job: Job
+    size: int
+    is_sample: Callable[[Any], bool] = _always
+    reserve: int | None = None
 
 
 class Progress(Protocol):
@@ -109,4 +130,22 @@ class Source(Protocol):
 
     def describe(self) -> str:
         """A short phrase for reprs and errors (``"4000 keys"``, ``"12 shards"``)."""
+        ...
+
+    def versions(self) -> Versions | None:
+        """What the source's listing says each object's version is, which a disk cache checks
+        its entries against (``loader.stores.versions``); None when no listing gave ETags."""
+        ...
+
+    def transform(self, sample: dict[str, Any]) -> Any:
+        """The sample as users asked for it (``transform=``); runs in the consumer's thread."""
+        ...
+
+
+class Mixable(Source, Protocol):
+    """A source that a mix can draw from: jobs for exactly the given positions."""
+
+    def reads(self, slot: Slot) -> list[Read]:
+        """Jobs that emit ``slot.positions`` (positions of the epoch's order, required here),
+        in order; the ``size`` of consecutive reads adds up to ``len(slot.positions)``."""
         ...

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from ..errors import ConfigError
 from ..stores.base import normalize_etag
 from .compression import compression_of
-from .index import INDEX_NAME, INDEX_VERSION
+from .packing import INDEX_NAME, INDEX_VERSION
 
 __all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexEntry", "add_versions", "entry_document",
            "index_document", "parse_index", "stale_reason"]

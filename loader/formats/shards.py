@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from ..checks import check_int
 from ..engine.fetch import Job, JobContext
 from ..errors import (
     ConfigError,
@@ -110,19 +111,12 @@ class ShardOptions:
 
     def __post_init__(self) -> None:
         for name in ("shards_inflight", "part_size", "parts_inflight", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        buffer = self.shuffle_buffer
-        if buffer is not None and (not isinstance(buffer, int) or isinstance(buffer, bool) or buffer < 0):
-            raise ConfigError(f"shuffle_buffer={buffer!r} must be 0 (off) or more")
-        value = self.shuffle_bytes
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"shuffle_bytes={value!r} must be a positive number of bytes or None")
-        value = self.samples_per_epoch
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"samples_per_epoch={value!r} must be a positive integer (samples "
-                              "per rank and epoch) or None")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("shuffle_buffer", self.shuffle_buffer, minimum=0, optional=True, must="0 (off) or more")
+        check_int("shuffle_bytes", self.shuffle_bytes, minimum=1, optional=True,
+                  must="a positive number of bytes or None")
+        check_int("samples_per_epoch", self.samples_per_epoch, minimum=1, optional=True,
+                  must="a positive integer (samples per rank and epoch) or None")
         if not isinstance(self.uneven_ranks, bool):
             raise ConfigError(f"uneven_ranks={self.uneven_ranks!r} must be True or False")
         if self.index is not None:
@@ -339,8 +333,7 @@ def _ranged_job(
                     if stop < expected and offsets[stop] - offsets[start] <= options.part_size:
                         # One bounded GET: the range ends where the next sample's first header starts.
                         get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
-                                                offsets[start], offsets[stop], pin=pin,
-                                                listed_etag=shard.etag)
+                                                offsets[start], offsets[stop], pin=pin)
                         data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
                         await feed(data)
                     else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
@@ -469,7 +462,7 @@ async def _read_stream(
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size,
-                                 pin=pin, listed_etag=shard.etag)
+                                 pin=pin)
             ) as chunks:
                 if compression is None:
                     async for chunk in chunks:
@@ -537,8 +530,7 @@ async def _read_parts(
         end = min(size, (i + 1) * part)
         try:
             results[i] = await call_with_retries(
-                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin,
-                                            listed_etag=shard.etag),
+                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin),
                 ctx.retry,
                 on_retry=ctx.retried,
             )

@@ -28,6 +28,7 @@ from botocore import exceptions as bce
 
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..uri import object_url
 from .answers import (
@@ -81,7 +82,6 @@ class _SessionCache:
 
     def __init__(self) -> None:
         self._forget()
-        self._fork_hook = False  # registered on first use: importing must have no side effects
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
@@ -89,9 +89,7 @@ class _SessionCache:
 
     @contextlib.contextmanager
     def borrow(self, config: S3Config) -> Iterator[Any]:
-        if not self._fork_hook:
-            self._fork_hook = True
-            os.register_at_fork(after_in_child=self._forget)
+        _session_caches.add(self)  # on use, not at import; again in a forked child
         if not self._lock.acquire(blocking=False):
             yield _new_session(config)
             return
@@ -103,6 +101,9 @@ class _SessionCache:
             yield session
         finally:
             self._lock.release()
+
+
+_session_caches: LiveObjects[_SessionCache] = LiveObjects(in_child=_SessionCache._forget)
 
 
 def _session_key(config: S3Config) -> tuple[str | None, ...]:
@@ -244,14 +245,11 @@ class Aioboto3Store:
         next_token = page.get("NextContinuationToken")
         return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         return await self._read(bucket, key, None, pin)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         if end is not None and end <= start:
             return b""
@@ -303,7 +301,7 @@ class Aioboto3Store:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         if_match = None if pin is None else pin.if_match()
         if self._getter is not None:

@@ -36,6 +36,7 @@ from typing import Any, overload
 import anyio
 import anyio.abc
 
+from ..checks import check_int
 from ..errors import ConfigError
 from ..retry import RetryPolicy, call_with_retries
 from .base import DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, ObjectStore, PagedLister
@@ -61,9 +62,7 @@ class ListOptions:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "parallel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"ListOptions.{name}={value!r} must be a positive integer")
+            check_int(f"ListOptions.{name}", getattr(self, name), minimum=1, must="a positive integer")
         if self.page_size > DEFAULT_PAGE_SIZE:
             raise ConfigError(f"ListOptions.page_size={self.page_size!r}: S3 returns at most "
                               f"{DEFAULT_PAGE_SIZE} keys per page")
@@ -148,11 +147,41 @@ class KeyList(Sequence[str]):
             yield blob[start:end].decode("utf-8", "surrogatepass")
             start = end
 
+    @property
+    def has_sizes(self) -> bool:
+        """Whether the list carries each key's size (made from a listing)."""
+        return self._sizes is not None
+
     def size(self, index: int) -> int:
         """The listed size of key ``index`` (only for lists made from a listing)."""
         if self._sizes is None:
             raise TypeError("this key list carries no sizes (it was not made from a listing)")
         return self._sizes[index]
+
+    @property
+    def has_etags(self) -> bool:
+        """Whether the listing gave ETags (``etag`` then answers for every key)."""
+        return self._etags is not None
+
+    def etag(self, index: int) -> str | None:
+        """The listed ETag of key ``index`` (None when the listing gave none)."""
+        return None if self._etags is None else _unpack_etag(self._etags._raw(index))
+
+    def find(self, key: str) -> int | None:
+        """The position of ``key`` in a list in key order (a listing's), by bisection over the
+        packed bytes (UTF-8 sorts like the keys); None when it is not there."""
+        raw = key.encode("utf-8", "surrogatepass")
+        blob, ends = self._blob, self._ends
+        lo, hi = 0, len(ends)
+        while lo < hi:  # bisect.bisect_left, without decoding a str at every step
+            mid = (lo + hi) // 2
+            if blob[ends[mid - 1] if mid else 0:ends[mid]] < raw:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(ends) and blob[ends[lo - 1] if lo else 0:ends[lo]] == raw:
+            return lo
+        return None
 
     def infos(self) -> Iterator[ObjectInfo]:
         """``ObjectInfo(key, size, etag)`` for every key, in order (sizes needed)."""

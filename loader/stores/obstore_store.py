@@ -75,6 +75,7 @@ import obstore
 from obstore import exceptions as obe
 from obstore.store import S3Store
 
+from ..checks import check_int
 from ..config import S3Config
 from ..errors import (
     ConfigError,
@@ -260,9 +261,7 @@ class ObstoreStore:
                 yield ListPage(objects, [], batch[-1]["path"])
         yield ListPage([], [], None)
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         _check_key(bucket, key)
         if pin is not None:  # the response's ETag is needed: get_range_async does not give it
             return await self._get_plain(bucket, key, pin=pin)
@@ -309,8 +308,7 @@ class ObstoreStore:
         return _checked(data, stop - start, bucket, key, start)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         _check_range_args(bucket, key, start, end)
         if end is not None and end == start:
@@ -364,10 +362,9 @@ class ObstoreStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
+        check_int("chunk_size", chunk_size, minimum=1)
         _check_range_args(bucket, key, start, None)
         store = self._store(bucket)
         options: Any = {"range": {"offset": start}} if start else None

@@ -524,7 +524,7 @@ def _name_format(text: str) -> str:
 def register_index(subparsers: argparse._SubParsersAction) -> None:
     from .index_command import register  # its own module: this one is near its size limit
 
-    register(subparsers)
+    register(subparsers, sys.modules[__name__])
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
