@@ -186,3 +186,27 @@ def test_ranged_parts_when_asked_give_the_same_index():
     run(fake, force=True, parts_inflight=3, part_size=4096)
     assert index_of(fake)[1] == streamed
     assert all(fake.requests_by_key[shard_key(s)] > 3 for s in range(4)), "read as ranged parts"
+
+
+def test_indexing_never_imports_torch():
+    """``loader index`` is a command line tool: no torch import (seconds) on its way."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys
+from fakes import FakeStore, reusable
+from loader.tools.index import index_shards
+import io, tarfile
+out = io.BytesIO()
+with tarfile.open(fileobj=out, mode="w") as tar:
+    info = tarfile.TarInfo("a/1.txt"); info.size = 1; tar.addfile(info, io.BytesIO(b"x"))
+fake = FakeStore.with_objects("bkt", {"s/0.tar": out.getvalue(), "t/1.tar": out.getvalue()})
+assert index_shards("s3://bkt/s/", store=reusable(fake)).samples == 1
+assert index_shards(["s3://bkt/t/1.tar"], store=reusable(fake)).samples == 1
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", script], cwd=here, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -38,11 +38,13 @@ from ..retry import RetryPolicy, call_with_retries
 from ..stores import StoreFactory, open_store, resolve_backend
 from ..stores.base import Pin
 from ..stores.blocking import run_async, with_store
+from ..stores.listing import ListOptions
 from ..uri import parse_s3_uri
 
 DEFAULT_CONCURRENCY = 8
 DEFAULT_FLUSH_S = 10.0
 PROGRESS_STEP = 8 << 20  # tar bytes between progress reports from a shard being read
+ALONE = ListOptions(once_per_job=False)  # a command, not a rank of a job: no process group to ask (nor torch)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,7 +171,8 @@ def listed_shards(specs: list[str], factory: StoreFactory, retry: RetryPolicy) -
     found: dict[str, ShardRef] = {}
     for bucket, keys in named.items():
         common = _common_prefix(keys)
-        listing = list_prefix(f"s3://{bucket}/{common}", factory=factory, retry=retry, suffix=SHARD_SUFFIXES)
+        listing = list_prefix(f"s3://{bucket}/{common}", factory=factory, retry=retry, suffix=SHARD_SUFFIXES,
+                              options=ALONE)
         infos = {info.key: info for info in listing.infos()}
         for key in keys:
             info = infos.get(key)
@@ -177,7 +180,7 @@ def listed_shards(specs: list[str], factory: StoreFactory, retry: RetryPolicy) -
                 raise NoSuchKeyError(f"shard s3://{bucket}/{key} does not exist (it is not in the "
                                      f"listing of s3://{bucket}/{common})", bucket=bucket, key=key)
             found[f"s3://{bucket}/{key}"] = ShardRef(bucket, key, info.size, info.etag)
-    listed = resolve_shards(prefixes, factory=factory, retry=retry) if prefixes else []
+    listed = resolve_shards(prefixes, factory=factory, retry=retry, options=ALONE) if prefixes else []
     out: dict[str, ShardRef] = {}  # each shard once, named ones first
     for ref in [*found.values(), *listed]:
         out.setdefault(ref.url, ref)
