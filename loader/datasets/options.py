@@ -215,8 +215,8 @@ class MapKwargs(TypedDict, total=False):
 
 
 class ShardKwargs(LoaderKwargs, total=False):
-    """``from_shards`` also takes how shards are read (``formats.shards.ShardOptions``) and the
-    sample counts per shard."""
+    """``from_shards`` also takes how shards are read and dealt (``formats.shards.ShardOptions``)
+    and the sample counts per shard."""
 
     shards_inflight: int
     shuffle_buffer: int
@@ -224,6 +224,9 @@ class ShardKwargs(LoaderKwargs, total=False):
     parts_inflight: int
     chunk_size: int
     shuffle_bytes: int | None
+    samples_per_epoch: int | None
+    uneven_ranks: bool
+    index: str | None
     sample_counts: Mapping[str, int] | None
 
 
