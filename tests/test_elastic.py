@@ -171,7 +171,10 @@ def shard_store(objects, per_shard=23, index=False):
         with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
             offsets[url] = [member.offset for member in tar.getmembers()]
     if index:
-        document = {"version": 1, "shards": [{"url": u, "samples": n, "offsets": offsets[u]}
+        key = {u: u.removeprefix("s3://bucket/") for u in counts}  # the index records each version
+        document = {"version": 1, "shards": [{"url": u, "samples": n, "offsets": offsets[u],
+                                              "etag": fake.etag_of("bucket", key[u]),
+                                              "size": len(fake.objects["bucket", key[u]])}
                                              for u, n in counts.items()]}
         fake.objects["bucket", "shards/index.json"] = json.dumps(document).encode()
     return fake, counts
@@ -265,8 +268,9 @@ def test_with_the_index_offsets_each_rank_fetches_only_its_blocks():
 def test_shard_mode_without_counts_says_what_is_missing():
     fake, _ = shard_store(payloads(30, size=16))
     ds = make_dataset("shards", fake, rank=0, world_size=1)
-    with pytest.raises(ConfigError, match=r"no sample_counts= was given and there is no index.json "
-                                          r"in s3://bucket/shards/"):
+    with pytest.raises(ConfigError, match=r"sample count of each shard is unknown \(no index.json at "
+                                          r"s3://bucket/shards/index.json\).*python -m loader index "
+                                          r".*sample_counts=.*samples_per_epoch="):
         ds.resume(epoch=0, samples_seen=8)
     with pytest.raises(ConfigError, match="sample_counts"):
         list(ds)

@@ -41,6 +41,12 @@ class Numbers:
     def missing_count(self):
         return ""
 
+    def fixed_rank_length(self):
+        return None
+
+    def skipped(self, url, key):
+        return f"number {key}"
+
     def progress(self, state):
         return ObjectProgress(Watermark.from_state(state["delivered"]) if state else None)
 

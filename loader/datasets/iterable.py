@@ -209,6 +209,9 @@ class AsyncS3Dataset(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (after ``resume()``, what is left of it)."""
+        fixed = self.source.fixed_rank_length()
+        if fixed is not None:
+            return fixed - self._seen()
         _, world_size = self._world()
         if self.options.batch_size is not None:
             _, rest = self._rest()
@@ -245,14 +248,14 @@ class AsyncS3Dataset(IterableDataset):
         rank, world_size = self._world()
         worker, num_workers = topology.worker()
         positions = None
-        if self.options.batch_size is not None:
+        if self.options.batch_size is not None and self.source.fixed_rank_length() is None:
             seen, rest = self._rest()
             positions = [seen + p for p in partition.block_positions(
                 rest, batch_size=self.options.batch_size, rank=rank, world_size=world_size,
                 worker=worker, num_workers=num_workers, policy=self.options.pad_policy)]
         return Slot(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
                     seed=self.options.effective_seed, epoch=self.epoch, shuffle=self.options.shuffle,
-                    policy=self.options.pad_policy, positions=positions)
+                    policy=self.options.pad_policy, positions=positions, seen=self._seen())
 
     # ----------------------------------------------------------------------- iteration
 
@@ -272,14 +275,14 @@ class AsyncS3Dataset(IterableDataset):
                 for tag, item in tagged:
                     progress.add(tag)
                     if isinstance(item, Skipped):
-                        self._skip(item.url, item.reason)
+                        self._skip(item.url, None, item.reason)
                         continue
                     try:
                         sample = self.source.transform(item)
                     except SampleError as exc:
                         if self.options.on_error == "raise" or not skippable(exc):
                             raise
-                        self._skip(exc.url, str(exc))
+                        self._skip(exc.url, item.get("__key__"), str(exc))
                         continue
                     samples += 1
                     yield sample
@@ -298,10 +301,10 @@ class AsyncS3Dataset(IterableDataset):
                 f"batch_size={dealt}) or the dataset's batch_size={asked}), or samples_seen() and "
                 "resume() would count the wrong samples")
 
-    def _skip(self, url: str, reason: str) -> None:
+    def _skip(self, url: str, key: str | None, reason: str) -> None:
         """Count a sample that ``on_error`` skips, and say so as it asks."""
         self._samples_skipped += 1
-        message = f"skipping {url} (on_error={self.options.on_error!r}): {reason}"
+        message = f"skipping {self.source.skipped(url, key)} (on_error={self.options.on_error!r}): {reason}"
         if self.options.on_error == "warn":
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
@@ -397,9 +400,12 @@ class AsyncS3Dataset(IterableDataset):
         ``samples_seen`` is what ``samples_seen(steps)`` said at the checkpoint. The rest of the
         epoch is dealt in blocks over the new ranks and workers (its end padded or dropped as
         ``pad_policy`` says); ``batch_size`` may change too. Call it before the DataLoader
-        starts its workers: persistent workers keep the plan they were started with.
+        starts its workers: persistent workers keep the plan they were started with. A source
+        that fixes each rank's epoch length (shards with ``samples_per_epoch=N``) counts
+        ``samples_seen`` per rank: every rank then yields the ``N - samples_seen`` left.
         """
-        if self.options.batch_size is None:
+        fixed = self.source.fixed_rank_length()
+        if self.options.batch_size is None and fixed is None:
             raise ConfigError(
                 "resume(samples_seen=) counts samples of the epoch's order as batch_size= deals "
                 "it; build the dataset with batch_size=<the DataLoader's batch size per rank>")
@@ -407,9 +413,10 @@ class AsyncS3Dataset(IterableDataset):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")
         self.resolve()
-        total = self._total()
+        total = self._total() if fixed is None else fixed
         if samples_seen > total:
-            raise ConfigError(f"samples_seen={samples_seen!r} is more than the {total} samples "
+            per = "" if fixed is None else " per rank"
+            raise ConfigError(f"samples_seen={samples_seen!r} is more than the {total} samples{per} "
                               "of an epoch of this data set; is it the same data set?")
         self.epoch = epoch
         self._resume = None
@@ -438,6 +445,9 @@ class AsyncS3Dataset(IterableDataset):
         on every rank (plus those a ``resume`` skipped): what to save for ``resume``."""
         if self.options.batch_size is None:
             raise ConfigError("samples_seen() needs batch_size= (the DataLoader's batch size per rank)")
+        fixed = self.source.fixed_rank_length()
+        if fixed is not None:  # an epoch of ``fixed`` samples per rank: counted per rank
+            return min(fixed, self._seen() + steps * self.options.batch_size)
         _, world_size = self._world()
         seen, rest = self._rest()
         return seen + partition.samples_consumed(rest, steps, batch_size=self.options.batch_size,

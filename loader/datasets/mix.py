@@ -108,6 +108,12 @@ class MixSource:
     def missing_count(self) -> str:
         return ""
 
+    def fixed_rank_length(self) -> None:
+        return None  # the mix's epoch (samples_per_epoch= or the default) is an order dealt to ranks
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return url if key is None else f"sample {key!r} from {url}"
+
     def progress(self, state: Mapping[str, Any]) -> ObjectProgress:
         return ObjectProgress(Watermark.from_state(state["delivered"]) if state else None)
 

@@ -103,6 +103,12 @@ class ObjectSource:
     def missing_count(self) -> str:
         return ""  # a listed or given key list always has a count
 
+    def fixed_rank_length(self) -> None:
+        return None  # an epoch is the key list
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return url  # the object is the sample
+
     def progress(self, state: Mapping[str, Any]) -> ObjectProgress:
         if not state:
             return ObjectProgress()

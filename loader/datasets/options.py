@@ -134,13 +134,14 @@ class LoaderOptions:
         """The store that lists keys and shards in the process that builds the dataset.
 
         obstore's native runtime does not survive ``fork()``: a process that used it forks
-        DataLoader workers that hang. Listing is a one-off, so it always goes through aioboto3,
-        which leaves nothing behind, and ``store="obstore"`` then works with forked workers.
+        DataLoader workers that hang. Listing is a one-off, so it never goes through obstore:
+        ``open_listing_store`` lists with the standard library's HTTP client where it can (no
+        aiohttp or botocore to import before the first sample), else through aioboto3.
         """
-        if self.store == "obstore":
-            return self._spec().opener(max_connections=self.listing.parallel, retry=self.retry,
-                                       backend="aioboto3")
-        return self.store_factory(cached=False)
+        spec = self._spec()
+        if spec.factory is not None:
+            return self.store_factory(cached=False)
+        return spec.lister(max_connections=self.listing.parallel, retry=self.retry)
 
     def store_factory(self, *, cached: bool = True,
                       on_cache_close: Callable[[CacheStats], None] | None = None,
@@ -214,8 +215,8 @@ class MapKwargs(TypedDict, total=False):
 
 
 class ShardKwargs(LoaderKwargs, total=False):
-    """``from_shards`` also takes how shards are read (``formats.shards.ShardOptions``) and the
-    sample counts per shard."""
+    """``from_shards`` also takes how shards are read and dealt (``formats.shards.ShardOptions``)
+    and the sample counts per shard."""
 
     shards_inflight: int
     shuffle_buffer: int
@@ -223,6 +224,9 @@ class ShardKwargs(LoaderKwargs, total=False):
     parts_inflight: int
     chunk_size: int
     shuffle_bytes: int | None
+    samples_per_epoch: int | None
+    uneven_ranks: bool
+    index: str | None
     sample_counts: Mapping[str, int] | None
 
 

@@ -34,6 +34,8 @@ class Slot:
     ``positions``: with ``batch_size=``, the positions of the epoch's sample order this slot
     reads, in reading order (the dataset deals them in blocks); None lets the source split the
     epoch itself (``partition``: strided samples, or shards dealt to slots).
+    ``seen``: samples of the epoch a ``resume()`` skipped (per rank for a source of fixed rank
+    length, see ``Source.fixed_rank_length``; ``positions`` already start after them).
     """
 
     rank: int
@@ -45,6 +47,7 @@ class Slot:
     shuffle: bool
     policy: PadPolicy
     positions: Sequence[int] | None = None
+    seen: int = 0
 
     def where(self) -> dict[str, Any]:
         """The keywords ``partition``'s functions take."""
@@ -104,6 +107,17 @@ class Source(Protocol):
 
     def missing_count(self) -> str:
         """Why ``count()`` is None and how to make it known (advice for an error message)."""
+        ...
+
+    def fixed_rank_length(self) -> int | None:
+        """Samples every rank yields per epoch when the source fixes that number itself
+        (``samples_per_epoch``), whatever the data holds; None when the epoch is the data
+        (``count()`` samples dealt across ranks). ``resume(samples_seen=)`` then counts per rank,
+        and no blocks are dealt (``Slot.positions`` stays None)."""
+        ...
+
+    def skipped(self, url: str, key: str | None) -> str:
+        """How a warning names a sample that ``on_error`` skipped, and what reading does next."""
         ...
 
     def progress(self, state: Mapping[str, Any]) -> Progress:

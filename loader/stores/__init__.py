@@ -26,7 +26,7 @@ from .base import (
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_PAGE_SIZE", "BACKENDS", "ListPage", "MultipartStore", "ObjectInfo",
            "ObjectStore", "PagedLister", "Pin", "StoreFactory", "StoreSpec", "normalize_etag",
-           "open_store", "preload_backend", "resolve_backend"]
+           "open_listing_store", "open_store", "preload_backend", "resolve_backend"]
 
 StoreFactory = Callable[[], Awaitable[ObjectStore]]
 BACKENDS = ("aioboto3", "obstore")
@@ -42,18 +42,34 @@ def resolve_backend(name: str | None) -> str:
     return chosen
 
 
-def preload_backend(backend: str) -> None:
+def preload_backend(backend: str, config: S3Config | None = None) -> None:
     """Import a backend's modules now, in the process that builds the dataset.
 
     DataLoader workers forked later inherit them rather than import them each (a faster
     worker start), and the SSL contexts aiohttp builds at import time are then built before
     any fork, not in a worker, where OpenSSL could wait forever on a lock that another thread
-    of the parent held at the moment of the fork.
+    of the parent held at the moment of the fork. An obstore dataset whose listing needs no
+    aioboto3 (``open_listing_store``, given ``config``) does not import it at all.
     """
-    from . import aioboto3_store  # noqa: F401  (obstore datasets list through it too)
+    from . import httplisting
 
     if backend == "obstore":
         _obstore_backend()
+    if backend == "aioboto3" or config is None or not httplisting.usable(config):
+        from . import aioboto3_store  # noqa: F401
+
+
+async def open_listing_store(
+    config: S3Config, *, max_connections: int, retry: RetryPolicy
+) -> ObjectStore:
+    """A store to list prefixes with in the process that builds a dataset, whichever backend
+    reads the data: ``HttpLister`` (the standard library's HTTP client: nothing to import, nothing
+    that a later fork breaks) where it serves, else the aioboto3 backend."""
+    from .httplisting import HttpLister, usable
+
+    if usable(config):
+        return HttpLister(config, max_connections=max_connections, retry=retry)
+    return await open_store("aioboto3", config, max_connections=max_connections, retry=retry)
 
 
 async def open_store(
@@ -90,9 +106,10 @@ class StoreSpec:
         if callable(store):
             return cls(factory=store, config=config)  # the factory decides; config is kept as given
         backend = resolve_backend(store)
+        resolved = resolve_config(config)
         if preload:
-            preload_backend(backend)
-        return cls(backend=backend, config=resolve_config(config))
+            preload_backend(backend, resolved)
+        return cls(backend=backend, config=resolved)
 
     @property
     def store(self) -> str | StoreFactory:
@@ -110,6 +127,16 @@ class StoreSpec:
         chosen = backend or self.backend
         assert chosen is not None and self.config is not None  # ``of`` resolved both
         return functools.partial(open_store, chosen, self.config, max_connections=max_connections,
+                                 retry=retry)
+
+    def lister(self, *, max_connections: int, retry: RetryPolicy) -> StoreFactory:
+        """How to open a store to list with in the process that builds a dataset: a user's
+        factory as it is, else ``open_listing_store`` (never obstore, whose runtime a later fork
+        breaks)."""
+        if self.factory is not None:
+            return self.factory
+        assert self.config is not None  # ``of`` resolved it
+        return functools.partial(open_listing_store, self.config, max_connections=max_connections,
                                  retry=retry)
 
     @property

@@ -152,7 +152,8 @@ class ObjectStore(Protocol):
 
 @runtime_checkable
 class PagedLister(Protocol):
-    """Listings that can be resumed page by page (both backends; see ``loader.stores.listing``).
+    """Listings that can be resumed page by page and started after a key (both backends; see
+    ``loader.stores.listing``).
 
     A separate protocol because ``ObjectStore.list`` is all that most callers need; wrappers
     and test stores without it are listed whole, retried from the start.
@@ -164,13 +165,16 @@ class PagedLister(Protocol):
         prefix: str = "",
         *,
         token: str | None = None,
+        start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
         """The listing's pages from ``token`` on (``None``: from the start), at most
         ``page_size`` objects each. When it fails, calling it again with the last page's token
-        resumes after that page: nothing is listed twice. With ``delimiter="/"`` the prefix
-        must be ``""`` or end in ``/``; keys below a further ``/`` come back as ``prefixes``."""
+        resumes after that page: nothing is listed twice. ``start_after`` (S3's ``StartAfter``,
+        any string, used only without a token) starts the listing after that key in the
+        server's own order. With ``delimiter="/"`` the prefix must be ``""`` or end in ``/``;
+        keys below a further ``/`` come back as ``prefixes``."""
         ...
 
 

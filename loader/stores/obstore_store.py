@@ -217,11 +217,13 @@ class ObstoreStore:
         prefix: str = "",
         *,
         token: str | None = None,
+        start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
         """Pages of ``page_size`` keys; the token is the page's last key, and resuming lists
-        from just after it (S3's ``start-after``; object_store has no continuation tokens).
+        from just after it (S3's ``start-after``; object_store has no continuation tokens), as
+        ``start_after`` does.
 
         With a delimiter, object_store's ``list_with_delimiter`` fetches every page of that one
         level at once, so it comes back as a single page (it holds the folders, not their keys).
@@ -240,8 +242,11 @@ class ObstoreStore:
             return
         directory, slash, stem = prefix.rpartition("/")
         skip = len(directory) + len(slash)  # keys listed all begin with "directory/"
-        batches = obstore.list(store, directory or None, offset=token or _start_after(prefix),
-                               chunk_size=page_size)
+        offset = token or start_after
+        below = _start_after(prefix)  # nearer than start_after when that is below the prefix
+        if offset is None or (below is not None and offset < below):
+            offset = below
+        batches = obstore.list(store, directory or None, offset=offset, chunk_size=page_size)
         while True:
             try:
                 batch = await batches.__anext__()

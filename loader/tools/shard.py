@@ -45,6 +45,7 @@ from ..config import S3Config
 from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
+from ..formats.index_entries import add_versions
 from ..formats.packing import (
     INDEX_NAME,
     PROGRESS_NAME,
@@ -281,6 +282,9 @@ class _Packer:
                             fingerprint=self.fingerprint, target_size=options.target_size,
                             skipped=len(skipped), compression=options.compress,
                             stored_bytes=[self.stored.get(p.number, p.bytes) for p in plans])
+        # each shard's size and ETag as a listing shows them: from_shards counts only that version
+        listed = await list_objects(self.store, self.bucket, self.prefix, self.retry)
+        add_versions(index, {info.key: (info.size, info.etag) for info in listed.infos()})
         await self._put(self.prefix + INDEX_NAME, json.dumps(index, separators=(",", ":")).encode())
         report.complete = True
 
