@@ -26,7 +26,7 @@ from ..stores import ObjectStore
 from . import partition
 from .interleave import Interleave, apportion
 from .object_source import ObjectProgress
-from .options import LoaderKwargs, LoaderOptions
+from .options import LoaderKwargs, LoaderOptions, shard_read_bytes
 from .progress import Watermark
 from .source import Mixable, Progress, Read, Run, Slot, Tagged
 
@@ -57,7 +57,7 @@ class Part:
         options = getattr(self.source, "shard_options", None)
         if options is None:
             return None
-        return int((options.parts_inflight + 1) * options.part_size)
+        return shard_read_bytes(options.parts_inflight, options.part_size)
 
 
 class MixSource:
