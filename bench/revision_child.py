@@ -53,7 +53,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     workers = spec["workers"]
     dl = DataLoader(dataset, batch_size=spec["batch_size"], num_workers=workers,
                     prefetch_factor=2 if workers else None, persistent_workers=workers > 0)
-    rates, cpu = [], []
+    rates, cpu, firsts = [], [], []
     expected = spec["objects"]
     try:
         for epoch in range(spec["epochs"] + 1):  # epoch 0 warms up (workers start, connections open)
@@ -61,7 +61,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             batches = iter(dl)
             cpu_before = _cpu_tree()
             began = time.perf_counter()
-            count = sum(len(batch) for batch in batches)
+            count = len(next(batches))
+            first = time.perf_counter() - began
+            count += sum(len(batch) for batch in batches)
             seconds = time.perf_counter() - began
             used = _cpu_tree() - cpu_before
             if count != expected:
@@ -69,10 +71,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             if epoch:
                 rates.append(count / seconds)
                 cpu.append(used / count)
+                firsts.append(first)
     finally:
         del dl
     return {"samples_per_s": statistics.median(rates), "rates": rates,
-            "client_us": 1e6 * statistics.median(cpu), "loader_file": loader.__file__}
+            "client_us": 1e6 * statistics.median(cpu), "first_batch_s": statistics.median(firsts),
+            "loader_file": loader.__file__}
 
 
 def main() -> int:
