@@ -15,8 +15,11 @@ does for the botocore path.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import ssl
+import time
 import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -24,7 +27,7 @@ from xml.etree import ElementTree
 
 import aiohttp
 import yarl
-from botocore.auth import S3SigV4Auth
+from botocore.auth import S3SigV4Auth, _host_from_url
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import ClientError
 
@@ -66,6 +69,64 @@ def ssl_setting(config: S3Config) -> ssl.SSLContext | bool:
     return True
 
 
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # the payload hash of a GET (no body)
+
+
+class GetSigner:
+    """SigV4 headers for GETs without a query, exactly as botocore's ``S3SigV4Auth`` signs them
+    (a test compares the two header for header), in a fifth of its CPU.
+
+    Hand-written because botocore has no cheaper entry point: ``S3SigV4Auth`` builds an
+    ``AWSRequest``, copies its headers twice and derives the signing key with four HMACs on
+    every request (~65 us here, a tenth of a GET's client CPU); the key depends only on the
+    secret, the day and the region, so it is kept for the day. Everything with a query (the
+    listing) is still signed by botocore.
+    """
+
+    def __init__(self, endpoint: str, region: str) -> None:
+        self._host = _host_from_url(endpoint)
+        self._region = region
+        self._key: tuple[str, str, bytes] | None = None  # (secret, day, signing key)
+
+    def headers(self, credentials: Credentials, path: str, extra: dict[str, str],
+                timestamp: str | None = None) -> dict[str, str]:
+        """The request's headers: ``extra`` (Range, If-Match, ...) plus the date, payload hash,
+        token and ``Authorization``. ``path`` is the URL's path as sent (already encoded);
+        ``timestamp`` (``%Y%m%dT%H%M%SZ``, UTC) defaults to now."""
+        stamp = timestamp or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        day = stamp[:8]
+        out = dict(extra)
+        out["X-Amz-Date"] = stamp
+        if credentials.token:
+            out["X-Amz-Security-Token"] = credentials.token
+        out["X-Amz-Content-SHA256"] = _EMPTY_SHA256
+        signed = {"host": self._host}
+        for name, value in out.items():
+            signed[name.lower()] = " ".join(value.split())
+        names = sorted(signed)
+        listed = ";".join(names)
+        canonical = "\n".join(("GET", path, "", *(f"{n}:{signed[n]}" for n in names), "",
+                                listed, _EMPTY_SHA256))
+        scope = f"{day}/{self._region}/s3/aws4_request"
+        to_sign = "\n".join(("AWS4-HMAC-SHA256", stamp, scope,
+                             hashlib.sha256(canonical.encode("utf-8")).hexdigest()))
+        signature = hmac.new(self._signing_key(credentials.secret_key, day), to_sign.encode("utf-8"),
+                             hashlib.sha256).hexdigest()
+        out["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
+                                f"SignedHeaders={listed}, Signature={signature}")
+        return out
+
+    def _signing_key(self, secret: str, day: str) -> bytes:
+        kept = self._key
+        if kept is not None and kept[0] == secret and kept[1] == day:
+            return kept[2]
+        key = f"AWS4{secret}".encode()
+        for part in (day, self._region, "s3", "aws4_request"):
+            key = hmac.new(key, part.encode("utf-8"), hashlib.sha256).digest()
+        self._key = (secret, day, key)
+        return key
+
+
 class SignedGetter:
     """GETs objects with SigV4-signed requests over one pooled aiohttp session."""
 
@@ -81,6 +142,7 @@ class SignedGetter:
         self._endpoint = config.endpoint_url
         self._region = config.region
         self._credentials = credentials
+        self._signer = GetSigner(config.endpoint_url, config.region)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max(1, max_connections), ssl=ssl_setting(config)),
             timeout=aiohttp.ClientTimeout(
@@ -149,6 +211,13 @@ class SignedGetter:
         self, bucket: str, key: str, byte_range: str | None, query: dict[str, str] | None = None,
         conditions: Conditions = None,
     ) -> aiohttp.ClientResponse:
+        if key and not query:  # an object: signed here, a fifth of botocore's CPU (see GetSigner)
+            url = object_path_url(self._endpoint, bucket, key)
+            extra = {"Range": byte_range} if byte_range else {}
+            if conditions:
+                extra.update(conditions)
+            headers = self._signer.headers(await self._credentials(), url.raw_path, extra)
+            return await self._session.get(url, headers=headers, allow_redirects=False)
         if key:
             url = object_path_url(self._endpoint, bucket, key)
         else:  # the bucket itself (a listing): no trailing slash, as botocore sends it
