@@ -268,7 +268,7 @@ class AsyncS3Dataset(IterableDataset):
         self._recorder = RequestRecorder()
         clock = time.perf_counter
         started, samples = clock(), 0
-        split = self._split = [0.0, 0.0]  # transform, hand-off (see stats.py)
+        transforming = handing = 0.0  # seconds in transform, and outside between samples (stats.py)
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
@@ -287,11 +287,12 @@ class AsyncS3Dataset(IterableDataset):
                         continue
                     finally:
                         done = clock()
-                        split[0] += done - began
+                        transforming += done - began
                     samples += 1
                     yield sample
-                    split[1] += clock() - done
+                    handing += clock() - done
         finally:
+            self._split = [transforming, handing]
             self._publish(worker, samples, time.perf_counter() - started)
 
     def _skip(self, url: str, reason: str) -> None:

@@ -305,6 +305,9 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
     ``(position, Skipped)`` instead, so the position still counts as delivered. Errors that
     would hit every sample (credentials, bucket, endpoint) are raised whatever ``on_error`` says.
     """
+    first = index.starts[sample]
+    if index.starts[sample + 1] - first == 1:
+        return _one_object_job(index, bucket, sample, position, on_error, first)
     keys = index.objects(sample)
 
     async def job(ctx: JobContext) -> None:
@@ -316,5 +319,31 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
             await ctx.emit((position, Skipped(object_url(bucket, exc.key or keys[0]), str(exc))), 0)
             return
         await ctx.emit((position, index.sample(bucket, sample, bodies)), sum(map(len, bodies)))
+
+    return job
+
+
+def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int, on_error: OnError,
+                    at: int) -> Job:
+    """``sample_job`` for a sample of one object, the usual case: one GET, without the task group
+    and key maps that several objects need (they doubled the loader's own CPU per sample)."""
+    key = index.keys[at]
+    etag = None if index.etags is None else index.etags[at]
+    label = None if index.labels is None else index.labels[sample]
+
+    async def job(ctx: JobContext) -> None:
+        try:
+            data = await call_with_retries(
+                lambda: ctx.store.get(bucket, key, listed_etag=etag), ctx.retry, on_retry=ctx.retried
+            )
+        except NoSuchKeyError as exc:
+            if on_error == "raise":
+                raise
+            await ctx.emit((position, Skipped(object_url(bucket, key), str(exc))), 0)
+            return
+        out = object_sample(bucket, key, data)
+        if label is not None:
+            out[LABEL_FIELD] = label
+        await ctx.emit((position, out), len(data))
 
     return job
