@@ -308,6 +308,12 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
     first = index.starts[sample]
     if index.starts[sample + 1] - first == 1:
         return _one_object_job(index, bucket, sample, position, on_error, first)
+    return _objects_job(index, bucket, sample, position, on_error)
+
+
+def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
+                 on_error: OnError) -> Job:
+    """``sample_job`` for a sample of several objects, fetched concurrently."""
     keys = index.objects(sample)
 
     async def job(ctx: JobContext) -> None:
@@ -326,19 +332,33 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
 def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int, on_error: OnError,
                     at: int) -> Job:
     """``sample_job`` for a sample of one object, the usual case: one GET, without the task group
-    and key maps that several objects need (they doubled the loader's own CPU per sample)."""
+    and key maps that several objects need (7-8 us of CPU per sample against 3.5 us here).
+
+    With ``on_error="raise"`` the coroutine has no exception handler and awaits no coroutine of
+    its own: with either, the garbage collector ran 9x as often (measured, 20,000 samples from
+    an in-memory store: 310 young collections against 35, 16-19 us per sample against 11-12)."""
     key = index.keys[at]
     etag = None if index.etags is None else index.etags[at]
     label = None if index.labels is None else index.labels[sample]
+    if on_error == "raise":
 
-    async def job(ctx: JobContext) -> None:
+        async def job(ctx: JobContext) -> None:
+            data = await call_with_retries(
+                lambda: ctx.store.get(bucket, key, listed_etag=etag), ctx.retry, on_retry=ctx.retried
+            )
+            out = object_sample(bucket, key, data)
+            if label is not None:
+                out[LABEL_FIELD] = label
+            await ctx.emit((position, out), len(data))
+
+        return job
+
+    async def skipping_job(ctx: JobContext) -> None:
         try:
             data = await call_with_retries(
                 lambda: ctx.store.get(bucket, key, listed_etag=etag), ctx.retry, on_retry=ctx.retried
             )
         except NoSuchKeyError as exc:
-            if on_error == "raise":
-                raise
             await ctx.emit((position, Skipped(object_url(bucket, key), str(exc))), 0)
             return
         out = object_sample(bucket, key, data)
@@ -346,4 +366,4 @@ def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int,
             out[LABEL_FIELD] = label
         await ctx.emit((position, out), len(data))
 
-    return job
+    return skipping_job
