@@ -14,8 +14,8 @@ Memory bound: ``queue_bytes`` + ``max_inflight`` x (largest item) + two items: a
 at the budget, and the job the consumer waits for may always deliver one item (or ordered
 delivery could deadlock while the room is held by other jobs' items). Items handed to the
 consumer in a batch count against ``queue_bytes`` until the consumer comes back for the next
-batch (it still holds them until then), and a batch takes at most a quarter of ``queue_bytes``,
-so that fetching goes on while the consumer works through it. With ``inflight_bytes``
+batch (it still holds them until then), and a batch takes at most a quarter of the queue (in
+bytes and in items), so that fetching goes on while the consumer works through it. With ``inflight_bytes``
 the middle term is bounded in bytes too: each job started reserves twice the largest item seen
 so far (its body arriving, then joined into one object), and a job starts only while the
 reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. Before
@@ -176,11 +176,12 @@ class FetchEngine:
         self.start()
         assert self._loop is not None  # start() made it
         portal, take = self._loop.portal, self._core.take
+        batch_items = max(1, min(TAKE_BATCH, self.limits.queue_items // 4))  # leave room to fetch into
         held = (0, 0)  # items and bytes of the last batch, released when the next is taken
         try:
             while True:
                 started = time.perf_counter()
-                batch, held = portal.call(take, TAKE_BATCH, held)
+                batch, held = portal.call(take, batch_items, held)
                 self._consumer_wait += time.perf_counter() - started
                 if not batch:
                     return
