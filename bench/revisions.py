@@ -109,10 +109,10 @@ def measure(directory: Path, spec: dict[str, Any], env: dict[str, str], log: Any
     if not lines:
         return {"error": f"child exited {done.returncode} without a result"}
     result = json.loads(lines[-1])
-    where = result.get("loader_file", "")
+    where = result.pop("loader_file", "")
     if "error" not in result and not where.startswith(str(directory)):
         result = {"error": f"imported loader from {where}, not from {directory}"}
-    return result
+    return result  # the check done, no machine path goes into the results
 
 
 def rounds_order(revisions: list[str], round_: int) -> list[str]:
