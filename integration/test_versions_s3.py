@@ -189,12 +189,14 @@ def test_stream_cut_by_the_proxy_resumes_only_on_the_same_version(s3_server, bac
     old, new = tar_of(1, 40, 100_000), tar_of(2, 40, 100_000)
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", old)
-    with proxied(s3_server, FaultPlan(truncate=1.0, seed=3)) as proxy:
+    with proxied(s3_server, FaultPlan()) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         store = overwriting(backend, config, "s/a.tar", 2, new if overwrite else None,
                             before=lambda: proxy.set_plan(FaultPlan()))
         dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/a.tar", shuffle_buffer=0,
                                              store=store, retry=FAST_RETRY)
+        dataset.resolve()  # the look for an index (there is none) before the proxy cuts GETs
+        proxy.set_plan(FaultPlan(truncate=1.0, seed=3))
         delivered = []
         with contextlib.ExitStack() as stack:
             if overwrite:

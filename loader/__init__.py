@@ -39,8 +39,8 @@ _PUBLIC = {
     "FetchEngine": "loader.engine.fetch",
     "decode_sample": "loader.decode",
     "mix": "loader.datasets.mix",
-    "read_index": "loader.formats.index",
-    "read_index_counts": "loader.formats.index",
+    "read_index": "loader.datasets.shard_index",
+    "read_index_counts": "loader.datasets.shard_index",
     "DevServer": "loader.tools.devserver",
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
@@ -108,6 +108,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .datasets.mapped import AsyncS3MapDataset
     from .datasets.mix import mix
     from .datasets.options import LoaderOptions
+    from .datasets.shard_index import read_index, read_index_counts
     from .decode import decode_sample
     from .engine.fetch import EngineLimits, EngineStats, FetchEngine
     from .errors import (
@@ -125,7 +126,6 @@ if TYPE_CHECKING:  # what editors and type checkers see
         TLSError,
         TransientStoreError,
     )
-    from .formats.index import read_index, read_index_counts
     from .retry import RetryPolicy
     from .stores.listing import KeyList, ListOptions
     from .tools.devserver import DevServer

@@ -20,16 +20,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loader.datasets.shard_index import read_index_counts
 from loader.errors import ConfigError, StoreError, TransientStoreError
-from loader.formats.index import INDEX_NAME, index_counts, read_index_counts
 from loader.formats.packing import (
     END_OF_ARCHIVE,
+    INDEX_NAME,
     PROGRESS_NAME,
     check_name_format,
     encode_member,
     end_of_archive,
     group_samples,
     header_size,
+    index_counts,
     member_problem,
     parse_progress,
     plan_fingerprint,
@@ -479,6 +481,25 @@ def test_pack_writes_shards_that_hold_exactly_the_objects(no_leaked_threads):
     assert progress["done"] == list(range(report.shards))
     counts = read_index_counts("s3://bkt/dst/", store=reusable(fake))
     assert counts == {s["url"]: s["samples"] for s in index["shards"]}
+
+
+def test_reading_the_index_retries_as_the_callers_policy_says():
+    from loader.errors import TransientStoreError
+    from loader.retry import RetryPolicy
+
+    fake = FakeStore.with_objects(BUCKET, {"dst/" + INDEX_NAME: json.dumps(
+        {"version": 1, "shards": [{"url": "s3://bkt/dst/0.tar", "samples": 3}]}).encode()})
+    quick = {"base_delay": 0.001, "max_delay": 0.002}
+
+    def slow_down() -> TransientStoreError:
+        return TransientStoreError("SlowDown", bucket=BUCKET, key="dst/" + INDEX_NAME)
+
+    fake.fail = {"dst/" + INDEX_NAME: [slow_down(), slow_down()]}
+    with pytest.raises(TransientStoreError, match="SlowDown"):
+        read_index_counts("s3://bkt/dst/", store=reusable(fake), retry=RetryPolicy(max_attempts=2, **quick))
+    fake.fail = {"dst/" + INDEX_NAME: [slow_down(), slow_down()]}
+    assert read_index_counts("s3://bkt/dst/", store=reusable(fake),
+                             retry=RetryPolicy(max_attempts=3, **quick)) == {"s3://bkt/dst/0.tar": 3}
 
 
 def test_pack_streams_big_shards_as_multipart_uploads():

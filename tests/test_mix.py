@@ -250,3 +250,25 @@ def test_apportion_sums_and_stays_within_one_of_each_share(total, weights):
     whole = sum(weights)
     for count, weight in zip(counts, weights):
         assert abs(count - total * weight / whole) < 1
+
+
+def test_a_slow_source_does_not_stall_the_others_before_the_buffer_is_full():
+    """The first object of one source takes a second; meanwhile the rest of the mix (both
+    sources) is fetched ahead, up to the queue's bound and no further."""
+    slow_first = "a/000000.bin"
+    fake = FakeStore.with_objects("bucket", {**payloads(40, size=16, prefix="a/"),
+                                             **payloads(200, size=16, prefix="b/")},
+                                  latency=lambda key: 1.0 if key == slow_first else 0.0)
+    store = reusable(fake)
+    datasets = {"a": AsyncS3Dataset.from_prefix("s3://bucket/a/", store=store),
+                "b": AsyncS3Dataset.from_prefix("s3://bucket/b/", store=store)}
+    ds = mix(datasets, {"a": 1, "b": 1}, samples_per_epoch=80, store=store, queue_items=24, max_inflight=8)
+    ds.set_epoch(0)
+    it = iter(ds)
+    first = next(it)
+    assert first["__source__"] == "a"
+    ahead = sum(count for key, count in fake.requests_by_key.items() if key != slow_first)
+    fast = sum(count for key, count in fake.requests_by_key.items() if key.startswith("b/"))
+    assert ahead >= 24 and fast >= 12, f"only {ahead} samples ({fast} of b) fetched while waiting"
+    assert ahead <= 24 + 8 + 1, f"{ahead} fetched: more than the queue and the requests in flight"
+    assert len([first, *it]) == 80

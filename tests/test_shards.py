@@ -137,7 +137,8 @@ def test_exactly_once_in_the_main_process():
     assert_exactly(samples, expected)
     assert samples[0]["__url__"] == shard_url(0)
     assert set(samples[0]) == {"__key__", "__url__", "jpg", "cls"}
-    assert fake.requests == 8, "one streamed GET per shard when nothing fails"
+    assert fake.requests_by_key["shards/index.json"] == 1, "one look for an index (there is none)"
+    assert fake.requests == 9, "and one streamed GET per shard when nothing fails"
     stats = ds.stats()
     # Engine items: the samples plus one end-of-shard marker per shard.
     assert stats["delivered_items"] >= len(expected) and stats["shards_skipped"] == 0
@@ -199,7 +200,7 @@ def test_three_shards_over_two_ranks_of_two_workers():
     samples, slots = [], Counter()
     for rank in range(2):
         ds = shards_ds(fake, spec, rank=rank, world_size=2, shuffle=True, seed=5,
-                       transform=tag_worker)
+                       transform=tag_worker, uneven_ranks=True)
         got = list(loader_of(ds, 2))
         slots.update((rank, sample["__worker__"]) for sample in got)
         samples.extend(got)
@@ -214,7 +215,7 @@ def test_sample_split_warns_once_about_the_cost(caplog, monkeypatch):
     samples = []
     with caplog.at_level(logging.WARNING, logger="loader"):
         for rank in range(3):
-            samples.extend(shards_ds(fake, spec, rank=rank, world_size=3))
+            samples.extend(shards_ds(fake, spec, rank=rank, world_size=3, uneven_ranks=True))
     assert_exactly(samples, expected)
     warned = [r for r in caplog.records if "downloaded up to" in r.getMessage()]
     assert len(warned) == 1, "logged once per process, not once per iteration"
@@ -707,3 +708,26 @@ def test_transform_errors_in_shard_mode_follow_on_error():
                    transform=_fails_on_every_tenth)
     got = list(ds)
     assert len(got) == 54 and ds.stats()["samples_skipped"] == 6 == len(expected) - len(got)
+
+
+def test_a_skipped_sample_is_named_and_its_shard_goes_on(caplog):
+    fake, _ = make_store(num_shards=1, per_shard=12)
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/train-0000.tar", on_error="warn",
+                   transform=_fails_on_every_tenth)
+    with pytest.warns(RuntimeWarning) as warned:
+        got = list(ds)
+    assert len(got) == 10  # samples 0 and 10 skipped, the rest of the shard read
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 2
+    assert messages[0].startswith(f"skipping sample 's000/000000' of shard {shard_url(0)}, going on "
+                                  "with the rest of the shard (on_error='warn'): transform")
+    assert "s000/000010" in messages[1] and "skipping s3://" not in " ".join(messages)
+
+
+def test_shuffle_buffer_with_batch_size_is_refused_not_ignored():
+    fake, _ = make_store(num_shards=2, per_shard=10)
+    with pytest.raises(ConfigError, match=r"shuffle_buffer=200 cannot be used with batch_size=: blocks "
+                                          r".*Drop shuffle_buffer=.*loader shard --shuffle"):
+        shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=200)
+    shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=0)  # saying "no buffer" is fine
+    shards_ds(fake, shuffle=True, batch_size=8)  # and so is the default, which does not apply

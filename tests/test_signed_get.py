@@ -1,23 +1,17 @@
-"""Pure parts of ``loader.stores.signed_get``: which configs it serves, URLs, TLS settings, and GET
-signatures (the same headers as botocore's signer)."""
+"""Pure parts of ``loader.stores.signed_get``: which configs it serves, URLs, TLS settings."""
 
 from __future__ import annotations
 
-import datetime
 import ssl
 import urllib.parse
 from pathlib import Path
-from unittest import mock
 
 import botocore
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
-from botocore.credentials import ReadOnlyCredentials
 from hypothesis import given
 from hypothesis import strategies as st
 
 from loader import S3Config
-from loader.stores.signed_get import GetSigner, can_sign_directly, object_path_url, ssl_setting
+from loader.stores.signed_get import can_sign_directly, object_path_url, ssl_setting
 
 CREDS = dict(access_key_id="AK", secret_access_key="SK")
 
@@ -54,44 +48,44 @@ def test_tls_settings_follow_the_endpoint_and_verify():
     assert custom.cert_store_stats()["x509_ca"] > 0, "the bundle's CAs were loaded"
 
 
-@given(
-    key=st.text(min_size=1, max_size=100),
-    endpoint=st.sampled_from(["http://127.0.0.1:9000", "https://s3.example.com", "http://LocalHost:80",
-                              "https://[::1]:8443", "https://minio.internal:443/"]),
-    region=st.sampled_from(["us-east-1", "eu-central-1"]),
-    secret=st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=40),
-    token=st.none() | st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=60),
-    byte_range=st.none() | st.from_regex(r"bytes=[0-9]{1,6}-([0-9]{1,6})?", fullmatch=True),
-    if_match=st.none() | st.from_regex(r'"[0-9a-f]{32}(-[0-9]+)?"', fullmatch=True),
-    moment=st.datetimes(min_value=datetime.datetime(2020, 1, 1), max_value=datetime.datetime(2040, 1, 1)),
-)
-def test_get_signatures_match_botocores(key, endpoint, region, secret, token, byte_range, if_match, moment):
-    """The hand-written GET signer gives exactly the headers botocore's S3SigV4Auth gives."""
-    credentials = ReadOnlyCredentials("AKIDEXAMPLE", secret, token)
-    url = object_path_url(endpoint, "bucket", key)
-    extra = {}
-    if byte_range:
-        extra["Range"] = byte_range
-    if if_match:
-        extra["If-Match"] = if_match
-    request = AWSRequest(method="GET", url=str(url))
-    for name, value in extra.items():
-        request.headers[name] = value
-    with mock.patch("botocore.auth.get_current_datetime", return_value=moment):
-        S3SigV4Auth(credentials, "s3", region).add_auth(request)
-    signer = GetSigner(endpoint, region)
-    ours = signer.headers(credentials, url.raw_path, extra, moment.strftime("%Y%m%dT%H%M%SZ"))
-    assert ours == dict(request.headers.items())
-    again = signer.headers(credentials, url.raw_path, extra, moment.strftime("%Y%m%dT%H%M%SZ"))
-    assert again == ours, "the kept signing key gives the same signature"
+# ---------------------------------------------------------------- listing answers
+
+def _list_body(keys: list[str], etags: list[str | None], prefixes: list[str], encoded: bool,
+               token: str | None, quote: str) -> bytes:
+    """A ListObjectsV2 answer as S3 and SeaweedFS write it (elements in their orders)."""
+    from xml.sax.saxutils import escape
+
+    def text(value: str) -> str:
+        return escape(urllib.parse.quote_plus(value, safe="/") if encoded else value)
+
+    parts = ['<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult '
+             'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name><Prefix></Prefix>'
+             f'<MaxKeys>1000</MaxKeys><IsTruncated>{"true" if token else "false"}</IsTruncated>']
+    if encoded:
+        parts.append("<EncodingType>url</EncodingType>")
+    for key, etag in zip(keys, etags):
+        tag = "" if etag is None else f"<ETag>{quote}{etag}{quote}</ETag>"
+        parts.append(f"<Contents><Key>{text(key)}</Key>{tag}<Size>{len(key)}</Size>"
+                     "<StorageClass>STANDARD</StorageClass></Contents>")
+    parts += [f"<CommonPrefixes><Prefix>{text(p)}</Prefix></CommonPrefixes>" for p in prefixes]
+    if token:
+        parts.append(f"<NextContinuationToken>{escape(token)}</NextContinuationToken>")
+    return ("".join(parts) + "</ListBucketResult>").encode()
 
 
-def test_the_signing_key_is_kept_for_its_day_only():
-    signer = GetSigner("http://127.0.0.1:9000", "us-east-1")
-    credentials = ReadOnlyCredentials("AK", "SK", None)
-    first = signer.headers(credentials, "/b/k", {}, "20260101T000000Z")["Authorization"]
-    later = signer.headers(credentials, "/b/k", {}, "20260101T235959Z")["Authorization"]
-    next_day = signer.headers(credentials, "/b/k", {}, "20260102T000000Z")["Authorization"]
-    rotated = signer.headers(ReadOnlyCredentials("AK", "SK2", None), "/b/k", {}, "20260102T000000Z")
-    assert "20260101/us-east-1/s3" in first and "20260102/us-east-1/s3" in next_day
-    assert len({first, later, next_day, rotated["Authorization"]}) == 4
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=12),
+                max_size=20),
+       st.sampled_from(["etags", "none"]), st.booleans(), st.booleans(),
+       st.sampled_from(["&#34;", "&quot;", ""]), st.one_of(st.none(), st.text("ab&<+ %", min_size=1)))
+def test_the_fast_list_parser_reads_what_elementtree_reads(keys, etags, folders, encoded, quote,
+                                                           token):
+    from loader.stores.listxml import _parse_flat_page, _parse_list_page, parse_list_page
+
+    tags = [f"{i:032x}" for i in range(len(keys))] if etags == "etags" else [None] * len(keys)
+    body = _list_body(keys, tags, ["p/"] if folders else [], encoded, token, quote)
+    fast = _parse_flat_page(body)
+    assert parse_list_page(body) == _parse_list_page(body)
+    assert (fast is None) == folders
+    if fast is not None:
+        assert fast == _parse_list_page(body)
+        assert [info.key for info in fast.objects] == keys

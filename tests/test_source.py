@@ -41,6 +41,12 @@ class Numbers:
     def missing_count(self):
         return ""
 
+    def fixed_rank_length(self):
+        return None
+
+    def skipped(self, url, key):
+        return f"number {key}"
+
     def progress(self, state):
         return ObjectProgress(Watermark.from_state(state["delivered"]) if state else None)
 
@@ -63,6 +69,9 @@ class Numbers:
 
     def describe(self):
         return f"{self.n} numbers"
+
+    def versions(self):
+        return None  # nothing listed: no versions for a disk cache to check
 
 
 def numbers(n, **options):

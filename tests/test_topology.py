@@ -237,6 +237,6 @@ def test_a_fork_hands_the_forking_process_its_own_cell():
     launcher = topology.SharedEpoch(0)
     rank_copy = _pickled_for_a_worker(launcher)
     rank_copy._owner = -1
-    topology._claim_all()  # what runs before every fork
+    topology._epochs.run_before_fork()  # what runs before every fork
     rank_copy.value = 6
     assert (launcher.value, rank_copy.value, rank_copy._owner) == (0, 6, os.getpid())

@@ -211,6 +211,9 @@ class AsyncS3Dataset(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (after ``resume()``, what is left of it)."""
+        fixed = self.source.fixed_rank_length()
+        if fixed is not None:
+            return fixed - self._seen()
         _, world_size = self._world()
         if self.options.batch_size is not None:
             _, rest = self._rest()
@@ -247,14 +250,14 @@ class AsyncS3Dataset(IterableDataset):
         rank, world_size = self._world()
         worker, num_workers = topology.worker()
         positions = None
-        if self.options.batch_size is not None:
+        if self.options.batch_size is not None and self.source.fixed_rank_length() is None:
             seen, rest = self._rest()
             positions = [seen + p for p in partition.block_positions(
                 rest, batch_size=self.options.batch_size, rank=rank, world_size=world_size,
                 worker=worker, num_workers=num_workers, policy=self.options.pad_policy)]
         return Slot(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
                     seed=self.options.effective_seed, epoch=self.epoch, shuffle=self.options.shuffle,
-                    policy=self.options.pad_policy, positions=positions)
+                    policy=self.options.pad_policy, positions=positions, seen=self._seen())
 
     # ----------------------------------------------------------------------- iteration
 
@@ -269,13 +272,14 @@ class AsyncS3Dataset(IterableDataset):
         clock = time.perf_counter
         started, samples = clock(), 0
         transforming = handing = 0.0  # seconds in transform, and outside between samples (stats.py)
+        self._check_loader_batch_size()
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
                 for tag, item in tagged:
                     progress.add(tag)
                     if isinstance(item, Skipped):
-                        self._skip(item.url, item.reason)
+                        self._skip(item.url, None, item.reason)
                         continue
                     began = clock()
                     try:
@@ -283,7 +287,7 @@ class AsyncS3Dataset(IterableDataset):
                     except SampleError as exc:
                         if self.options.on_error == "raise" or not skippable(exc):
                             raise
-                        self._skip(exc.url, str(exc))
+                        self._skip(exc.url, item.get("__key__"), str(exc))
                         continue
                     finally:
                         done = clock()
@@ -295,10 +299,22 @@ class AsyncS3Dataset(IterableDataset):
             self._split = [transforming, handing]
             self._publish(worker, samples, time.perf_counter() - started)
 
-    def _skip(self, url: str, reason: str) -> None:
+    def _check_loader_batch_size(self) -> None:
+        """Blocks of ``batch_size=`` line up with the DataLoader's batches only when the two batch
+        sizes agree; otherwise resume would repeat and skip samples, so say it before the first one."""
+        dealt = self.options.batch_size
+        asked = topology.dataloader_batch_size(depth=3)
+        if dealt is not None and asked is not None and asked != dealt:
+            raise ConfigError(
+                f"the dataset deals the epoch in blocks of batch_size={dealt}, but the DataLoader "
+                f"asks for batches of {asked}: give both the same batch size (DataLoader(ds, "
+                f"batch_size={dealt}) or the dataset's batch_size={asked}), or samples_seen() and "
+                "resume() would count the wrong samples")
+
+    def _skip(self, url: str, key: str | None, reason: str) -> None:
         """Count a sample that ``on_error`` skips, and say so as it asks."""
         self._samples_skipped += 1
-        message = f"skipping {url} (on_error={self.options.on_error!r}): {reason}"
+        message = f"skipping {self.source.skipped(url, key)} (on_error={self.options.on_error!r}): {reason}"
         if self.options.on_error == "warn":
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
@@ -309,7 +325,8 @@ class AsyncS3Dataset(IterableDataset):
              schedule: Iterable[int] | None = None) -> Generator[Any, None, None]:
         """Run a source's jobs in one engine, closed when the iteration ends."""
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
-        factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder)
+        factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder,
+                                             versions=self.source.versions())
         engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine",
                              schedule=schedule)
         try:
@@ -395,9 +412,12 @@ class AsyncS3Dataset(IterableDataset):
         ``samples_seen`` is what ``samples_seen(steps)`` said at the checkpoint. The rest of the
         epoch is dealt in blocks over the new ranks and workers (its end padded or dropped as
         ``pad_policy`` says); ``batch_size`` may change too. Call it before the DataLoader
-        starts its workers: persistent workers keep the plan they were started with.
+        starts its workers: persistent workers keep the plan they were started with. A source
+        that fixes each rank's epoch length (shards with ``samples_per_epoch=N``) counts
+        ``samples_seen`` per rank: every rank then yields the ``N - samples_seen`` left.
         """
-        if self.options.batch_size is None:
+        fixed = self.source.fixed_rank_length()
+        if self.options.batch_size is None and fixed is None:
             raise ConfigError(
                 "resume(samples_seen=) counts samples of the epoch's order as batch_size= deals "
                 "it; build the dataset with batch_size=<the DataLoader's batch size per rank>")
@@ -405,9 +425,10 @@ class AsyncS3Dataset(IterableDataset):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")
         self.resolve()
-        total = self._total()
+        total = self._total() if fixed is None else fixed
         if samples_seen > total:
-            raise ConfigError(f"samples_seen={samples_seen!r} is more than the {total} samples "
+            per = "" if fixed is None else " per rank"
+            raise ConfigError(f"samples_seen={samples_seen!r} is more than the {total} samples{per} "
                               "of an epoch of this data set; is it the same data set?")
         self.epoch = epoch
         self._resume = None
@@ -436,6 +457,9 @@ class AsyncS3Dataset(IterableDataset):
         on every rank (plus those a ``resume`` skipped): what to save for ``resume``."""
         if self.options.batch_size is None:
             raise ConfigError("samples_seen() needs batch_size= (the DataLoader's batch size per rank)")
+        fixed = self.source.fixed_rank_length()
+        if fixed is not None:  # an epoch of ``fixed`` samples per rank: counted per rank
+            return min(fixed, self._seen() + steps * self.options.batch_size)
         _, world_size = self._world()
         seen, rest = self._rest()
         return seen + partition.samples_consumed(rest, steps, batch_size=self.options.batch_size,

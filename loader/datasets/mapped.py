@@ -61,6 +61,7 @@ from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, skippable
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
@@ -195,12 +196,7 @@ class AsyncS3MapDataset(Dataset):
         if not wanted:
             return []
         unique = list(dict.fromkeys(key for i in wanted for key in index.objects(i)))
-        etags = None
-        if index.etags is not None:
-            listed = {key: etag for i in wanted
-                      for key, etag in zip(index.objects(i), index.object_etags(i) or ())}
-            etags = [listed[key] for key in unique]
-        bodies = self._client_here().get_many(self.bucket, unique, etags, missing_ok=skip)
+        bodies = self._client_here().get_many(self.bucket, unique, missing_ok=skip)
         fetched = dict(zip(unique, bodies))
         out = []
         for i in wanted:
@@ -276,11 +272,11 @@ class AsyncS3MapDataset(Dataset):
                 return client  # another thread opened it meanwhile
             if self._closer is not None:
                 self._closer.detach()  # an inherited or already closed client's
-            client = _Client.open(self.options.store_factory(), self.options.max_inflight,
-                                  self.options.retry)
+            factory = self.options.store_factory(versions=self.source.versions())
+            client = _Client.open(factory, self.options.max_inflight, self.options.retry)
             self._closer = weakref.finalize(self, client.close)
             self._client = client
-            _track(self)
+            _owners.add(self)
             return client
 
     @staticmethod
@@ -330,33 +326,29 @@ class _Client:
             raise
         return client
 
-    def get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None = None, *,
-                 missing_ok: bool = False) -> list[Any]:
+    def get_many(self, bucket: str, keys: list[str], *, missing_ok: bool = False) -> list[Any]:
         """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here.
-        ``etags``: the listing's, one per key (for the disk cache's validation).
 
         ``missing_ok``: an object that is gone (404) gives its ``NoSuchKeyError`` in its place
         instead of failing the batch."""
-        future = self.portal.start_task_soon(self._get_many, bucket, keys, etags, missing_ok)
+        future = self.portal.start_task_soon(self._get_many, bucket, keys, missing_ok)
         try:
             return future.result()
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt: do not leave the batch running
             raise
 
-    async def _get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None,
-                        missing_ok: bool) -> list[Any]:
+    async def _get_many(self, bucket: str, keys: list[str], missing_ok: bool) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
         store, limiter = self.store, self.limiter
         assert store is not None and limiter is not None  # open() set both
 
-        async def get(slot: int, key: str, etag: str | None) -> None:
+        async def get(slot: int, key: str) -> None:
             try:
                 async with limiter:
-                    out[slot] = await call_with_retries(
-                        functools.partial(store.get, bucket, key, listed_etag=etag),
-                        self.retry)
+                    out[slot] = await call_with_retries(functools.partial(store.get, bucket, key),
+                                                        self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
                     failures.append(exc)
@@ -368,7 +360,7 @@ class _Client:
 
         async with anyio.create_task_group() as tg:
             for slot, key in enumerate(keys):
-                tg.start_soon(get, slot, key, None if etags is None else etags[slot])
+                tg.start_soon(get, slot, key)
         if failures:
             raise failures[0]
         return out
@@ -442,19 +434,8 @@ def _reject_defaults_changed(options: LoaderOptions) -> None:
 
 
 # --------------------------------------------------------------------- process-wide hygiene
-# Registered on first use, not at import (importing the package must have no side effects).
 
-_owners: weakref.WeakSet[AsyncS3MapDataset] = weakref.WeakSet()
 _orphans: list[_Client] = []
-_hook_installed = False
-
-
-def _track(dataset: AsyncS3MapDataset) -> None:
-    global _hook_installed
-    if not _hook_installed:
-        _hook_installed = True
-        os.register_at_fork(after_in_child=_forget_inherited)
-    _owners.add(dataset)
 
 
 def _park(client: _Client) -> None:
@@ -465,21 +446,22 @@ def _park(client: _Client) -> None:
     _orphans.append(client)
 
 
-def _forget_inherited() -> None:
-    """In a forked child: disown the clients whose loop thread stayed behind in the parent.
+def _disown(dataset: AsyncS3MapDataset) -> None:
+    """In a forked child: disown the client whose loop thread stayed behind in the parent.
 
-    Their finalizers are detached and their parts parked in ``_orphans``, so that neither
-    garbage collection nor exit ever tries to stop a loop that does not run here. Locks are
-    replaced too: one held by another parent thread at the fork would never be released.
+    Its finalizer is detached and its parts parked in ``_orphans``, so that neither garbage
+    collection nor exit ever tries to stop a loop that does not run here. The lock is replaced
+    too: one held by another parent thread at the fork would never be released.
     """
-    for dataset in list(_owners):
-        if dataset._closer is not None:
-            dataset._closer.detach()
-        if dataset._client is not None:
-            _park(dataset._client)
-        dataset._client = dataset._closer = None
-        dataset._lock = threading.Lock()
-    _owners.clear()
+    if dataset._closer is not None:
+        dataset._closer.detach()
+    if dataset._client is not None:
+        _park(dataset._client)
+    dataset._client = dataset._closer = None
+    dataset._lock = threading.Lock()
+
+
+_owners: LiveObjects[AsyncS3MapDataset] = LiveObjects(in_child=_disown)
 
 
 def live_clients() -> int:

@@ -18,15 +18,17 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from typing_extensions import Unpack
 
+from ..checks import check_int
 from ..decode import apply_transform
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
+from ..stores.versions import Versions, first_known
 from . import partition
 from .interleave import Interleave, apportion
 from .object_source import ObjectProgress
-from .options import LoaderKwargs, LoaderOptions, shard_read_bytes
+from .options import LoaderKwargs, LoaderOptions
 from .progress import Watermark
 from .source import Mixable, Progress, Read, Run, Slot, Tagged
 
@@ -50,14 +52,6 @@ class Part:
     shuffle: bool
     sampling: Sampling
     seed: int  # of this source's passes, from the mix's seed and the name
-
-    def reserve(self) -> int | None:
-        """Bytes one read of this source holds while it runs (shards: parts and the member being
-        parsed), for the engine's budget; None: the engine judges by the items it has seen."""
-        options = getattr(self.source, "shard_options", None)
-        if options is None:
-            return None
-        return shard_read_bytes(options.parts_inflight, options.part_size)
 
 
 class MixSource:
@@ -114,6 +108,12 @@ class MixSource:
     def missing_count(self) -> str:
         return ""
 
+    def fixed_rank_length(self) -> None:
+        return None  # the mix's epoch (samples_per_epoch= or the default) is an order dealt to ranks
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return url if key is None else f"sample {key!r} from {url}"
+
     def progress(self, state: Mapping[str, Any]) -> ObjectProgress:
         return ObjectProgress(Watermark.from_state(state["delivered"]) if state else None)
 
@@ -168,6 +168,9 @@ class MixSource:
             out.setdefault(SOURCE_FIELD, name)
         return out
 
+    def versions(self) -> Versions | None:
+        return first_known([part.source.versions() for part in self.parts])
+
     def describe(self) -> str:
         return "a mix of " + ", ".join(f"{part.name} ({part.source.describe()})" for part in self.parts)
 
@@ -200,7 +203,7 @@ def _labelled(read: Read, tags: list[int], part: Part) -> Job:
     async def job(ctx: JobContext) -> None:
         await read.job(_Context(ctx, tags, read, part.name))  # type: ignore[arg-type]
 
-    job.reserve = part.reserve()  # type: ignore[attr-defined]
+    job.reserve = read.reserve  # type: ignore[attr-defined]  # what the engine's budget counts
     return job
 
 
@@ -232,9 +235,7 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
     if weights is not None and set(weights) != set(datasets):
         raise ConfigError(f"weights name {sorted(weights)}, the datasets {sorted(datasets)}; give one "
                           "weight per dataset")
-    if samples_per_epoch is not None and (not isinstance(samples_per_epoch, int)
-                                          or isinstance(samples_per_epoch, bool) or samples_per_epoch < 1):
-        raise ConfigError(f"samples_per_epoch={samples_per_epoch!r} must be a positive integer")
+    check_int("samples_per_epoch", samples_per_epoch, minimum=1, optional=True, must="a positive integer")
     loader_options = LoaderOptions(**options)
     parts = []
     for name, dataset in datasets.items():

@@ -13,11 +13,13 @@ from typing import Any
 from ..decode import apply_transform
 from ..engine.fetch import Delivery
 from ..formats.objects import LabelFrom, SampleIndex, build_index, sample_job
+from ..stores.listing import KeyList
+from ..stores.versions import Versions, listed_versions
 from . import partition
 from .options import LoaderOptions
 from .progress import Watermark
 from .source import Progress, Read, Run, Slot, Tagged
-from .sources import check_keys, list_keys, listed_etags
+from .sources import check_keys, list_keys
 
 
 class ObjectProgress:
@@ -86,7 +88,7 @@ class ObjectSource:
         root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
         keys = self.keys()
         return build_index(keys, group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root, etags=listed_etags(keys))
+                           labels=self._labels, where=where, root=root)
 
     # ------------------------------------------------------------------ the Source protocol
 
@@ -101,6 +103,12 @@ class ObjectSource:
 
     def missing_count(self) -> str:
         return ""  # a listed or given key list always has a count
+
+    def fixed_rank_length(self) -> None:
+        return None  # an epoch is the key list
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return url  # the object is the sample
 
     def progress(self, state: Mapping[str, Any]) -> ObjectProgress:
         if not state:
@@ -129,11 +137,28 @@ class ObjectSource:
             raise ValueError("reads() needs the slot's positions")
         index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
         order = partition.epoch_order(len(index), seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle)
-        return [Read(sample_job(index, bucket, order[p], tag, on_error), 1)
+        return [Read(sample_job(index, bucket, order[p], tag, on_error), 1, reserve=self._reserve(order[p]))
                 for tag, p in enumerate(slot.positions)]
+
+    def _reserve(self, sample: int) -> int | None:
+        """Twice the listed bytes of a sample's objects (arriving, then joined), when the key list
+        came from a listing; None leaves it to the engine."""
+        keys = self.keys()
+        if not isinstance(keys, KeyList) or not keys.has_sizes:
+            return None
+        total = 0
+        for key in self.samples().objects(sample):
+            at = keys.find(key)
+            if at is None:
+                return None
+            total += keys.size(at)
+        return 2 * max(total, 1)
 
     def transform(self, sample: dict[str, Any]) -> Any:
         return apply_transform(self.options.transform, sample)
+
+    def versions(self) -> Versions | None:
+        return listed_versions(self.bucket, self.keys())
 
     def describe(self) -> str:
         if self.prefix is not None and self._keys is None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from ..engine.fetch import EngineLimits, Job
+from ..stores.versions import Versions
 from .partition import PadPolicy
 
 Tagged = tuple[Any, Any]
@@ -33,6 +34,8 @@ class Slot:
     ``positions``: with ``batch_size=``, the positions of the epoch's sample order this slot
     reads, in reading order (the dataset deals them in blocks); None lets the source split the
     epoch itself (``partition``: strided samples, or shards dealt to slots).
+    ``seen``: samples of the epoch a ``resume()`` skipped (per rank for a source of fixed rank
+    length, see ``Source.fixed_rank_length``; ``positions`` already start after them).
     """
 
     rank: int
@@ -44,6 +47,7 @@ class Slot:
     shuffle: bool
     policy: PadPolicy
     positions: Sequence[int] | None = None
+    seen: int = 0
 
     def where(self) -> dict[str, Any]:
         """The keywords ``partition``'s functions take."""
@@ -58,11 +62,13 @@ def _always(tag: Any) -> bool:
 class Read(NamedTuple):
     """One job of a source's share, for a mix: it emits ``(tag, sample)`` for the next ``size``
     positions of the slot, in order (fewer when a fault ends it early); items whose tag
-    ``is_sample`` refuses are bookkeeping (an end-of-shard marker) and carry no position."""
+    ``is_sample`` refuses are bookkeeping (an end-of-shard marker) and carry no position.
+    ``reserve``: the bytes the job holds while it runs, when known (the engine's budget)."""
 
     job: Job
     size: int
     is_sample: Callable[[Any], bool] = _always
+    reserve: int | None = None
 
 
 class Progress(Protocol):
@@ -103,6 +109,17 @@ class Source(Protocol):
         """Why ``count()`` is None and how to make it known (advice for an error message)."""
         ...
 
+    def fixed_rank_length(self) -> int | None:
+        """Samples every rank yields per epoch when the source fixes that number itself
+        (``samples_per_epoch``), whatever the data holds; None when the epoch is the data
+        (``count()`` samples dealt across ranks). ``resume(samples_seen=)`` then counts per rank,
+        and no blocks are dealt (``Slot.positions`` stays None)."""
+        ...
+
+    def skipped(self, url: str, key: str | None) -> str:
+        """How a warning names a sample that ``on_error`` skipped, and what reading does next."""
+        ...
+
     def progress(self, state: Mapping[str, Any]) -> Progress:
         """A fresh progress, or the one a saved state describes (empty mapping: fresh)."""
         ...
@@ -113,6 +130,11 @@ class Source(Protocol):
 
     def describe(self) -> str:
         """A short phrase for reprs and errors (``"4000 keys"``, ``"12 shards"``)."""
+        ...
+
+    def versions(self) -> Versions | None:
+        """What the source's listing says each object's version is, which a disk cache checks
+        its entries against (``loader.stores.versions``); None when no listing gave ETags."""
         ...
 
     def transform(self, sample: dict[str, Any]) -> Any:

@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -280,12 +280,6 @@ def list_keys(
     log.info("listed %d objects under s3://%s/%s (%d bytes)", len(keys), bucket, prefix,
              keys.nbytes)
     return keys
-
-
-def listed_etags(keys: Sequence[str]) -> list[str | None] | None:
-    """The ETags a listing gave for ``keys`` (None for a key list from the user or a manifest):
-    what ``cache_validate="listing"`` compares cache entries with."""
-    return keys.etags() if isinstance(keys, KeyList) else None
 
 
 def warn_siblings(bucket: str, prefix: str, keys: Iterable[str]) -> None:

@@ -18,8 +18,9 @@ batch (it still holds them until then), and a batch takes at most a quarter of t
 bytes and in items), so that fetching goes on while the consumer works through it. With ``inflight_bytes``
 the middle term is bounded in bytes too: each job started reserves twice the largest item seen
 so far (its body arriving, then joined into one object), and a job starts only while the
-reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. Before
-the first item arrives nothing is known of sizes, so the first job runs alone.
+reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. A job
+that knows what it will hold says so in a ``reserve`` attribute (bytes); otherwise, before the
+first item arrives nothing is known of sizes, so the first job runs alone.
 
 Lifecycle: nothing starts in ``__init__``. Iterating starts the thread; exhaustion, ``break``,
 an exception, ``close()``, garbage collection and interpreter exit all cancel the jobs, close
@@ -29,21 +30,21 @@ inherited from its parent (their thread does not exist there) instead of touchin
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import anyio
 
+from ..checks import check_int
 from ..errors import ConfigError
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
 from .loopthread import LoopThread
@@ -78,12 +79,9 @@ class EngineLimits:
         if self.delivery not in DELIVERIES:
             raise ConfigError(f"delivery={self.delivery!r} is not one of {DELIVERIES}")
         for name in ("max_inflight", "queue_bytes", "queue_items"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        value = self.inflight_bytes
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"inflight_bytes={value!r} must be a positive integer or None")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("inflight_bytes", self.inflight_bytes, minimum=1, optional=True,
+                  must="a positive integer or None")
 
 
 class EngineStats(NamedTuple):
@@ -195,7 +193,7 @@ class FetchEngine:
             raise RuntimeError("this FetchEngine is closed; build a new one for another pass")
         if self._loop is not None:
             return
-        _track(self)
+        _live.add(self)
         self._loop = LoopThread.start(self._name)
         self._loop.portal.start_task_soon(self._core.main)
 
@@ -608,37 +606,23 @@ class _Failure(NamedTuple):
 
 
 # --------------------------------------------------------------------- process-wide hygiene
-# Registered on first use, not at import (importing the package must have no side effects).
-
-_live: weakref.WeakSet[FetchEngine] = weakref.WeakSet()
-_hooks_installed = False
 
 
-def _track(engine: FetchEngine) -> None:
-    global _hooks_installed
-    if not _hooks_installed:
-        _hooks_installed = True
-        os.register_at_fork(after_in_child=_forget_inherited)
-        atexit.register(_close_all)
-    _live.add(engine)
+def _disown(engine: FetchEngine) -> None:
+    """In a forked child: disown an engine whose loop thread stayed behind in the parent.
 
-
-def _forget_inherited() -> None:
-    """In a forked child: disown engines whose loop thread stayed behind in the parent.
-
-    Their portals must never be *called* here (the thread that would answer does not exist in
-    this process); dropping them is safe because ``LoopThread`` has no finalizer.
+    Its portal must never be *called* here (the thread that would answer does not exist in
+    this process); dropping it is safe because ``LoopThread`` has no finalizer.
     """
-    for engine in list(_live):
-        engine._loop = None
-        engine._closed = True
-    _live.clear()
+    engine._loop = None
+    engine._closed = True
 
 
-def _close_all() -> None:
-    for engine in list(_live):
-        with contextlib.suppress(Exception):
-            engine.close()
+def _close(engine: FetchEngine) -> None:
+    engine.close()
+
+
+_live: LiveObjects[FetchEngine] = LiveObjects(in_child=_disown, at_exit=_close)
 
 
 def live_engines() -> int:

@@ -87,18 +87,13 @@ class _RecordedStore:
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return self.inner.list(bucket, prefix)
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
-        return await self._timed(self.inner.get(bucket, key, pin=pin, listed_etag=listed_etag))
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
+        return await self._timed(self.inner.get(bucket, key, pin=pin))
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
-        return await self._timed(
-            self.inner.get_range(bucket, key, start, end, pin=pin, listed_etag=listed_etag)
-        )
+        return await self._timed(self.inner.get_range(bucket, key, start, end, pin=pin))
 
     async def get_if_changed(
         self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
@@ -124,14 +119,14 @@ class _RecordedStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = 1 << 20, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         recorder = self.recorder
         recorder.requests += 1
         clock = time.perf_counter
         asked = clock()
         first = True
-        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin, listed_etag=listed_etag)
+        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin)
         try:
             async for chunk in chunks:
                 got = clock()

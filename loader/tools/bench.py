@@ -17,9 +17,9 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..checks import check_int
 from ..config import S3Config
 from ..engine.fetch import DEFAULT_MAX_INFLIGHT
-from ..errors import ConfigError
 from ..uri import parse_s3_uri
 from .sizes import format_size
 
@@ -45,9 +45,7 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         for name, low in (("samples", 0), ("workers", 0), ("batch_size", 1), ("max_inflight", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+            check_int(name, getattr(self, name), minimum=low, must=f"an integer >= {low}")
 
 
 def looks_like_shards(uri: str) -> bool:

