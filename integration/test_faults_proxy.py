@@ -1,4 +1,4 @@
-"""The fault-injecting proxy (integration/faults.py): exact pass-through, each fault as a client sees it.
+"""The fault-injecting proxy (integration/faults/): exact pass-through, each fault as a client sees it.
 
 Two upstreams: a tiny aiohttp S3 look-alike of our own (fixed bodies, a 64 MB one, a chunked one,
 PUT that stores; it records what reached it), and a real S3 server on this machine (the session's
@@ -747,10 +747,11 @@ def test_not_started_proxy_has_no_endpoint(upstream):
 
 
 def test_command_line(upstream):
-    """``python integration/faults.py``: prints the endpoint, serves, stops on SIGTERM."""
-    script = str(Path(__file__).with_name("faults.py"))
-    proc = subprocess.Popen([sys.executable, script, "--upstream", upstream.url, "--slowdown", "1",
-                             "--max-lifetime", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """``python -m faults`` (from ``integration/``): prints the endpoint, serves, stops on SIGTERM."""
+    here = Path(__file__).parent
+    command = [sys.executable, "-m", "faults"]
+    proc = subprocess.Popen([*command, "--upstream", upstream.url, "--slowdown", "1", "--max-lifetime", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=here)
     try:
         endpoint = proc.stdout.readline().strip()
         assert endpoint.startswith("http://127.0.0.1:")
@@ -765,6 +766,6 @@ def test_command_line(upstream):
         proc.wait()
     assert proc.returncode == 0
     assert "'slowdown': 1" in err
-    refused = subprocess.run([sys.executable, script, "--upstream", "http://10.0.0.1:9000"],
-                             capture_output=True, text=True, timeout=30)
+    refused = subprocess.run([*command, "--upstream", "http://10.0.0.1:9000"],
+                             capture_output=True, text=True, timeout=30, cwd=here)
     assert refused.returncode == 2 and "not allowed" in refused.stderr
