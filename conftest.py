@@ -1,5 +1,4 @@
-"""Fixtures shared by ``tests/`` and ``integration/``, and how ``make test`` spreads them over
-processes (pytest-xdist, ``--dist loadgroup``)."""
+"""Fixtures shared by ``tests/`` and ``integration/``."""
 
 from __future__ import annotations
 
@@ -57,23 +56,3 @@ def no_leaked_threads() -> Iterator[None]:
         thread.join(timeout=5)
     leaked = [t.name for t in leaked if t.is_alive()]
     assert not leaked, f"threads left running: {leaked}"
-
-
-_SHARED_SCOPES = ("module", "class", "package")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup``, the tests of a module that share a module-scoped fixture (data
-    uploaded once, a wheel built once) run in one worker, which builds that fixture once; every
-    other test goes to whichever worker is free. Without xdist the group mark does nothing.
-
-    pytest has no public way to ask which fixtures an item uses with which scope; the item's
-    ``_fixtureinfo`` has answered it since pytest 3.
-    """
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        if any(defs and defs[-1].scope in _SHARED_SCOPES for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
