@@ -82,6 +82,11 @@ class Upstream:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections the server holds open now (idle keep-alive ones included)."""
+        return len(self._server.connections)
+
     def _run(self) -> None:
         self._loop.run_until_complete(self._main())
         self._loop.run_until_complete(self._cancel_leftovers())
@@ -103,6 +108,7 @@ class Upstream:
         app.router.add_route("*", "/{bucket}/{key:.*}", self._handle)
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.keepalive_timeout)
         await runner.setup()
+        self._server = runner.server
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
@@ -354,7 +360,10 @@ def test_idle_upstream_connection_closed_by_upstream_is_reopened(no_leaked_threa
         for _ in range(3):
             conn.request("GET", "/b/small")
             assert conn.getresponse().read() == SMALL
-            time.sleep(0.6)  # the upstream drops its idle side meanwhile
+            deadline = time.monotonic() + 10
+            while quick.open_connections:  # the upstream drops its idle side of the connection
+                assert time.monotonic() < deadline, "the upstream kept its idle connection for 10 s"
+                time.sleep(0.01)
         conn.close()
         assert proxy.counts == {"requests": 3}
         assert len({s["peer_port"] for s in quick.seen}) == 3
