@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 
@@ -70,6 +70,27 @@ class RetryPolicy:
         for name in ("deadline", "connect_timeout", "read_timeout"):
             if not getattr(self, name) > 0:  # also rejects NaN
                 raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must be positive")
+
+
+class Clock(Protocol):
+    """Where retrying reads the time and waits: the system clock, or a test's that moves when told."""
+
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """``time.monotonic`` and ``anyio.sleep``."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+
+
+SYSTEM_CLOCK = SystemClock()
 
 
 def backoff_delay(attempt: int, policy: RetryPolicy, rng: random.Random) -> float:
@@ -120,7 +141,7 @@ class Retrying:
 
     ``failed(exc)`` is called with each transient failure and returns how long to wait before the
     next attempt, or raises the final error (``gave_up``). The clock starts at ``started`` (the
-    first attempt's ``time.monotonic()``), or with None at the first failure (a stream that ran
+    first attempt's ``clock.monotonic()``), or with None at the first failure (a stream that ran
     for minutes before breaking is not out of time); ``failed(exc, progressed=True)`` starts
     attempts and clock over at that failure, for operations that resume where they stopped.
     ``what`` names the operation in messages when the error alone does not. Without ``rng``, a fresh
@@ -129,15 +150,16 @@ class Retrying:
     """
 
     def __init__(self, policy: RetryPolicy, *, started: float | None, rng: random.Random | None = None,
-                 what: str = "") -> None:
+                 what: str = "", clock: Clock = SYSTEM_CLOCK) -> None:
         self.policy = policy
+        self.clock = clock
         self.started = started
         self.rng = rng
         self.what = what
         self.failures = 0
 
     def failed(self, exc: TransientStoreError, *, progressed: bool = False) -> float:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if progressed:
             self.failures, self.started = 0, None
         if self.started is None:
@@ -169,6 +191,7 @@ async def call_with_retries(
     on_retry: Callable[[BaseException], None] | None = None,
     rng: random.Random | None = None,
     progressed: Callable[[], bool] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> T:
     """Run ``attempt()`` until it succeeds, a permanent error occurs, or the limits are spent.
 
@@ -183,16 +206,17 @@ async def call_with_retries(
 
     Without ``rng``, each call jitters with its own ``random.Random()`` (seeded from
     ``os.urandom``, so every process, worker and call jitters independently), see ``Retrying``.
+    ``clock`` reads the time for the deadline and does the backoff sleeps.
     """
     state: Retrying | None = None  # made at the first failure: almost every call succeeds first
-    started = time.monotonic()
+    started = clock.monotonic()
     while True:
         try:
             return await attempt()
         except TransientStoreError as exc:
             if state is None:
-                state = Retrying(policy, started=started, rng=rng)
+                state = Retrying(policy, started=started, rng=rng, clock=clock)
             delay = state.failed(exc, progressed=progressed is not None and progressed())
             if on_retry is not None:
                 on_retry(exc)
-            await anyio.sleep(delay)
+            await clock.sleep(delay)
