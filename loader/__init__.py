@@ -45,7 +45,7 @@ _PUBLIC = {
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
-        "NoSuchKeyError", "SampleError",
+        "NoSuchKeyError", "ObjectChangedError", "SampleError",
         "ShardFormatError", "StoreError", "TLSError", "TransientStoreError",
     )},
 }
@@ -70,6 +70,7 @@ __all__ = [
     "NoCredentialsError",
     "NoSuchBucketError",
     "NoSuchKeyError",
+    "ObjectChangedError",
     "RetryPolicy",
     "S3Config",
     "SampleError",
@@ -118,8 +119,10 @@ if TYPE_CHECKING:  # what editors and type checkers see
         EndpointUnreachableError,
         InvalidRangeError,
         LoaderError,
+        NoCredentialsError,
         NoSuchBucketError,
         NoSuchKeyError,
+        ObjectChangedError,
         SampleError,
         ShardFormatError,
         StoreError,

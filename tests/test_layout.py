@@ -133,6 +133,23 @@ def test_public_names_resolve_lazily():
     assert "AsyncS3Dataset" in dir(loader)
 
 
+def test_every_error_users_catch_imports_from_the_package_without_torch():
+    """``from loader import ObjectChangedError`` (and every other error of the tree) works, and
+    costs no torch import: an ``except`` clause should not need to know the module layout."""
+    import loader.errors
+
+    errors = sorted(name for name, value in vars(loader.errors).items()
+                    if isinstance(value, type) and issubclass(value, loader.errors.LoaderError))
+    assert "ObjectChangedError" in errors and len(errors) >= 15
+    import loader
+
+    assert set(errors) <= set(loader.__all__), sorted(set(errors) - set(loader.__all__))
+    code = (f"import sys; from loader import {', '.join(errors)}; import loader.errors as e; "
+            f"assert all(getattr(e, n) is globals()[n] for n in {errors!r}); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
 def test_typed_constructor_keywords_match_the_options():
     """``LoaderKwargs`` (what editors see) lists exactly ``LoaderOptions``' fields, and
     ``ShardKwargs`` adds exactly ``ShardOptions``' fields and ``sample_counts``."""
