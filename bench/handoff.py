@@ -78,7 +78,7 @@ class MemoryStore:
             yield ObjectInfo(key, len(self.objects[key]))
 
     async def get(self, bucket: str, key: str, **versions: Any) -> bytes:
-        return self.objects[key]  # one version only: pin and listed_etag have nothing to do
+        return self.objects[key]  # one version only: a pin has nothing to do
 
     async def get_range(self, bucket: str, key: str, start: int, end: int | None,
                         **versions: Any) -> bytes:

@@ -1,11 +1,14 @@
 """Runs in each rank of the launch-matrix tests: reads one epoch per cell, writes what it got.
 
 One rank process runs several *cells* in turn, each a DataLoader over one mode
-(``objects``: ``AsyncS3Dataset.from_prefix``, ``shards``: ``from_shards``, ``map``:
-``AsyncS3MapDataset`` with a ``DistributedSampler``) with workers started one way (``default``
-passes no ``multiprocessing_context``; ``fork``, ``spawn``, ``forkserver`` name it, as a user
-would). Each cell writes ``{out}/{cell}/rank{r}.json``: the keys this rank read, in order, the
-kind of process each batch came from, and ``len(dataset)``. The test compares the ranks.
+(``objects``: ``AsyncS3Dataset.from_prefix``, ``map``: ``AsyncS3MapDataset`` with a
+``DistributedSampler``, ``shards``: ``from_shards`` over a brace pattern, ``shards-prefix``: over
+the shards' prefix; both shard modes find the shards' index by themselves) with workers started
+one way (``default`` passes no ``multiprocessing_context``; ``fork``, ``spawn``, ``forkserver``
+name it, as a user would). Shard cells stop after two steps and resume: the pattern with
+``batch_size=`` and ``ds.resume(samples_seen=)``, the prefix with ``StatefulDataLoader``'s state.
+Each cell writes ``{out}/{cell}/rank{r}.json``: the keys this rank read, in order, the kind of
+process each batch came from, and ``len(dataset)``. The test compares the ranks.
 
 Launched three ways, the way users launch:
 
@@ -31,11 +34,14 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, S3Config
 
 SEED = 5
 EPOCH = 1
+BATCH = 4
+RESUME_AFTER = 2  # steps read before a shard cell stops and resumes
 
 
 def spawned(rank: int, world_size: int, plan: dict[str, Any]) -> None:
@@ -90,31 +96,53 @@ def build(mode: str, data: dict[str, Any], config: S3Config) -> Any:
         return AsyncS3MapDataset.from_prefix(data["objects"], config=config)
     if mode == "objects":
         dataset = AsyncS3Dataset.from_prefix(data["objects"], shuffle=True, seed=SEED, config=config)
-    else:
+    elif mode == "shards":  # blocks of the epoch's order: resumed with resume(samples_seen=)
         dataset = AsyncS3Dataset.from_shards(data["shards"], shuffle=True, seed=SEED, config=config,
-                                             sample_counts=data["counts"], shuffle_buffer=10)
+                                             batch_size=BATCH)
+    else:
+        dataset = AsyncS3Dataset.from_shards(data["shards-prefix"], shuffle=True, seed=SEED, config=config,
+                                             shuffle_buffer=10)
     dataset.set_epoch(EPOCH)
     return dataset
 
 
 def read(cell: dict[str, Any], dataset: Any) -> dict[str, Any]:
     context = None if cell["start"] == "default" else cell["start"]
-    options: dict[str, Any] = {"batch_size": 4, "num_workers": cell.get("workers", 2),
+    options: dict[str, Any] = {"batch_size": BATCH, "num_workers": cell.get("workers", 2),
                                "multiprocessing_context": context, "collate_fn": keys_and_started,
                                "timeout": 120}
+    keys: list[str] = []
+    started: set[str] = set()
+
+    def take(loader: Any, steps: int | None = None) -> None:
+        for step, (batch_keys, how) in enumerate(loader):
+            keys.extend(batch_keys)
+            started.add(how)
+            if step + 1 == steps:
+                return
+
     if cell["mode"] == "map":
         sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
         sampler.set_epoch(EPOCH)
-        loader = DataLoader(dataset, sampler=sampler, **options)
+        take(DataLoader(dataset, sampler=sampler, **options))
         length = len(sampler)
-    else:
-        loader = DataLoader(dataset, **options)
+    elif cell["mode"] == "shards":  # two steps, then the rest after resume(samples_seen=)
         length = len(dataset)
-    keys: list[str] = []
-    started: set[str] = set()
-    for batch_keys, how in loader:
-        keys.extend(batch_keys)
-        started.add(how)
+        take(DataLoader(dataset, **options), RESUME_AFTER)
+        dataset.resume(epoch=EPOCH, samples_seen=dataset.samples_seen(RESUME_AFTER))
+        take(DataLoader(dataset, **options))
+    elif cell["mode"] == "shards-prefix":  # two steps, then the rest from the loader's state
+        length = len(dataset)
+        first = StatefulDataLoader(dataset, **options)
+        take(first, RESUME_AFTER)
+        state = first.state_dict()
+        del first
+        again = StatefulDataLoader(dataset, **options)
+        again.load_state_dict(state)
+        take(again)
+    else:
+        take(DataLoader(dataset, **options))
+        length = len(dataset)
     return {"keys": keys, "started": sorted(started), "length": length}
 
 

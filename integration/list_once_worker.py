@@ -69,7 +69,7 @@ def build(cell: dict[str, Any], bucket: str) -> Any:
     if cell["mode"] == "map":
         return AsyncS3MapDataset.from_prefix(uri, listing=listing)
     if cell["mode"] == "shards":
-        return AsyncS3Dataset.from_shards(uri, listing=listing, shuffle_buffer=0)
+        return AsyncS3Dataset.from_shards(uri, listing=listing, shuffle_buffer=0, uneven_ranks=True)
     return AsyncS3Dataset.from_prefix(uri, listing=listing)
 
 
@@ -111,11 +111,12 @@ def collate(batch: list[dict[str, Any]]) -> tuple[list[str], str | None, str]:
 
 def snapshot_of(dataset: Any) -> str:
     """``file:<id>`` of the shared key list file a dataset maps, else a digest of its keys."""
-    keys = getattr(dataset, "_keys", None)
+    source = dataset.source
+    keys = getattr(source, "_keys", None)
     origin = getattr(keys, "_origin", None)
     if origin is not None:
         return f"file:{origin.id}"
-    names = list(keys) if keys is not None else [shard.url for shard in dataset._shards or ()]
+    names = list(keys) if keys is not None else [shard.url for shard in source._shards or ()]
     return "memory:" + hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 

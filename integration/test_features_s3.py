@@ -76,7 +76,7 @@ def test_loader_store_picks_the_backend(s3_server, s3_env, objects, monkeypatch)
 def test_resume_from_batches_reads_the_rest_of_the_epoch(s3_server, objects):
     bucket, stems = objects
     make = lambda: AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", config=s3_server.config,  # noqa: E731
-                                              shuffle=True, seed=4)
+                                              shuffle=True, seed=4, batch_size=8)
     ds = make()
     ds.set_epoch(2)
     first = []
@@ -91,6 +91,7 @@ def test_resume_from_batches_reads_the_rest_of_the_epoch(s3_server, objects):
     resumed.resume_from_batches(epoch=2, batches_seen=5, batch_size=8)
     rest = keys_of(resumed)
     assert len(first) == 40
+    assert len(first) + len(rest) == len(stems), "no sample twice"
     assert sorted(first + rest) == stems, "the two parts are the epoch exactly once"
 
 

@@ -2,7 +2,8 @@
 
 Each launch starts 2 ranks that read one epoch per *cell* (a mode and a worker start method,
 see ``launching.py``); the test checks, per cell, that the ranks' union is the data set exactly
-once and that every rank read as many samples as ``len()`` promised. Spawned processes import
+once and that every rank read as many samples as ``len()`` promised. Shard cells read shards
+indexed by ``loader index`` with no counts given, stop after two steps and resume. Spawned processes import
 torch again (seconds each on a small machine), so the matrix is cut to cover every value of
 every axis, every launch style with every mode, and the combinations that broke: ranks started
 by ``mp.spawn`` whose workers are spawned by default, and ``torchrun`` ranks with forkserver
@@ -28,6 +29,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset
+from loader.tools.index import index_shards
 
 import launching
 from datasets import jpeg_dataset
@@ -48,17 +50,21 @@ def cell(mode: str, start: str, **extra: object) -> dict:
 # launch style -> (the start method "default" means in its ranks, its cells). "early" cells build
 # their dataset before the process group is initialized; under torchrun the group starts at the
 # first cell that asks for it (DistributedSampler needs one), so the cells before read RANK alone.
+# Shard cells read indexed shards (found beside them, no counts given) by pattern ("shards") and
+# by prefix ("shards-prefix"), each with every start method, and resume halfway (launching.read).
 LAUNCHES = {
     "mp.spawn+tcp": ("spawn", [cell("objects", "default"), cell("shards", "default"),
+                               cell("shards-prefix", "default"),
                                cell("map", "default"), cell("objects", "fork", early=True),
                                cell("shards", "spawn", early=True), cell("map", "fork", early=True)]),
     "mp.spawn+file": ("spawn", [cell("objects", "fork"), cell("shards", "forkserver"),
-                                cell("map", "forkserver")]),
+                                cell("shards-prefix", "fork", early=True), cell("map", "forkserver")]),
     "torchrun": ("fork", [cell("objects", "forkserver"), cell("shards", "spawn"),
+                          cell("shards-prefix", "forkserver"), cell("shards", "fork"),
                           cell("map", "default", group=True, workers=2),
                           cell("objects", "default", workers=2)]),
     "slurm env": ("fork", [cell("objects", "spawn"), cell("shards", "default", workers=2),
-                           cell("map", "fork")]),
+                           cell("shards-prefix", "spawn"), cell("map", "fork")]),
 }
 
 
@@ -72,11 +78,12 @@ def free_port() -> int:
 def data(s3_server):
     bucket = s3_server.new_bucket("launch")
     objects = jpeg_dataset(s3_server.minio, bucket, "train/", OBJECTS, seed=11)
-    samples, counts = upload_shards(s3_server.minio, bucket, "shards/train-", SHARD_SIZES, payload=100)
+    samples, _ = upload_shards(s3_server.minio, bucket, "shards/train-", SHARD_SIZES, payload=100)
+    index_shards(f"s3://{bucket}/shards/", config=s3_server.config)  # as `loader index` does
     return {
         "spec": {"objects": f"s3://{bucket}/train/",
                  "shards": f"s3://{bucket}/shards/train-{{0000..{len(SHARD_SIZES) - 1:04d}}}.tar",
-                 "counts": counts},
+                 "shards-prefix": f"s3://{bucket}/shards/"},
         "expected": {"objects": {key.rsplit(".", 1)[0] for key in objects}, "shards": set(samples)},
         "env": s3_server.env,
     }
@@ -136,7 +143,7 @@ def test_each_rank_reads_its_own_share(style, data, tmp_path):
         name = spec["name"]
         ranks = [json.loads((tmp_path / "out" / name / f"rank{r}.json").read_text())
                  for r in range(WORLD)]
-        expected = data["expected"]["shards" if spec["mode"] == "shards" else "objects"]
+        expected = data["expected"]["shards" if spec["mode"].startswith("shards") else "objects"]
         print(f"  {name}: {[r['seconds'] for r in ranks]} s")
         counts = [len(rank["keys"]) for rank in ranks]
         union = Counter(key for rank in ranks for key in rank["keys"])

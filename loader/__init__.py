@@ -38,13 +38,14 @@ _PUBLIC = {
     "EngineStats": "loader.engine.fetch",
     "FetchEngine": "loader.engine.fetch",
     "decode_sample": "loader.decode",
-    "read_index": "loader.formats.index",
-    "read_index_counts": "loader.formats.index",
+    "mix": "loader.datasets.mix",
+    "read_index": "loader.datasets.shard_index",
+    "read_index_counts": "loader.datasets.shard_index",
     "DevServer": "loader.tools.devserver",
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
-        "NoSuchKeyError", "SampleError",
+        "NoSuchKeyError", "ObjectChangedError", "SampleError",
         "ShardFormatError", "StoreError", "TLSError", "TransientStoreError",
     )},
 }
@@ -69,6 +70,7 @@ __all__ = [
     "NoCredentialsError",
     "NoSuchBucketError",
     "NoSuchKeyError",
+    "ObjectChangedError",
     "RetryPolicy",
     "S3Config",
     "SampleError",
@@ -79,6 +81,7 @@ __all__ = [
     "checkpoint",
     "decode",
     "decode_sample",
+    "mix",
     "read_index",
     "read_index_counts",
 ]
@@ -104,7 +107,9 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .config import S3Config
     from .datasets.iterable import AsyncS3Dataset
     from .datasets.mapped import AsyncS3MapDataset
+    from .datasets.mix import mix
     from .datasets.options import LoaderOptions
+    from .datasets.shard_index import read_index, read_index_counts
     from .decode import decode_sample
     from .engine.fetch import EngineLimits, EngineStats, FetchEngine
     from .errors import (
@@ -114,15 +119,16 @@ if TYPE_CHECKING:  # what editors and type checkers see
         EndpointUnreachableError,
         InvalidRangeError,
         LoaderError,
+        NoCredentialsError,
         NoSuchBucketError,
         NoSuchKeyError,
+        ObjectChangedError,
         SampleError,
         ShardFormatError,
         StoreError,
         TLSError,
         TransientStoreError,
     )
-    from .formats.index import read_index, read_index_counts
     from .retry import RetryPolicy
     from .stores.listing import KeyList, ListOptions
     from .tools.devserver import DevServer

@@ -62,10 +62,11 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .config import S3Config, resolve_config
+from .checks import check_int
+from .config import S3Config
 from .errors import ConfigError, LoaderError, NoSuchKeyError, StoreError
 from .retry import RetryPolicy, call_with_retries
-from .stores import ObjectInfo, ObjectStore, Pin, open_store, resolve_backend
+from .stores import ObjectInfo, ObjectStore, Pin, StoreSpec
 from .stores.base import S3_MAX_PART_SIZE, S3_MAX_PARTS, S3_MIN_PART_SIZE, MultipartStore
 from .uri import object_url, parse_s3_uri
 
@@ -623,30 +624,20 @@ def _object_uri(uri: str) -> tuple[str, str]:
 
 
 def _check_sizes(part_size: int, parts_inflight: int) -> None:
-    if isinstance(part_size, bool) or not isinstance(part_size, int) or not (
-        1 <= part_size <= S3_MAX_PART_SIZE
-    ):
-        raise ConfigError(
-            f"part_size={part_size!r} must be an integer number of bytes from 1 to "
-            f"{S3_MAX_PART_SIZE} (5 GiB); S3 needs at least 5 MiB (default {DEFAULT_PART_SIZE})"
-        )
-    if isinstance(parts_inflight, bool) or not isinstance(parts_inflight, int) or parts_inflight < 1:
-        raise ConfigError(
-            f"parts_inflight={parts_inflight!r} must be a positive integer "
-            f"(default {DEFAULT_PARTS_INFLIGHT})"
-        )
+    check_int("part_size", part_size, minimum=1, maximum=S3_MAX_PART_SIZE,
+              must=f"an integer number of bytes from 1 to {S3_MAX_PART_SIZE} (5 GiB); S3 needs at "
+                   f"least 5 MiB (default {DEFAULT_PART_SIZE})")
+    check_int("parts_inflight", parts_inflight, minimum=1,
+              must=f"a positive integer (default {DEFAULT_PARTS_INFLIGHT})")
 
 
 def _store_factory(
     store: StoreArg, config: S3Config | None, connections: int, retry: RetryPolicy
 ) -> Callable[[], Awaitable[Any]]:
-    """An async factory for the store: a user-given one, else aioboto3 (obstore included)."""
-    if callable(store):
-        return store
-    resolve_backend(store)  # an unknown name fails here, before any I/O
-    return functools.partial(
-        open_store, "aioboto3", resolve_config(config), max_connections=connections, retry=retry
-    )
+    """An async factory for the store: a user-given one, else aioboto3 (obstore included: the
+    multipart uploads go through botocore)."""
+    return StoreSpec.of(store, config).opener(max_connections=connections, retry=retry,
+                                              backend="aioboto3")
 
 
 def _cause(

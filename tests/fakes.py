@@ -8,6 +8,7 @@ datasets can assert on what the store *saw*:
 * ``requests`` / ``requests_by_key``: read requests (``get``, ``get_range``, ``stream``), counted
   when they start, failed ones included; ``list_requests`` (one per page) and ``puts`` apart;
   ``list_inflight`` / ``peak_list_inflight``: list pages being answered at once;
+  ``order="directories"`` lists directory by directory as SeaweedFS does (see ``list_pages``);
 * ``inflight`` / ``peak_inflight``: read requests in progress, a stream until it is exhausted or
   closed, kept with ``try/finally`` so cancellation and early ``aclose()`` count right;
 * ``gets_started``: ``(time.monotonic(), key)`` for each read request, in start order.
@@ -50,15 +51,17 @@ may be used by several event loops (engines) in turn, and read from the test's o
 
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import inspect
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -108,10 +111,15 @@ class FakeStore:
         on_part: Callable[[int], object] | None = None,
         on_read: Callable[[str, int], object] | None = None,
         etags: bool = True,
+        order: str = "bytes",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size={page_size!r} must be >= 1")
-        self.objects: dict[tuple[str, str], bytes] = dict(objects or {})
+        if order not in ("bytes", "directories"):
+            raise ValueError(f"order={order!r}: 'bytes' (S3) or 'directories' (SeaweedFS)")
+        self.order = order
+        self.objects: dict[tuple[str, str], bytes] = _Objects(objects or {})
+        self._listing: tuple[tuple, list[str], list] = ((), [], [])  # sorted keys, see _keys_after
         self.buckets: set[str] = set(buckets) | {bucket for bucket, _ in self.objects}
         self.latency = latency
         self.fail: dict[str, Fault] = _copy_faults(fail)
@@ -177,11 +185,17 @@ class FakeStore:
         prefix: str = "",
         *,
         token: str | None = None,
+        start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncIterator[ListPage]:
         """``PagedLister``: pages of at most ``min(page_size, self.page_size)`` entries; the
-        token is the last key the page covered, so a resumed listing starts after it."""
+        token is the last key the page covered, so a resumed listing starts after it.
+        ``start_after`` is S3's ``StartAfter`` (used without a token); with
+        ``order="directories"`` it skips the keys under ``start_after + "/"``, as SeaweedFS does."""
+        after: tuple[str, bool] | None = None if token is None else (token, False)
+        if after is None and start_after is not None:
+            after = (start_after, True)
         while True:
             self._check_open()
             self.list_requests += 1
@@ -190,14 +204,14 @@ class FakeStore:
             try:
                 await self._respond(prefix, self.list_fail)
                 self._check_bucket(bucket)
-                page = self._delimited_page(bucket, prefix, token, delimiter,
+                page = self._delimited_page(bucket, prefix, after, delimiter,
                                             min(page_size, self.page_size))
             finally:
                 self.list_inflight -= 1
             yield page
             if page.token is None:
                 return
-            token = page.token
+            after = (page.token, False)
 
     def etag_of(self, bucket: str, key: str) -> str | None:
         """The object's current ETag (the md5 of its bytes, unquoted), None without ETags."""
@@ -206,15 +220,12 @@ class FakeStore:
             return None
         return hashlib.md5(data).hexdigest()
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         async with self._read(key):
             return self._lookup(bucket, key, pin)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         async with self._read(key):
             data = self._lookup(bucket, key, pin)
@@ -237,7 +248,7 @@ class FakeStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncIterator[bytes]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
@@ -434,14 +445,14 @@ class FakeStore:
 
 
     def _delimited_page(
-        self, bucket: str, prefix: str, after: str | None, delimiter: str | None, size: int
+        self, bucket: str, prefix: str, after: tuple[str, bool] | None, delimiter: str | None,
+        size: int,
     ) -> ListPage:
-        keys = sorted(key for b, key in self.objects
-                      if b == bucket and key.startswith(prefix) and (after is None or key > after))
+        """One page after ``after`` = (key, is a StartAfter), in this store's ``order``."""
         objects: list[ObjectInfo] = []
         prefixes: list[str] = []
         last = None
-        for key in keys:
+        for key in self._keys_after(bucket, prefix, after):
             rest = key[len(prefix):]
             folder = None
             if delimiter and delimiter in rest:
@@ -455,6 +466,67 @@ class FakeStore:
                     objects.append(ObjectInfo(key, len(self.objects[bucket, key]), self.etag_of(bucket, key)))
             last = key
         return ListPage(objects, prefixes, None)
+
+    def _keys_after(self, bucket: str, prefix: str, after: tuple[str, bool] | None) -> Iterator[str]:
+        """The keys of ``bucket`` under ``prefix`` after ``after``, in this store's ``order``:
+        ``directories`` sorts by path segments ('/' below every character) and a StartAfter
+        skips the keys under ``after + "/"``, as SeaweedFS does. The sorted keys are kept
+        until the objects change."""
+        def order(key: str) -> Any:
+            return key if self.order == "bytes" else key.split("/")
+
+        stamp = (id(self.objects), getattr(self.objects, "version", None), bucket, self.order)
+        if self._listing[0] != stamp or stamp[1] is None:
+            keys = sorted((key for b, key in self.objects if b == bucket), key=order)
+            self._listing = (stamp, keys, [order(key) for key in keys])
+        _, keys, marks = self._listing
+        start = bisect.bisect_left(marks, order(prefix))
+        if after is not None:
+            start = max(start, bisect.bisect_right(marks, order(after[0])))
+        below = after[0] + "/" if after is not None and after[1] and self.order != "bytes" else None
+        entered = False
+        for key in keys[start:]:
+            if not key.startswith(prefix):
+                if entered:
+                    return  # the keys under a prefix are adjacent in either order
+                continue
+            entered = True
+            if below is None or not key.startswith(below):
+                yield key
+
+
+class _Objects(dict):
+    """The store's objects; ``version`` counts changes, so that listings can keep keys sorted."""
+
+    version = 0
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, *args: Any) -> Any:
+        self.version += 1
+        return super().setdefault(*args)
 
 
 def _check_range(bucket: str, key: str, start: int, end: int | None, size: int) -> None:

@@ -28,18 +28,14 @@ import anyio
 import pytest
 
 from loader import AsyncS3Dataset, ConfigError
+from loader.config import S3Config
 from loader.errors import InvalidRangeError, TransientStoreError
 from loader.retry import RetryPolicy
+from loader.stores import StoreSpec
 from loader.stores.base import ObjectStore
-from loader.stores.cache import (
-    HEADER_SIZE,
-    CachedStore,
-    CacheStats,
-    DiskCache,
-    check_cache_options,
-    endpoint_id_for,
-    open_cached_store,
-)
+from loader.stores.cache import CachedStore, CacheStats, open_cached_store
+from loader.stores.cache_files import HEADER_SIZE, DiskCache
+from loader.stores.cache_options import check_cache_options
 
 from fakes import FakeStore
 
@@ -543,7 +539,7 @@ def test_threads_writing_one_key_leave_one_valid_file_and_readers_never_see_a_pa
 
 WRITER = textwrap.dedent("""
     import os, random, sys, time
-    from loader.stores.cache import DiskCache
+    from loader.stores.cache_files import DiskCache
     directory, limit, name_count, rounds, seed, barrier, processes = sys.argv[1:]
     limit, name_count, rounds, seed, processes = map(int, (limit, name_count, rounds, seed, processes))
     cache = DiskCache(directory, limit, block_size=256)
@@ -704,11 +700,11 @@ def test_options_resolve_the_directory_and_default_the_limit(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert check_cache_options("c", None) == (str(tmp_path / "c"), 10 << 30)
     assert check_cache_options(None, None) == (None, None)
-    assert endpoint_id_for("aioboto3", type("C", (), {"endpoint_url": "http://h:9000/"})()) == "http://h:9000"
-    assert endpoint_id_for("aioboto3", type("C", (), {"endpoint_url": None})()) == "aws-s3"
-    assert endpoint_id_for(open_cached_store, None) == "factory:loader.stores.cache.open_cached_store"
+    assert StoreSpec.of("aioboto3", S3Config(endpoint_url="http://h:9000/")).identity == "http://h:9000"
+    assert StoreSpec.of("aioboto3", S3Config()).identity == "aws-s3"
+    assert StoreSpec.of(open_cached_store).identity == "factory:loader.stores.cache.open_cached_store"
     secret = functools.partial(open_cached_store, "secret-token")  # stable, and no arguments shown
-    assert endpoint_id_for(secret, None) == "factory:loader.stores.cache.open_cached_store"
+    assert StoreSpec.of(secret).identity == "factory:loader.stores.cache.open_cached_store"
 
 
 async def test_an_unusable_directory_is_a_config_error(tmp_path):
@@ -767,6 +763,7 @@ def tar_shard(s: int, n: int) -> bytes:
 
 
 @pytest.mark.parametrize("how", ["stream", "parts", "stream_with_cuts"])
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shard_epochs_after_the_first_make_no_request(tmp_path, how):
     shards = {f"shards/train-{s:04d}.tar": tar_shard(s, 40) for s in range(6)}
     truncate = {key: [9000, None] for key in shards} if how == "stream_with_cuts" else None

@@ -171,7 +171,10 @@ def shard_store(objects, per_shard=23, index=False):
         with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
             offsets[url] = [member.offset for member in tar.getmembers()]
     if index:
-        document = {"version": 1, "shards": [{"url": u, "samples": n, "offsets": offsets[u]}
+        key = {u: u.removeprefix("s3://bucket/") for u in counts}  # the index records each version
+        document = {"version": 1, "shards": [{"url": u, "samples": n, "offsets": offsets[u],
+                                              "etag": fake.etag_of("bucket", key[u]),
+                                              "size": len(fake.objects["bucket", key[u]])}
                                              for u, n in counts.items()]}
         fake.objects["bucket", "shards/index.json"] = json.dumps(document).encode()
     return fake, counts
@@ -265,8 +268,9 @@ def test_with_the_index_offsets_each_rank_fetches_only_its_blocks():
 def test_shard_mode_without_counts_says_what_is_missing():
     fake, _ = shard_store(payloads(30, size=16))
     ds = make_dataset("shards", fake, rank=0, world_size=1)
-    with pytest.raises(ConfigError, match=r"no sample_counts= was given and there is no index.json "
-                                          r"in s3://bucket/shards/"):
+    with pytest.raises(ConfigError, match=r"sample count of each shard is unknown \(no index.json at "
+                                          r"s3://bucket/shards/index.json\).*python -m loader index "
+                                          r".*sample_counts=.*samples_per_epoch="):
         ds.resume(epoch=0, samples_seen=8)
     with pytest.raises(ConfigError, match="sample_counts"):
         list(ds)
@@ -341,3 +345,26 @@ def test_same_topology_resumes_still_work_with_batch_size(mode, how):
     else:
         second.dataset.resume_from_batches(epoch=2, batches_seen=3, batch_size=BATCH)
     assert head + list(second) == whole
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_batch_size_other_than_the_datasets_is_refused(workers):
+    """batch_size=8 under DataLoader(batch_size=16) once gave 33 duplicates on resume."""
+    objects = payloads(40, size=16)
+    fake = FakeStore.with_objects("bucket", objects)
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), batch_size=8, store=reusable(fake))
+    loader = DataLoader(ds, batch_size=16, num_workers=workers, collate_fn=lambda batch: batch)
+    with pytest.raises(ConfigError, match=r"blocks of batch_size=8, but the DataLoader asks for batches of 16"):
+        next(iter(loader))
+    fine = DataLoader(ds, batch_size=8, num_workers=workers, collate_fn=lambda batch: len(batch))
+    assert sum(fine) == 40
+
+
+def test_the_batch_size_check_holds_under_a_stateful_dataloader():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    objects = payloads(20, size=16)
+    fake = FakeStore.with_objects("bucket", objects)
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), batch_size=4, store=reusable(fake))
+    with pytest.raises(ConfigError, match="blocks of batch_size=4"):
+        next(iter(StatefulDataLoader(ds, batch_size=5, num_workers=0)))

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "loader"
 # lower layers first: a module may import from its own layer or any layer below it
 LAYERS = ("foundation", "stores", "engine", "formats", "datasets", "checkpoint", "tools")
-FOUNDATION = {"config", "uri", "errors", "retry", "decode", "_version"}
+FOUNDATION = {"config", "uri", "errors", "retry", "decode", "checks", "lifecycle", "_version"}
 
 
 def modules() -> list[str]:
@@ -55,6 +55,46 @@ def imports_of(path: Path) -> set[str]:
     return {name for name in imported_modules(path) if name.startswith("loader")}
 
 
+def module_name(path: Path) -> str:
+    """``loader/stores/cache.py`` -> ``loader.stores.cache``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the modules of the package it imports, at any depth of its
+    code (``TYPE_CHECKING`` and function-local imports included); ``from pkg import mod`` names
+    the module ``pkg.mod``. The lazy public namespace (``loader/__init__.py``) is left out."""
+    files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        if name == "loader":
+            continue
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                found.update(f"{module}.{a.name}" if f"{module}.{a.name}" in files else module
+                             for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {target for target in found if target in files and target != name}
+    return graph
+
+
+def test_no_import_circle_between_modules():
+    """Imports between the package's modules form no circle, not even one that only the type
+    checker or a function-local import walks (they hide which module owns what)."""
+    import graphlib
+
+    try:
+        tuple(graphlib.TopologicalSorter(module_graph()).static_order())
+    except graphlib.CycleError as exc:
+        raise AssertionError("an import circle: " + " -> ".join(exc.args[1])) from None
+
+
 def test_readme_module_table_matches_the_tree():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("| module | its one job |"):]
@@ -91,6 +131,23 @@ def test_public_names_resolve_lazily():
     for name in loader.__all__:
         assert getattr(loader, name) is not None, name
     assert "AsyncS3Dataset" in dir(loader)
+
+
+def test_every_error_users_catch_imports_from_the_package_without_torch():
+    """``from loader import ObjectChangedError`` (and every other error of the tree) works, and
+    costs no torch import: an ``except`` clause should not need to know the module layout."""
+    import loader.errors
+
+    errors = sorted(name for name, value in vars(loader.errors).items()
+                    if isinstance(value, type) and issubclass(value, loader.errors.LoaderError))
+    assert "ObjectChangedError" in errors and len(errors) >= 15
+    import loader
+
+    assert set(errors) <= set(loader.__all__), sorted(set(errors) - set(loader.__all__))
+    code = (f"import sys; from loader import {', '.join(errors)}; import loader.errors as e; "
+            f"assert all(getattr(e, n) is globals()[n] for n in {errors!r}); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
 def test_typed_constructor_keywords_match_the_options():
@@ -136,3 +193,23 @@ def test_no_test_module_imports_from_a_conftest():
     ]
     assert offenders == []
 
+
+
+def test_store_reads_take_the_protocols_parameters_and_no_more():
+    """The store protocol is narrow: what only a wrapper needs (the cache's expected versions)
+    is given to that wrapper, never added to every read's signature."""
+    import inspect
+
+    from loader.stores.aioboto3_store import Aioboto3Store
+    from loader.stores.base import ObjectStore
+    from loader.stores.cache import CachedStore
+    from loader.stores.obstore_store import ObstoreStore
+    from loader.stores.recording import _RecordedStore
+
+    from fakes import FakeStore
+
+    for method in ("get", "get_range", "stream", "get_if_changed", "put", "list"):
+        wanted = list(inspect.signature(getattr(ObjectStore, method)).parameters)
+        for store in (Aioboto3Store, ObstoreStore, CachedStore, _RecordedStore, FakeStore):
+            assert list(inspect.signature(getattr(store, method)).parameters) == wanted, (store, method)
+    assert list(inspect.signature(ObjectStore.get).parameters) == ["self", "bucket", "key", "pin"]

@@ -281,9 +281,9 @@ def test_pickling_before_len_lists_in_the_parent():
     fake = FakeStore.with_objects(BUCKET, objects)
     ds = AsyncS3MapDataset.from_prefix(f"s3://{BUCKET}/train/", store=SharedFake(fake))
     state = pickle.dumps(ds)
-    assert fake.list_requests == 1 and ds._keys is not None
+    assert fake.list_requests == 1 and ds.source._keys is not None
     copy = pickle.loads(state)
-    assert copy._keys == ds._keys
+    assert copy.source._keys == ds.source._keys
 
 
 def test_manifest_file(tmp_path, closing):

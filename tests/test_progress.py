@@ -1,16 +1,16 @@
-"""Resume bookkeeping: the compact delivered-set, and the plain-DataLoader batch arithmetic."""
+"""Resume bookkeeping: the compact delivered-set, and resuming a plain DataLoader by batch count."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError
-from loader.datasets.progress import Watermark, consumed_per_worker
+from loader.datasets.progress import Watermark
 
 from fakes import FakeStore, payloads, reusable
 
@@ -32,35 +32,6 @@ def test_watermark_state_stays_small_for_in_order_delivery():
     assert mark.to_state() == [100_000, []]
 
 
-class Shares(IterableDataset):
-    """Worker ``w`` yields ``shares[w]`` items tagged with its id."""
-
-    def __init__(self, shares):
-        self.shares = shares
-
-    def __iter__(self):
-        worker = get_worker_info().id
-        return iter([worker] * self.shares[worker])
-
-
-@settings(max_examples=6, deadline=None)
-@given(
-    shares=st.lists(st.integers(0, 40), min_size=2, max_size=3),
-    batch_size=st.integers(1, 7),
-    drop_last=st.booleans(),
-    data=st.data(),
-)
-def test_consumed_per_worker_matches_the_real_dataloader(shares, batch_size, drop_last, data):
-    loader = DataLoader(Shares(shares), batch_size=batch_size, num_workers=len(shares),
-                        drop_last=drop_last, multiprocessing_context="fork")
-    batches = [batch.tolist() for batch in loader]
-    seen = data.draw(st.integers(0, len(batches)))
-    actual = [0] * len(shares)
-    for batch in batches[:seen]:
-        actual[batch[0]] += len(batch)
-    assert consumed_per_worker(shares, seen, batch_size, drop_last) == actual
-
-
 @pytest.mark.parametrize("mode", ["objects", "shards"])
 def test_resume_from_batches_with_a_plain_dataloader(mode, tmp_path):
     objects = payloads(203, size=32)
@@ -68,7 +39,7 @@ def test_resume_from_batches_with_a_plain_dataloader(mode, tmp_path):
     if mode == "objects":
         def make():
             return AsyncS3Dataset.from_keys("bucket", sorted(objects), shuffle=True, seed=4,
-                                            store=reusable(fake))
+                                            batch_size=8, store=reusable(fake))
     else:
         import io
         import tarfile
@@ -87,8 +58,7 @@ def test_resume_from_batches_with_a_plain_dataloader(mode, tmp_path):
 
         def make():
             return AsyncS3Dataset.from_shards("s3://bucket/shards/{0..5}.tar", shuffle=True, seed=4,
-                                              shuffle_buffer=16, store=reusable(fake),
-                                              sample_counts=counts)
+                                              batch_size=8, store=reusable(fake), sample_counts=counts)
 
     def run(dataset, stop=None):
         dataset_loader = DataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="fork",
@@ -102,13 +72,14 @@ def test_resume_from_batches_with_a_plain_dataloader(mode, tmp_path):
     second.resume_from_batches(epoch=3, batches_seen=9, batch_size=8)
     tail = run(second)
     got = list(itertools.chain(*head, *tail))
+    assert len(got) == len(objects), "no sample twice"
     assert sorted(got) == sorted(key.rsplit(".", 1)[0] for key in objects)
 
 
-def test_resume_from_batches_needs_ordered_delivery():
-    ds = AsyncS3Dataset.from_keys("bucket", ["a.bin"], ordered=False,
+def test_resume_from_batches_needs_the_datasets_batch_size():
+    ds = AsyncS3Dataset.from_keys("bucket", ["a.bin"],
                                   store=reusable(FakeStore.with_objects("bucket", {"a.bin": b"x"})))
-    with pytest.raises(ConfigError, match="ordered=True"):
+    with pytest.raises(ConfigError, match=r"build the dataset with batch_size=8 \(the DataLoader's"):
         ds.resume_from_batches(0, 1, 8)
 
 

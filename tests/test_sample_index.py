@@ -61,10 +61,9 @@ def test_interleaved_stems_are_reordered_and_plain_runs_are_not():
     assert plain.order is None and samples(plain) == [("a/1.cls", "a/1.jpg"), ("a/2.cls", "a/2.jpg")]
 
 
-def test_etags_are_read_from_the_packed_list_per_sample():
+def test_a_pinned_index_reads_each_sample_at_the_version_its_key_list_recorded():
     packed = KeyList.from_infos([ObjectInfo("a/1.cls", 1, "e1"), ObjectInfo("a/1.jpg", 2, "e2"),
                                  ObjectInfo("a/2.jpg", 3, None)])
-    from loader.datasets.sources import listed_etags
-
-    index = build_index(packed, etags=listed_etags(packed))
-    assert index.object_etags(0) == ("e1", "e2") and index.object_etags(1) == (None,)
+    index = build_index(packed, pinned=True)
+    assert index.pinned and index.keys is packed
+    assert [[packed.etag(p) for p in index.positions(i)] for i in range(len(index))] == [["e1", "e2"], [None]]

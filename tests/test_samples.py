@@ -118,7 +118,7 @@ def test_resume_mid_epoch_with_grouped_samples_is_exactly_once():
 def test_resume_from_batches_counts_samples():
     objects = stems(20)
     fake = store(objects)
-    ds = AsyncS3Dataset.from_keys(BUCKET, sorted(objects), store=reusable(fake))
+    ds = AsyncS3Dataset.from_keys(BUCKET, sorted(objects), store=reusable(fake), batch_size=4)
     ds.resume_from_batches(epoch=0, batches_seen=2, batch_size=4)
     assert [s["__key__"] for s in ds] == [f"imgs/{i:05d}" for i in range(8, 20)]
 

@@ -186,11 +186,11 @@ def test_a_process_lists_just_before_it_forks_so_forked_workers_inherit_the_keys
     fake = FakeStore.with_objects("bucket", payloads(7), page_size=3)
     objects = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake))
     mapped = AsyncS3MapDataset.from_prefix("s3://bucket/train/", store=reusable(fake))
-    assert objects._keys is None and mapped._keys is None and fake.list_requests == 0
+    assert objects.source._keys is None and mapped.source._keys is None and fake.list_requests == 0
     child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
     child.start()
     child.join()
-    assert len(objects._keys) == len(mapped._keys) == 7 and fake.list_requests == 6
+    assert len(objects.source._keys) == len(mapped.source._keys) == 7 and fake.list_requests == 6
     child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
     child.start()
     child.join()

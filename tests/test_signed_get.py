@@ -46,3 +46,46 @@ def test_tls_settings_follow_the_endpoint_and_verify():
     custom = ssl_setting(S3Config(endpoint_url="https://s3.example.com", verify=bundle, **CREDS))
     assert isinstance(custom, ssl.SSLContext) and custom.verify_mode == ssl.CERT_REQUIRED
     assert custom.cert_store_stats()["x509_ca"] > 0, "the bundle's CAs were loaded"
+
+
+# ---------------------------------------------------------------- listing answers
+
+def _list_body(keys: list[str], etags: list[str | None], prefixes: list[str], encoded: bool,
+               token: str | None, quote: str) -> bytes:
+    """A ListObjectsV2 answer as S3 and SeaweedFS write it (elements in their orders)."""
+    from xml.sax.saxutils import escape
+
+    def text(value: str) -> str:
+        return escape(urllib.parse.quote_plus(value, safe="/") if encoded else value)
+
+    parts = ['<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult '
+             'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name><Prefix></Prefix>'
+             f'<MaxKeys>1000</MaxKeys><IsTruncated>{"true" if token else "false"}</IsTruncated>']
+    if encoded:
+        parts.append("<EncodingType>url</EncodingType>")
+    for key, etag in zip(keys, etags):
+        tag = "" if etag is None else f"<ETag>{quote}{etag}{quote}</ETag>"
+        parts.append(f"<Contents><Key>{text(key)}</Key>{tag}<Size>{len(key)}</Size>"
+                     "<StorageClass>STANDARD</StorageClass></Contents>")
+    parts += [f"<CommonPrefixes><Prefix>{text(p)}</Prefix></CommonPrefixes>" for p in prefixes]
+    if token:
+        parts.append(f"<NextContinuationToken>{escape(token)}</NextContinuationToken>")
+    return ("".join(parts) + "</ListBucketResult>").encode()
+
+
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=12),
+                max_size=20),
+       st.sampled_from(["etags", "none"]), st.booleans(), st.booleans(),
+       st.sampled_from(["&#34;", "&quot;", ""]), st.one_of(st.none(), st.text("ab&<+ %", min_size=1)))
+def test_the_fast_list_parser_reads_what_elementtree_reads(keys, etags, folders, encoded, quote,
+                                                           token):
+    from loader.stores.listxml import _parse_flat_page, _parse_list_page, parse_list_page
+
+    tags = [f"{i:032x}" for i in range(len(keys))] if etags == "etags" else [None] * len(keys)
+    body = _list_body(keys, tags, ["p/"] if folders else [], encoded, token, quote)
+    fast = _parse_flat_page(body)
+    assert parse_list_page(body) == _parse_list_page(body)
+    assert (fast is None) == folders
+    if fast is not None:
+        assert fast == _parse_list_page(body)
+        assert [info.key for info in fast.objects] == keys

@@ -185,11 +185,11 @@ def test_pickling_for_a_worker_carries_the_parents_rank(in_worker, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with monkeypatch.context() as m:
         m.setattr(topology, "in_worker", lambda: False)
-        expected = ds.plan()
+        expected = ds.source.plan(ds._slot())
         worker_copy = _pickled_for_a_worker(ds)
     monkeypatch.delenv("RANK")  # the worker has neither group nor environment
     monkeypatch.delenv("WORLD_SIZE")
-    assert worker_copy.plan() == expected
+    assert worker_copy.source.plan(worker_copy._slot()) == expected
     assert len(expected) == 12
 
 
@@ -237,6 +237,6 @@ def test_a_fork_hands_the_forking_process_its_own_cell():
     launcher = topology.SharedEpoch(0)
     rank_copy = _pickled_for_a_worker(launcher)
     rank_copy._owner = -1
-    topology._claim_all()  # what runs before every fork
+    topology._epochs.run_before_fork()  # what runs before every fork
     rank_copy.value = 6
     assert (launcher.value, rank_copy.value, rank_copy._owner) == (0, 6, os.getpid())

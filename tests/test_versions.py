@@ -17,13 +17,16 @@ import tarfile
 import anyio
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, checkpoint
 from loader.errors import ObjectChangedError
 from loader.retry import RetryPolicy
 from loader.stores.answers import error_for_answer
 from loader.stores.base import Pin, normalize_etag
-from loader.stores.cache import MAGIC, CachedStore, DiskCache
+from loader.stores.cache import CachedStore
+from loader.stores.cache_files import MAGIC, DiskCache
 
 from fakes import FakeStore, reusable
 
@@ -109,6 +112,7 @@ def shard_dataset(fake: FakeStore, spec: str, **options) -> AsyncS3Dataset:
                                       shuffle_buffer=0, **options)
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_ranged_parts_of_a_shard_overwritten_mid_read_are_never_spliced():
     """The original report: parts of a listed shard, overwritten after a few parts."""
     old, new = tar_of(1), tar_of(2)
@@ -124,14 +128,15 @@ def test_ranged_parts_of_a_shard_overwritten_mid_read_are_never_spliced():
     assert fake.requests_by_key["shards/a.tar"] >= 4
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_parts_all_ask_for_the_listed_version():
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
     seen: list[str | None] = []
     get_range = fake.get_range
 
-    async def spy(bucket, key, start, end, *, pin=None, listed_etag=None):
+    async def spy(bucket, key, start, end, *, pin=None):
         seen.append(pin.etag if pin is not None else "no pin")
-        return await get_range(bucket, key, start, end, pin=pin, listed_etag=listed_etag)
+        return await get_range(bucket, key, start, end, pin=pin)
 
     fake.get_range = spy
     samples = list(shard_dataset(fake, f"s3://{BUCKET}/shards/", part_size=4096, parts_inflight=3))
@@ -139,6 +144,7 @@ def test_parts_all_ask_for_the_listed_version():
     assert len(seen) > 3 and set(seen) == {fake.etag_of(BUCKET, "shards/a.tar")}
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_a_shard_replaced_after_listing_is_read_whole_in_its_new_version():
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
     ds = shard_dataset(fake, f"s3://{BUCKET}/shards/", part_size=4096, parts_inflight=2)
@@ -170,6 +176,7 @@ def test_resumed_stream_of_an_unchanged_shard_still_completes():
     assert fake.requests_by_key["shards/a.tar"] == 3
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_a_server_without_etags_reads_as_before():
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)}, etags=False)
     samples = list(shard_dataset(fake, f"s3://{BUCKET}/shards/", part_size=4096))
@@ -295,6 +302,7 @@ def test_map_dataset_refetches_overwritten_entries(tmp_path):
     assert fake.requests == 6
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shards_from_a_cache_are_refetched_when_the_listing_says_so(tmp_path):
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
     options = {"cache_dir": tmp_path, "part_size": 4096, "parts_inflight": 2}
@@ -426,3 +434,88 @@ def test_compressed_shard_restarted_after_a_cut_asks_for_its_first_version():
         for sample in shard_dataset(fake, f"s3://{BUCKET}/shards/a.tar.gz"):
             delivered.append(sample)
     assert 0 < len(delivered) < 40 and versions_of(delivered) == {1}
+
+
+# --------------------------------------------------------------------------- the key list's versions
+
+
+keys_and_tags = st.lists(st.tuples(st.text(min_size=1, max_size=8), st.one_of(st.none(), st.sampled_from(
+    ["0cc175b9c0f1b6a831c399e269772661", "abc-3", "x"]))), unique_by=lambda pair: pair[0], max_size=30)
+
+
+@given(keys_and_tags, st.text(max_size=8), st.booleans())
+def test_a_key_lists_versions_answer_as_a_dict_would_sorted_or_not(pairs, probe, in_order):
+    from loader.stores.base import ObjectInfo
+    from loader.stores.listing import KeyList
+    from loader.stores.versions import listed_versions
+
+    if in_order:
+        pairs = sorted(pairs)
+    keys = KeyList.from_infos(ObjectInfo(key, 1, tag) for key, tag in pairs)
+    versions = listed_versions(BUCKET, keys)
+    expected = dict(pairs)
+    if all(tag is None for tag in expected.values()):
+        assert versions is None  # a listing without ETags: nothing to compare with
+        return
+    assert versions is not None
+    for key in [*expected, probe]:
+        assert versions(BUCKET, key) == expected.get(key)
+        assert versions("other-bucket", key) is None
+
+
+def test_keys_from_the_user_and_shards_without_etags_give_no_versions():
+    from loader.formats.shards import ShardRef
+    from loader.stores.versions import listed_versions, versions_of
+
+    assert listed_versions(BUCKET, ("a", "b")) is None
+    assert versions_of([ShardRef(BUCKET, "s/a.tar", 10)]) is None
+    versions = versions_of([ShardRef(BUCKET, "s/a.tar", 10, "e1"), ShardRef("b2", "s/a.tar", 10, "e2")])
+    assert versions is not None
+    assert (versions(BUCKET, "s/a.tar"), versions("b2", "s/a.tar"), versions(BUCKET, "s/b.tar")) == (
+        "e1", "e2", None)
+
+
+def test_a_mix_asks_its_sources_key_lists_in_turn():
+    from loader.stores.versions import first_known
+
+    def listing(table):
+        return lambda bucket, key: table.get((bucket, key))
+
+    a, b = listing({("x", "k"): "1"}), listing({("x", "k"): "2", ("y", "k"): "3"})
+    assert first_known([None, None]) is None and first_known([None, a]) is a
+    both = first_known([a, None, b])
+    assert both is not None
+    assert (both("x", "k"), both("y", "k"), both("z", "k")) == ("1", "3", None)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+@pytest.mark.parametrize("validate", ["listing", "always", "never"])
+async def test_the_cache_checks_entries_against_the_versions_it_was_given(tmp_path, anyio_backend, validate):
+    """The store is told the key list's versions once; reads carry none."""
+    fake = FakeStore.with_objects(BUCKET, {"k": b"a" * 100})
+    old = fake.etag_of(BUCKET, "k")
+    with anyio.fail_after(DEADLINE):
+        store = await cached(fake, tmp_path, validate=validate)
+        try:
+            await store.get(BUCKET, "k")  # cached: version a
+        finally:
+            await store.aclose()
+        fake.objects[BUCKET, "k"] = b"b" * 100
+        listed = {"k": fake.etag_of(BUCKET, "k")}  # a new listing saw version b
+        store = await cached(fake, tmp_path, validate=validate,
+                             versions=lambda bucket, key: listed.get(key))
+        try:
+            assert await store.get(BUCKET, "k") == (b"a" if validate == "never" else b"b") * 100
+            assert store.stale_refetches == (0 if validate == "never" else 1)
+            assert store.revalidations == 0  # the listing said it: no conditional GET needed
+        finally:
+            await store.aclose()
+        fake.reset_counters()
+        store = await cached(fake, tmp_path, validate=validate,
+                             versions=lambda bucket, key: None if key == "k" else old)
+        try:  # not in the key list: trusted, or asked about under "always"
+            await store.get(BUCKET, "k")
+            assert fake.conditional_requests == (1 if validate == "always" else 0)
+        finally:
+            await store.aclose()

@@ -60,13 +60,16 @@ from typing_extensions import Unpack
 from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
-from ..formats.objects import LabelFrom, SampleIndex, get_listed, skippable
+from ..formats.objects import LabelFrom, SampleIndex, get_pinned, skippable
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
+from ..stores.listing import KeyList
 from ..uri import parse_s3_uri
+from .object_source import ObjectSource
 from .options import LoaderOptions, MapKwargs
-from .snapshots import is_snapshot, snapshot_uri
-from .sources import ObjectSamples, check_keys, read_manifest
+from .snapshots import Snapshot, is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
+from .sources import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ _NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
 _DEFAULTS = LoaderOptions.__dataclass_fields__
 
 
-class AsyncS3MapDataset(ObjectSamples, Dataset):
+class AsyncS3MapDataset(Dataset):
     """Random access to S3 samples. Build it with a constructor:
 
     ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)`` or ``from_manifest(path)``.
@@ -94,8 +97,6 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
     is no queue.
     """
 
-    bucket: str
-
     def __init__(
         self,
         *,
@@ -106,22 +107,15 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         group: bool = True,
         label_from: LabelFrom | None = None,
         labels: Iterable[int | str | None] | None = None,
+        snapshot: Snapshot | None = None,
     ) -> None:
         super().__init__()
         if (keys is None) == (prefix is None):
             raise ConfigError("give exactly one of keys= or prefix=")
-        self.bucket = bucket
-        self.prefix = prefix
         self.options = options or LoaderOptions()
         _reject_defaults_changed(self.options)
-        self._keys: Sequence[str] | None = None if keys is None else check_keys(bucket, keys)
-        self._group = group
-        self._label_from = label_from
-        self._labels = None if labels is None else tuple(labels)
-        self._index: SampleIndex | None = None
-        if self._keys is not None:
-            self._index = self._build_index()
-        self._share_listing(bucket, prefix, None)
+        self.source = ObjectSource(bucket, self.options, keys=keys, prefix=prefix, group=group,
+                                   label_from=label_from, labels=labels, snapshot=snapshot)
         self._client: _Client | None = None
         self._closer: weakref.finalize | None = None
         self._lock = threading.Lock()
@@ -130,14 +124,13 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
 
     @classmethod
     def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
-                    snapshot: str | None = None, **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
+                    snapshot: str | os.PathLike[str] | None = None,
+                    **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
         """Every object under ``s3://bucket/prefix``, listed once when first needed (hidden
         objects left out; ``snapshot=``: see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
-        dataset = cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
-                      label_from=label_from)
-        dataset._use_snapshot(snapshot)
-        return dataset
+        return cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
+                   label_from=label_from, snapshot=snapshot_option(snapshot))
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
@@ -155,13 +148,35 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
         ``sources.read_manifest``), or a listing snapshot (read without any LIST)."""
         if is_snapshot(path):
-            dataset = cls.from_prefix(snapshot_uri(path, bucket), group=group, label_from=label_from,
-                                      **options)
-            dataset._use_snapshot(path, create=False)
-            return dataset
+            bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
+            return cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
+                       label_from=label_from, snapshot=saved_snapshot(path))
         manifest = read_manifest(path, bucket)
         return cls(bucket=manifest.bucket, keys=manifest.keys, options=_options(options),
                    group=group, label_from=label_from, labels=manifest.labels)
+
+    # ----------------------------------------------------------------------- what is read
+
+    @property
+    def bucket(self) -> str:
+        return self.source.bucket
+
+    def keys(self) -> Sequence[str]:
+        """Every object key (the prefix is listed now if not yet)."""
+        return self.source.keys()
+
+    def samples(self) -> SampleIndex:
+        """Which objects form each sample: index ``i`` is sample ``i``."""
+        return self.source.samples()
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names by index when labels come from names (as ``ImageFolder``); else None."""
+        return self.source.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        return self.source.class_to_idx
 
     # ----------------------------------------------------------------------- the Dataset protocol
 
@@ -190,12 +205,10 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
             return []
         unique = list(dict.fromkeys(key for i in wanted for key in index.objects(i)))
         etags = None
-        if index.etags is not None:
-            listed = {key: etag for i in wanted
-                      for key, etag in zip(index.objects(i), index.object_etags(i) or ())}
+        if index.pinned and isinstance(index.keys, KeyList):  # a snapshot: the versions it recorded
+            listed = {index.keys[p]: index.keys.etag(p) for i in wanted for p in index.positions(i)}
             etags = [listed[key] for key in unique]
-        bodies = self._client_here().get_many(self.bucket, unique, etags, missing_ok=skip,
-                                              pinned=index.pinned)
+        bodies = self._client_here().get_many(self.bucket, unique, missing_ok=skip, etags=etags)
         fetched = dict(zip(unique, bodies))
         out = []
         for i in wanted:
@@ -253,8 +266,7 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        what = f"{len(self._keys)} keys" if self._keys is not None else f"prefix {self.prefix!r}"
-        return (f"AsyncS3MapDataset({what}, bucket={self.bucket!r}, "
+        return (f"AsyncS3MapDataset({self.source.describe()}, "
                 f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
 
     # ----------------------------------------------------------------------- helpers
@@ -272,11 +284,11 @@ class AsyncS3MapDataset(ObjectSamples, Dataset):
                 return client  # another thread opened it meanwhile
             if self._closer is not None:
                 self._closer.detach()  # an inherited or already closed client's
-            client = _Client.open(self.options.store_factory(), self.options.max_inflight,
-                                  self.options.retry)
+            factory = self.options.store_factory(versions=self.source.versions())
+            client = _Client.open(factory, self.options.max_inflight, self.options.retry)
             self._closer = weakref.finalize(self, client.close)
             self._client = client
-            _track(self)
+            _owners.add(self)
             return client
 
     @staticmethod
@@ -326,33 +338,32 @@ class _Client:
             raise
         return client
 
-    def get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None = None, *,
-                 missing_ok: bool = False, pinned: bool = False) -> list[Any]:
+    def get_many(self, bucket: str, keys: list[str], *, missing_ok: bool = False,
+                 etags: list[str | None] | None = None) -> list[Any]:
         """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here.
-        ``etags``: the listing's, one per key (for the disk cache's validation).
 
         ``missing_ok``: an object that is gone (404) gives its ``NoSuchKeyError`` in its place
-        instead of failing the batch. ``pinned``: each GET must find the listed version."""
-        future = self.portal.start_task_soon(self._get_many, bucket, keys, etags, missing_ok, pinned)
+        instead of failing the batch. ``etags``: the versions to get (a snapshot's, one per key)."""
+        future = self.portal.start_task_soon(self._get_many, bucket, keys, missing_ok, etags)
         try:
             return future.result()
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt: do not leave the batch running
             raise
 
-    async def _get_many(self, bucket: str, keys: list[str], etags: list[str | None] | None,
-                        missing_ok: bool, pinned: bool = False) -> list[Any]:
+    async def _get_many(self, bucket: str, keys: list[str], missing_ok: bool,
+                        etags: list[str | None] | None = None) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
         store, limiter = self.store, self.limiter
         assert store is not None and limiter is not None  # open() set both
 
-        async def get(slot: int, key: str, etag: str | None) -> None:
+        async def get(slot: int, key: str) -> None:
             try:
                 async with limiter:
-                    out[slot] = await call_with_retries(
-                        functools.partial(get_listed, store, bucket, key, etag, pinned=pinned),
-                        self.retry)
+                    get = (functools.partial(get_pinned, store, bucket, key, etags[slot]) if etags
+                           else functools.partial(store.get, bucket, key))
+                    out[slot] = await call_with_retries(get, self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
                     failures.append(exc)
@@ -364,7 +375,7 @@ class _Client:
 
         async with anyio.create_task_group() as tg:
             for slot, key in enumerate(keys):
-                tg.start_soon(get, slot, key, None if etags is None else etags[slot])
+                tg.start_soon(get, slot, key)
         if failures:
             raise failures[0]
         return out
@@ -438,19 +449,8 @@ def _reject_defaults_changed(options: LoaderOptions) -> None:
 
 
 # --------------------------------------------------------------------- process-wide hygiene
-# Registered on first use, not at import (importing the package must have no side effects).
 
-_owners: weakref.WeakSet[AsyncS3MapDataset] = weakref.WeakSet()
 _orphans: list[_Client] = []
-_hook_installed = False
-
-
-def _track(dataset: AsyncS3MapDataset) -> None:
-    global _hook_installed
-    if not _hook_installed:
-        _hook_installed = True
-        os.register_at_fork(after_in_child=_forget_inherited)
-    _owners.add(dataset)
 
 
 def _park(client: _Client) -> None:
@@ -461,21 +461,22 @@ def _park(client: _Client) -> None:
     _orphans.append(client)
 
 
-def _forget_inherited() -> None:
-    """In a forked child: disown the clients whose loop thread stayed behind in the parent.
+def _disown(dataset: AsyncS3MapDataset) -> None:
+    """In a forked child: disown the client whose loop thread stayed behind in the parent.
 
-    Their finalizers are detached and their parts parked in ``_orphans``, so that neither
-    garbage collection nor exit ever tries to stop a loop that does not run here. Locks are
-    replaced too: one held by another parent thread at the fork would never be released.
+    Its finalizer is detached and its parts parked in ``_orphans``, so that neither garbage
+    collection nor exit ever tries to stop a loop that does not run here. The lock is replaced
+    too: one held by another parent thread at the fork would never be released.
     """
-    for dataset in list(_owners):
-        if dataset._closer is not None:
-            dataset._closer.detach()
-        if dataset._client is not None:
-            _park(dataset._client)
-        dataset._client = dataset._closer = None
-        dataset._lock = threading.Lock()
-    _owners.clear()
+    if dataset._closer is not None:
+        dataset._closer.detach()
+    if dataset._client is not None:
+        _park(dataset._client)
+    dataset._client = dataset._closer = None
+    dataset._lock = threading.Lock()
+
+
+_owners: LiveObjects[AsyncS3MapDataset] = LiveObjects(in_child=_disown)
 
 
 def live_clients() -> int:

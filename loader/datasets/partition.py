@@ -45,6 +45,7 @@ import random
 from collections.abc import Sequence
 from typing import Literal, TypeVar
 
+from ..checks import check_int
 from ..formats.shards import ShardAssignment
 
 PadPolicy = Literal["pad", "drop"]
@@ -60,16 +61,8 @@ _MASK64 = (1 << 64) - 1
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} is not an int")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return value
-
-
 def _check_index(name: str, value: object, count: int, count_name: str) -> int:
-    index = _check_int(name, value)
+    index = check_int(name, value)
     if not 0 <= index < count:
         raise ValueError(f"{name}={index!r} is outside [0, {count_name}={count!r})")
     return index
@@ -82,7 +75,7 @@ def _check_policy(policy: object) -> None:
 
 def _effective_workers(num_workers: int) -> int:
     """``num_workers=0`` (loading in the main process) reads like one worker."""
-    return max(1, _check_int("num_workers", num_workers, minimum=0))
+    return max(1, check_int("num_workers", num_workers, minimum=0))
 
 
 # ----------------------------------------------------------------------------- epoch order
@@ -90,15 +83,15 @@ def _effective_workers(num_workers: int) -> int:
 
 def epoch_seed(seed: int, epoch: int) -> int:
     """One 64-bit seed from ``(seed, epoch)``, the same in every process and Python version."""
-    _check_int("seed", seed)
-    _check_int("epoch", epoch, minimum=0)
+    check_int("seed", seed)
+    check_int("epoch", epoch, minimum=0)
     digest = hashlib.blake2b(f"loader.partition:{seed}:{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _MASK64
 
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
     """A permutation of ``range(n)``: the identity without ``shuffle``, else seeded by epoch."""
-    _check_int("n", n, minimum=0)
+    check_int("n", n, minimum=0)
     order = list(range(n))
     seeded = epoch_seed(seed, epoch)  # validates seed and epoch even when not shuffling
     if shuffle:
@@ -111,8 +104,8 @@ def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
 
 def rank_length(n: int, world_size: int, policy: PadPolicy = "pad") -> int:
     """Items per rank: ``ceil(n / W)`` with ``"pad"``, ``floor(n / W)`` with ``"drop"``."""
-    _check_int("n", n, minimum=0)
-    _check_int("world_size", world_size, minimum=1)
+    check_int("n", n, minimum=0)
+    check_int("world_size", world_size, minimum=1)
     _check_policy(policy)
     return -(-n // world_size) if policy == "pad" else n // world_size
 
@@ -124,7 +117,7 @@ def rank_share(
 
     Padding repeats ``order`` from its start, cycling when ``n < world_size - 1``.
     """
-    _check_int("world_size", world_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
     _check_index("rank", rank, world_size, "world_size")
     n = len(order)
     total = rank_length(n, world_size, policy) * world_size
@@ -164,7 +157,7 @@ def partition(
 def slot_of(rank: int, world_size: int, worker: int, num_workers: int) -> tuple[int, int]:
     """``(slot id, number of slots)`` for one (rank, worker): ``rank * workers + worker``."""
     workers = _effective_workers(num_workers)
-    _check_int("world_size", world_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
     _check_index("rank", rank, world_size, "world_size")
     _check_index("worker", worker, workers, "max(1, num_workers)")
     return rank * workers + worker, world_size * workers
@@ -172,8 +165,8 @@ def slot_of(rank: int, world_size: int, worker: int, num_workers: int) -> tuple[
 
 def needs_sample_split(num_shards: int, slots: int) -> bool:
     """Whether shards must be split by sample index (fewer shards than slots, but some)."""
-    _check_int("num_shards", num_shards, minimum=0)
-    _check_int("slots", slots, minimum=1)
+    check_int("num_shards", num_shards, minimum=0)
+    check_int("slots", slots, minimum=1)
     return 0 < num_shards < slots
 
 
@@ -194,7 +187,7 @@ def shard_assignments(
     With fewer, it reads the one shard ``order[s % num_shards]`` with a sample-index stride.
     Zero shards give every slot nothing.
     """
-    _check_int("num_shards", num_shards, minimum=0)
+    check_int("num_shards", num_shards, minimum=0)
     slot, slots = slot_of(rank, world_size, worker, num_workers)
     order = epoch_order(num_shards, seed=seed, epoch=epoch, shuffle=shuffle)
     if not needs_sample_split(num_shards, slots):
@@ -225,7 +218,7 @@ def balanced_shard_ranges(
     lists, in reading order, the sample range of each shard this slot reads.
     """
     for position, count in enumerate(counts):
-        _check_int(f"counts[{position}]", count, minimum=0)
+        check_int(f"counts[{position}]", count, minimum=0)
     workers = _effective_workers(num_workers)
     slot_of(rank, world_size, worker, num_workers)  # validates rank and worker
     total = sum(counts)
@@ -272,9 +265,9 @@ def balanced_shard_ranges(
 def block_shape(m: int, batch_size: int, world_size: int, policy: PadPolicy = "pad") -> tuple[int, int]:
     """``(full, last)``: ``m`` samples dealt in blocks of ``batch_size`` to ``world_size`` ranks
     give each rank ``full`` blocks of ``batch_size``, then one of ``last`` samples (0: none)."""
-    _check_int("m", m, minimum=0)
-    _check_int("batch_size", batch_size, minimum=1)
-    _check_int("world_size", world_size, minimum=1)
+    check_int("m", m, minimum=0)
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
     _check_policy(policy)
     full, rest = divmod(m, batch_size * world_size)
     last = -(-rest // world_size) if policy == "pad" else rest // world_size
@@ -319,7 +312,7 @@ def samples_consumed(m: int, steps: int, *, batch_size: int, world_size: int,
                      policy: PadPolicy = "pad") -> int:
     """How many of the sequence's ``m`` samples are consumed after ``steps`` steps on every rank:
     always a prefix of the sequence (pad repeats are not counted twice)."""
-    _check_int("steps", steps, minimum=0)
+    check_int("steps", steps, minimum=0)
     full, last = block_shape(m, batch_size, world_size, policy)
     if steps <= full:
         return steps * batch_size * world_size

@@ -43,6 +43,11 @@ def snapshot_option(path: str | os.PathLike[str] | None) -> Snapshot | None:
     return Snapshot(str(where), create=True)
 
 
+def saved_snapshot(path: str | os.PathLike[str]) -> Snapshot:
+    """A snapshot file that must exist (``from_manifest``): read, never listed again."""
+    return Snapshot(str(Path(path).expanduser().absolute()), create=False)
+
+
 def is_snapshot(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a listing snapshot (not a text, CSV or JSON lines manifest)."""
     return is_keyfile(path)

@@ -15,22 +15,20 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
-from ..formats.objects import LabelFrom, SampleIndex, build_index
 from ..formats.shards import ShardRef
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
 from ..stores.blocking import run_async, with_store
 from ..stores.listing import KeyList, ListOptions, list_all
 from ..uri import expand_braces, parse_s3_uri, sibling_matches
-from .options import LoaderOptions
-from .sharing import once_per_job, ticket, track
-from .snapshots import Snapshot, load_snapshot, save_snapshot, snapshot_option
+from .sharing import once_per_job
+from .snapshots import Snapshot, load_snapshot, save_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -305,30 +303,6 @@ def list_keys(
     return keys
 
 
-def listed_etags(keys: Sequence[str]) -> Sequence[str | None] | None:
-    """The ETags a listing gave for ``keys`` (None for a key list from the user or a manifest):
-    what ``cache_validate="listing"`` compares cache entries with. Read from the packed list
-    when asked, not unpacked into a list of strings."""
-    if isinstance(keys, KeyList) and keys._etags is not None:
-        return _ListedEtags(keys)
-    return None
-
-
-class _ListedEtags(Sequence["str | None"]):
-    """The ETags of a ``KeyList``, one decoded per lookup."""
-
-    def __init__(self, keys: KeyList) -> None:
-        self._keys = keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self._keys.etag(i) for i in range(len(self._keys))[index]]
-        return self._keys.etag(index)
-
-
 def warn_siblings(bucket: str, prefix: str, keys: Iterable[str]) -> None:
     """Warn, once per listing, when a prefix without its trailing slash matched more than the
     folder it names (``s3://b/imgs`` also matches ``imgs-shards/`` and ``imgs.txt``)."""
@@ -339,76 +313,3 @@ def warn_siblings(bucket: str, prefix: str, keys: Iterable[str]) -> None:
             f"s3://{bucket}/{prefix} has no trailing slash, so it also matched {len(others)} "
             f"sibling name(s) next to the folder {prefix + '/'!r}: {shown}; write "
             f"s3://{bucket}/{prefix}/ to read only that folder", UserWarning, stacklevel=4)
-
-
-class ObjectSamples:
-    """What both datasets do with objects: the key list (listed once, on demand), its grouping
-    into samples, and the class names of those samples. A class using it sets the attributes
-    below in its constructor."""
-
-    bucket: str | None
-    prefix: str | None
-    options: LoaderOptions
-    _keys: Sequence[str] | None
-    _index: SampleIndex | None
-    _group: bool
-    _label_from: LabelFrom | None
-    _labels: tuple[int | str | None, ...] | None
-    _listing_ticket: int = 0  # which dataset over its target this is (``sharing.ticket``)
-    _snapshot: Snapshot | None = None  # a snapshot file to read the keys from (or write)
-
-    @property
-    def _per_object(self) -> bool:
-        """Whether this dataset reads objects (an iterable dataset may read shards instead)."""
-        return True
-
-    def keys(self) -> Sequence[str]:
-        """Every object key, listing the prefix now if not done yet (once)."""
-        if not self._per_object:
-            raise TypeError("keys() is for per-object datasets; this one reads shards (see shards())")
-        if self._keys is None:
-            # a constructor takes exactly one of keys= and prefix= (and a bucket with them)
-            assert self.bucket is not None and self.prefix is not None
-            self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
-                                   retry=self.options.retry, options=self.options.listing,
-                                   ticket=self._listing_ticket, snapshot=self._snapshot)
-        return self._keys
-
-    def samples(self) -> SampleIndex:
-        """Which objects form each sample (the unit of an epoch), and their labels."""
-        if self._index is None:
-            self._index = self._build_index()
-        return self._index
-
-    @property
-    def classes(self) -> list[str] | None:
-        """Class names by index when labels come from names (``label_from="parent"`` or a
-        manifest's label column of names), sorted as ``ImageFolder`` sorts them; else None."""
-        if not self._per_object:
-            return None
-        classes = self.samples().classes
-        return None if classes is None else list(classes)
-
-    @property
-    def class_to_idx(self) -> dict[str, int] | None:
-        """``{class name: index}``, the inverse of ``classes`` (None without named classes)."""
-        return self.samples().class_to_idx if self._per_object else None
-
-    def _build_index(self) -> SampleIndex:
-        where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
-        root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
-        keys = self.keys()
-        return build_index(keys, group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root, etags=listed_etags(keys),
-                           pinned=self._snapshot is not None)
-
-    def _share_listing(self, *target: object) -> None:
-        """In a constructor: this dataset's ticket for the listing of ``target`` it shares with
-        the other ranks of a job (``sharing``)."""
-        self._listing_ticket = ticket(repr(target))
-        track(self)
-
-    def _use_snapshot(self, path: str | os.PathLike[str] | None, *, create: bool = True) -> None:
-        """``snapshot=``: read the keys from that file (``create``: or list and write it)."""
-        option = snapshot_option(path)
-        self._snapshot = None if option is None else option._replace(create=create)

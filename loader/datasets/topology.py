@@ -25,12 +25,13 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import weakref
+import sys
 from collections.abc import Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 from ..errors import ConfigError
+from ..lifecycle import LiveObjects
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class SharedEpoch:
     def __init__(self, value: int = 0) -> None:
         self._cell: Any = multiprocessing.RawValue("q", value)
         self._owner = os.getpid()
-        _track(self)
+        _epochs.add(self)
 
     @property
     def value(self) -> int:
@@ -204,28 +205,17 @@ class SharedEpoch:
 def _rebuild_epoch(cell: Any, owner: int) -> SharedEpoch:
     epoch = SharedEpoch.__new__(SharedEpoch)
     epoch._cell, epoch._owner = cell, owner
-    _track(epoch)
+    _epochs.add(epoch)
     return epoch
 
 
-# Registered on first use, not at import (importing the package must have no side effects).
-_epochs: weakref.WeakSet[SharedEpoch] = weakref.WeakSet()
-_hook_installed = False
-
-
-def _track(epoch: SharedEpoch) -> None:
-    global _hook_installed
-    if not _hook_installed:
-        _hook_installed = True
-        os.register_at_fork(before=_claim_all)
-    _epochs.add(epoch)
-
-
-def _claim_all() -> None:
+def _claim(epoch: SharedEpoch) -> None:
     """Before a fork: forked workers must hold this process's cells, not a launcher's."""
-    for epoch in list(_epochs):
-        if epoch._owner != os.getpid():
-            epoch.claim()
+    if epoch._owner != os.getpid():
+        epoch.claim()
+
+
+_epochs: LiveObjects[SharedEpoch] = LiveObjects(before_fork=_claim)
 
 
 def _env_int(name: str, value: str, *, minimum: int) -> int:
@@ -236,3 +226,19 @@ def _env_int(name: str, value: str, *, minimum: int) -> int:
     if number < minimum:
         raise ConfigError(f"{name}={value!r} must be >= {minimum}")
     return number
+
+
+def dataloader_batch_size(depth: int = 2) -> int | None:
+    """The batch size of the DataLoader pulling from the caller's generator, or None.
+
+    torch's fetcher for iterable datasets (``_IterableDatasetFetcher.fetch``, also used by
+    torchdata's ``StatefulDataLoader``) calls ``next()`` once per entry of
+    ``possibly_batched_index``; read from the frame ``depth`` levels up, it is the only place the
+    DataLoader's batch size can be seen from a worker. None when another caller iterates.
+    """
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return None
+    index = frame.f_locals.get("possibly_batched_index") if frame.f_code.co_name == "fetch" else None
+    return len(index) if isinstance(index, list) else None

@@ -12,11 +12,15 @@ admission checks both limits before a new job starts, so a slow consumer stops n
 
 Memory bound: ``queue_bytes`` + ``max_inflight`` x (largest item) + two items: admission stops
 at the budget, and the job the consumer waits for may always deliver one item (or ordered
-delivery could deadlock while the room is held by other jobs' items). With ``inflight_bytes``
+delivery could deadlock while the room is held by other jobs' items). Items handed to the
+consumer in a batch count against ``queue_bytes`` until the consumer comes back for the next
+batch (it still holds them until then), and a batch takes at most a quarter of the queue (in
+bytes and in items), so that fetching goes on while the consumer works through it. With ``inflight_bytes``
 the middle term is bounded in bytes too: each job started reserves twice the largest item seen
 so far (its body arriving, then joined into one object), and a job starts only while the
-reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. Before
-the first item arrives nothing is known of sizes, so the first job runs alone.
+reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. A job
+that knows what it will hold says so in a ``reserve`` attribute (bytes); otherwise, before the
+first item arrives nothing is known of sizes, so the first job runs alone.
 
 Lifecycle: nothing starts in ``__init__``. Iterating starts the thread; exhaustion, ``break``,
 an exception, ``close()``, garbage collection and interpreter exit all cancel the jobs, close
@@ -26,21 +30,21 @@ inherited from its parent (their thread does not exist there) instead of touchin
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import anyio
 
+from ..checks import check_int
 from ..errors import ConfigError
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..stores import ObjectStore
 from .loopthread import LoopThread
@@ -49,8 +53,8 @@ DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_QUEUE_ITEMS = 1024
 TAKE_BATCH = 256  # items handed across the thread boundary per call: amortises the portal hop
-Delivery = Literal["ordered", "interleave", "completed"]
-DELIVERIES = ("ordered", "interleave", "completed")
+Delivery = Literal["ordered", "interleave", "completed", "scheduled"]
+DELIVERIES = ("ordered", "interleave", "completed", "scheduled")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,7 +64,9 @@ class EngineLimits:
     ``delivery``: ``"ordered"`` gives every item of job 0, then of job 1, ...;
     ``"interleave"`` takes one item at a time from ``max_inflight`` jobs in turn (round robin
     over lanes; a finished job's lane takes the next job), deterministic like ``"ordered"``
-    but mixing streams; ``"completed"`` gives items as they arrive (fastest, not repeatable).
+    but mixing streams; ``"completed"`` gives items as they arrive (fastest, not repeatable);
+    ``"scheduled"`` follows a schedule given to the engine: the job index of every item, in
+    delivery order (jobs numbered in the order of their first entry), for exact interleaves.
     """
 
     max_inflight: int = DEFAULT_MAX_INFLIGHT
@@ -73,12 +79,9 @@ class EngineLimits:
         if self.delivery not in DELIVERIES:
             raise ConfigError(f"delivery={self.delivery!r} is not one of {DELIVERIES}")
         for name in ("max_inflight", "queue_bytes", "queue_items"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        value = self.inflight_bytes
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"inflight_bytes={value!r} must be a positive integer or None")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("inflight_bytes", self.inflight_bytes, minimum=1, optional=True,
+                  must="a positive integer or None")
 
 
 class EngineStats(NamedTuple):
@@ -153,14 +156,17 @@ class FetchEngine:
         limits: EngineLimits | None = None,
         retry: RetryPolicy | None = None,
         name: str = "loader-engine",
+        schedule: Iterable[int] | None = None,
     ) -> None:
+        self._loop: LoopThread | None = None
+        self._closed = False
         self.limits = limits or EngineLimits()
         self.retry = retry or RetryPolicy()
-        self._core = _Core(jobs, store_factory, self.limits, self.retry)
+        if (schedule is None) == (self.limits.delivery == "scheduled"):
+            raise ConfigError("a schedule= goes with delivery='scheduled', and only with it")
+        self._core = _Core(jobs, store_factory, self.limits, self.retry, schedule)
         self._name = name
-        self._loop: LoopThread | None = None
         self._pid = os.getpid()
-        self._closed = False
         self._consumer_wait = 0.0
 
     def __iter__(self) -> Iterator[Any]:
@@ -168,10 +174,12 @@ class FetchEngine:
         self.start()
         assert self._loop is not None  # start() made it
         portal, take = self._loop.portal, self._core.take
+        batch_items = max(1, min(TAKE_BATCH, self.limits.queue_items // 4))  # leave room to fetch into
+        held = (0, 0)  # items and bytes of the last batch, released when the next is taken
         try:
             while True:
                 started = time.perf_counter()
-                batch = portal.call(take, TAKE_BATCH)
+                batch, held = portal.call(take, batch_items, held)
                 self._consumer_wait += time.perf_counter() - started
                 if not batch:
                     return
@@ -185,7 +193,7 @@ class FetchEngine:
             raise RuntimeError("this FetchEngine is closed; build a new one for another pass")
         if self._loop is not None:
             return
-        _track(self)
+        _live.add(self)
         self._loop = LoopThread.start(self._name)
         self._loop.portal.start_task_soon(self._core.main)
 
@@ -251,8 +259,12 @@ class _Core:
         store_factory: Callable[[], Awaitable[ObjectStore]],
         limits: EngineLimits,
         retry: RetryPolicy,
+        schedule: Iterable[int] | None = None,
     ) -> None:
         self.jobs = jobs
+        self.schedule = iter(schedule or ())  # "scheduled": the job of each item to deliver
+        self.entry: int | None = None  # "scheduled": the schedule's current entry
+        self.schedule_done = False
         self.store_factory = store_factory
         self.limits = limits
         self.retry = retry
@@ -281,9 +293,11 @@ class _Core:
         self.delivered_items = 0
         self.delivered_bytes = 0
         self.retries = 0
+        self.take_bytes = max(1, limits.queue_bytes // 4)  # most bytes one batch hands over
         self.reserved_bytes = 0  # sum of the running jobs' reservations
         self.peak_reserved_bytes = 0
         self.largest_item = 0
+        self.taken = [0, 0]  # items and bytes handed over by the current take()
 
     async def main(self) -> None:
         store = None
@@ -302,12 +316,13 @@ class _Core:
 
     async def launch_all(self, tg: anyio.abc.TaskGroup, store: ObjectStore) -> None:
         for index, job in enumerate(self.jobs):
-            await self.wait_for_room(index)
+            fixed = getattr(job, "reserve", None)  # a job may say what it holds (a shard read)
+            await self.wait_for_room(index, fixed)
             if self.failed:
                 break
             slot = _Slot(index)
             if self.limits.inflight_bytes is not None:
-                slot.reserved = self.reservation()
+                slot.reserved = self.reservation(fixed)
                 self.reserved_bytes += slot.reserved
                 self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
             self.slots[index] = slot
@@ -315,8 +330,8 @@ class _Core:
             self.pending.append((job, JobContext(self, slot, store, self.retry)))
             if self.idle:
                 self.idle.pop().set()
-            elif self.runners < self.limits.max_inflight:
-                self.runners += 1
+            elif self.runners < self.limits.max_inflight or self.overdue(index):
+                self.runners += 1  # a job the consumer already waits for gets a runner even past the limit
                 tg.start_soon(self.runner)
         self.launch_done = True
         self.notify()
@@ -337,7 +352,8 @@ class _Core:
             while self.pending:
                 job, ctx = self.pending.popleft()
                 await self.run_job(job, ctx)
-            if self.launch_done:
+            if self.launch_done or self.runners > self.limits.max_inflight:
+                self.runners -= 1
                 return
             wake = anyio.Event()
             self.idle.append(wake)
@@ -380,7 +396,7 @@ class _Core:
             return False  # the reorder window
         return not self.full()
 
-    async def wait_for_room(self, index: int) -> None:
+    async def wait_for_room(self, index: int, fixed: int | None = None) -> None:
         """Wait until job ``index`` may start: a free job slot and room in the buffer.
 
         The job slots are a plain count, not an ``anyio.Semaphore``: only this one task takes
@@ -388,26 +404,35 @@ class _Core:
         free (one loop iteration per job, about a third of the engine's CPU per sample). Here
         the launcher starts jobs back to back until the limit, then sleeps until one finishes.
         """
-        while not self.failed and not (
+        while not self.failed and not self.overdue(index) and not (
             self.launched - self.jobs_done < self.limits.max_inflight
             and self.room_for(index)
-            and self.bytes_room()
+            and self.bytes_room(fixed)
         ):
             await self.wait_change()
 
-    def reservation(self) -> int:
-        """What a job about to start reserves of ``inflight_bytes``: twice the largest item seen
-        (its body arriving, then joined), or all of it before any size is known."""
+    def overdue(self, index: int) -> bool:
+        """Whether job ``index`` must start whatever the limits say: with a schedule, the
+        consumer may wait for it while the buffer is full of items of jobs that started
+        earlier but are due later (a long shard beside many small objects)."""
+        return self.delivery == "scheduled" and index <= self.wanted
+
+    def reservation(self, fixed: int | None = None) -> int:
+        """What a job about to start reserves of ``inflight_bytes``: what it says it holds
+        (``fixed``), else twice the largest item seen (its body arriving, then joined), or all
+        of it before any size is known."""
         budget = self.limits.inflight_bytes or 0
+        if fixed is not None:
+            return min(fixed, budget)
         if not self.largest_item:
             return budget
         return min(2 * self.largest_item, budget)
 
-    def bytes_room(self) -> bool:
+    def bytes_room(self, fixed: int | None = None) -> bool:
         """Whether another job's reservation fits (one job may always run)."""
         if self.limits.inflight_bytes is None or self.launched == self.jobs_done:
             return True
-        return self.reserved_bytes + self.reservation() <= self.limits.inflight_bytes
+        return self.reserved_bytes + self.reservation(fixed) <= self.limits.inflight_bytes
 
     async def emit(self, slot: _Slot, item: Any, nbytes: int) -> None:
         # The job the consumer waits for may always deliver one item when it has none buffered:
@@ -424,22 +449,28 @@ class _Core:
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
         self.notify()
 
-    async def take(self, max_items: int) -> list[Any]:
-        """Runs in the loop on behalf of the consumer: the next items, ``[]`` at the end."""
+    async def take(self, max_items: int, released: tuple[int, int] = (0, 0)) -> tuple[list[Any], tuple[int, int]]:
+        """Runs in the loop on behalf of the consumer: the next items (``[]`` at the end) and
+        their count and bytes, which stay in the buffer's counts until the consumer hands them
+        back as ``released`` with its next call (it holds them until then)."""
+        self.release(*released)
+        self.taken = [0, 0]
         while True:
             if self.fatal is not None:
                 raise self.fatal
             out = self.pop[self.delivery](self, max_items)
             if out:
                 self.notify()
-                return out
+                return out, (self.taken[0], self.taken[1])
             if self.finished():
-                return []
+                return [], (0, 0)
+            if self.delivery == "scheduled":
+                self.notify()  # the launcher may be holding back the job now wanted
             await self.wait_change()
 
     def pop_ordered(self, max_items: int) -> list[Any]:
         out: list[Any] = []
-        while len(out) < max_items:
+        while len(out) < max_items and self.taken[1] < self.take_bytes:
             self.wanted = self.head
             slot = self.slots.get(self.head)
             if slot is None:
@@ -459,7 +490,7 @@ class _Core:
 
     def pop_interleave(self, max_items: int) -> list[Any]:
         out: list[Any] = []
-        while len(out) < max_items and self.lanes:
+        while len(out) < max_items and self.taken[1] < self.take_bytes and self.lanes:
             self.cursor %= len(self.lanes)
             index = self.wanted = self.lanes[self.cursor]
             slot = self.slots.get(index)
@@ -482,9 +513,43 @@ class _Core:
             self.notify()  # the launcher may be waiting for that
         return out
 
+    def pop_scheduled(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < max_items and self.taken[1] < self.take_bytes:
+            if self.entry is None:
+                self.entry = next(self.schedule, None)
+                if self.entry is None:
+                    self.end_schedule()
+                    break
+            index = self.wanted = self.entry
+            slot = self.slots.get(index)
+            if slot is None:
+                if index < self.launched or self.launch_done:
+                    self.entry = None  # a job that gave fewer items than scheduled, or none at all
+                    continue
+                break  # not started yet
+            if slot.items:
+                out.append(self.account(slot.items.popleft()))
+                self.entry = None
+                continue
+            if not slot.done or (slot.error is not None and out):
+                break
+            del self.slots[index]
+            self.entry = None
+            if slot.error is not None:
+                raise slot.error
+        return out
+
+    def end_schedule(self) -> None:
+        """The schedule is exhausted: every job must have delivered all it emitted."""
+        self.schedule_done = True
+        left = [index for index, slot in self.slots.items() if slot.items]
+        if left:
+            raise RuntimeError(f"jobs {left[:5]} emitted more items than the schedule gave them")
+
     def pop_completed(self, max_items: int) -> list[Any]:
         out: list[Any] = []
-        while self.ready and len(out) < max_items:
+        while self.ready and len(out) < max_items and self.taken[1] < self.take_bytes:
             item, _ = self.ready[0]
             if isinstance(item, _Failure):
                 if out:
@@ -495,16 +560,27 @@ class _Core:
         return out
 
     def account(self, entry: tuple[Any, int]) -> Any:
+        """An item handed over: delivered now, still buffered until the consumer releases it."""
         item, nbytes = entry
-        self.buffered_items -= 1
-        self.buffered_bytes -= nbytes
+        self.taken[0] += 1
+        self.taken[1] += nbytes
         self.delivered_items += 1
         self.delivered_bytes += nbytes
         return item
 
-    pop = {"ordered": pop_ordered, "interleave": pop_interleave, "completed": pop_completed}
+    def release(self, items: int, nbytes: int) -> None:
+        """The consumer is done with the last batch: its room is free again."""
+        if items:
+            self.buffered_items -= items
+            self.buffered_bytes -= nbytes
+            self.notify()
+
+    pop = {"ordered": pop_ordered, "interleave": pop_interleave, "completed": pop_completed,
+           "scheduled": pop_scheduled}
 
     def finished(self) -> bool:
+        if self.delivery == "scheduled":
+            return self.schedule_done and self.launch_done and self.jobs_done == self.launched
         return (
             self.launch_done
             and self.jobs_done == self.launched
@@ -530,37 +606,23 @@ class _Failure(NamedTuple):
 
 
 # --------------------------------------------------------------------- process-wide hygiene
-# Registered on first use, not at import (importing the package must have no side effects).
-
-_live: weakref.WeakSet[FetchEngine] = weakref.WeakSet()
-_hooks_installed = False
 
 
-def _track(engine: FetchEngine) -> None:
-    global _hooks_installed
-    if not _hooks_installed:
-        _hooks_installed = True
-        os.register_at_fork(after_in_child=_forget_inherited)
-        atexit.register(_close_all)
-    _live.add(engine)
+def _disown(engine: FetchEngine) -> None:
+    """In a forked child: disown an engine whose loop thread stayed behind in the parent.
 
-
-def _forget_inherited() -> None:
-    """In a forked child: disown engines whose loop thread stayed behind in the parent.
-
-    Their portals must never be *called* here (the thread that would answer does not exist in
-    this process); dropping them is safe because ``LoopThread`` has no finalizer.
+    Its portal must never be *called* here (the thread that would answer does not exist in
+    this process); dropping it is safe because ``LoopThread`` has no finalizer.
     """
-    for engine in list(_live):
-        engine._loop = None
-        engine._closed = True
-    _live.clear()
+    engine._loop = None
+    engine._closed = True
 
 
-def _close_all() -> None:
-    for engine in list(_live):
-        with contextlib.suppress(Exception):
-            engine.close()
+def _close(engine: FetchEngine) -> None:
+    engine.close()
+
+
+_live: LiveObjects[FetchEngine] = LiveObjects(in_child=_disown, at_exit=_close)
 
 
 def live_engines() -> int:

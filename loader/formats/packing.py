@@ -22,23 +22,28 @@ same plan and can skip what is already uploaded::
   offset, is built from the plan alone, and headers are deterministic (mtime 0, mode 0644, no
   owner), which makes a rerun produce identical bytes.
 
-The index written beside the shards is built and read in ``index.py``.
+The index written beside the shards (``index.json``: every shard's URL, sample count, size and
+sample offsets) is built here; ``loader.datasets.shard_index`` reads it back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import random
 import tarfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from ..checks import check_int
 from ..errors import ConfigError
 from .compression import SUFFIX_OF, Compression, compression_of, is_shard_name
-from .index import INDEX_VERSION
 from .tar import BLOCK_SIZE, split_key
+
+INDEX_NAME = "index.json"
+INDEX_VERSION = 1
 
 PROGRESS_NAME = "_progress.json"
 PLAN_VERSION = 1  # bump when the layout of planned shards changes (resume refuses old plans)
@@ -216,8 +221,7 @@ def plan_shards(samples: Iterable[Sample], target_size: int) -> list[ShardPlan]:
     A shard is closed when the next sample would take it past the target; a sample larger than
     the target on its own gets a shard to itself. Every sample lands in exactly one shard.
     """
-    if not isinstance(target_size, int) or target_size < 1:
-        raise ConfigError(f"target_size={target_size!r} must be a positive number of bytes")
+    check_int("target_size", target_size, minimum=1, must="a positive number of bytes")
     plans: list[ShardPlan] = []
     current: list[Sample] = []
     offsets: list[int] = []
@@ -319,3 +323,51 @@ def parse_progress(document: Any, fingerprint: str, where: str) -> set[int]:
     return set(done)
 
 
+# ------------------------------------------------------------------------ the index
+
+
+def build_index(source: str, bucket: str, names: Sequence[str], plans: Sequence[ShardPlan], *,
+                fingerprint: str, target_size: int, skipped: int = 0,
+                compression: Compression | None = None,
+                stored_bytes: Sequence[int] | None = None) -> dict[str, Any]:
+    """``index.json``: every shard's key, URL, samples, objects, bytes and sample offsets.
+
+    ``bytes`` and ``offsets`` are of the tar stream; compressed shards add ``compression`` and
+    each shard's ``stored_bytes`` (the object's size).
+    """
+    shards = [
+        {"key": name, "url": f"s3://{bucket}/{name}", "samples": len(plan.samples),
+         "objects": plan.objects, "bytes": plan.bytes, "offsets": list(plan.offsets)}
+        for name, plan in zip(names, plans, strict=True)
+    ]
+    if compression is not None:
+        for shard, stored in zip(shards, stored_bytes or itertools.repeat(None, len(shards)),
+                                 strict=True):
+            shard["stored_bytes"] = stored
+    return {
+        "version": INDEX_VERSION,
+        "created_by": "loader shard",
+        "source": source,
+        "fingerprint": fingerprint,
+        "target_size": target_size,
+        **({"compression": compression} if compression else {}),
+        "samples": sum(s["samples"] for s in shards),
+        "objects": sum(s["objects"] for s in shards),
+        "skipped_objects": skipped,
+        "bytes": sum(s["bytes"] for s in shards),
+        "shards": shards,
+    }
+
+
+def index_counts(index: Any, where: str = "the index") -> dict[str, int]:
+    """``{shard url: samples}`` from a parsed index, checked (for ``sample_counts=``)."""
+    if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
+        raise ConfigError(f"{where} is not an index written by loader shard (version {INDEX_VERSION})")
+    counts: dict[str, int] = {}
+    for position, shard in enumerate(index.get("shards", ())):
+        url = shard.get("url") if isinstance(shard, dict) else None
+        samples = shard.get("samples") if isinstance(shard, dict) else None
+        if not isinstance(url, str) or not isinstance(samples, int) or samples < 0:
+            raise ConfigError(f"{where}: shards[{position}] lacks a url or a sample count")
+        counts[url] = samples
+    return counts

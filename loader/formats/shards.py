@@ -22,14 +22,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import random
-import time
 import warnings
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, NamedTuple
 
 import anyio
 
+from ..checks import check_int
 from ..engine.fetch import Job, JobContext
 from ..errors import (
     ConfigError,
@@ -38,9 +37,9 @@ from ..errors import (
     ShardFormatError,
     TransientStoreError,
 )
-from ..retry import backoff_delay, call_with_retries
+from ..retry import Retrying, call_with_retries
 from ..stores.base import Pin
-from ..uri import object_url
+from ..uri import object_url, parse_s3_uri
 from .compression import Compression, compression_of, open_decoder
 from .tar import SampleGrouper, TarMember, TarStreamParser
 
@@ -49,6 +48,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARDS_INFLIGHT = 4
 DEFAULT_SHUFFLE_BUFFER = 1000
 DEFAULT_PART_SIZE = 16 << 20
+MIN_PART_SIZE = 1 << 20  # a ranged part smaller than this costs more in requests than it saves
 DEFAULT_PARTS_INFLIGHT = 4
 DEFAULT_CHUNK_SIZE = 1 << 20
 
@@ -84,33 +84,55 @@ class ShardAssignment(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardOptions:
-    """How shards are read.
+    """How shards are read and dealt.
 
     ``shards_inflight``: shards streamed at once per worker (their samples interleave).
-    ``shuffle_buffer``: samples mixed after reading (0 = off); costs that many samples of RAM.
+    ``shuffle_buffer``: samples mixed after reading (0 = off; None: 1000 where a buffer applies);
+    costs that many samples of RAM.
     ``part_size``/``parts_inflight``: a shard of known size above two parts is fetched as
-    ranged GETs of ``part_size`` bytes, ``parts_inflight`` at a time, reassembled in order.
+    ranged GETs of ``part_size`` bytes (``MIN_PART_SIZE`` at least), ``parts_inflight`` at a
+    time, reassembled in order.
     ``shuffle_bytes``: the shuffle buffer's limit in bytes as well (None: samples only);
     ``memory_budget`` sets it.
+    ``samples_per_epoch``: exactly this many samples per rank and epoch, cycling through the
+    shards (no counts needed). ``uneven_ranks``: accept ranks of unequal length when counts are
+    unknown. ``index``: the shard index's URI when it is not in the shards' folder.
     """
 
     shards_inflight: int = DEFAULT_SHARDS_INFLIGHT
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    shuffle_buffer: int | None = None
     part_size: int = DEFAULT_PART_SIZE
     parts_inflight: int = DEFAULT_PARTS_INFLIGHT
     chunk_size: int = DEFAULT_CHUNK_SIZE
     shuffle_bytes: int | None = None
+    samples_per_epoch: int | None = None
+    uneven_ranks: bool = False
+    index: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("shards_inflight", "part_size", "parts_inflight", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
-            raise ConfigError(f"shuffle_buffer={self.shuffle_buffer!r} must be 0 (off) or more")
-        value = self.shuffle_bytes
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"shuffle_bytes={value!r} must be a positive number of bytes or None")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("shuffle_buffer", self.shuffle_buffer, minimum=0, optional=True, must="0 (off) or more")
+        check_int("shuffle_bytes", self.shuffle_bytes, minimum=1, optional=True,
+                  must="a positive number of bytes or None")
+        check_int("samples_per_epoch", self.samples_per_epoch, minimum=1, optional=True,
+                  must="a positive integer (samples per rank and epoch) or None")
+        if not isinstance(self.uneven_ranks, bool):
+            raise ConfigError(f"uneven_ranks={self.uneven_ranks!r} must be True or False")
+        if self.index is not None:
+            if not isinstance(self.index, str):
+                raise ConfigError(f"index={self.index!r} must be an s3:// URI of a shard index")
+            parse_s3_uri(self.index)
+        if self.part_size < MIN_PART_SIZE:
+            raise ConfigError(
+                f"part_size={self.part_size!r} is below the floor of {MIN_PART_SIZE} bytes: each part is "
+                "one ranged GET, and parts that small spend their time on requests, not bytes; give "
+                f"part_size={MIN_PART_SIZE} (1 MiB) or more, or leave the default (16 MiB)")
+
+    @property
+    def buffer_size(self) -> int:
+        """The shuffle buffer in force where one applies (``shuffle_buffer`` or its default)."""
+        return DEFAULT_SHUFFLE_BUFFER if self.shuffle_buffer is None else self.shuffle_buffer
 
 
 class ShardRef(NamedTuple):
@@ -140,6 +162,28 @@ class ShardEnd(NamedTuple):
     links: int = 0
 
 
+class Expect(NamedTuple):
+    """How many samples a shard must hold, who said so and how to fix it: a shard read to its
+    end that holds another number is an error (ranks would silently read unequal counts)."""
+
+    samples: int
+    source: str  # "the index s3://b/index.json", "sample_counts="
+    fix: str
+
+    def mismatch(self, shard: ShardRef, what: str) -> ConfigError:
+        """The error for a shard found to differ (``what``: "holds 86 samples")."""
+        return ConfigError(
+            f"{shard.url} {what}, but {self.source} says it holds {self.samples}: the shard "
+            f"changed after it was counted, or the count is wrong, and ranks would read unequal "
+            f"numbers of samples, so the read stops; {self.fix}")
+
+    def changed(self, shard: ShardRef, exc: ObjectChangedError) -> ObjectChangedError:
+        """A read pinned to the counted version found another one."""
+        return ObjectChangedError(
+            f"{shard.url} is not the version {self.source} counted (ETag {shard.etag}): it was "
+            f"overwritten after it was counted ({exc}); {self.fix}", bucket=shard.bucket, key=shard.key)
+
+
 class _RangeDone(Exception):
     """Raised inside a shard job once its sample range is read; ends the stream early."""
 
@@ -161,6 +205,7 @@ def shard_job(
     skip: Container[int] = frozenset(),
     on_error: str = "raise",
     offsets: Sequence[int] | None = None,
+    expect: Expect | None = None,
 ) -> Job:
     """Stream one shard; emit ``((position, index), sample)`` for each sample the slot keeps
     (and has not delivered before a resume), then ``((position, END), ShardEnd)``.
@@ -171,9 +216,16 @@ def shard_job(
     ``offsets`` (the byte offset of each sample's first header, from the shard index) let an
     assignment with ``ranges`` read each range from its first byte with a ranged GET, instead
     of the shard from its start (uncompressed shards only: a compressed one has no offsets).
+
+    ``expect``: the shard's sample count as the dataset was told it. Every request is then
+    pinned to ``shard.etag`` (the counted version), and a slot that reads to the shard's end
+    checks the count: another count is an error naming the shard, never a silent difference.
     """
     if offsets is not None and assignment.ranges and shard.compression is None:
-        return _ranged_job(shard, position, assignment, options, skip, on_error, offsets)
+        return _ranged_job(shard, position, assignment, options, skip, on_error, offsets, expect)
+    expected = None if expect is None else expect.samples
+    # A slot whose range ends at the shard's counted end reads on to the end, to check the count.
+    stop_early = assignment.stop is not None and (expected is None or assignment.stop < expected)
 
     async def job(ctx: JobContext) -> None:
         grouper = SampleGrouper(shard.url)
@@ -186,10 +238,12 @@ def shard_job(
                 return
             index = sample.pop("__index__")
             count = index + 1
+            if expect is not None and count > expect.samples:
+                raise expect.mismatch(shard, f"holds more than {expect.samples} samples")
             fields = frozenset(sample)
             if assignment.keeps(index) and index not in skip:
                 await ctx.emit(((position, index), sample), sample_nbytes(sample))
-            if assignment.stop is not None and count >= assignment.stop:
+            if stop_early and assignment.stop is not None and count >= assignment.stop:
                 raise _RangeDone  # the rest of the shard belongs to another slot: stop reading
 
         async def on_member(member: TarMember) -> None:
@@ -197,8 +251,16 @@ def shard_job(
 
         parser = TarStreamParser(shard.url)
         try:
-            await read_members(ctx, shard, options, on_member, parser)
+            pin = None if expect is None else Pin(shard.etag)
+            try:
+                await read_members(ctx, shard, options, on_member, parser, pin=pin)
+            except ObjectChangedError as exc:
+                if expect is None or shard.etag is None:
+                    raise
+                raise expect.changed(shard, exc) from exc
             await deliver(grouper.flush())
+            if expect is not None and count != expect.samples:
+                raise expect.mismatch(shard, f"holds {count} samples")
         except _RangeDone:
             pass
         except ShardFormatError as exc:
@@ -232,11 +294,15 @@ def _ranged_job(
     skip: Container[int],
     on_error: str,
     offsets: Sequence[int],
+    expect: Expect | None,
 ) -> Job:
     """``shard_job`` for sample ranges whose byte offsets are known: one GET per range, from the
     range's first sample's first header to the next sample's (at most ``part_size`` bytes held;
     a longer range, or one that runs to the shard's end, is streamed and cut after its last
-    sample)."""
+    sample). A range that ends at the shard's last sample reads on to the end (the count check)."""
+    expected = len(offsets)
+    if expect is None:
+        expect = Expect(expected, "the shard index", "index the shards again")
 
     async def job(ctx: JobContext) -> None:
         links, skipped = 0, False
@@ -246,16 +312,20 @@ def _ranged_job(
                 continue  # delivered before a resume
             grouper = SampleGrouper(shard.url, start_index=start)
             parser = TarStreamParser(shard.url, start_offset=offsets[start])
+            last = start - 1  # the last sample index seen in this range
 
             async def deliver(sample: dict[str, Any] | None, stop: int = stop) -> None:
+                nonlocal last
                 if sample is None:
                     return
-                index = sample.pop("__index__")
+                index = last = sample.pop("__index__")
+                if index >= expected:
+                    raise expect.mismatch(shard, f"holds more than {expected} samples")
                 if index >= stop:
                     raise _RangeDone
                 if index not in skip:
                     await ctx.emit(((position, index), sample), sample_nbytes(sample))
-                if index + 1 >= stop:
+                if index + 1 >= stop and stop < expected:
                     raise _RangeDone
 
             async def feed(chunk: bytes, parser: TarStreamParser = parser,
@@ -264,17 +334,34 @@ def _ranged_job(
                     await deliver(grouper.add(member))
 
             try:
-                if stop < len(offsets) and offsets[stop] - offsets[start] <= options.part_size:
-                    # One bounded GET: the range ends where the next sample's first header starts.
-                    get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
-                                            offsets[start], offsets[stop], pin=pin,
-                                            listed_etag=shard.etag)
-                    data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
-                    await feed(data)
-                else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
-                    await _read_stream(ctx, shard, options, parser, feed, pin)
-                    parser.close()
-                await deliver(grouper.flush())
+                try:
+                    if stop < expected and offsets[stop] - offsets[start] <= options.part_size:
+                        # One bounded GET: the range ends where the next sample's first header starts.
+                        get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
+                                                offsets[start], offsets[stop], pin=pin)
+                        data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
+                        await feed(data)
+                    else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
+                        await _read_stream(ctx, shard, options, parser, feed, pin)
+                        parser.close()
+                    await deliver(grouper.flush())
+                except ObjectChangedError as exc:
+                    if shard.etag is None:
+                        raise
+                    raise expect.changed(shard, exc) from exc
+                except ShardFormatError as exc:
+                    if exc.offset == offsets[start]:  # no header where the index put a sample
+                        message = (f"{shard.url}: no tar header at byte {offsets[start]}, where "
+                                   f"{expect.source} places sample {start}: the shard changed after "
+                                   f"it was indexed (or is damaged); {expect.fix}. The parser said: {exc}")
+                    else:
+                        message = (f"{exc}; this read began at byte {offsets[start]}, where {expect.source} "
+                                   f"places sample {start}: if the shard itself is valid, it changed "
+                                   f"after it was indexed; {expect.fix}")
+                    raise ShardFormatError(message, url=shard.url, offset=exc.offset) from exc
+                if last + 1 < stop:
+                    raise expect.mismatch(
+                        shard, f"has no sample {last + 1} at byte {offsets[last + 1]}")
             except _RangeDone:
                 pass
             except ShardFormatError as exc:
@@ -288,7 +375,7 @@ def _ranged_job(
                 break
             finally:
                 links += parser.hard_links + parser.symlinks
-        await ctx.emit(((position, END), ShardEnd(len(offsets), skipped=skipped, links=links)), 0)
+        await ctx.emit(((position, END), ShardEnd(expected, skipped=skipped, links=links)), 0)
 
     return job
 
@@ -315,6 +402,8 @@ async def read_members(
     options: ShardOptions,
     on_member: Callable[[TarMember], Awaitable[None]],
     parser: TarStreamParser | None = None,
+    *,
+    pin: Pin | None = None,
 ) -> None:
     """Parse the whole shard, handing each member to ``on_member`` as soon as it is complete.
 
@@ -323,7 +412,9 @@ async def read_members(
     meanwhile fails with ``ObjectChangedError`` instead of being parsed from two versions.
     Ranged parts are cut by the listed size, so they are pinned to the listed ETag from the
     first part on; a shard replaced after the listing, before any of its bytes were read, is
-    read in its new version as one stream instead (the listed size no longer holds).
+    read in its new version as one stream instead (the listed size no longer holds). A ``pin``
+    given by the caller (a version whose sample count is relied upon) is kept on every path:
+    another version is then always ``ObjectChangedError``.
     """
     parser = parser or TarStreamParser(shard.url)
     fed = False
@@ -337,15 +428,15 @@ async def read_members(
     if (shard.compression is None and shard.size is not None
             and shard.size > 2 * options.part_size and options.parts_inflight > 1):
         try:
-            await _read_parts(ctx, shard, options, feed, Pin(shard.etag))
+            await _read_parts(ctx, shard, options, feed, pin or Pin(shard.etag))
             parser.close()
             return
         except ObjectChangedError:
-            if fed or shard.etag is None:
+            if fed or shard.etag is None or pin is not None:
                 raise
             log.info("%s changed after it was listed; reading its new version as one stream",
                      shard.url)
-    await _read_stream(ctx, shard, options, parser, feed, Pin())
+    await _read_stream(ctx, shard, options, parser, feed, pin or Pin())
     parser.close()
 
 
@@ -365,10 +456,10 @@ async def _read_stream(
 
     Each resumed request gets the full attempt budget again once the previous one made
     progress, so a long shard over a flaky link still finishes; an attempt that makes no
-    progress counts toward ``RetryPolicy.max_attempts`` and its deadline.
+    progress counts toward ``RetryPolicy.max_attempts`` and its deadline (from the first
+    failure: a stream that ran for minutes before breaking is not out of time).
     """
-    policy, rng = ctx.retry, random.Random()
-    failures, first_failure = 0, 0.0
+    retrying = Retrying(ctx.retry, started=None, what=shard.url)
     compression = shard.compression
     while True:
         resume = parser.resume_offset
@@ -376,7 +467,7 @@ async def _read_stream(
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size,
-                                 pin=pin, listed_etag=shard.etag)
+                                 pin=pin)
             ) as chunks:
                 if compression is None:
                     async for chunk in chunks:
@@ -404,21 +495,11 @@ async def _read_stream(
                 return  # resumed exactly at the end: nothing was left to read
             raise
         except TransientStoreError as exc:
-            if parser.resume_offset > resume:  # a member completed (bytes alone are no progress)
-                failures = 0
-            if failures == 0:
-                first_failure = time.monotonic()
-            failures += 1
-            elapsed = time.monotonic() - first_failure
-            if failures >= policy.max_attempts or elapsed >= policy.deadline:
-                raise type(exc)(
-                    f"{exc} (gave up on {shard.url} at byte {parser.resume_offset} after "
-                    f"{failures} attempt(s) without progress)",
-                    bucket=shard.bucket,
-                    key=shard.key,
-                ) from exc
+            retrying.what = f"{shard.url} at byte {parser.resume_offset}"
+            # a member completed since the last failure (bytes alone are no progress)
+            delay = retrying.failed(exc, progressed=parser.resume_offset > resume)
             ctx.retried(exc)
-            await anyio.sleep(backoff_delay(failures - 1, policy, rng))
+            await anyio.sleep(delay)
             parser.restart_at(parser.resume_offset)
 
 
@@ -444,8 +525,7 @@ async def _read_parts(
         end = min(size, (i + 1) * part)
         try:
             results[i] = await call_with_retries(
-                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin,
-                                            listed_etag=shard.etag),
+                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin),
                 ctx.retry,
                 on_retry=ctx.retried,
             )

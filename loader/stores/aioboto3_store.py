@@ -20,14 +20,14 @@ import re
 import ssl
 import threading
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
-from aiobotocore.config import AioConfig
 from botocore import exceptions as bce
 
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
+from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..uri import object_url
 from .answers import (
@@ -81,7 +81,6 @@ class _SessionCache:
 
     def __init__(self) -> None:
         self._forget()
-        self._fork_hook = False  # registered on first use: importing must have no side effects
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
@@ -89,9 +88,7 @@ class _SessionCache:
 
     @contextlib.contextmanager
     def borrow(self, config: S3Config) -> Iterator[Any]:
-        if not self._fork_hook:
-            self._fork_hook = True
-            os.register_at_fork(after_in_child=self._forget)
+        _session_caches.add(self)  # on use, not at import; again in a forked child
         if not self._lock.acquire(blocking=False):
             yield _new_session(config)
             return
@@ -103,6 +100,9 @@ class _SessionCache:
             yield session
         finally:
             self._lock.release()
+
+
+_session_caches: LiveObjects[_SessionCache] = LiveObjects(in_child=_SessionCache._forget)
 
 
 def _session_key(config: S3Config) -> tuple[str | None, ...]:
@@ -142,10 +142,20 @@ class Aioboto3Store:
         endpoint: str,
         getter: SignedGetter | None = None,
     ) -> None:
-        self._client = client
+        self._made_client = client  # or an async factory of it: made on first use
+        self._client_lock = asyncio.Lock()
         self._stack = stack
         self._endpoint = endpoint
         self._getter = getter  # GETs without botocore's per-request pipeline, where it applies
+
+    async def _botocore(self) -> Any:
+        """The aiobotocore client, made on first use: a store that only GETs and lists through
+        ``SignedGetter`` never imports aiobotocore nor builds a client (~0.2-0.5 s at start)."""
+        if callable(self._made_client):
+            async with self._client_lock:
+                if callable(self._made_client):
+                    self._made_client = await self._made_client()
+        return self._made_client
 
     @classmethod
     async def open(
@@ -156,52 +166,62 @@ class Aioboto3Store:
         retry: RetryPolicy | None = None,
         direct_gets: bool = True,
     ) -> Aioboto3Store:
-        """Create the client inside the running event loop.
+        """Create the store inside the running event loop (the botocore client when first needed).
 
-        ``direct_gets`` sends GETs to path-style custom endpoints through ``SignedGetter``
-        (a third of botocore's CPU per request); ``False`` keeps every request on botocore.
+        ``direct_gets`` sends GETs and listings to path-style custom endpoints through
+        ``SignedGetter`` (a third of botocore's CPU per request); ``False`` keeps every request on
+        botocore.
         """
         retry = retry or RetryPolicy()
-        boto_config = AioConfig(
-            max_pool_connections=max(1, max_connections),
-            connect_timeout=retry.connect_timeout,
-            read_timeout=retry.read_timeout,
-            # total_max_attempts counts the first try; botocore reads a bare "max_attempts" as
-            # *retries* (+1), which silently retried 503/5xx/resets once below loader.retry
-            retries={"total_max_attempts": 1, "mode": "standard"},
-            s3={"addressing_style": "path" if config.path_style else "auto"},
-            parameter_validation=False,
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            tcp_keepalive=True,
-        )
         # Plain-http endpoints have nothing to verify: say so, and aiobotocore then builds no
         # SSL context at all (it otherwise does, per engine, even for http). Besides the CPU,
         # that keeps OpenSSL out of forked DataLoader workers, where a lock inherited from a
         # parent thread can hang SSL_CTX_new (seen in the benchmark with forked workers).
         plain_http = (config.endpoint_url or "").startswith("http://")
         stack = contextlib.AsyncExitStack()
-        try:
+
+        async def make_client() -> Any:
+            from aiobotocore.config import AioConfig  # slow to import: only when needed
+
+            boto_config = AioConfig(
+                max_pool_connections=max(1, max_connections),
+                connect_timeout=retry.connect_timeout,
+                read_timeout=retry.read_timeout,
+                # total_max_attempts counts the first try; botocore reads a bare "max_attempts" as
+                # *retries* (+1), which silently retried 503/5xx/resets once below loader.retry
+                retries={"total_max_attempts": 1, "mode": "standard"},
+                s3={"addressing_style": "path" if config.path_style else "auto"},
+                parameter_validation=False,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                tcp_keepalive=True,
+            )
             with _SESSIONS.borrow(config) as session:
-                credentials = await _credentials(session, config)
-                client = await stack.enter_async_context(
+                await _credentials(session, config)
+                return await stack.enter_async_context(
                     session.client(
                         "s3", endpoint_url=config.endpoint_url, config=boto_config,
                         verify=False if plain_http else config.verify,
                     )
                 )
-            getter = None
-            if can_sign_directly(config) and direct_gets:
+
+        try:
+            if not (can_sign_directly(config) and direct_gets):
+                return cls(await make_client(), stack, config.endpoint_url or "AWS S3")
+            frozen = _given_credentials(config)
+            if frozen is None:
+                with _SESSIONS.borrow(config) as session:
+                    credentials = await _credentials(session, config)
 
                 async def frozen() -> Any:
                     return await credentials.get_frozen_credentials()  # refreshes temporary ones
 
-                getter = SignedGetter(config, frozen, max_connections=max_connections, retry=retry)
-                stack.push_async_callback(getter.aclose)
+            getter = SignedGetter(config, frozen, max_connections=max_connections, retry=retry)
+            stack.push_async_callback(getter.aclose)
         except BaseException:
             await stack.aclose()
             raise
-        return cls(client, stack, config.endpoint_url or "AWS S3", getter)
+        return cls(make_client, stack, config.endpoint_url or "AWS S3", getter)
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return objects_of(self.list_pages(bucket, prefix))
@@ -212,16 +232,21 @@ class Aioboto3Store:
         prefix: str = "",
         *,
         token: str | None = None,
+        start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
-        """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token)."""
+        """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token) or started
+        after ``start_after``."""
         while True:
+            after = None if token else start_after
             try:
                 if self._getter is not None:
-                    page = await self._getter.list_page(bucket, prefix, token, delimiter, page_size)
+                    page = await self._getter.list_page(bucket, prefix, token, delimiter, page_size,
+                                                        after)
                 else:
-                    page = await self._botocore_page(bucket, prefix, token, delimiter, page_size)
+                    page = await self._botocore_page(bucket, prefix, token, delimiter, page_size,
+                                                     after)
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
             yield page
@@ -230,28 +255,28 @@ class Aioboto3Store:
             token = page.token
 
     async def _botocore_page(
-        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int
+        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
+        start_after: str | None = None,
     ) -> ListPage:
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size}
         if token:
             kwargs["ContinuationToken"] = token
+        elif start_after:
+            kwargs["StartAfter"] = start_after
         if delimiter:
             kwargs["Delimiter"] = delimiter
-        page = await self._client.list_objects_v2(**kwargs)
+        page = await (await self._botocore()).list_objects_v2(**kwargs)
         objects = [ObjectInfo(item["Key"], int(item["Size"]), normalize_etag(item.get("ETag")))
                    for item in page.get("Contents", ())]
         prefixes = [item["Prefix"] for item in page.get("CommonPrefixes", ())]
         next_token = page.get("NextContinuationToken")
         return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         return await self._read(bucket, key, None, pin)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         if end is not None and end <= start:
             return b""
@@ -290,7 +315,7 @@ class Aioboto3Store:
             if conditions and header in conditions:
                 kwargs[name] = conditions[header]
         try:
-            response = await self._client.get_object(**kwargs)
+            response = await (await self._botocore()).get_object(**kwargs)
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
@@ -303,7 +328,7 @@ class Aioboto3Store:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         if_match = None if pin is None else pin.if_match()
         if self._getter is not None:
@@ -352,7 +377,7 @@ class Aioboto3Store:
         if if_match is not None:
             kwargs["IfMatch"] = if_match
         try:
-            response = await self._client.get_object(**kwargs)
+            response = await (await self._botocore()).get_object(**kwargs)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         expected = int(response.get("ContentLength", -1))
@@ -370,7 +395,7 @@ class Aioboto3Store:
 
     async def put(self, bucket: str, key: str, data: bytes) -> None:
         try:
-            await self._client.put_object(Bucket=bucket, Key=key, Body=data)
+            await (await self._botocore()).put_object(Bucket=bucket, Key=key, Body=data)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
 
@@ -378,7 +403,7 @@ class Aioboto3Store:
 
     async def create_multipart(self, bucket: str, key: str) -> str:
         try:
-            response = await self._client.create_multipart_upload(Bucket=bucket, Key=key)
+            response = await (await self._botocore()).create_multipart_upload(Bucket=bucket, Key=key)
         except Exception as exc:
             raise self._translate_multipart(exc, bucket, key, None) from exc
         return str(response["UploadId"])
@@ -388,7 +413,7 @@ class Aioboto3Store:
     ) -> str:
         body = _PartBody(data if isinstance(data, bytes) else bytes(data))
         try:
-            response = await self._client.upload_part(
+            response = await (await self._botocore()).upload_part(
                 Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=part_number, Body=body
             )
         except Exception as exc:
@@ -400,7 +425,7 @@ class Aioboto3Store:
     ) -> None:
         listed = [{"PartNumber": number, "ETag": etag} for number, etag in parts]
         try:  # botocore turns a "200 OK with an error in the body" into a ClientError here
-            await self._client.complete_multipart_upload(
+            await (await self._botocore()).complete_multipart_upload(
                 Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": listed}
             )
         except Exception as exc:
@@ -408,7 +433,7 @@ class Aioboto3Store:
 
     async def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
         try:
-            await self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            await (await self._botocore()).abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
         except Exception as exc:
             if _error_code(exc) == "NoSuchUpload":
                 return  # already aborted or completed: nothing is left to clean up
@@ -421,7 +446,7 @@ class Aioboto3Store:
         markers: dict[str, str] = {}
         while True:
             try:
-                page = await self._client.list_multipart_uploads(
+                page = await (await self._botocore()).list_multipart_uploads(
                     Bucket=bucket, Prefix=prefix, **markers
                 )
             except Exception as exc:
@@ -481,6 +506,27 @@ def translate_error(
         return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
     return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "
                       f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
+
+
+class _Keys(NamedTuple):
+    """Keys as botocore's frozen credentials hold them (what ``SignedGetter`` signs with)."""
+
+    access_key: str
+    secret_key: str
+    token: str | None
+
+
+def _given_credentials(config: S3Config) -> Any:
+    """For keys given in the config: an async function that returns them, with no boto3
+    session (whose import and setup cost ~0.1 s at start); None when they are to be looked up."""
+    if not config.has_credentials:
+        return None
+    frozen = _Keys(config.access_key_id or "", config.secret_access_key or "", config.session_token)
+
+    async def given() -> Any:
+        return frozen
+
+    return given
 
 
 async def _credentials(session: Any, config: S3Config) -> Any:

@@ -24,10 +24,9 @@ carry no ``If-Match``, so their answers are compared instead). A 412 Preconditio
 version; it fails with that error, which names the object, and no sample is ever assembled
 from two versions. A server that sends no ETag leaves the pin empty (nothing to compare).
 
-**Cache hints.** ``listed_etag`` is the ETag the caller's key list gave for the object (a
-listing's): backends ignore it; the disk cache (``cache.py``) serves an entry only when it was
-filled from that version. ``get_if_changed`` is the conditional GET (``If-None-Match``) with which
-the cache revalidates an entry when the key list has no ETag: a 304 costs a request, no body.
+``get_if_changed`` is the conditional GET (``If-None-Match``) with which the disk cache
+(``cache.py``) revalidates an entry: a 304 costs a request, no body. What only a wrapper needs
+(the versions a key list gave, for the cache) is given to that wrapper, not passed with reads.
 """
 
 from __future__ import annotations
@@ -116,22 +115,19 @@ class ObjectStore(Protocol):
         """Every object under ``prefix``, in key order, page by page."""
         ...
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
-        """The whole object, with one GET (``pin``, ``listed_etag``: see the module docstring)."""
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
+        """The whole object, with one GET (``pin``: see the module docstring)."""
         ...
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         """Bytes ``[start, end)`` of the object with one ranged GET."""
         ...
 
     def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The object from byte ``start`` on, as chunks of at most ``chunk_size`` bytes."""
         ...
@@ -156,7 +152,8 @@ class ObjectStore(Protocol):
 
 @runtime_checkable
 class PagedLister(Protocol):
-    """Listings that can be resumed page by page (both backends; see ``loader.stores.listing``).
+    """Listings that can be resumed page by page and started after a key (both backends; see
+    ``loader.stores.listing``).
 
     A separate protocol because ``ObjectStore.list`` is all that most callers need; wrappers
     and test stores without it are listed whole, retried from the start.
@@ -168,13 +165,16 @@ class PagedLister(Protocol):
         prefix: str = "",
         *,
         token: str | None = None,
+        start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
         """The listing's pages from ``token`` on (``None``: from the start), at most
         ``page_size`` objects each. When it fails, calling it again with the last page's token
-        resumes after that page: nothing is listed twice. With ``delimiter="/"`` the prefix
-        must be ``""`` or end in ``/``; keys below a further ``/`` come back as ``prefixes``."""
+        resumes after that page: nothing is listed twice. ``start_after`` (S3's ``StartAfter``,
+        any string, used only without a token) starts the listing after that key in the
+        server's own order. With ``delimiter="/"`` the prefix must be ``""`` or end in ``/``;
+        keys below a further ``/`` come back as ``prefixes``."""
         ...
 
 

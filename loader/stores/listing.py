@@ -1,22 +1,22 @@
-"""Listing a prefix at scale: pages retried where they failed, folders in parallel, keys compact.
+"""Listing a prefix at scale: key ranges in parallel, pages retried where they failed, keys compact.
 
 A bucket with 100 million keys is ~100,000 pages of ``ListObjectsV2``. Three things make that
 workable, and ``list_all`` does all three:
 
+* **Key ranges in parallel.** A prefix is listed as ranges of keys (``StartAfter`` bounds),
+  ``parallel`` at a time; an idle lister splits the largest unfinished range, so one flat prefix
+  of a million keys is listed in parallel as well as a prefix of many folders
+  (``rangelisting``). A prefix of one or two pages costs exactly its pages. Where a range ends
+  on servers that list in other orders (SeaweedFS lists directory by directory): ``keyranges``.
 * **Retries per page.** A failed page is asked again with the token of the last page received
   (``PagedLister.list_pages``), never from page 1; the retry limits (``RetryPolicy``) count from
   the last page that arrived, so a listing that takes longer than the deadline in total is still
   retried, and one that stops making progress still gives up.
-* **Folders in parallel.** Under a prefix that is ``""`` or ends in ``/``, one listing with the
-  delimiter ``/`` finds the folders; each is then listed on its own, ``parallel`` at a time.
-  The requests are the same in number (plus the small folder listing), but they no longer wait
-  for each other: at 20-50 ms per page from a real S3, that is the difference between an hour
-  and minutes. A single folder and nothing else is looked into, a few levels deep.
 * **A compact key list.** Pages are packed as they arrive into ``KeyList``s: the keys' UTF-8
   bytes in one buffer plus an array of offsets (and sizes), ~(length + 12) bytes per key instead
   of ~150 for a ``str`` in an ``ObjectInfo`` in a list. The runs are merged into one sorted list
-  at the end (servers disagree on order: SeaweedFS lists directory by directory, and folders
-  listed in parallel finish in any order); a key seen twice is kept once.
+  at the end (servers disagree on order, and ranges finish in any order); a key seen twice is
+  kept once.
 
 Stores that are not ``PagedLister`` s (wrappers, test stores) are listed whole, the whole listing
 retried from the start.
@@ -25,23 +25,20 @@ retried from the start.
 from __future__ import annotations
 
 import array
-import contextlib
 import dataclasses
 import heapq
 import itertools
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
-import anyio
-import anyio.abc
-
+from ..checks import check_int
 from ..errors import ConfigError
 from ..retry import RetryPolicy, call_with_retries
-from .base import DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, ObjectStore, PagedLister
+from .base import DEFAULT_PAGE_SIZE, ObjectInfo, ObjectStore, PagedLister
+from .rangelisting import RangeLister
 
 DEFAULT_LIST_PARALLEL = 8
-MAX_FOLDER_DEPTH = 4  # how far a lone folder is followed down before listing it whole
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +46,7 @@ class ListOptions:
     """How prefixes are listed.
 
     ``page_size``: keys per LIST request (S3's ``max-keys``; 1000 is the most S3 returns).
-    ``parallel``: folders listed at once (1: one page after another).
+    ``parallel``: key ranges listed at once (1: one page after another).
     ``once_per_job``: in a ``torch.distributed`` job, rank 0 lists and hands the key list to the
     other ranks, so a job makes the LIST requests of one listing, not one per rank. Every rank
     must then build its datasets in the same order (as DDP requires anyway).
@@ -61,12 +58,24 @@ class ListOptions:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "parallel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"ListOptions.{name}={value!r} must be a positive integer")
+            check_int(f"ListOptions.{name}", getattr(self, name), minimum=1, must="a positive integer")
         if self.page_size > DEFAULT_PAGE_SIZE:
             raise ConfigError(f"ListOptions.page_size={self.page_size!r}: S3 returns at most "
                               f"{DEFAULT_PAGE_SIZE} keys per page")
+
+
+SPAWN_REDUCER: Callable[[KeyList], tuple[Any, ...] | None] | None = None
+"""Set by ``nodeshare``: how a ``KeyList`` pickles into a process being started (a reference to
+its shared file), or None for its buffers. A hook, so that this module imports nothing above it."""
+
+
+def _owned(values: Any) -> array.array:
+    """A typed map (or an ``array``) as an ``array`` of its own: pickles without the file."""
+    if isinstance(values, array.array):
+        return values
+    out = array.array(values.format)
+    out.frombytes(values.cast("B"))
+    return out
 
 
 class KeyList(Sequence[str]):
@@ -152,11 +161,41 @@ class KeyList(Sequence[str]):
             yield blob[start:end].decode("utf-8", "surrogatepass")
             start = end
 
+    @property
+    def has_sizes(self) -> bool:
+        """Whether the list carries each key's size (made from a listing)."""
+        return self._sizes is not None
+
     def size(self, index: int) -> int:
         """The listed size of key ``index`` (only for lists made from a listing)."""
         if self._sizes is None:
             raise TypeError("this key list carries no sizes (it was not made from a listing)")
         return self._sizes[index]
+
+    @property
+    def has_etags(self) -> bool:
+        """Whether the listing gave ETags (``etag`` then answers for every key)."""
+        return self._etags is not None
+
+    def etag(self, index: int) -> str | None:
+        """The listed ETag of key ``index`` (None when the listing gave none)."""
+        return None if self._etags is None else _unpack_etag(self._etags._raw(index))
+
+    def find(self, key: str) -> int | None:
+        """The position of ``key`` in a list in key order (a listing's), by bisection over the
+        packed bytes (UTF-8 sorts like the keys); None when it is not there."""
+        raw = key.encode("utf-8", "surrogatepass")
+        blob, ends = self._blob, self._ends
+        lo, hi = 0, len(ends)
+        while lo < hi:  # bisect.bisect_left, without decoding a str at every step
+            mid = (lo + hi) // 2
+            if blob[ends[mid - 1] if mid else 0:ends[mid]] < raw:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(ends) and blob[ends[lo - 1] if lo else 0:ends[lo]] == raw:
+            return lo
+        return None
 
     def infos(self) -> Iterator[ObjectInfo]:
         """``ObjectInfo(key, size, etag)`` for every key, in order (sizes needed)."""
@@ -165,10 +204,6 @@ class KeyList(Sequence[str]):
         if self._etags is None:
             return map(ObjectInfo, self, self._sizes)
         return map(ObjectInfo, self, self._sizes, self.etags() or ())
-
-    def etag(self, index: int) -> str | None:
-        """The listed ETag of key ``index`` (None when the listing gave none)."""
-        return None if self._etags is None else _unpack_etag(self._etags._raw(index))
 
     def etags(self) -> list[str | None] | None:
         """The listed ETag of every key, in order; None when the listing gave none."""
@@ -194,9 +229,13 @@ class KeyList(Sequence[str]):
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from .nodeshare import reduce_keys  # a file reference or the buffers (no import cycle)
-
-        return reduce_keys(self)
+        if SPAWN_REDUCER is not None:  # into a process being started: maybe a file reference
+            reduced = SPAWN_REDUCER(self)
+            if reduced is not None:
+                return reduced
+        blob = self._blob if isinstance(self._blob, bytes) else bytes(self._blob)
+        return (KeyList, (blob, _owned(self._ends), None if self._sizes is None else _owned(self._sizes),
+                          self._etags))
 
     def __copy__(self) -> KeyList:
         return self  # immutable: a copy would only cost memory
@@ -243,16 +282,18 @@ class _Runs:
 
     def add(self, objects: list[ObjectInfo]) -> None:
         # directory markers ("a/") are not data; the suffix filter is the caller's
-        kept = sorted(info for info in objects
-                      if not info.key.endswith("/") and info.key.endswith(self.suffix))
-        kept = [info for info, after in zip(kept, kept[1:] + [None])
-                if after is None or after.key != info.key]
+        kept = [info for info in objects
+                if not info.key.endswith("/") and info.key.endswith(self.suffix)]
+        if any(a.key >= b.key for a, b in itertools.pairwise(kept)):  # S3's pages are in order
+            kept.sort()
+            kept = [info for info, after in zip(kept, kept[1:] + [None])
+                    if after is None or after.key != info.key]
         if kept:
             self.runs.append(KeyList.from_infos(kept))
 
     def merged(self) -> KeyList:
         """One sorted list without repeats (a concatenation when the runs already are in order)."""
-        runs = self.runs
+        runs = sorted(self.runs, key=lambda run: run._raw(0))  # ranges finish in any order
         if all(a._raw(len(a) - 1) < b._raw(0) for a, b in itertools.pairwise(runs)):
             return _concat(runs)
         # built in place: a list of bytes objects would cost ~35 bytes per key more at the peak
@@ -320,88 +361,15 @@ async def list_all(
 ) -> KeyList:
     """Every object under ``s3://bucket/prefix`` ending in ``suffix`` (or one of several),
     sorted, with sizes (directory markers skipped). See the module docstring for retries,
-    folders and memory."""
+    key ranges and memory."""
     options = options or ListOptions()
     runs = _Runs(suffix)
-    if not isinstance(store, PagedLister):
+    if isinstance(store, PagedLister):
+        await RangeLister(store, bucket, prefix, retry, options.page_size, options.parallel,
+                          runs.add).run()
+    else:
         await _list_whole(store, bucket, prefix, retry, runs)
-        return runs.merged()
-    folders = [prefix]
-    if options.parallel > 1 and (prefix == "" or prefix.endswith("/")):
-        folders = await _find_folders(store, bucket, prefix, retry, options, runs)
-    limiter = anyio.CapacityLimiter(options.parallel)
-    failed: list[Exception] = []
-
-    async def one(folder: str, group: anyio.abc.TaskGroup) -> None:
-        async with limiter:
-            try:
-                await _list_pages(store, bucket, folder, None, retry, options.page_size, runs.add)
-            except Exception as exc:  # noqa: BLE001 - the first failure is the listing's, re-raised below
-                failed.append(exc)
-                group.cancel_scope.cancel()
-
-    async with anyio.create_task_group() as group:
-        for folder in folders:
-            group.start_soon(one, folder, group)
-    if failed:
-        raise failed[0]
     return runs.merged()
-
-
-async def _find_folders(
-    store: PagedLister, bucket: str, prefix: str, retry: RetryPolicy, options: ListOptions,
-    runs: _Runs,
-) -> list[str]:
-    """The folders below ``prefix`` to list one by one; objects found on the way go to ``runs``.
-
-    A lone folder with nothing beside it is looked into (``train/`` holding only ``images/``),
-    up to ``MAX_FOLDER_DEPTH`` levels, so that the parallelism is not lost one level up.
-    """
-    for _ in range(MAX_FOLDER_DEPTH):
-        found: list[str] = []
-        objects: list[int] = []
-
-        def take(page: ListPage, found: list[str] = found, objects: list[int] = objects) -> None:
-            runs.add(page.objects)
-            objects.append(len(page.objects))
-            found.extend(page.prefixes)
-
-        await _list_pages(store, bucket, prefix, "/", retry, options.page_size, take,
-                          whole=True)
-        if len(found) != 1 or any(objects):
-            return found
-        prefix = found[0]
-    return [prefix]
-
-
-async def _list_pages(
-    store: PagedLister, bucket: str, prefix: str, delimiter: str | None, retry: RetryPolicy,
-    page_size: int, sink: Any, *, whole: bool = False,
-) -> None:
-    """Hand every page to ``sink``; a failure resumes after the last page received, and the
-    retry limits count from that page (``progressed``). ``sink`` takes a ``ListPage`` when
-    ``whole``, else the page's objects."""
-    token: str | None = None
-    received = checked = 0
-
-    async def attempt() -> None:
-        nonlocal token, received
-        pages = store.list_pages(bucket, prefix, token=token, delimiter=delimiter,
-                                 page_size=page_size)
-        async with contextlib.aclosing(pages):
-            async for page in pages:
-                sink(page if whole else page.objects)
-                received += 1
-                token = page.token
-                if token is None:
-                    break
-
-    def progressed() -> bool:
-        nonlocal checked
-        moved, checked = received != checked, received
-        return moved
-
-    await call_with_retries(attempt, retry, progressed=progressed)
 
 
 async def _list_whole(

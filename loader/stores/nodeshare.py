@@ -18,7 +18,6 @@ read-only by each process, removed when the last process that may need it has go
 
 from __future__ import annotations
 
-import array
 import atexit
 import contextlib
 import errno
@@ -32,6 +31,7 @@ from multiprocessing.context import get_spawning_popen
 from pathlib import Path
 from typing import Any
 
+from . import listing
 from .keyfile import KeyFile, open_keys, parse_keys, write_keys
 from .listing import KeyList
 
@@ -259,20 +259,20 @@ def _remove_unheld(name: str) -> None:
 # ---------------------------------------------------------------------------- pickling
 
 
-def reduce_keys(keys: KeyList) -> tuple[Any, ...]:
-    """How a ``KeyList`` pickles. Into a process being started (a spawned or forkserver
+def reduce_keys(keys: KeyList) -> tuple[Any, ...] | None:
+    """How a ``KeyList`` pickles into a process being started (a spawned or forkserver
     DataLoader worker, an ``mp.spawn`` rank): as a reference to its file, after writing one when
     the list is large and in memory, so that the machine keeps one copy. Otherwise (a checkpoint,
-    a queue): its buffers, self-contained."""
+    a queue) None: its buffers, self-contained (``KeyList.__reduce__``)."""
     file: KeyFile | None = keys._origin
-    if get_spawning_popen() is not None and supported():
-        if file is None and keys.nbytes >= SPILL_MIN:
-            file = spill(keys)
-        if file is not None:
-            return (_reopen, (file.path, file.id))
-    blob = keys._blob if isinstance(keys._blob, bytes) else bytes(keys._blob)
-    return (KeyList, (blob, _owned(keys._ends), None if keys._sizes is None else _owned(keys._sizes),
-                      keys._etags))
+    if get_spawning_popen() is None or not supported():
+        return None
+    if file is None and keys.nbytes >= SPILL_MIN:
+        file = spill(keys)
+    return None if file is None else (_reopen, (file.path, file.id))
+
+
+listing.SPAWN_REDUCER = reduce_keys
 
 
 def spill(keys: KeyList) -> KeyFile:
@@ -289,12 +289,3 @@ def spill(keys: KeyList) -> KeyFile:
 
 def _reopen(path: str, file_id: str) -> KeyList:
     return open_keys(path, expect_id=file_id)
-
-
-def _owned(values: Any) -> array.array:
-    """A typed map as an ``array`` of its own (pickles without the file)."""
-    if isinstance(values, array.array):
-        return values
-    out = array.array(values.format)
-    out.frombytes(values.cast("B"))
-    return out

@@ -75,6 +75,7 @@ import obstore
 from obstore import exceptions as obe
 from obstore.store import S3Store
 
+from ..checks import check_int
 from ..config import S3Config
 from ..errors import (
     ConfigError,
@@ -216,11 +217,13 @@ class ObstoreStore:
         prefix: str = "",
         *,
         token: str | None = None,
+        start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
         """Pages of ``page_size`` keys; the token is the page's last key, and resuming lists
-        from just after it (S3's ``start-after``; object_store has no continuation tokens).
+        from just after it (S3's ``start-after``; object_store has no continuation tokens), as
+        ``start_after`` does.
 
         With a delimiter, object_store's ``list_with_delimiter`` fetches every page of that one
         level at once, so it comes back as a single page (it holds the folders, not their keys).
@@ -239,8 +242,11 @@ class ObstoreStore:
             return
         directory, slash, stem = prefix.rpartition("/")
         skip = len(directory) + len(slash)  # keys listed all begin with "directory/"
-        batches = obstore.list(store, directory or None, offset=token or _start_after(prefix),
-                               chunk_size=page_size)
+        offset = token or start_after
+        below = _start_after(prefix)  # nearer than start_after when that is below the prefix
+        if offset is None or (below is not None and offset < below):
+            offset = below
+        batches = obstore.list(store, directory or None, offset=offset, chunk_size=page_size)
         while True:
             try:
                 batch = await batches.__anext__()
@@ -260,9 +266,7 @@ class ObstoreStore:
                 yield ListPage(objects, [], batch[-1]["path"])
         yield ListPage([], [], None)
 
-    async def get(
-        self, bucket: str, key: str, *, pin: Pin | None = None, listed_etag: str | None = None
-    ) -> bytes:
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         _check_key(bucket, key)
         if pin is not None:  # the response's ETag is needed: get_range_async does not give it
             return await self._get_plain(bucket, key, pin=pin)
@@ -309,8 +313,7 @@ class ObstoreStore:
         return _checked(data, stop - start, bucket, key, start)
 
     async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         _check_range_args(bucket, key, start, end)
         if end is not None and end == start:
@@ -364,10 +367,9 @@ class ObstoreStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None, listed_etag: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
+        check_int("chunk_size", chunk_size, minimum=1)
         _check_range_args(bucket, key, start, None)
         store = self._store(bucket)
         options: Any = {"range": {"offset": start}} if start else None
@@ -413,7 +415,7 @@ class ObstoreStore:
         if received != expected:
             raise TransientStoreError(
                 f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
-                f"{expected - received} short of its Content-Length; will retry",
+                f"{expected - received} short of its Content-Length",
                 bucket=bucket,
                 key=key,
             )
@@ -624,7 +626,7 @@ def _checked(data: Any, expected: int, bucket: str, key: str, start: int) -> byt
     if len(data) != expected:
         raise TransientStoreError(
             f"{object_url(bucket, key)}: body ended after {start + len(data)} bytes, "
-            f"{expected - len(data)} short of its Content-Length; will retry",
+            f"{expected - len(data)} short of its Content-Length",
             bucket=bucket, key=key,
         )
     return bytes(data)

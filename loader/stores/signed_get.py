@@ -2,7 +2,8 @@
 
 botocore spends most of its CPU per ``GetObject`` before and after the network work: the
 endpoint rules engine, the user-agent string, event hooks and dateutil parsing of response
-headers. A GET needs none of that: a URL, a SigV4 signature from botocore's own signer, and a
+headers. A GET needs none of that: a URL, a SigV4 signature (``httplisting.sign_v4``: checked against
+botocore's signer in the tests, and without its ~0.1 s import before the first sample), and a
 body read to its Content-Length. Client CPU per object is the per-object ceiling on small
 machines (see ``bench/results/`` for the measurements).
 
@@ -15,22 +16,22 @@ does for the botocore path.
 
 from __future__ import annotations
 
+import datetime
 import re
 import ssl
 import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
-from xml.etree import ElementTree
 
 import aiohttp
 import yarl
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
 from botocore.exceptions import ClientError
 
 from ..config import S3Config
 from ..retry import RetryPolicy
-from .base import ListPage, ObjectInfo, normalize_etag
+from .base import ListPage
+from .httplisting import sign_v4
+from .listxml import parse_list_page
 
 # Looked up in an S3 error body (small XML); a regex because the body is tiny and ElementTree
 # would need the namespace handled for no gain.
@@ -40,6 +41,17 @@ _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: ke
 
 Credentials = Any  # botocore ReadOnlyCredentials: .access_key, .secret_key, .token
 Conditions = dict[str, str] | None  # conditional request headers: If-Match, If-None-Match
+
+
+def _host(url: yarl.URL) -> str:
+    """The Host header as signed and sent: the port only when it is not the scheme's own."""
+    host = url.raw_host or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = url.explicit_port
+    if port is not None and port != {"http": 80, "https": 443}.get(url.scheme):
+        host = f"{host}:{port}"
+    return host
 
 
 def can_sign_directly(config: S3Config) -> bool:
@@ -118,7 +130,8 @@ class SignedGetter:
                 yield chunk, expected, etag
 
     async def list_page(
-        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int
+        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
+        start_after: str | None = None,
     ) -> ListPage:
         """One ``ListObjectsV2`` page, parsed with ElementTree.
 
@@ -130,6 +143,8 @@ class SignedGetter:
                  "encoding-type": "url"}
         if token:
             query["continuation-token"] = token
+        elif start_after:
+            query["start-after"] = start_after
         if delimiter:
             query["delimiter"] = delimiter
         async with await self._send(bucket, "", None, query) as response:
@@ -158,39 +173,18 @@ class SignedGetter:
             url = yarl.URL(str(url) + "?" + "&".join(
                 f"{name}={urllib.parse.quote(value, safe='-_.~')}" for name, value in sorted(query.items())
             ), encoded=True)
-        request = AWSRequest(method="GET", url=str(url))
+        credentials = await self._credentials()
+        headers = sign_v4("GET", _host(url), url.raw_path, query or {},
+                          access_key=credentials.access_key, secret_key=credentials.secret_key,
+                          token=credentials.token, region=self._region,
+                          when=datetime.datetime.now(datetime.timezone.utc))
         if byte_range:
-            request.headers["Range"] = byte_range
+            headers["Range"] = byte_range
         if conditions:
-            for name, value in conditions.items():
-                request.headers[name] = value
-        S3SigV4Auth(await self._credentials(), "s3", self._region).add_auth(request)
+            headers.update(conditions)
         # no redirects: a signature is for one host, and S3's 301/307 means a wrong region or
         # endpoint, which the error names
-        return await self._session.get(
-            url, headers=dict(request.headers.items()), allow_redirects=False
-        )
-
-
-def parse_list_page(body: bytes) -> ListPage:
-    """Keys, sizes, ETags, common prefixes and the next token of a ``ListObjectsV2`` answer
-    (asked with ``encoding-type=url``, so keys with characters XML cannot carry arrive intact)."""
-    root = ElementTree.fromstring(body)
-    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-    encoded = root.findtext(f"{ns}EncodingType") == "url"
-    unquote = urllib.parse.unquote_plus if encoded else str
-    key_tag, size_tag, prefix_tag, etag_tag = f"{ns}Key", f"{ns}Size", f"{ns}Prefix", f"{ns}ETag"
-    objects = [
-        ObjectInfo(unquote(item.findtext(key_tag) or ""), int(item.findtext(size_tag) or 0),
-                   normalize_etag(item.findtext(etag_tag)))
-        for item in root.iterfind(f"{ns}Contents")
-    ]
-    prefixes = [unquote(item.findtext(prefix_tag) or "")
-                for item in root.iterfind(f"{ns}CommonPrefixes")]
-    token = root.findtext(f"{ns}NextContinuationToken")
-    if root.findtext(f"{ns}IsTruncated") != "true" or not token:
-        token = None
-    return ListPage(objects, prefixes, token)
+        return await self._session.get(url, headers=headers, allow_redirects=False)
 
 
 async def _raise_for_error(response: aiohttp.ClientResponse) -> None:

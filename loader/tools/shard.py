@@ -40,16 +40,19 @@ from typing import Any
 
 import anyio
 
-from ..config import S3Config, resolve_config
+from ..checks import check_int
+from ..config import S3Config
 from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
-from ..formats.index import INDEX_NAME, build_index
+from ..formats.index_entries import add_versions
 from ..formats.packing import (
+    INDEX_NAME,
     PROGRESS_NAME,
     Member,
     ShardPlan,
     Skipped,
+    build_index,
     check_name_format,
     default_name_format,
     encode_member,
@@ -63,7 +66,7 @@ from ..formats.packing import (
     shuffle_samples,
 )
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore, StoreFactory, open_store, resolve_backend
+from ..stores import ObjectStore, StoreFactory, StoreSpec
 from ..stores.base import S3_MIN_PART_SIZE, MultipartStore
 from ..stores.blocking import run_async
 from ..uri import parse_s3_uri
@@ -113,11 +116,8 @@ class PackOptions:
 
     def __post_init__(self) -> None:
         for name in ("target_size", "concurrency", "max_inflight", "part_size", "readahead"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ConfigError(f"stop_after={self.stop_after!r} must be a positive integer")
+            check_int(name, getattr(self, name), minimum=1, must="a positive integer")
+        check_int("stop_after", self.stop_after, minimum=1, optional=True, must="a positive integer")
         if self.compress not in (None, "gzip", "zstd"):
             raise ConfigError(f"compress={self.compress!r} must be 'gzip', 'zstd' or None")
         if self.compress is not None:
@@ -181,19 +181,14 @@ def pack(
     dst_bucket, dst_prefix = parse_s3_uri(dst)
     if dst_prefix and not dst_prefix.endswith("/"):
         dst_prefix += "/"
-    if src_bucket == dst_bucket and dst_prefix.startswith(src_prefix):
+    if src_bucket == dst_bucket and dst_prefix in (src_prefix, src_prefix + "/"):
         raise ConfigError(
-            f"DST_PREFIX s3://{dst_bucket}/{dst_prefix} lies under SRC_PREFIX s3://{src_bucket}/"
-            f"{src_prefix}, so the shards would become source objects of a rerun; choose a DST_PREFIX "
-            "outside the source"
+            f"DST_PREFIX s3://{dst_bucket}/{dst_prefix} is the folder of SRC_PREFIX s3://{src_bucket}/"
+            f"{src_prefix}, so the shards would mix with the objects they hold; choose another folder "
+            "(one inside the source is fine: what lies under DST_PREFIX is left out of the source)"
         )
-    if callable(store):
-        factory = store
-    else:
-        factory = functools.partial(
-            open_store, resolve_backend(store), resolve_config(config),
-            max_connections=options.max_inflight + options.concurrency, retry=retry,
-        )
+    factory = StoreSpec.of(store, config).opener(
+        max_connections=options.max_inflight + options.concurrency, retry=retry)
     packer = _Packer(src_bucket, src_prefix, dst_bucket, dst_prefix, options, retry, progress)
     return run_async(functools.partial(packer.run, factory))
 
@@ -206,6 +201,7 @@ class _Packer:
                  progress: Callable[[PackReport, int, int], ProgressHook] | None) -> None:
         self.src_bucket, self.src_prefix = src_bucket, src_prefix
         self.bucket, self.prefix = dst_bucket, dst_prefix
+        self.dst_in_src = src_bucket == dst_bucket and dst_prefix.startswith(src_prefix)  # left out of SRC
         self.options = options
         self.retry = retry
         self.make_progress = progress
@@ -237,7 +233,8 @@ class _Packer:
         # DST first: a missing bucket or permission fails before a long listing of SRC
         existing = await self._list(self.bucket, self.prefix)
         listing = await list_objects(self.store, self.src_bucket, self.src_prefix, self.retry)
-        objects = [(info.key, info.size) for info in listing.infos()]
+        objects = [(info.key, info.size) for info in listing.infos()
+                   if not (self.dst_in_src and info.key.startswith(self.prefix))]
         samples, skipped = group_samples(objects, self.src_prefix)
         report.skipped = skipped
         if skipped and not options.skip_invalid:
@@ -285,6 +282,9 @@ class _Packer:
                             fingerprint=self.fingerprint, target_size=options.target_size,
                             skipped=len(skipped), compression=options.compress,
                             stored_bytes=[self.stored.get(p.number, p.bytes) for p in plans])
+        # each shard's size and ETag as a listing shows them: from_shards counts only that version
+        listed = await list_objects(self.store, self.bucket, self.prefix, self.retry)
+        add_versions(index, {info.key: (info.size, info.etag) for info in listed.infos()})
         await self._put(self.prefix + INDEX_NAME, json.dumps(index, separators=(",", ":")).encode())
         report.complete = True
 

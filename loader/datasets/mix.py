@@ -1,0 +1,280 @@
+"""Mixing data sets by weight: ``mix({"web": a, "curated": b}, weights={...})``.
+
+A ``MixSource`` is a source over sources. Each epoch it gives every source its share of the
+epoch (``interleave.apportion``) and orders the shares by the chairman assignment
+(``interleave.Interleave``); the result is one sequence that ``AsyncS3Dataset`` deals, resumes
+and counts like any other, the same on any number of ranks and workers. A source is read as an
+endless stream of passes, each in a fresh order from ``(seed, source name, pass)``; an epoch
+takes the next stretch of it (``"continue"``: every sample is seen before any repeats, across
+epochs) or a stretch starting at a fresh pass (``"epoch"``). All sources share one engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Generator, Mapping
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from typing_extensions import Unpack
+
+from ..checks import check_int
+from ..decode import apply_transform
+from ..engine.fetch import Job, JobContext
+from ..errors import ConfigError, EmptyDatasetError
+from ..retry import RetryPolicy
+from ..stores import ObjectStore
+from ..stores.versions import Versions, first_known
+from . import partition
+from .interleave import Interleave, apportion
+from .object_source import ObjectProgress
+from .options import LoaderKwargs, LoaderOptions
+from .progress import Watermark
+from .source import Mixable, Progress, Read, Run, Slot, Tagged
+
+if TYPE_CHECKING:
+    from .iterable import AsyncS3Dataset
+
+Sampling = Literal["continue", "epoch"]
+SAMPLINGS = ("continue", "epoch")
+SOURCE_FIELD = "__source__"
+DEFAULT_MIX_BUDGET = 1 << 30  # a mix bounds its reads in bytes even when no memory_budget is given
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One source of a mix: its name, what it reads, its weight (None: its size) and how it is
+    sampled."""
+
+    name: str
+    source: Mixable
+    weight: float | None
+    shuffle: bool
+    sampling: Sampling
+    seed: int  # of this source's passes, from the mix's seed and the name
+
+
+class MixSource:
+    """Sources mixed by weight into one epoch (see the module docstring)."""
+
+    kind = "mix"
+
+    def __init__(self, parts: list[Part], options: LoaderOptions, samples_per_epoch: int | None) -> None:
+        self.parts = parts
+        self.options = options
+        self.samples_per_epoch = samples_per_epoch
+        self._counts: list[int] | None = None
+        self._by_name = {part.name: part for part in parts}
+
+    # ------------------------------------------------------------------ sizes
+
+    def sizes(self) -> list[int]:
+        """Samples in one pass over each source (tar shards need their counts: ``loader index``)."""
+        out = []
+        for part in self.parts:
+            count = part.source.count()
+            if count is None:
+                raise ConfigError(f"mix source {part.name!r}: {part.source.missing_count()}")
+            if count == 0:
+                raise EmptyDatasetError(f"mix source {part.name!r} holds no samples")
+            out.append(count)
+        return out
+
+    def shares(self) -> list[int]:
+        """Samples each source gives every epoch."""
+        if self._counts is None:
+            sizes = self.sizes()
+            weights = [size if part.weight is None else part.weight for part, size in zip(self.parts, sizes)]
+            total = self.samples_per_epoch
+            if total is None:  # the longest epoch in which no source repeats a sample
+                whole = sum(weights)
+                total = min(int(size * whole / w) for size, w in zip(sizes, weights) if w > 0)
+            self._counts = apportion(total, weights)
+        return self._counts
+
+    # ------------------------------------------------------------------ the Source protocol
+
+    def resolve(self) -> None:
+        for part in self.parts:
+            part.source.resolve()
+        self.shares()
+
+    def size(self) -> int:
+        return sum(self.shares())
+
+    def count(self) -> int:
+        return sum(self.shares())
+
+    def missing_count(self) -> str:
+        return ""
+
+    def fixed_rank_length(self) -> None:
+        return None  # the mix's epoch (samples_per_epoch= or the default) is an order dealt to ranks
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return url if key is None else f"sample {key!r} from {url}"
+
+    def progress(self, state: Mapping[str, Any]) -> ObjectProgress:
+        return ObjectProgress(Watermark.from_state(state["delivered"]) if state else None)
+
+    def stream(self, slot: Slot, progress: Progress, run: Run) -> Generator[Tagged, None, None]:
+        assert isinstance(progress, ObjectProgress)
+        shares, sizes = self.shares(), self.sizes()
+        total = sum(shares)
+        positions = slot.positions
+        if positions is None:  # the interleave is the order: deal it as is, strided like samples
+            positions = partition.partition(total, seed=slot.seed, epoch=slot.epoch, shuffle=False,
+                                            rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
+                                            num_workers=slot.num_workers, policy=slot.policy)
+        todo = [(tag, q) for tag, q in enumerate(positions) if tag not in progress.delivered]
+        located = Interleave(shares).locate([q for _, q in todo])
+        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (source, pass) -> [(tag, position)]
+        for (tag, _), (s, k) in zip(todo, located):
+            part = self.parts[s]
+            first = slot.epoch * shares[s] if part.sampling == "continue" else 0
+            stream_pass, at = divmod(first + k, sizes[s])
+            if part.sampling == "epoch":
+                stream_pass += slot.epoch * (-(-shares[s] // sizes[s]))  # fresh passes each epoch
+            groups.setdefault((s, stream_pass), []).append((tag, at))
+        jobs: list[tuple[int, Job]] = []  # (first tag, job)
+        owner: dict[int, int] = {}  # tag -> index into jobs (before sorting)
+        for (s, stream_pass), entries in groups.items():
+            part = self.parts[s]
+            reads = part.source.reads(dataclasses.replace(
+                slot, seed=part.seed, epoch=stream_pass, shuffle=part.shuffle,
+                positions=[at for _, at in entries]))
+            at = 0
+            for read in reads:
+                tags = [tag for tag, _ in entries[at:at + read.size]]
+                at += read.size
+                if not tags:
+                    continue
+                for tag in tags:
+                    owner[tag] = len(jobs)
+                jobs.append((tags[0], _labelled(read, tags, part)))
+        launch = sorted(range(len(jobs)), key=lambda j: jobs[j][0])
+        number = {j: n for n, j in enumerate(launch)}
+        schedule = [number[owner[tag]] for tag, _ in todo]
+        budget = self.options.memory_budget or DEFAULT_MIX_BUDGET
+        limits = self.options.limits("scheduled", inflight_bytes=max(1, budget - self.options.queue_bytes))
+        yield from run((jobs[j][1] for j in launch), limits, schedule)
+
+    def transform(self, sample: dict[str, Any]) -> Any:
+        name = sample[SOURCE_FIELD]
+        out = self._by_name[name].source.transform(sample)
+        if self.options.transform is not None:
+            out = apply_transform(self.options.transform, out) if isinstance(out, dict) else self.options.transform(out)
+        if isinstance(out, dict):
+            out.setdefault(SOURCE_FIELD, name)
+        return out
+
+    def versions(self) -> Versions | None:
+        return first_known([part.source.versions() for part in self.parts])
+
+    def describe(self) -> str:
+        return "a mix of " + ", ".join(f"{part.name} ({part.source.describe()})" for part in self.parts)
+
+
+class _Context:
+    """What a source's job sees inside a mix: its items renumbered by position in the mix,
+    each sample marked with its source's name."""
+
+    __slots__ = ("store", "retry", "_ctx", "_tags", "_next", "_read", "_name")
+
+    def __init__(self, ctx: JobContext, tags: list[int], read: Read, name: str) -> None:
+        self.store: ObjectStore = ctx.store
+        self.retry: RetryPolicy = ctx.retry
+        self._ctx, self._tags, self._read, self._name, self._next = ctx, tags, read, name, 0
+
+    async def emit(self, item: Any, nbytes: int) -> None:
+        tag, value = item
+        if not self._read.is_sample(tag):
+            return  # bookkeeping of the source (an end-of-shard marker): no position in the mix
+        if isinstance(value, dict):
+            value[SOURCE_FIELD] = self._name
+        position, self._next = self._tags[self._next], self._next + 1
+        await self._ctx.emit((position, value), nbytes)
+
+    def retried(self, exc: BaseException) -> None:
+        self._ctx.retried(exc)
+
+
+def _labelled(read: Read, tags: list[int], part: Part) -> Job:
+    async def job(ctx: JobContext) -> None:
+        await read.job(_Context(ctx, tags, read, part.name))  # type: ignore[arg-type]
+
+    job.reserve = read.reserve  # type: ignore[attr-defined]  # what the engine's budget counts
+    return job
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of one source's passes: stable across processes and Python versions."""
+    digest = hashlib.blake2b(f"loader.mix:{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | None = None, *,
+        samples_per_epoch: int | None = None,
+        sampling: Sampling | Mapping[str, Sampling] = "continue",
+        **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
+    """One iterable dataset drawing from several ``AsyncS3Dataset``s by weight.
+
+    ``weights``: relative, per name (default: each dataset's size, so an epoch reads each once).
+    ``samples_per_epoch``: the epoch's length (default: the longest in which no source repeats a
+    sample, ``min(size / weight)`` over the sources). ``sampling`` (one value or per name):
+    ``"continue"`` reads each source as one stream of shuffled passes across epochs, so every
+    sample comes before any repeats; ``"epoch"`` starts each epoch on a fresh pass. Every sample
+    carries ``"__source__"``. Each source keeps its ``transform``, ``shuffle``, ``on_error`` and
+    shard options; how to load (``max_inflight``, ``memory_budget``, ``batch_size``, ranks, store
+    and endpoint) is the mix's, given here as keywords.
+    """
+    from .iterable import AsyncS3Dataset
+
+    if not isinstance(datasets, Mapping) or not datasets:
+        raise ConfigError("mix() takes a non-empty mapping of name -> AsyncS3Dataset")
+    if weights is not None and set(weights) != set(datasets):
+        raise ConfigError(f"weights name {sorted(weights)}, the datasets {sorted(datasets)}; give one "
+                          "weight per dataset")
+    check_int("samples_per_epoch", samples_per_epoch, minimum=1, optional=True, must="a positive integer")
+    loader_options = LoaderOptions(**options)
+    parts = []
+    for name, dataset in datasets.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"mix() names must be non-empty strings, not {name!r}")
+        if not isinstance(dataset, AsyncS3Dataset) or not hasattr(dataset.source, "reads"):
+            raise ConfigError(f"mix source {name!r} must be an AsyncS3Dataset over objects or shards, "
+                              f"not {type(dataset).__name__}")
+        _check_part_options(name, dataset.options, loader_options)
+        weight = None if weights is None else weights[name]
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                   or not weight >= 0):
+            raise ConfigError(f"weights[{name!r}]={weight!r} must be a non-negative number")
+        how = sampling if isinstance(sampling, str) else sampling.get(name, "continue")
+        if how not in SAMPLINGS:
+            raise ConfigError(f"sampling={how!r} for {name!r} must be one of {SAMPLINGS}")
+        parts.append(Part(name, cast(Mixable, dataset.source), weight, dataset.options.shuffle, how,
+                          source_seed(loader_options.effective_seed, name)))
+    if weights is not None and not any(weights.values()):
+        raise ConfigError("at least one weight must be above zero")
+    return AsyncS3Dataset(MixSource(parts, loader_options, samples_per_epoch), options=loader_options)
+
+
+_MIX_DECIDES = ("batch_size", "rank", "world_size", "pad_policy", "max_inflight", "queue_bytes",
+                "queue_items", "memory_budget", "store", "config", "cache_dir")
+
+
+def _check_part_options(name: str, given: LoaderOptions, mix_options: LoaderOptions) -> None:
+    """How to load is the mix's: a source that set it differently would be silently overruled."""
+    defaults = LoaderOptions.__dataclass_fields__
+    for field in _MIX_DECIDES:
+        value = getattr(given, field)
+        if field in ("store", "config"):
+            if value != getattr(mix_options, field):
+                raise ConfigError(
+                    f"mix source {name!r} reads through another {field} than the mix; give {field}= "
+                    "to mix(...) and use one endpoint for all sources")
+            continue
+        default = defaults[field].default
+        if value != default and value != getattr(mix_options, field):
+            raise ConfigError(f"mix source {name!r} sets {field}={value!r}: in a mix that is the "
+                              f"mix's setting; give {field}= to mix(...) instead")

@@ -1,0 +1,175 @@
+"""``ObjectSource``: one sample per object (or per group of objects sharing a stem).
+
+Keys come from a prefix listing (once, on demand), a key list or a manifest; ``SampleIndex``
+groups them into samples and labels them. Both datasets read through it: the iterable one by
+``stream`` (a job per sample), the map-style one by ``sample`` and ``fetch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any
+
+from ..decode import apply_transform
+from ..engine.fetch import Delivery
+from ..formats.objects import LabelFrom, SampleIndex, build_index, sample_job
+from ..stores.listing import KeyList
+from ..stores.versions import Versions, listed_versions
+from . import partition
+from .options import LoaderOptions
+from .progress import Watermark
+from .sharing import ticket, track
+from .snapshots import Snapshot
+from .source import Progress, Read, Run, Slot, Tagged
+from .sources import check_keys, list_keys
+
+
+class ObjectProgress:
+    """The slots of this worker's plan already delivered (tags are plan slots)."""
+
+    def __init__(self, delivered: Watermark | None = None) -> None:
+        self.delivered = delivered or Watermark()
+
+    def add(self, tag: Any) -> None:
+        self.delivered.add(tag)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"delivered": self.delivered.to_state()}
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+
+class ObjectSource:
+    """Objects of one bucket: a prefix listed when first needed, or a given key list."""
+
+    kind = "objects"
+    _listing_ticket = 0  # which dataset over its prefix this is (``sharing.ticket``)
+
+    def __init__(self, bucket: str, options: LoaderOptions, *, keys: Iterable[str] | None = None,
+                 prefix: str | None = None, group: bool = True, label_from: LabelFrom | None = None,
+                 labels: Iterable[int | str | None] | None = None,
+                 snapshot: Snapshot | None = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix
+        self.options = options
+        self._snapshot = snapshot  # a listing snapshot to read the keys from (or to write)
+        self._keys: Sequence[str] | None = None if keys is None else check_keys(bucket, keys)
+        self._group = group
+        self._label_from = label_from
+        self._labels = None if labels is None else tuple(labels)
+        self._index: SampleIndex | None = None
+        if self._keys is not None:
+            self._index = self._build_index()  # a bad key list fails here, not in a worker
+        else:  # listed once per job, before DataLoader workers fork (``sharing``)
+            self._listing_ticket = ticket(repr(("objects", bucket, prefix)))
+            track(self)
+
+    # ------------------------------------------------------------------ what is read
+
+    def keys(self) -> Sequence[str]:
+        """Every object key, listing the prefix now if not done yet (once)."""
+        if self._keys is None:
+            assert self.prefix is not None  # the constructor takes keys or a prefix
+            self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
+                                   retry=self.options.retry, options=self.options.listing,
+                                   ticket=self._listing_ticket, snapshot=self._snapshot)
+        return self._keys
+
+    def samples(self) -> SampleIndex:
+        """Which objects form each sample (the unit of an epoch), and their labels."""
+        if self._index is None:
+            self._index = self._build_index()
+        return self._index
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names by index when labels come from names, sorted as ``ImageFolder`` does."""
+        classes = self.samples().classes
+        return None if classes is None else list(classes)
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        return self.samples().class_to_idx
+
+    def _build_index(self) -> SampleIndex:
+        where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
+        keys = self.keys()
+        return build_index(keys, group=self._group, label_from=self._label_from,
+                           labels=self._labels, where=where, prefix=self.prefix,
+                           pinned=self._snapshot is not None)
+
+    # ------------------------------------------------------------------ the Source protocol
+
+    def resolve(self) -> None:
+        self.samples()
+
+    def size(self) -> int:
+        return len(self.samples())
+
+    def count(self) -> int:
+        return len(self.samples())
+
+    def missing_count(self) -> str:
+        return ""  # a listed or given key list always has a count
+
+    def fixed_rank_length(self) -> None:
+        return None  # an epoch is the key list
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return url  # the object is the sample
+
+    def progress(self, state: Mapping[str, Any]) -> ObjectProgress:
+        if not state:
+            return ObjectProgress()
+        return ObjectProgress(Watermark.from_state(state["delivered"]))
+
+    def plan(self, slot: Slot) -> list[int]:
+        """Positions in ``samples()`` that ``slot`` reads this epoch, in reading order."""
+        n = len(self.samples())
+        if slot.positions is not None:
+            order = partition.epoch_order(n, seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle)
+            return [order[p] for p in slot.positions]
+        return partition.partition(n, policy=slot.policy, **slot.where())
+
+    def stream(self, slot: Slot, progress: Progress, run: Run) -> Generator[Tagged, None, None]:
+        assert isinstance(progress, ObjectProgress)
+        index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
+        done = progress.delivered
+        todo = [(tag, pos) for tag, pos in enumerate(self.plan(slot)) if tag not in done]
+        jobs = (sample_job(index, bucket, pos, tag, on_error) for tag, pos in todo)
+        delivery: Delivery = "ordered" if self.options.ordered else "completed"
+        yield from run(jobs, self.options.object_limits(delivery))
+
+    def reads(self, slot: Slot) -> list[Read]:
+        if slot.positions is None:
+            raise ValueError("reads() needs the slot's positions")
+        index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
+        order = partition.epoch_order(len(index), seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle)
+        return [Read(sample_job(index, bucket, order[p], tag, on_error), 1, reserve=self._reserve(order[p]))
+                for tag, p in enumerate(slot.positions)]
+
+    def _reserve(self, sample: int) -> int | None:
+        """Twice the listed bytes of a sample's objects (arriving, then joined), when the key list
+        came from a listing; None leaves it to the engine."""
+        keys = self.keys()
+        if not isinstance(keys, KeyList) or not keys.has_sizes:
+            return None
+        total = 0
+        for key in self.samples().objects(sample):
+            at = keys.find(key)
+            if at is None:
+                return None
+            total += keys.size(at)
+        return 2 * max(total, 1)
+
+    def transform(self, sample: dict[str, Any]) -> Any:
+        return apply_transform(self.options.transform, sample)
+
+    def versions(self) -> Versions | None:
+        return listed_versions(self.bucket, self.keys())
+
+    def describe(self) -> str:
+        if self.prefix is not None and self._keys is None:
+            return f"prefix s3://{self.bucket}/{self.prefix}"
+        return f"{len(self.keys())} keys of bucket {self.bucket!r}"

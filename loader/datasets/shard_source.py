@@ -1,0 +1,424 @@
+"""``ShardSource``: WebDataset tar shards, streamed and parsed on the fly.
+
+Shards come from brace patterns, URI lists or prefixes (listed once, on demand). How a slot's
+share becomes shard reads depends on what is known: blocks of the epoch's order (``batch_size=``),
+equal runs per rank (sample counts known), or whole shards dealt to slots (counts unknown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import random
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from typing import Any
+
+from ..checks import check_int
+from ..decode import apply_transform
+from ..engine.fetch import Delivery, Job, JobContext
+from ..errors import ConfigError, EmptyDatasetError
+from ..formats.index_entries import INDEX_NAME
+from ..formats.shards import (
+    END,
+    ShardAssignment,
+    ShardEnd,
+    ShardOptions,
+    ShardRef,
+    Tag,
+    sample_nbytes,
+    shard_job,
+)
+from ..stores.versions import Versions, versions_of
+from . import cycling, partition
+from .options import LoaderOptions, check_budget, shard_read_bytes
+from .progress import Watermark
+from .shard_counts import (
+    Counts,
+    fetch_index,
+    given_counts,
+    index_command,
+    index_location,
+    match_index,
+    unknown_counts_advice,
+    with_versions,
+)
+from .sharing import ticket, track
+from .shuffle import shuffled
+from .source import Progress, Read, Run, Slot, Tagged
+from .sources import resolve_shards, shard_specs
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ShardProgress:
+    """Per shard of this worker's plan: the sample indices delivered, and how many samples the
+    shard held once it was read to its end. Tags are ``(plan position, sample index)``."""
+
+    shards: dict[int, Watermark] = dataclasses.field(default_factory=dict)
+    shard_samples: dict[int, int] = dataclasses.field(default_factory=dict)
+    shards_skipped: int = 0
+    tar_links_skipped: int = 0  # hard and symbolic links in shards (no data, so no field)
+    shard_ends: int = 0  # end-of-shard markers seen in this iteration
+
+    def add(self, tag: Any) -> None:
+        self.shard(tag[0]).add(tag[1])
+
+    def shard(self, position: int) -> Watermark:
+        return self.shards.setdefault(position, Watermark())
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "shards": [[position, *mark.to_state()] for position, mark in sorted(self.shards.items())],
+            "shard_samples": sorted(self.shard_samples.items()),
+        }
+
+    def counters(self) -> dict[str, int]:
+        return {"shards_skipped": self.shards_skipped, "tar_links_skipped": self.tar_links_skipped,
+                "shard_ends": self.shard_ends}
+
+    def delivered(self) -> int:
+        """Samples delivered in all (the state's worth, a resume included)."""
+        return sum(len(mark) for mark in self.shards.values())
+
+    def count_ends(self, items: Iterable[tuple[Tag, Any]]) -> Generator[tuple[Tag, Any], None, None]:
+        """``items`` less the end-of-shard markers, which update this progress instead."""
+        for tag, item in items:
+            if tag[1] == END:
+                self.ended(tag[0], item)
+            else:
+                yield tag, item
+
+    def ended(self, position: int, end: ShardEnd) -> None:
+        """The shard at ``position`` was read to its end (or skipped)."""
+        self.shard_samples[position] = end.samples
+        self.shards_skipped += end.skipped
+        self.tar_links_skipped += end.links
+        self.shard_ends += 1
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> ShardProgress:
+        if not state:
+            return cls()
+        return cls(shards={int(p): Watermark(int(low), above) for p, low, above in state["shards"]},
+                   shard_samples={int(p): int(n) for p, n in state["shard_samples"]})
+
+
+class ShardSource:
+    """Tar shards (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst``) of one or more buckets."""
+
+    kind = "shards"
+
+    def __init__(self, shards: str | Iterable[str], options: LoaderOptions, *,
+                 shard_options: ShardOptions | None = None,
+                 sample_counts: Mapping[str, int] | None = None) -> None:
+        self.options = options
+        self.shard_options = shard_options or ShardOptions()
+        check_budget(options, self.shard_options)
+        self._given: str | list[str] = shards if isinstance(shards, str) else list(shards)
+        self._specs = shard_specs(self._given)
+        self._listing_ticket = ticket(repr(("shards", self._specs)))  # see ``sharing``
+        self._shards: list[ShardRef] | None = None
+        self._sample_counts = None if sample_counts is None else check_counts(sample_counts)
+        self._counts: Counts | None = None
+        self._counts_tried = False
+        self._no_index = ""  # why no index gives the counts, when none does
+        _check_combinations(options, self.shard_options, sample_counts)
+        track(self)
+
+    # ------------------------------------------------------------------ what is read
+
+    def shards(self) -> list[ShardRef]:
+        """The shard list, listing prefixes now if not done yet (and reading the index, whose
+        versions pin the reads of shards that no listing described)."""
+        self.counts()
+        assert self._shards is not None
+        return self._shards
+
+    def _listed(self) -> list[ShardRef]:
+        if self._shards is None:
+            self._shards = resolve_shards(self._specs, factory=self.options.listing_factory(),
+                                          retry=self.options.retry, options=self.options.listing,
+                                          ticket=self._listing_ticket)
+        return self._shards
+
+    def counts(self) -> Counts | None:
+        """What is known of each shard's sample count: ``sample_counts=``, else the index (one
+        GET, once); None when there is neither."""
+        if self._counts_tried:
+            return self._counts
+        shards = self._listed()
+        if self._sample_counts is not None:
+            self._counts = given_counts(shards, self._sample_counts)
+        else:
+            given = self.shard_options.index
+            uri = index_at(given) if given else index_location(shards)
+            document, self._no_index = None, "the shards lie in several buckets (index= can say where their index is)"
+            if uri is not None:
+                document, self._no_index = fetch_index(uri, self.options.listing_factory(),
+                                                       self.options.retry)
+            if document is None and given:
+                raise ConfigError(f"index={given!r}: {self._no_index}; write one with "
+                                  f"`{self._command()} --out {uri}`")
+            if document is not None and uri is not None:
+                blocks = self.options.batch_size is not None and self.shard_options.samples_per_epoch is None
+                self._counts = match_index(shards, document, uri, offsets=blocks,
+                                           fix=f"run `{self._command()}` again (it reads only the "
+                                               "shards that changed)")
+                self._shards = with_versions(shards, self._counts)
+        self._counts_tried = True
+        return self._counts
+
+    def shard_counts(self) -> list[int] | None:
+        """Samples per shard in ``shards()`` order, when every shard's count is known."""
+        counts = self.counts()
+        return None if counts is None else counts.complete(self.shards())
+
+    def _command(self) -> str:
+        return index_command(self._given, self._listed())
+
+    # ------------------------------------------------------------------ the Source protocol
+
+    def resolve(self) -> None:
+        self.shards()
+
+    def size(self) -> int:
+        return len(self.shards())
+
+    def count(self) -> int | None:
+        counts = self.shard_counts()
+        return None if counts is None else sum(counts)
+
+    def fixed_rank_length(self) -> int | None:
+        return self.shard_options.samples_per_epoch
+
+    def missing_count(self) -> str:
+        counts = self.counts()
+        problems = self._no_index if counts is None else counts.problems()
+        return unknown_counts_advice(self._command(), problems)
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return f"sample {key!r} of shard {url}, going on with the rest of the shard"
+
+    def progress(self, state: Mapping[str, Any]) -> ShardProgress:
+        return ShardProgress.from_state(state)
+
+    def assignments(self, slot: Slot) -> list[ShardAssignment]:
+        """Which shards ``slot`` reads, and which samples of each, in reading order."""
+        counts = self.shard_counts()
+        if slot.positions is not None:  # blocks of the epoch's order (see partition)
+            if counts is None:
+                raise ConfigError(f"batch_size= in shard mode deals samples: {self.missing_count()}")
+            order = partition.epoch_order(len(counts), seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle)
+            return partition.sequence_ranges(counts, order, slot.positions)
+        if counts is not None:  # equal length per rank, exactly once (up to the pad policy)
+            return partition.balanced_shard_ranges(counts, policy=slot.policy, **slot.where())
+        if slot.world_size > 1 and not self.shard_options.uneven_ranks:
+            raise ConfigError(f"{slot.world_size} ranks read {len(self.shards())} tar shards, but "
+                              + self.missing_count())
+        shards = len(self.shards())
+        _, slots = partition.slot_of(slot.rank, slot.world_size, slot.worker, slot.num_workers)
+        if partition.needs_sample_split(shards, slots):
+            _warn_sample_split(shards, slots)
+        return partition.shard_assignments(shards, **slot.where())
+
+    def stream(self, slot: Slot, progress: Progress, run: Run) -> Generator[Tagged, None, None]:
+        assert isinstance(progress, ShardProgress)
+        if self.shard_options.samples_per_epoch is not None:
+            yield from self._cycle(slot, progress, run, self.shard_options.samples_per_epoch)
+            return
+        shards, options = self.shards(), self.shard_options
+        counts = self.counts()
+        offsets = {} if counts is None else counts.offsets
+        jobs = [
+            shard_job(shards[a.shard], position, a, options, skip=progress.shard(position),
+                      on_error=self.options.on_error, offsets=offsets.get(shards[a.shard].url),
+                      expect=None if counts is None else counts.expect(shards[a.shard]))
+            for position, a in enumerate(self.assignments(slot))
+            if not shard_complete(a, progress.shard_samples.get(position), progress.shard(position))
+        ]
+        blocks = slot.positions is not None
+        if blocks:
+            delivery: Delivery = "ordered"  # blocks in order: shards read ahead, delivered in turn
+        else:
+            delivery = "interleave" if self.options.ordered else "completed"
+        limits = self.options.limits(delivery, max_inflight=options.shards_inflight)
+        size = options.buffer_size if self.options.shuffle and not blocks else 0  # keeps blocks whole
+        with contextlib.closing(progress.count_ends(run(jobs, limits))) as stream:
+            yield from shuffled(stream, size, slot_rng(slot), max_bytes=options.shuffle_bytes,
+                                nbytes=tagged_nbytes)
+
+    def _cycle(self, slot: Slot, progress: ShardProgress, run: Run, per_rank: int,
+               ) -> Generator[Tagged, None, None]:
+        """``samples_per_epoch``: this slot's quota of the rank's samples, from passes over the
+        shards without end (see ``cycling``), less what ``progress`` says was delivered.
+
+        Shards are delivered in plan order, a marker after each pass; the shuffle buffer mixes
+        one pass at a time and is emptied at its end, so a pass's samples all come before any
+        of them repeats."""
+        left = cycling.worker_quota(per_rank - slot.seen, worker=slot.worker, num_workers=slot.num_workers,
+                                    batch_size=self.options.batch_size) - progress.delivered()
+        if left <= 0:
+            return
+        shards, options, counts = self.shards(), self.shard_options, self.counts()
+        plan = cycling.cycle(len(shards), seed=cycling.pass_seed(slot.seed, slot.epoch, slot.seen),
+                             shuffle=slot.shuffle, rank=slot.rank, world_size=slot.world_size,
+                             worker=slot.worker, num_workers=slot.num_workers)
+        # The jobs are made in the engine's thread as it needs them: give them a copy of what a
+        # resumed state says was delivered, not the progress this thread updates.
+        delivered = {p: Watermark.from_state(mark.to_state()) for p, mark in progress.shards.items()}
+        ended = dict(progress.shard_samples)
+
+        def jobs() -> Generator[Job, None, None]:
+            earlier, this_pass = False, 0  # whether a resumed state delivered samples of this pass
+            for position, (number, a) in enumerate(plan):
+                if number != this_pass:
+                    yield _pass_marker(earlier)
+                    earlier, this_pass = False, number
+                done = delivered.get(position, Watermark())
+                earlier = earlier or len(done) > 0
+                if not shard_complete(a, ended.get(position), done):
+                    shard = shards[a.shard]
+                    yield shard_job(shard, position, a, options, skip=done, on_error=self.options.on_error,
+                                    expect=None if counts is None else counts.expect(shard))
+
+        limits = self.options.limits("ordered", max_inflight=options.shards_inflight)
+
+        def samples() -> Generator[tuple[Tag, Any] | None, None, None]:
+            found = 0  # samples of this pass
+            for tag, item in run(jobs(), limits):
+                if tag[1] == END:
+                    progress.ended(tag[0], item)
+                elif tag[1] == _PASS_END:
+                    if not found and not item:
+                        _, slots = partition.slot_of(slot.rank, slot.world_size, slot.worker,
+                                                     slot.num_workers)
+                        raise EmptyDatasetError(
+                            f"rank {slot.rank} worker {slot.worker} read a whole pass over its shards "
+                            f"without finding a sample ({len(shards)} shards for {slots} rank x worker "
+                            "slots): samples_per_epoch needs samples in every slot's share; use more "
+                            "shards or fewer workers")
+                    found = 0
+                    yield None
+                else:
+                    found += 1
+                    yield tag, item
+
+        def one_pass(stream: Iterator[tuple[Tag, Any] | None]) -> Generator[tuple[Tag, Any], None, None]:
+            for tagged in stream:
+                if tagged is None:
+                    return
+                yield tagged
+
+        def mixed(stream: Iterator[tuple[Tag, Any] | None]) -> Generator[tuple[Tag, Any], None, None]:
+            size, rng = (options.buffer_size if self.options.shuffle else 0), slot_rng(slot)
+            while True:
+                yield from shuffled(one_pass(stream), size, rng, max_bytes=options.shuffle_bytes,
+                                    nbytes=tagged_nbytes)
+
+        with contextlib.closing(samples()) as stream:
+            yield from itertools.islice(mixed(stream), left)
+
+    def reads(self, slot: Slot) -> list[Read]:
+        if slot.positions is None:
+            raise ValueError("reads() needs the slot's positions")
+        assignments = self.assignments(slot)  # raises without counts
+        shards, counts, known = self.shards(), self.shard_counts(), self.counts()
+        assert counts is not None and known is not None
+        options = self.shard_options
+        reserve = shard_read_bytes(options.parts_inflight, options.part_size)  # parts, or chunks and a member
+        return [Read(shard_job(shards[a.shard], position, a, options,
+                               on_error=self.options.on_error, offsets=known.offsets.get(shards[a.shard].url),
+                               expect=known.expect(shards[a.shard])),
+                     a.wanted(counts[a.shard]), _is_sample, reserve)
+                for position, a in enumerate(assignments)]
+
+    def transform(self, sample: dict[str, Any]) -> Any:
+        return apply_transform(self.options.transform, sample)
+
+    def versions(self) -> Versions | None:
+        return versions_of(self.shards())
+
+    def describe(self) -> str:
+        if self._shards is not None:
+            return f"{len(self._shards)} shards"
+        return f"shards {self._specs[:2]}"
+
+
+def _check_combinations(options: LoaderOptions, shard_options: ShardOptions,
+                        sample_counts: Mapping[str, int] | None) -> None:
+    """Options that cannot go together, refused at construction rather than ignored."""
+    if sample_counts is not None and shard_options.index is not None:
+        raise ConfigError("give sample_counts= or index=, not both")
+    if shard_options.samples_per_epoch is not None and not options.ordered:
+        raise ConfigError("samples_per_epoch= reads its passes over the shards in order (the "
+                          "shuffle buffer mixes each pass), so ordered=False cannot apply; drop it")
+    buffer = shard_options.shuffle_buffer
+    if (options.batch_size is not None and buffer and shard_options.samples_per_epoch is None):
+        raise ConfigError(
+            f"shuffle_buffer={buffer!r} cannot be used with batch_size=: blocks of the epoch's order "
+            "are read in order (a per-worker buffer would tie the order to the number of workers "
+            "and break resuming on another topology), so no buffer mixes them. Drop "
+            "shuffle_buffer=; the shard order is still shuffled every epoch, and samples can be "
+            "mixed once when packing (loader shard --shuffle)")
+
+
+def index_at(uri: str) -> str:
+    """``index=``: a URI ending in ``/`` means the ``index.json`` in that folder."""
+    return uri + INDEX_NAME if uri.endswith("/") else uri
+
+
+def slot_rng(slot: Slot) -> random.Random:
+    """The shuffle buffer's generator for one slot and epoch."""
+    number, _ = partition.slot_of(slot.rank, slot.world_size, slot.worker, slot.num_workers)
+    return random.Random(partition.epoch_seed(slot.seed, slot.epoch) ^ (number << 20) ^ (slot.seen << 40))
+
+
+_PASS_END = -2  # the sample index that tags the end of a pass (``samples_per_epoch``)
+
+
+def _pass_marker(earlier: bool) -> Job:
+    """A job that marks the end of a pass (``earlier``: a resumed state delivered some of it)."""
+
+    async def job(ctx: JobContext) -> None:
+        await ctx.emit(((-1, _PASS_END), earlier), 0)
+
+    return job
+
+
+def check_counts(counts: Any) -> dict[str, int]:
+    """``sample_counts``: a mapping of shard URL (or key) to its number of samples."""
+    if not isinstance(counts, Mapping):
+        raise ConfigError(f"sample_counts must map shard URL -> sample count, not {type(counts).__name__}")
+    for url, count in counts.items():
+        check_int(f"sample_counts[{url!r}]", count, minimum=0, must="a non-negative integer")
+    return dict(counts)
+
+
+def _is_sample(tag: Tag) -> bool:
+    return tag[1] != END
+
+
+def tagged_nbytes(tagged: tuple[Tag, dict[str, Any]]) -> int:
+    return sample_nbytes(tagged[1])
+
+
+def shard_complete(assignment: ShardAssignment, samples: int | None, delivered: Watermark) -> bool:
+    """Whether a resumed shard has nothing left for this slot (so it is not read again)."""
+    return samples is not None and len(delivered) >= assignment.wanted(samples)
+
+
+_warned_split = False
+
+
+def _warn_sample_split(num_shards: int, slots: int) -> None:
+    global _warned_split
+    if not _warned_split:
+        _warned_split = True
+        log.warning(
+            "%d shard(s) for %d rank x worker slots: each slot reads a whole shard and keeps every "
+            "n-th sample, so each shard is downloaded up to %d times; use at least %d shards "
+            "to read each once", num_shards, slots, -(-slots // num_shards), slots,
+        )

@@ -1,0 +1,108 @@
+"""``loader index`` on the command line: its arguments, progress bar and summary (the work is
+``tools/index.py``, imported only when the command runs). The CLI's shared pieces (help format,
+argument types, exit codes, progress bars) come from ``tools/cli.py`` as an argument: importing it
+here would make an import circle."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import IO, Any
+
+
+def register(subparsers: argparse._SubParsersAction, cli: ModuleType) -> None:
+    """``index``: count the samples of shards other tools wrote; write the index from_shards finds."""
+    p = subparsers.add_parser(
+        "index", help="count the samples of tar shards (any tool's) and write the index from_shards finds",
+        description=(
+            "Read each tar shard once (plain, .tar.gz/.tgz or .tar.zst; written by webdataset, GNU "
+            "tar or anything else), in parallel, and write index.json in the shards' folder: each "
+            "shard's sample count, size, ETag and (uncompressed) sample offsets. from_shards finds it "
+            "by itself, so every rank of a job reads the same number of samples. Interrupted? Run "
+            "the same command again: the index is written as shards finish, and shards already in "
+            "it (unchanged since) are not read again; after shards change or are added, it reads "
+            "only those. " + cli.ENV_HELP
+        ),
+        epilog=(
+            "examples:\n"
+            "  loader index 's3://data/train-{000000..001023}.tar'\n"
+            "  loader index s3://data/shards/\n"
+            "  loader index s3://data/a.tar.gz s3://data/b.tar.gz --out s3://mine/meta/index.json\n"
+            "\nthen read them with:\n"
+            "  ds = AsyncS3Dataset.from_shards(\"s3://data/shards/\", shuffle=True)  # the index is found\n"
+            "  ds = AsyncS3Dataset.from_shards(..., index=\"s3://mine/meta/index.json\")  # after --out"
+        ),
+        formatter_class=cli._Formatter,
+    )
+    p.add_argument("shards", nargs="+", type=cli._s3_uri, metavar="SHARDS",
+                   help="a brace pattern (quote it), shard URIs, or a prefix holding the shards")
+    p.add_argument("--out", type=cli._s3_uri, default=None, metavar="URI",
+                   help="write the index here instead of index.json in the shards' folder "
+                        "(then pass index=URI to from_shards)")
+    p.add_argument("--concurrency", type=cli._positive_int, default=8, metavar="N",
+                   help="shards read at once (default: 8)")
+    p.add_argument("--parts-inflight", type=cli._positive_int, default=1, metavar="P",
+                   help="ranged GETs at once per large uncompressed shard (default: 1, one stream "
+                        "each; more helps a few very large shards on a distant store)")
+    p.add_argument("--force", action="store_true",
+                   help="read every shard again, even those indexed and unchanged")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--part-size", type=cli._size, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stop-after", type=cli._positive_int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(run=functools.partial(run, cli=cli))
+
+
+def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None, *,
+        cli: ModuleType) -> int:
+    from .index import DEFAULT_PART_SIZE, IndexOptions, IndexReport, index_shards
+    from .sizes import format_size
+
+    out, err = out or sys.stdout, err or sys.stderr
+    options = IndexOptions(out=args.out, concurrency=args.concurrency, force=args.force,
+                           parts_inflight=args.parts_inflight, part_size=args.part_size or DEFAULT_PART_SIZE,
+                           stop_after=args.stop_after)
+    bars: list[Any] = []
+
+    def progress(report: IndexReport, total_bytes: int) -> Callable[[int, int], None]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="index",
+                   file=err, dynamic_ncols=True, disable=cli._bar_disabled(args.progress, err))
+        bars.append(bar)
+        todo = report.shards - report.already
+        done = 0
+
+        def hook(nbytes: int, shards: int) -> None:
+            nonlocal done
+            done += shards
+            bar.set_postfix_str(f"{done:,}/{todo:,} shards", refresh=False)
+            bar.update(nbytes)
+
+        return hook
+
+    shards = args.shards[0] if len(args.shards) == 1 else args.shards
+    try:
+        report = index_shards(shards, options, progress=progress)
+    except KeyboardInterrupt:
+        cli._close_bars(bars)
+        print("loader index: interrupted; the shards indexed so far are in the index: run the same "
+              "command again to index the rest", file=err)
+        return cli.EXIT_INTERRUPTED
+    cli._close_bars(bars)
+    if not report.complete:
+        print(f"loader index: stopped after {report.indexed} shard(s) (--stop-after); run the same "
+              "command again to index the rest", file=err)
+        return cli.EXIT_INTERRUPTED
+    seconds = max(report.seconds, 1e-9)
+    print(f"indexed {report.indexed:,} shard(s) ({report.samples:,} samples, "
+          f"{format_size(report.bytes_read)}) in {report.seconds:.1f} s "
+          f"({format_size(report.bytes_read / seconds)}/s, {report.indexed / seconds:.1f} shards/s)"
+          + (f"; {report.already:,} were indexed already" if report.already else ""), file=out)
+    print(f"index: {report.index_url}", file=out)
+    where = f", index={report.index_url!r}" if args.out else ""
+    print(f"read them with: AsyncS3Dataset.from_shards({shards!r}{where})", file=out)
+    return cli.EXIT_OK

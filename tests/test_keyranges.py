@@ -1,0 +1,103 @@
+"""Parallel listing of key ranges is exact: the same keys as a sequential listing, in every order.
+
+Property tests over random key sets (characters that sort around '/', unicode, nested and flat
+keys), random page sizes, parallelism and injected faults, against a fake that lists in byte
+order (S3) and one that lists directory by directory with SeaweedFS's StartAfter.
+"""
+
+from __future__ import annotations
+
+import anyio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loader.errors import TransientStoreError
+from loader.retry import RetryPolicy
+from loader.stores.keyranges import KeySpace, past, plain
+from loader.stores.listing import ListOptions, list_all
+
+from fakes import FakeStore
+
+FAST = RetryPolicy(base_delay=0.0, max_delay=0.0, max_attempts=50)
+# characters just below and above '/' (0x2F), digits, letters, one above ASCII and one far above
+CHARS = " !-./0129:AZaz~\u00e4\u4e2d"
+segments = st.text(alphabet=CHARS.replace("/", ""), min_size=1, max_size=4)
+keys = st.lists(segments, min_size=1, max_size=3).map("/".join)
+
+
+def directory_order(key: str) -> list[str]:
+    return key.split("/")
+
+
+@given(st.lists(keys, min_size=20, max_size=300), st.lists(keys, max_size=20),
+       st.sampled_from(["", "a", "a/", "0", "-"]), st.integers(1, 12), st.integers(1, 8),
+       st.sampled_from(["bytes", "directories"]), st.lists(st.booleans(), max_size=60))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_ranges_list_exactly_the_keys_of_a_sequential_listing(inside, outside, prefix, page_size,
+                                                               parallel, order, faults):
+    objects = {key: key.encode()[: len(key) % 5] for key in [prefix + k for k in inside] + outside}
+    fault_list = [TransientStoreError("injected SlowDown", bucket="b", key="") if fail else None
+                  for fail in faults]
+    store = FakeStore.with_objects("b", objects, page_size=page_size, order=order,
+                                   list_fail={prefix: fault_list})
+
+    async def main():
+        with anyio.fail_after(30):
+            return await list_all(store, "b", prefix, FAST,
+                                  options=ListOptions(page_size=page_size, parallel=parallel))
+
+    listed = anyio.run(main)
+    expected = sorted(key for key in objects if key.startswith(prefix) and not key.endswith("/"))
+    assert list(listed) == expected
+    assert [info.size for info in listed.infos()] == [len(objects[key]) for key in expected]
+    assert listed.etags() == [store.etag_of("b", key) for key in expected]
+
+
+@given(keys, keys)
+def test_past_means_after_the_bound_in_both_orders_and_outside_its_folder(key, bound):
+    if past(key, bound):
+        assert key > bound and directory_order(key) > directory_order(bound)
+        assert not key.startswith(bound + "/")
+    elif key > bound and directory_order(key) > directory_order(bound):
+        assert key.startswith(bound + "/")
+
+
+def test_seaweedfs_skips_the_folder_named_by_start_after_and_past_accounts_for_it():
+    # SeaweedFS, StartAfter="o/m/b": "o/m/b/c" is not listed although it sorts after "o/m/b"
+    assert not past("o/m/b/c", "o/m/b") and past("o/m/b-", "o/m/b")
+    # byte order and directory order disagree on '-' against '/'
+    assert not past("o/m-a", "o/m/z") and not past("o/m/z", "o/m-a")
+
+
+@given(st.lists(keys, min_size=2, max_size=50), st.floats(0.01, 0.99))
+def test_a_split_point_lies_strictly_between_and_is_plain(sample, fraction):
+    lo, hi = min(sample), max(sample)
+    space = KeySpace.of(sample)
+    bound = space.between(lo, hi, fraction)
+    if bound is not None:
+        assert lo < bound < hi and plain(bound)
+    assert space.position(lo) <= space.position(hi)
+
+
+def test_split_points_follow_the_keys_alphabet():
+    space = KeySpace.of([f"flat/{i:07d}.jpg" for i in range(0, 100_000, 997)])
+    middle = space.between("flat/0000000.jpg", "flat/0099999.jpg")
+    assert middle is not None and "flat/004" <= middle < "flat/006"
+    assert space.between("flat/0000001.jpg", "flat/0000001.jpg") is None
+    # an open end: as far ahead as asked, not half the alphabet away
+    ahead = space.between("flat/0000999.jpg", None, 0.5,
+                          space.position("flat/0001999.jpg") - space.position("flat/0000999.jpg"))
+    assert ahead is not None and "flat/0000999.jpg" < ahead <= "flat/0001999.jpg"
+
+
+def test_bounds_are_not_cut_where_the_keys_have_folders():
+    space = KeySpace.of([f"n/f{f:03d}/{i:04d}.jpg" for f in range(0, 40, 3) for i in range(0, 50, 7)])
+    for fraction in (0.1, 0.3, 0.5, 0.7, 0.9):
+        bound = space.between("n/f000/0000.jpg", "n/f039/0049.jpg", fraction)
+        assert bound is not None and len(bound) != len("n/f000"), bound
+
+
+def test_plain_bounds():
+    assert plain("a/b") and plain("ä") and plain("a-b.c")
+    for bad in ("", "a//b", "a/", "./a", "a/..", "a\x00", "a\x7f"):
+        assert not plain(bad)
