@@ -3,7 +3,8 @@
 Every cell of ``list_once_worker.py`` reads a prefix of its own, so the proxy's log says how
 many LIST requests each cell cost the whole job: exactly one listing must have started there,
 with fewer requests than two listings need (the parallel range listing may split one listing
-into more requests than its pages); one plain process listing such a prefix is held to the same. Spawned processes import torch again (seconds each on a small machine), so two
+into more requests than its pages); one plain process listing such a prefix is held to the same.
+Spawned processes import torch again (seconds each on a small machine), so two
 launches carry all the cells: ``torchrun`` (workers fork by default) and
 ``torch.multiprocessing.spawn`` with an explicit rank (workers spawn by default), each with
 datasets built before and after ``init_process_group``, workers started every way,
