@@ -2,7 +2,7 @@
 
     python -m bench.keylist_memory                       # 1,000,000 keys, 8 ranks x 2 workers
     python -m bench.keylist_memory --keys 200000 --ranks 4
-    PYTHONPATH=<a checkout's root> python -m bench.keylist_memory   # the same for another version
+    cd OTHER && PYTHONPATH=OTHER:THIS python -m bench.keylist_memory   # another checkout's loader
 
 Ranks are forked from this launcher (they share torch's pages, so the numbers show the loader's
 own memory), form a gloo group over TCP, build ``AsyncS3Dataset.from_prefix`` and iterate a
@@ -41,8 +41,6 @@ def main() -> None:
     import psutil
     import torch.multiprocessing as mp
 
-    import loader
-
     signals = Path(tempfile.mkdtemp(prefix="keylist-memory-"))
     port = _free_port()
     started = time.monotonic()
@@ -67,7 +65,7 @@ def main() -> None:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    result = {"label": args.label, "loader": str(Path(loader.__file__).parent), "keys": args.keys,
+    result = {"label": args.label, "keys": args.keys,
               "ranks": args.ranks, "workers": args.workers, "listings": listings,
               "seconds_to_first_batches": round(ready, 1), "processes": rows}
     table = report(result)
@@ -79,7 +77,7 @@ def main() -> None:
 
 def report(result: dict[str, Any]) -> str:
     rows = result["processes"]
-    lines = [f"{result['label']} ({result['loader']}): {result['keys']:,} keys, {result['ranks']} ranks x "
+    lines = [f"{result['label']}: {result['keys']:,} keys, {result['ranks']} ranks x "
              f"{result['workers']} workers = {len(rows)} processes; listings made: {result['listings']}; "
              f"first batches on every rank after {result['seconds_to_first_batches']} s", "",
              "| processes | RSS median / max | PSS median | USS median / max | key list file: RSS / PSS per process |",
