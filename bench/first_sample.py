@@ -5,6 +5,8 @@ and in a fresh process per run measures, from ``from_prefix(...)`` to the first 
 ``DataLoader(ds, num_workers=w, batch_size=None)``:
 
 * ``AsyncS3Dataset.from_prefix(uri, shuffle=True, store=...)``, aioboto3 and obstore;
+* the same from a listing saved beforehand (``loader ls --save``): ``from_manifest(path, ...)``,
+  which reads the file instead of listing (a restarted job);
 * s3torchconnector's ``S3IterableDataset.from_prefix(uri, enable_sharding=True)``.
 
 Imports happen before the clock starts and are reported apart (``import``), and for this project
@@ -91,8 +93,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
             sources.list_prefix = timed_list  # type: ignore[assignment]
         started = time.perf_counter()
-        dataset = AsyncS3Dataset.from_prefix(uri, shuffle=True, store=spec["store"],
-                                             config=S3Config.from_env())
+        if spec.get("saved"):
+            dataset = AsyncS3Dataset.from_manifest(spec["saved"], shuffle=True, store=spec["store"],
+                                                   config=S3Config.from_env())
+        else:
+            dataset = AsyncS3Dataset.from_prefix(uri, shuffle=True, store=spec["store"],
+                                                 config=S3Config.from_env())
         phases["construct"] = time.perf_counter() - started
     loader = DataLoader(dataset, num_workers=workers, batch_size=None)
     first = next(iter(loader))
@@ -110,6 +116,7 @@ def run_child(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
 
 
 RUNS = [("ours aioboto3", "ours", "aioboto3"), ("ours obstore", "ours", "obstore"),
+        ("ours aioboto3, saved listing", "ours", "aioboto3"), ("ours obstore, saved listing", "ours", "obstore"),
         ("s3torchconnector iterable", "s3tc", None)]
 
 
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.objects:,} objects PUT in {time.perf_counter() - started:.0f} s",
               file=sys.stderr, flush=True)
         sequential = sequential_listing(config, prefix)
+        saved = save_listing(config, f"s3://{BUCKET}/{prefix}")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "MINIO_"))}
         env.update(config.to_env())
         env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = config.access_key_id or "", config.secret_access_key or ""
@@ -145,13 +153,25 @@ def main(argv: list[str] | None = None) -> int:
             for w in workers:
                 for name, who, store in RUNS:
                     spec = {"who": who, "store": store, "workers": w, "uri": f"s3://{BUCKET}/{prefix}",
-                            "endpoint": config.endpoint_url, "region": config.region}
+                            "endpoint": config.endpoint_url, "region": config.region,
+                            "saved": saved if "saved" in name else None}
                     result = run_child(spec, env)
                     results.setdefault((name, w), []).append(result)
                     print(f"  {name} w={w}: {result['first']:.3f} s", file=sys.stderr, flush=True)
     print(report(args.objects, workers, results))
     print(f"\nThe same prefix listed page after page (list_all, aioboto3, parallel=1): {sequential:.3f} s")
     return 0
+
+
+def save_listing(config: Any, uri: str) -> str:
+    """``loader ls --save``'s listing snapshot of ``uri``, in a temporary file (kept: a bench run)."""
+    import tempfile
+
+    from loader.tools.ls import list_uri
+
+    path = os.path.join(tempfile.mkdtemp(prefix="first-sample-"), "listing.keys")
+    list_uri(uri, config=config, save=path)
+    return path
 
 
 def sequential_listing(config: Any, prefix: str) -> float:
@@ -189,10 +209,11 @@ def report(objects: int, workers: list[int], results: dict[tuple[str, int], list
                          f"{med(name, w, 'import') or 0:.3f} s |")
     if 0 in workers:
         lines += ["", "Where the time goes at w=0 (this project, medians):", "",
-                  "| backend | construct (backend import) | listing (store open + LIST) | rest (engine, first GET) | total |",
+                  "| backend | construct (backend import) | listing (store open + LIST; saved: file read) "
+                  "| rest (engine, first GET) | total |",
                   "|---|--:|--:|--:|--:|"]
         for name, who, _ in RUNS:
-            if who != "ours":
+            if who != "ours" or name not in {n for n, _ in results}:
                 continue
             construct, listing, total = (med(name, 0, f) or 0.0 for f in ("construct", "listing", "first"))
             lines.append(f"| {name} | {construct:.3f} s | {listing:.3f} s | "

@@ -60,6 +60,8 @@ def test_a_saved_listing_reads_back_without_a_list_and_changes_are_errors(s3_ser
         with pytest.raises(ObjectChangedError, match=r"snap/cat/003\.bin was replaced after the "
                                                      r"listing snapshot was saved"):
             list(AsyncS3Dataset.from_manifest(str(path), config=config, store=store))
+        with pytest.raises(ObjectChangedError, match=r"snap/cat/003\.bin"):
+            AsyncS3MapDataset.from_manifest(str(path), config=config, store=store)[3]
         s3_server.minio.remove_object(bucket, "snap/dog/004.bin")
         skipping = AsyncS3Dataset.from_manifest(str(path), config=config, store=store, on_error="skip")
         with pytest.raises(ObjectChangedError, match=r"snap/cat/003\.bin"):
