@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 EXTRAS := fast,test,stateful,devserver,image,zstd
 COMPOSE := docker compose -f docker/docker-compose.yml --env-file docker/minio.env
 
-.PHONY: install install-bench lint mutation test unit-test integration-test demo bench bench-listing minio-up minio-down clean
+.PHONY: install install-bench lint mutation test test-all unit-test integration-test demo bench bench-listing minio-up minio-down clean
 
 install: $(STAMP)
 
@@ -32,8 +32,20 @@ lint: install
 	$(BIN)/ruff check loader tests integration bench conftest.py
 	$(BIN)/mypy
 
+# Two processes (pytest-xdist): much of the suite waits on servers, subprocesses and spawned
+# workers, which a second process overlaps. Each worker starts its own S3 server (tests restart
+# it). Whole files go to one worker, so a module-scoped fixture (data uploaded once, a wheel built
+# once) is built once; in collection order, so the small files at the end even out the finish.
+# (--dist loadgroup would split finer, but pytest-xdist 3.8 ignores its groups under pytest 9.2.)
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: lint
-	$(BIN)/python -m pytest tests integration -q
+	$(BIN)/python -m pytest tests integration -q $(PARALLEL)
+
+# Everything, the slow-marked tests too (minutes more: bench-listing's 200,000 keys among them).
+test-all: lint
+	$(BIN)/python -m pytest tests integration -q $(PARALLEL) -m "slow or not slow"
 
 # Mutation testing of the pure modules (pyproject.toml [tool.mutmut]); slow, not part of `make test`.
 mutation: install

@@ -90,11 +90,12 @@ def plan_runs(options: Options) -> list[list[dict[str, Any]]]:
 
 
 def load_faults_module() -> Any:
-    """``integration/faults.py`` (not a package), loaded by path for its public API."""
+    """The ``integration/faults`` package (``integration`` is not one), loaded by path for its public API."""
     name = "loader_bench_faults"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "integration" / "faults.py")
+    where = REPO / "integration" / "faults"
+    spec = importlib.util.spec_from_file_location(name, where / "__init__.py", submodule_search_locations=[str(where)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

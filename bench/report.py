@@ -193,7 +193,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 samples in {meta.get('shards')} WebDataset tar shards ({meta.get('shard_mb', 0):.1f} MB each), on the embedded
 SeaweedFS {meta.get('seaweedfs')} server on 127.0.0.1. The decode workload reads a copy of the first
 {meta.get('decode_samples')} samples (objects, and {meta.get('shards')} shards of {meta.get('decode_shard_mb', 0):.1f} MB), so
-that its full epochs stay short. "+20 ms" = through `integration/faults.py`'s
+that its full epochs stay short. "+20 ms" = through `integration/faults/`'s
 `FaultProxy(FaultPlan(latency=0.02))` (20 ms before each request is forwarded; the proxy runs in the
 harness process, its CPU is the "proxy" column).
 

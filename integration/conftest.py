@@ -1,4 +1,5 @@
-"""End-to-end fixtures: one real S3 server per test session, chosen in this order:
+"""End-to-end fixtures: one real S3 server per test session (per worker under pytest-xdist), chosen
+in this order:
 
 1. ``env``: an endpoint from the environment (``AWS_ENDPOINT_URL[_S3]``, ``S3_ENDPOINT_URL`` or
    ``MINIO_ENDPOINT``), e.g. ``make minio-up`` + ``source`` of its env; config via
@@ -29,6 +30,8 @@ from s3servers import (
 )
 
 _USED = pytest.StashKey[S3Server]()  # the server this session used, for the summary line
+_WORKERS_USED = pytest.StashKey[dict[str, str]]()  # under xdist: worker id -> its server
+_WORKER_OUTPUT = "loader_s3_server"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -39,6 +42,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     used = config.stash.get(_USED, None)
     if used is not None:
         terminalreporter.write_line(f"S3 server used: {used.kind}: {used.description}")
+    for worker, line in sorted(config.stash.get(_WORKERS_USED, {}).items()):
+        terminalreporter.write_line(f"S3 server used: {line} (worker {worker})")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the controlling process
+def pytest_testnodedown(node, error) -> None:
+    line = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT)
+    if line:
+        node.config.stash.setdefault(_WORKERS_USED, {})[node.gateway.id] = line
+
+
+def _remember(config: pytest.Config, server: S3Server) -> None:
+    """Note the server for the summary line; an xdist worker (one server each) tells the controller."""
+    config.stash[_USED] = server
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput[_WORKER_OUTPUT] = f"{server.kind}: {server.description}"
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +67,7 @@ def s3_server(pytestconfig: pytest.Config) -> Iterator[S3Server]:
     kind = choose_server().kind
     if kind == "env":
         server = server_from_env()
-        pytestconfig.stash[_USED] = server
+        _remember(pytestconfig, server)
         try:
             yield server
         finally:
@@ -55,7 +75,7 @@ def s3_server(pytestconfig: pytest.Config) -> Iterator[S3Server]:
             server.close()
         return
     with (minio_container() if kind == "minio-testcontainers" else embedded_server()) as server:
-        pytestconfig.stash[_USED] = server
+        _remember(pytestconfig, server)
         try:
             yield server
         finally:

@@ -2,7 +2,7 @@
 
 Shards of incompressible payloads (so a compressed shard is as long as its tar and a cut lands
 in the middle of it), read plainly with both backends, then through the fault proxy
-(integration/faults.py) with resets, ``503 SlowDown``, truncated bodies and stalls: a compressed
+(integration/faults/) with resets, ``503 SlowDown``, truncated bodies and stalls: a compressed
 shard cannot be resumed at an offset, so every fault restarts its stream from the first byte, and
 the samples parsed before the cut must not come again.
 """

@@ -25,35 +25,50 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def gather(spec, env):
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(run_rank, args=(WORLD, free_port(), spec, env, out), nprocs=WORLD, join=True)
-    result = dict(out)
-    manager.shutdown()
-    return result["keys"], result.get("length")
-
-
-def test_shard_ranks_split_the_data_set_exactly_with_equal_lengths(s3_server):
+@pytest.fixture(scope="module")
+def ranks_read(s3_server):
+    """One ``mp.spawn`` of 3 ranks reads every case of the tests below, one after another: the rank
+    processes and their process group start once, not once per case (each spawned process imports
+    torch again, seconds on a small machine). ``{case: {"keys", "length", "errors"}}``."""
     bucket = s3_server.new_bucket()
     # 7 shards of uneven sizes, 600 samples: fewer shards than the 6 slots' worth would balance.
-    expected, counts = upload_shards(s3_server.minio, bucket, "shards/train-",
-                                     [130, 40, 95, 110, 60, 85, 80], payload=300)
-    spec = {"mode": "shards", "uri": f"s3://{bucket}/shards/train-{{0000..0006}}.tar", "counts": counts}
-    keys, length = gather(spec, s3_server.env)
+    shard_samples, counts = upload_shards(s3_server.minio, bucket, "shards/train-",
+                                          [130, 40, 95, 110, 60, 85, 80], payload=300)
+    upload_objects(s3_server.minio, bucket, {f"train/{i:04d}.bin": bytes([i % 256]) * 64 for i in range(200)})
+    objects = {"mode": "objects", "uri": f"s3://{bucket}/train/"}
+    cases = {"shards": {"mode": "shards", "uri": f"s3://{bucket}/shards/train-{{0000..0006}}.tar", "counts": counts},
+             "pad": {**objects, "pad_policy": "pad"}, "drop": {**objects, "pad_policy": "drop"}}
+    manager = mp.Manager()
+    try:
+        out = manager.dict()
+        mp.spawn(run_rank, args=(WORLD, free_port(), cases, s3_server.env, out), nprocs=WORLD, join=True)
+        results = dict(out)
+    finally:
+        manager.shutdown()
+    results["shards"]["expected"] = shard_samples
+    return results
+
+
+def case(ranks_read, name):
+    """``(keys per rank, len() on rank 0)`` of one case; a failure on any rank fails the test."""
+    result = ranks_read[name]
+    errors = [error for error in result["errors"] if error]
+    assert not errors, f"{len(errors)} rank(s) failed; the first:\n{errors[0]}"
+    return result["keys"], result["length"]
+
+
+def test_shard_ranks_split_the_data_set_exactly_with_equal_lengths(ranks_read):
+    keys, length = case(ranks_read, "shards")
     assert {len(rank_keys) for rank_keys in keys} == {200} and length == 200
     flat = list(itertools.chain(*keys))
-    assert len(flat) == len(set(flat)) and set(flat) == set(expected)
+    assert len(flat) == len(set(flat)) and set(flat) == set(ranks_read["shards"]["expected"])
 
 
 @pytest.mark.parametrize("pad_policy", ["pad", "drop"])
-def test_object_ranks_pad_or_drop_the_remainder(s3_server, pad_policy):
+def test_object_ranks_pad_or_drop_the_remainder(ranks_read, pad_policy):
     """200 objects over 3 ranks found from the process group: "pad" repeats one sample so every
     rank reads 67, "drop" leaves out two so every rank reads 66 and none twice."""
-    bucket = s3_server.new_bucket()
-    upload_objects(s3_server.minio, bucket, {f"train/{i:04d}.bin": bytes([i % 256]) * 64 for i in range(200)})
-    spec = {"mode": "objects", "uri": f"s3://{bucket}/train/", "pad_policy": pad_policy}
-    keys, length = gather(spec, s3_server.env)
+    keys, length = case(ranks_read, pad_policy)
     flat = list(itertools.chain(*keys))
     stems = {f"train/{i:04d}" for i in range(200)}
     assert set(flat) <= stems

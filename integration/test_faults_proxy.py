@@ -1,4 +1,4 @@
-"""The fault-injecting proxy (integration/faults.py): exact pass-through, each fault as a client sees it.
+"""The fault-injecting proxy (integration/faults/): exact pass-through, each fault as a client sees it.
 
 Two upstreams: a tiny aiohttp S3 look-alike of our own (fixed bodies, a 64 MB one, a chunked one,
 PUT that stores; it records what reached it), and a real S3 server on this machine (the session's
@@ -82,6 +82,11 @@ class Upstream:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections the server holds open now (idle keep-alive ones included)."""
+        return len(self._server.connections)
+
     def _run(self) -> None:
         self._loop.run_until_complete(self._main())
         self._loop.run_until_complete(self._cancel_leftovers())
@@ -103,6 +108,7 @@ class Upstream:
         app.router.add_route("*", "/{bucket}/{key:.*}", self._handle)
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.keepalive_timeout)
         await runner.setup()
+        self._server = runner.server
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
@@ -354,7 +360,10 @@ def test_idle_upstream_connection_closed_by_upstream_is_reopened(no_leaked_threa
         for _ in range(3):
             conn.request("GET", "/b/small")
             assert conn.getresponse().read() == SMALL
-            time.sleep(0.6)  # the upstream drops its idle side meanwhile
+            deadline = time.monotonic() + 10
+            while quick.open_connections:  # the upstream drops its idle side of the connection
+                assert time.monotonic() < deadline, "the upstream kept its idle connection for 10 s"
+                time.sleep(0.01)
         conn.close()
         assert proxy.counts == {"requests": 3}
         assert len({s["peer_port"] for s in quick.seen}) == 3
@@ -747,10 +756,11 @@ def test_not_started_proxy_has_no_endpoint(upstream):
 
 
 def test_command_line(upstream):
-    """``python integration/faults.py``: prints the endpoint, serves, stops on SIGTERM."""
-    script = str(Path(__file__).with_name("faults.py"))
-    proc = subprocess.Popen([sys.executable, script, "--upstream", upstream.url, "--slowdown", "1",
-                             "--max-lifetime", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """``python -m faults`` (from ``integration/``): prints the endpoint, serves, stops on SIGTERM."""
+    here = Path(__file__).parent
+    command = [sys.executable, "-m", "faults"]
+    proc = subprocess.Popen([*command, "--upstream", upstream.url, "--slowdown", "1", "--max-lifetime", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=here)
     try:
         endpoint = proc.stdout.readline().strip()
         assert endpoint.startswith("http://127.0.0.1:")
@@ -765,6 +775,6 @@ def test_command_line(upstream):
         proc.wait()
     assert proc.returncode == 0
     assert "'slowdown': 1" in err
-    refused = subprocess.run([sys.executable, script, "--upstream", "http://10.0.0.1:9000"],
-                             capture_output=True, text=True, timeout=30)
+    refused = subprocess.run([*command, "--upstream", "http://10.0.0.1:9000"],
+                             capture_output=True, text=True, timeout=30, cwd=here)
     assert refused.returncode == 2 and "not allowed" in refused.stderr

@@ -1,6 +1,6 @@
 """Reliability end to end on a real S3 server: injected faults, a server killed mid-epoch, bad input.
 
-* **Fault suite.** A seeded ``FaultProxy`` (integration/faults.py) sits between the loader and the
+* **Fault suite.** A seeded ``FaultProxy`` (integration/faults/) sits between the loader and the
   server and injects 5 % connection resets, 5 % ``503 SlowDown``, 2 % truncated bodies and 1 %
   stalls (longer than the client's read timeout) into object GETs. Three epochs per case, two
   DataLoader workers, per-object mode (600 objects) and shard mode (8 shards, 1,040 samples; read

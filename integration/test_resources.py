@@ -292,8 +292,10 @@ def test_the_secret_appears_nowhere(canary_server, monkeypatch, caplog, tmp_path
     texts["environment of weed"] = repr(weed.environ())
     texts["log of weed"] = server.log_path.read_text(errors="replace")
 
-    # the search is not vacuous: botocore logged requests, the workers logged too
-    assert any(record.name.startswith("botocore") for record in caplog.records)
+    # the search is not vacuous: the data path logged (listings and requests of loader, and of
+    # botocore where a backend still goes through it), the workers logged too
+    assert any(record.name.startswith(SECRET_LOGGERS) for record in caplog.records)
+    assert any(record.name.startswith("loader") for record in caplog.records)
     assert any(line.split(" ", 1)[0] not in ("", str(os.getpid())) for line in worker_log.splitlines()), \
         "no record from a worker reached the log file"
     leaks = [where for where, text in texts.items() if secret in text]
@@ -414,10 +416,10 @@ def test_a_slow_consumer_keeps_memory_bounded(s3_server, big_objects, store):
 
 # ------------------------------------------------------------------------------ one memory budget
 
-BUDGET = 64 << 20
+BUDGETS = (64 << 20, 128 << 20)
 # On top of the budget: the interpreter's and the HTTP clients' own buffers, the sample in the
 # consumer's hand and the one the engine may always deliver, and allocator slack.
-BUDGET_MARGIN = 64 << 20
+BUDGET_MARGIN = 32 << 20
 STALL_S = 4.0  # the consumer stops this long after a few samples: every buffer fills
 SHARD_SAMPLE = 1 << 20
 SHARD_SIZES = [40] * 4  # 4 shards of 40 x 1 MiB samples: 160 MiB, well over the budget
@@ -469,7 +471,7 @@ print(json.dumps(dict(baseline=baseline, peak=peak, keys=keys, moved=moved,
                       peak_buffered=stats["peak_buffered_bytes"],
                       peak_reserved=stats.get("peak_reserved_bytes", 0),
                       queue_bytes=dataset.options.queue_bytes,
-                      shard_options=repr(getattr(dataset, "shard_options", None)))))
+                      shard_options=repr(getattr(dataset.source, "shard_options", None)))))
 """
 
 
@@ -513,17 +515,18 @@ def budget_report(store: str, mode: str, budget: int | None, result: dict) -> st
             f"{result['shard_options']}; {result['moved'] / mb:.0f} MiB moved")
 
 
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"{b >> 20}MiB")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("store", BACKENDS)
-def test_memory_budget_bounds_rss_with_a_stalled_consumer(s3_server, budget_data, store, mode):
+def test_memory_budget_bounds_rss_with_a_stalled_consumer(s3_server, budget_data, store, mode, budget):
     bucket, object_keys, shard_keys = budget_data
-    result = run_budget_consumer(s3_server, bucket, store, mode, BUDGET)
+    result = run_budget_consumer(s3_server, bucket, store, mode, budget)
     expected = object_keys if mode == "objects" else shard_keys
     assert sorted(result["keys"]) == expected, "samples lost or repeated"
-    report = budget_report(store, mode, BUDGET, result)
+    report = budget_report(store, mode, budget, result)
     print("\n" + report)
     assert result["peak_buffered"] >= result["queue_bytes"] // 2, f"the queue never filled: {report}"
-    assert result["peak"] - result["baseline"] <= BUDGET + BUDGET_MARGIN, report
+    assert result["peak"] - result["baseline"] <= budget + BUDGET_MARGIN, report
 
 
 def test_without_a_budget_the_same_consumer_grows_past_it(s3_server, budget_data):
@@ -534,4 +537,4 @@ def test_without_a_budget_the_same_consumer_grows_past_it(s3_server, budget_data
     assert sorted(result["keys"]) == shard_keys
     report = budget_report("aioboto3", "shards", None, result)
     print("\n" + report)
-    assert result["peak"] - result["baseline"] > BUDGET + BUDGET_MARGIN, report
+    assert result["peak"] - result["baseline"] > max(BUDGETS) + BUDGET_MARGIN, report

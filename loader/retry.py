@@ -16,7 +16,7 @@ import dataclasses
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 
@@ -60,6 +60,27 @@ class RetryPolicy:
                 raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must be positive")
 
 
+class Clock(Protocol):
+    """Where retrying reads the time and waits: the system clock, or a test's that moves when told."""
+
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """``time.monotonic`` and ``anyio.sleep``."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+
+
+SYSTEM_CLOCK = SystemClock()
+
+
 def backoff_delay(attempt: int, policy: RetryPolicy, rng: random.Random) -> float:
     """Seconds to wait after failed attempt number ``attempt`` (0-based), full jitter."""
     cap = min(policy.max_delay, policy.base_delay * (2 ** min(attempt, 62)))
@@ -78,6 +99,7 @@ async def call_with_retries(
     on_retry: Callable[[BaseException], None] | None = None,
     rng: random.Random | None = None,
     progressed: Callable[[], bool] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> T:
     """Run ``attempt()`` until it succeeds, a permanent error occurs, or the limits are spent.
 
@@ -93,18 +115,19 @@ async def call_with_retries(
     Without ``rng``, a fresh ``random.Random()`` (seeded from ``os.urandom``, so every process,
     worker and call jitters independently) is made at the first retry only: seeding it costs
     more than a whole successful request's Python work, and almost every call succeeds first.
+    ``clock`` reads the time for the deadline and does the backoff sleeps.
     """
-    started = time.monotonic()
+    started = clock.monotonic()
     n = 0  # failed attempts since the start or the last progress
     while True:
         try:
             return await attempt()
         except TransientStoreError as exc:
             if progressed is not None and progressed():
-                started, n = time.monotonic(), 0
+                started, n = clock.monotonic(), 0
             if rng is None:
                 rng = random.Random()
-            elapsed = time.monotonic() - started
+            elapsed = clock.monotonic() - started
             delay = backoff_delay(n, policy, rng)
             if n + 1 >= policy.max_attempts or elapsed + delay >= policy.deadline:
                 raise type(exc)(
@@ -116,4 +139,4 @@ async def call_with_retries(
             if on_retry is not None:
                 on_retry(exc)
             n += 1
-            await anyio.sleep(delay)
+            await clock.sleep(delay)

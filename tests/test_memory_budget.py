@@ -16,7 +16,7 @@ import pytest
 from test_shards import BUCKET, assert_exactly, make_store, shards_ds
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
-from loader.datasets.options import LoaderOptions, budget_options
+from loader.datasets.options import LoaderOptions, budget_options, shard_read_bytes
 from loader.datasets.shuffle import shuffled
 from loader.engine import EngineLimits, FetchEngine
 from loader.formats.objects import object_job
@@ -39,13 +39,13 @@ def test_objects_mode_gives_half_to_the_queue_and_the_rest_to_bodies_in_flight()
 def test_shard_mode_splits_queue_shuffle_and_reads():
     derived = budget_options({"memory_budget": 256 * MiB, "shuffle": True}, "shards")
     assert derived["queue_bytes"] == 64 * MiB and derived["shuffle_bytes"] == 64 * MiB
-    reads = derived["shards_inflight"] * (derived["parts_inflight"] + 1) * derived["part_size"]
+    reads = derived["shards_inflight"] * shard_read_bytes(derived["parts_inflight"], derived["part_size"])
     assert 96 * MiB <= reads <= 128 * MiB
     assert derived["chunk_size"] <= derived["part_size"]
     unshuffled = budget_options({"memory_budget": 256 * MiB}, "shards")
     assert unshuffled["shuffle_bytes"] is None  # no shuffle buffer: its share goes to reads
-    assert (unshuffled["shards_inflight"] * (unshuffled["parts_inflight"] + 1)
-            * unshuffled["part_size"]) <= 192 * MiB
+    assert (unshuffled["shards_inflight"]
+            * shard_read_bytes(unshuffled["parts_inflight"], unshuffled["part_size"])) <= 192 * MiB
 
 
 def test_a_large_budget_keeps_the_defaults():
@@ -56,7 +56,7 @@ def test_a_large_budget_keeps_the_defaults():
 def test_a_small_budget_shrinks_parts_then_parts_in_flight_then_shards():
     derived = budget_options({"memory_budget": 16 * MiB}, "shards")
     reads = 16 * MiB - derived["queue_bytes"]
-    assert derived["shards_inflight"] * (derived["parts_inflight"] + 1) * derived["part_size"] <= reads
+    assert derived["shards_inflight"] * shard_read_bytes(derived["parts_inflight"], derived["part_size"]) <= reads
     assert derived["part_size"] >= 1 * MiB
 
 
@@ -71,7 +71,7 @@ def test_explicit_knobs_win_and_the_rest_is_derived():
 
 @pytest.mark.parametrize("options, match", [
     (dict(memory_budget=64 * MiB, shards_inflight=8, part_size=16 * MiB),
-     r"more than memory_budget=67108864.*shards_inflight=8 x \(parts_inflight=\d+ \+ 1\) x part_size=16777216"),
+     r"more than memory_budget=67108864.*shards_inflight=8 x \(2 x parts_inflight=\d+ \+ 1\) x part_size=16777216"),
     (dict(memory_budget=64 * MiB, queue_bytes=64 * MiB), r"queue_bytes=67108864 leaves nothing"),
     (dict(memory_budget=1000), r"memory_budget=1000 must be .* at least"),
 ])
@@ -172,3 +172,35 @@ def test_shard_dataset_under_a_budget_is_exactly_once():
     assert ds.source.shard_options.shuffle_bytes == 2 * MiB
     assert_exactly(list(ds), expected)
     assert ds.stats()["peak_buffered_bytes"] <= 2 * MiB + 2 * 10_000
+
+
+def test_a_batch_in_the_consumers_hands_counts_against_the_queue():
+    """The engine hands items over in batches; a consumer that stalls holds its batch, so the
+    batch stays in the queue's byte count until the consumer comes back, and one batch takes at
+    most a quarter of ``queue_bytes``: fetching then stops at the queue's size, the batch
+    included, rather than refilling the whole queue behind it."""
+    objects = {f"train/{i:03d}.bin": bytes([i]) * MiB for i in range(40)}
+    fake = FakeStore.with_objects("bucket", objects)
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(fake), max_inflight=1,
+                                  queue_bytes=4 * MiB)
+    items = iter(ds)
+    next(items)
+    time.sleep(0.3)  # the queue fills up
+    next(items)  # a batch is taken: with the whole queue in it, the engine would fetch a queue more
+    time.sleep(0.5)  # the consumer stalls: the engine fills what room there is, then waits
+    fetched_ahead = fake.requests - 2
+    # the queue (4 objects, the one in hand included) and the request in flight; handing the
+    # whole queue over and refilling it behind the stalled consumer fetched 7 here
+    assert fetched_ahead <= 4 + 1, fetched_ahead
+    assert sum(1 for _ in items) == 38
+    assert ds.stats()["peak_buffered_bytes"] <= 4 * MiB + 2 * MiB
+
+
+@pytest.mark.parametrize("budget", [8 * MiB, 16 * MiB, 64 * MiB, 128 * MiB, 1 << 30])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_derived_shard_reads_fit_their_share(budget, shuffle):
+    derived = budget_options({"memory_budget": budget, "shuffle": shuffle}, "shards")
+    reads = derived["shards_inflight"] * shard_read_bytes(derived["parts_inflight"], derived["part_size"])
+    share = budget - derived["queue_bytes"] - (derived["shuffle_bytes"] or 0)
+    assert reads <= share or (derived["shards_inflight"], derived["parts_inflight"]) == (1, 1)
+    assert derived["part_size"] >= 1 * MiB

@@ -1,8 +1,9 @@
 """Unit and property tests for ``loader.retry``: the policy, full-jitter backoff, and the retry loop.
 
 Every async test runs under ``anyio.fail_after`` so a bug shows up as a failure, not a hang. Tests
-that count attempts against the deadline use a fake clock and a fake sleep, so they are exact
-and take no time; one test uses the real clock with loose bounds.
+that count attempts against the deadline pass a fake clock (``clock=``: its time moves when told,
+its sleeps are recorded), so they are exact and take no time; one test uses the real clock with
+loose bounds.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 import pickle
 import random
 import re
-import types
 
 import anyio
 import pytest
@@ -71,34 +71,24 @@ def transient(i=0, cls=TransientStoreError):
     return cls(f"503 SlowDown #{i}", bucket="bkt", key=f"train/{i:06d}.tar")
 
 
-class FakeTime:
-    """Stands in for ``time`` in ``loader.retry``: a clock that only moves when told to."""
+class FakeClock:
+    """A ``loader.retry.Clock`` that only moves when told to; its sleeps are recorded, not slept."""
 
     def __init__(self):
         self.now = 1000.0
+        self.sleeps = []
 
     def monotonic(self):
         return self.now
 
-
-@pytest.fixture
-def fake_sleep(monkeypatch):
-    """Replace ``anyio.sleep`` as seen by ``loader.retry``; returns the list of requested delays."""
-    delays = []
-
-    async def sleep(seconds):
-        delays.append(seconds)
+    async def sleep(self, seconds):
+        self.sleeps.append(seconds)
         await anyio.lowlevel.checkpoint()
 
-    monkeypatch.setattr(retry_module, "anyio", types.SimpleNamespace(sleep=sleep))
-    return delays
-
 
 @pytest.fixture
-def fake_time(monkeypatch):
-    clock = FakeTime()
-    monkeypatch.setattr(retry_module, "time", clock)
-    return clock
+def clock():
+    return FakeClock()
 
 
 # ------------------------------------------------------------------------------ RetryPolicy
@@ -326,7 +316,7 @@ async def test_on_retry_is_optional():
 
 
 @pytest.mark.anyio
-async def test_an_rng_is_made_only_when_a_retry_happens(monkeypatch, fake_sleep):
+async def test_an_rng_is_made_only_when_a_retry_happens(monkeypatch, clock):
     """Seeding a ``random.Random()`` from os.urandom costs more than a GET's Python work: a call
     that succeeds at once must not make one; a retried call makes one and reuses it."""
     made = []
@@ -340,24 +330,24 @@ async def test_an_rng_is_made_only_when_a_retry_happens(monkeypatch, fake_sleep)
     policy = RetryPolicy(max_attempts=5, **FAST)
     with anyio.fail_after(DEADLINE):
         for _ in range(3):
-            assert await call_with_retries(Flaky(), policy) == "ok"
+            assert await call_with_retries(Flaky(), policy, clock=clock) == "ok"
         assert made == []
-        assert await call_with_retries(Flaky([transient(i) for i in range(3)]), policy) == "ok"
-    assert len(made) == 1 and len(fake_sleep) == 3
+        assert await call_with_retries(Flaky([transient(i) for i in range(3)]), policy, clock=clock) == "ok"
+    assert len(made) == 1 and len(clock.sleeps) == 3
 
 
 @pytest.mark.anyio
-async def test_sleeps_are_the_seeded_backoff_delays(fake_sleep):
+async def test_sleeps_are_the_seeded_backoff_delays(clock):
     policy = RetryPolicy(max_attempts=6, base_delay=0.5, max_delay=3.0, deadline=1e9)
     attempt = Flaky([transient(i) for i in range(5)])
     with anyio.fail_after(DEADLINE):
-        await call_with_retries(attempt, policy, rng=random.Random(1234))
+        await call_with_retries(attempt, policy, rng=random.Random(1234), clock=clock)
     reference = random.Random(1234)
-    assert fake_sleep == [backoff_delay(n, policy, reference) for n in range(5)]
+    assert clock.sleeps == [backoff_delay(n, policy, reference) for n in range(5)]
 
 
 @pytest.mark.anyio
-async def test_a_delay_past_the_deadline_gives_up_without_sleeping(fake_sleep, fake_time):
+async def test_a_delay_past_the_deadline_gives_up_without_sleeping(clock):
     """With every draw at the cap (1 s) and a 0.5 s deadline, the first failure is the last."""
 
     class TopOfRange(random.Random):
@@ -368,17 +358,17 @@ async def test_a_delay_past_the_deadline_gives_up_without_sleeping(fake_sleep, f
     policy = RetryPolicy(max_attempts=10, base_delay=1.0, max_delay=1.0, deadline=0.5)
     with anyio.fail_after(DEADLINE):
         with pytest.raises(TransientStoreError, match=r"gave up after 1 attempt\(s\) over 0\.0s"):
-            await call_with_retries(attempt, policy, on_retry=retried.append, rng=TopOfRange())
-    assert attempt.calls == 1 and retried == [] and fake_sleep == []
+            await call_with_retries(attempt, policy, on_retry=retried.append, rng=TopOfRange(), clock=clock)
+    assert attempt.calls == 1 and retried == [] and clock.sleeps == []
 
 
 @pytest.mark.anyio
-async def test_deadline_counts_time_spent_in_attempts(fake_sleep, fake_time):
+async def test_deadline_counts_time_spent_in_attempts(clock):
     """Each attempt takes 1 s of (fake) time; a 3.5 s deadline allows exactly 4 attempts of 100."""
 
     async def slow_failure():
         slow_failure.calls += 1
-        fake_time.now += 1.0
+        clock.now += 1.0
         raise transient(slow_failure.calls)
 
     slow_failure.calls = 0
@@ -386,9 +376,10 @@ async def test_deadline_counts_time_spent_in_attempts(fake_sleep, fake_time):
     policy = RetryPolicy(max_attempts=100, deadline=3.5, **FAST)
     with anyio.fail_after(DEADLINE):
         with pytest.raises(TransientStoreError, match=r"^503 SlowDown #4 \(gave up after 4 attempt\(s\) over 4\.0s"):
-            await call_with_retries(slow_failure, policy, on_retry=retried.append, rng=random.Random(0))
+            await call_with_retries(slow_failure, policy, on_retry=retried.append, rng=random.Random(0),
+                                    clock=clock)
     assert slow_failure.calls == 4
-    assert len(retried) == 3 and len(fake_sleep) == 3
+    assert len(retried) == 3 and len(clock.sleeps) == 3
 
 
 @pytest.mark.anyio

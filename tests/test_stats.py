@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import pickle
+import time
 
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, TransientStoreError
+from loader.datasets.stats import report
 from loader.stores.recording import BOUNDS, LatencyHistogram
 
 from fakes import FakeStore, payloads, reusable
@@ -70,3 +73,90 @@ def test_pickling_outside_a_process_start_gives_a_private_board():
     ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=None)
     copy = pickle.loads(pickle.dumps(ds))
     assert copy._board._cells is not ds._board._cells
+
+
+# ----------------------------------------------------------------------------- where the time goes
+
+
+def _sleepy(seconds):
+    """A transform that costs ``seconds`` per sample (module-level: it pickles into workers)."""
+    return functools.partial(_sleep_then, seconds)
+
+
+def _sleep_then(seconds, sample):
+    time.sleep(seconds)
+    return sample["bin"]
+
+
+def test_timed_measures_the_training_loops_wait_per_step():
+    """A store that answers one GET at a time in 20 ms, batches of 4, a loop that does nothing:
+    each step waits for several GETs; the same data with a loop that takes 20 ms per step and
+    requests that cost nothing: the data is there before the loop asks."""
+    objects = payloads(48, size=100)
+    slow = AsyncS3Dataset.from_keys("bucket", sorted(objects), max_inflight=1,
+                                    store=reusable(FakeStore.with_objects("bucket", objects, latency=0.02)))
+    batches = [len(batch["bin"]) for batch in slow.timed(DataLoader(slow, batch_size=4))]
+    waited = slow.stats()
+    assert batches == [4] * 12 and waited["steps"] == 12 and waited["samples"] == 48
+    assert waited["step_wait_p50_s"] >= 0.04, "at least two 20 ms GETs per step, one at a time"
+    assert waited["step_wait_p50_s"] <= waited["step_wait_p95_s"] <= waited["step_wait_p99_s"]
+    assert waited["data_wait_fraction"] > 0.5 and waited["first_batch_s"] > 0
+    assert "raise max_inflight" in slow.report(), slow.report()
+
+    fast = AsyncS3Dataset.from_keys("bucket", sorted(objects),
+                                    store=reusable(FakeStore.with_objects("bucket", objects)))
+    for _ in fast.timed(DataLoader(fast, batch_size=4)):
+        time.sleep(0.02)
+    kept_up = fast.stats()
+    assert kept_up["steps"] == 12 and kept_up["step_s"] >= 12 * 0.02
+    assert kept_up["step_wait_p50_s"] * 4 < waited["step_wait_p50_s"]
+    assert kept_up["data_wait_fraction"] < waited["data_wait_fraction"]
+
+
+def test_worker_rows_say_where_the_loaders_time_went():
+    """Transform time, time in GETs and the hand-off are measured in each DataLoader worker and
+    summed in the main process; the step waits are measured in the main process itself."""
+    objects = payloads(40, size=100)
+    fake = FakeStore.with_objects("bucket", objects, latency=0.01)
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(fake),
+                                  transform=_sleepy(0.005))
+    loader = DataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context="fork")
+    steps = sum(1 for _ in ds.timed(loader))
+    stats = ds.stats()
+    assert steps == stats["steps"] == 8 and stats["workers"] == 2
+    assert stats["transform_s"] >= 40 * 0.005, "every sample's transform, in both workers"
+    assert stats["get_s"] >= 40 * 0.01, "every GET's 10 ms, summed"
+    assert stats["handoff_s"] > 0 and stats["consumer_wait_s"] > 0
+    assert 1 <= stats["peak_inflight"] <= 64
+    text = ds.report()
+    assert "training waited for data" in text and "in transform" in text and "advice:" in text
+
+
+def test_report_advises_by_the_largest_share():
+    base = {"samples": 1000, "seconds": 10.0, "workers": 2, "requests": 1000, "get_s": 30.0,
+            "latency_p50_s": 0.02, "latency_p99_s": 0.05, "peak_inflight": 64, "steps": 100,
+            "data_wait_s": 5.0, "step_s": 5.0, "data_wait_fraction": 0.5, "first_batch_s": 0.5,
+            "step_wait_p50_s": 0.04, "step_wait_p95_s": 0.08, "step_wait_p99_s": 0.1}
+    split = {"consumer_wait_s": 1.0, "transform_s": 1.0, "handoff_s": 1.0}
+
+    def advice(inflight_limit=64, **changes):
+        return report({**base, **split, **changes}, inflight_limit=inflight_limit).rsplit("advice: ", 1)[1]
+
+    assert "add DataLoader workers" in advice(transform_s=15.0)
+    assert "hand over less" in advice(handoff_s=15.0)
+    assert "raise max_inflight" in advice(consumer_wait_s=15.0)
+    assert "client's CPU per request" in advice(consumer_wait_s=15.0, inflight_limit=128)
+    assert "keeps up" in advice(data_wait_fraction=0.01, transform_s=15.0)
+    no_steps = {k: v for k, v in base.items() if not k.startswith(("step", "data_wait", "first"))}
+    text = report({**no_steps, **split})
+    assert "ds.timed(loader)" in text and "training waited" not in text
+
+
+def test_step_waits_leave_the_loop_free_to_break():
+    objects = payloads(40, size=10)
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(FakeStore.with_objects("bucket", objects)))
+    for step, _ in enumerate(ds.timed(DataLoader(ds, batch_size=4))):
+        if step == 2:
+            break
+    assert ds.stats()["steps"] == 3
+    assert AsyncS3Dataset.from_keys("bucket", ["a.bin"], store=None).report().startswith("no epoch yet")

@@ -34,7 +34,7 @@ from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options
 from .shard_source import ShardSource
 from .source import Progress, Slot, Source
 from .sources import read_manifest
-from .stats import MAX_WORKERS, StatsBoard, summarize
+from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class AsyncS3Dataset(IterableDataset):
         self._last_stats: dict[str, Any] | None = None
         self._recorder = RequestRecorder()
         self._board = StatsBoard()  # shared memory, no thread or connection
+        self._steps: StepWaits | None = None  # the training loop's waits, when it uses timed()
+        self._split = [0.0, 0.0]  # this pass: seconds in transform, seconds outside between samples
 
     # ----------------------------------------------------------------------- constructors
 
@@ -267,7 +269,9 @@ class AsyncS3Dataset(IterableDataset):
         progress = self._progress = self.source.progress(self._resumed())
         self._samples_skipped = 0
         self._recorder = RequestRecorder()
-        started, samples = time.perf_counter(), 0
+        clock = time.perf_counter
+        started, samples = clock(), 0
+        transforming = handing = 0.0  # seconds in transform, and outside between samples (stats.py)
         self._check_loader_batch_size()
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
@@ -277,6 +281,7 @@ class AsyncS3Dataset(IterableDataset):
                     if isinstance(item, Skipped):
                         self._skip(item.url, None, item.reason)
                         continue
+                    began = clock()
                     try:
                         sample = self.source.transform(item)
                     except SampleError as exc:
@@ -284,9 +289,14 @@ class AsyncS3Dataset(IterableDataset):
                             raise
                         self._skip(exc.url, item.get("__key__"), str(exc))
                         continue
+                    finally:
+                        done = clock()
+                        transforming += done - began
                     samples += 1
                     yield sample
+                    handing += clock() - done
         finally:
+            self._split = [transforming, handing]
             self._publish(worker, samples, time.perf_counter() - started)
 
     def _check_loader_batch_size(self) -> None:
@@ -344,6 +354,8 @@ class AsyncS3Dataset(IterableDataset):
             "cache_hits": cache.get("hits", 0), "cache_misses": cache.get("misses", 0),
             "cache_stale_refetches": cache.get("stale_refetches", 0),
             "consumer_wait_s": engine.get("consumer_wait_s", 0.0), "seconds": seconds,
+            "get_s": recorder.seconds, "transform_s": self._split[0], "handoff_s": self._split[1],
+            "peak_inflight": engine.get("peak_inflight", 0),
         }
         self._board.write(worker, counters, recorder.latency)
         self._last_stats = {**engine, **summarize([(counters, recorder.latency)])}
@@ -481,15 +493,37 @@ class AsyncS3Dataset(IterableDataset):
 
     def stats(self) -> dict[str, Any] | None:
         """Counters of the last epoch: samples, bytes, requests, retries, errors skipped,
-        cache hits, request latency p50/p90/p99, time the consumer waited, throughput.
+        cache hits, request latency p50/p90/p99, throughput, and where the loader's time went
+        (``consumer_wait_s`` waiting for fetches, ``transform_s``, ``handoff_s``, ``get_s``).
+        After a loop over ``timed(...)``: how long training waited for data, per step
+        (``step_wait_p50_s``/``p95``/``p99``, ``data_wait_s``, ``data_wait_fraction``).
 
         In the main process after a DataLoader epoch this sums every worker's row of the
-        shared board (``"workers"`` says how many). None before any iteration.
+        shared board (``"workers"`` says how many): one rank's numbers. None before any
+        iteration.
         """
         rows = self._board.read()
-        if not rows:
-            return self._last_stats
-        return {**(self._last_stats or {}), **summarize(rows)}
+        out = self._last_stats if not rows else {**(self._last_stats or {}), **summarize(rows)}
+        if self._steps is not None:
+            out = {**(out or {}), **self._steps.summary()}
+        return out
+
+    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``batches`` (a DataLoader over this dataset), timing how long each step
+        waits for its batch: ``for batch in ds.timed(loader): ...``. Only the process that
+        runs the training loop can see those waits (DataLoader workers cannot), so they are
+        measured here, per rank; ``stats()`` and ``report()`` then include them."""
+        self._steps = StepWaits()
+        return timed(batches, self._steps)
+
+    def report(self) -> str:
+        """``stats()`` in a few lines for people: where this rank's last epoch spent its time
+        (waiting for data per step, fetching, transform, hand-off) and what to change first."""
+        stats = self.stats()
+        if stats is None:
+            return "no epoch yet: iterate first (for batch in ds.timed(loader): ...)"
+        limit = getattr(getattr(self.source, "shard_options", None), "shards_inflight", None)
+        return report(stats, inflight_limit=limit or self.options.max_inflight)
 
     def __repr__(self) -> str:
         return (f"AsyncS3Dataset({self.source.describe()}, shuffle={self.options.shuffle}, "

@@ -32,7 +32,7 @@ from ..formats.shards import (
 )
 from ..stores.versions import Versions, versions_of
 from . import cycling, partition
-from .options import LoaderOptions, check_budget
+from .options import LoaderOptions, check_budget, shard_read_bytes
 from .progress import Watermark
 from .shard_counts import (
     Counts,
@@ -324,7 +324,7 @@ class ShardSource:
         shards, counts, known = self.shards(), self.shard_counts(), self.counts()
         assert counts is not None and known is not None
         options = self.shard_options
-        reserve = (options.parts_inflight + 1) * options.part_size  # parts, or chunks and a member
+        reserve = shard_read_bytes(options.parts_inflight, options.part_size)  # parts, or chunks and a member
         return [Read(shard_job(shards[a.shard], position, a, options,
                                on_error=self.options.on_error, offsets=known.offsets.get(shards[a.shard].url),
                                expect=known.expect(shards[a.shard])),

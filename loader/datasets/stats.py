@@ -1,6 +1,11 @@
-"""Loader statistics: what each process fetched, how fast, and what the main process can see.
+"""Loader statistics: what each process fetched, how fast, where its time went, and how long
+the training loop waited for data.
 
-The requests themselves are counted by ``stores.recording.RequestRecorder``.
+The requests themselves are counted by ``stores.recording.RequestRecorder``. Each iterating
+process also splits its time three ways: waiting for the engine (``consumer_wait_s``: fetching
+is behind), running ``transform`` (``transform_s``), and outside the loader between samples
+(``handoff_s``: the DataLoader's collate and hand-off to the main process, waiting while the
+main process has batches enough; with ``num_workers=0`` the training step itself).
 ``StatsBoard`` is a small shared-memory table with one row per DataLoader worker. Each worker
 writes its row when its pass over the epoch ends; the main process sums the rows, so
 ``dataset.stats()`` there covers the whole epoch of that rank, not just the main process.
@@ -10,9 +15,11 @@ worker, readable by the parent" and a DataLoader gives no channel for it.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Iterator
 from multiprocessing import RawArray
 from multiprocessing.context import get_spawning_popen
-from typing import Any
+from typing import Any, TypeVar
 
 from ..stores.recording import BOUNDS, LatencyHistogram
 
@@ -20,7 +27,11 @@ COUNTERS = (
     "samples", "bytes", "requests", "request_errors", "retries", "samples_skipped", "shards_skipped",
     "tar_links_skipped",
     "cache_hits", "cache_misses", "cache_stale_refetches", "consumer_wait_s", "seconds",
+    "get_s", "transform_s", "handoff_s", "peak_inflight",
 )
+# summed over workers, except these: the largest worker's value
+_MAXED = ("seconds", "peak_inflight")
+T = TypeVar("T")
 MAX_WORKERS = 128  # rows on the board; workers beyond it keep their stats to themselves
 _ROW = 1 + len(COUNTERS) + len(BOUNDS) + 1  # used flag, counters, buckets, overflow bucket
 
@@ -77,12 +88,134 @@ def summarize(rows: list[tuple[dict[str, float], LatencyHistogram]]) -> dict[str
         for name in COUNTERS:
             total[name] += counters[name]
         latency.merge(histogram)
+    for name in _MAXED:  # workers run side by side: the epoch took the longest of them
+        total[name] = max((counters[name] for counters, _ in rows), default=0.0)
     out: dict[str, Any] = {name: (total[name] if name.endswith("_s") or name == "seconds" else int(total[name]))
                            for name in COUNTERS}
     out["workers"] = len(rows)
     out.update(latency.summary())
-    seconds = max((counters["seconds"] for counters, _ in rows), default=0.0)
-    out["seconds"] = seconds  # workers run side by side: the epoch took the longest of them
+    seconds = out["seconds"]
     out["samples_per_s"] = out["samples"] / seconds if seconds else None
     out["mb_per_s"] = out["bytes"] / 1e6 / seconds if seconds else None
     return out
+
+
+# ----------------------------------------------------------------------------- the training loop's side
+
+
+class StepWaits:
+    """How long a training loop waited for each of its batches, timed where it asks for them.
+
+    Only the process that runs the loop can see this (DataLoader workers only see their own
+    queue), so ``timed`` measures it there. The first step is kept apart (``first_batch_s``:
+    it includes starting the iteration, and the workers unless they are persistent); the
+    percentiles are over the steps after it.
+    """
+
+    __slots__ = ("waits", "steps", "wait_s", "busy_s", "first_s")
+
+    def __init__(self) -> None:
+        self.waits = LatencyHistogram()
+        self.steps = 0
+        self.wait_s = 0.0  # every wait, the first step's and the end of the epoch's included
+        self.busy_s = 0.0  # time the loop spent on its batches (between receiving one and asking)
+        self.first_s: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        waits = self.waits
+        total = self.wait_s + self.busy_s
+        return {
+            "steps": self.steps, "data_wait_s": self.wait_s, "step_s": self.busy_s,
+            "first_batch_s": self.first_s,
+            "data_wait_fraction": self.wait_s / total if total else None,
+            **{f"step_wait_p{int(q * 100)}_s": waits.percentile(q) for q in (0.5, 0.95, 0.99)},
+        }
+
+
+def timed(batches: Iterable[T], waits: StepWaits) -> Iterator[T]:
+    """Yield ``batches`` while recording in ``waits`` how long each ``next()`` took (the
+    training loop's wait for data) and how long the loop kept each batch (its step)."""
+    clock = time.perf_counter
+    started = clock()
+    iterator = iter(batches)
+    while True:
+        asked = clock()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            waits.wait_s += clock() - asked  # the last workers finishing
+            return
+        got = clock()
+        if waits.first_s is None:
+            waits.first_s = got - started
+            waits.wait_s += got - started
+        else:
+            waits.waits.add(got - asked)
+            waits.wait_s += got - asked
+        waits.steps += 1
+        yield batch
+        waits.busy_s += clock() - got
+
+
+# ----------------------------------------------------------------------------- advice
+
+
+def report(stats: dict[str, Any], *, inflight_limit: int | None = None) -> str:
+    """A few lines for people: where one rank's time went in its last epoch, and what to try."""
+    lines = []
+    samples, seconds, workers = stats.get("samples", 0), stats.get("seconds") or 0.0, stats.get("workers", 1)
+    rate = f" ({samples / seconds:,.0f}/s)" if seconds else ""
+    lines.append(f"{samples:,} samples in {seconds:.1f} s{rate}, {workers} loader process(es)")
+    steps = stats.get("steps")
+    if steps:
+        share = stats["data_wait_fraction"] or 0.0
+        lines.append(
+            f"training waited for data {stats['data_wait_s']:.2f} s ({share:.0%} of its time) over "
+            f"{steps} steps: per step p50 {_ms(stats['step_wait_p50_s'])}, p95 "
+            f"{_ms(stats['step_wait_p95_s'])}, p99 {_ms(stats['step_wait_p99_s'])}; first batch "
+            f"{_ms(stats['first_batch_s'])}")
+    parts = {"waiting for fetches": stats.get("consumer_wait_s", 0.0),
+             "in transform": stats.get("transform_s", 0.0),
+             "handing samples over": stats.get("handoff_s", 0.0)}
+    busy = sum(parts.values())
+    if busy:
+        shares = ", ".join(f"{name} {value:.2f} s ({value / busy:.0%})" for name, value in parts.items())
+        lines.append(f"loader processes, summed: {shares}")
+    requests = stats.get("requests", 0)
+    if requests:
+        lines.append(f"{requests:,} requests, {stats.get('get_s', 0.0):.2f} s in them (summed, they overlap), "
+                     f"latency p50 {_ms(stats.get('latency_p50_s'))}, p99 {_ms(stats.get('latency_p99_s'))}"
+                     + (f", at most {stats['peak_inflight']} in flight" if stats.get("peak_inflight") else ""))
+    lines.append("advice: " + _advice(stats, parts, inflight_limit))
+    return "\n".join(lines)
+
+
+WAIT_WORTH_FIXING = 0.05  # below this share of its time waiting, data loading keeps up
+
+
+def _advice(stats: dict[str, Any], parts: dict[str, float], inflight_limit: int | None) -> str:
+    share = stats.get("data_wait_fraction")
+    if share is None:
+        return ("iterate `for batch in ds.timed(loader):` to measure how long training waits for "
+                "data; the split below it says where the loader's time goes")
+    if share < WAIT_WORTH_FIXING:
+        return f"data loading keeps up: training waits for it only {share:.0%} of its time"
+    worst = max(parts, key=lambda name: parts[name])
+    if worst == "in transform":
+        return ("the transform is the limit: add DataLoader workers (each runs its own), or make it "
+                "cheaper (decode_image(size=) decodes at a reduced scale)")
+    if worst == "handing samples over":
+        return ("handing samples to the main process is the limit: hand over less (raw bytes "
+                "instead of large tensors, decode on the GPU with decode_images), or fewer, larger "
+                "pieces per batch")
+    peak = stats.get("peak_inflight") or 0
+    if inflight_limit is not None and peak >= inflight_limit:
+        return (f"fetching is the limit with all {inflight_limit} requests in flight: raise "
+                "max_inflight (per-object) or shards_inflight (shards), or pack small objects into "
+                "shards (`loader shard`)")
+    return ("fetching is the limit though requests are free to fly: the client's CPU per request is "
+            "(add DataLoader workers, use store='obstore', or pack small objects into shards)")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"

@@ -153,10 +153,12 @@ class FetchEngine:
         self.start()
         assert self._loop is not None  # start() made it
         portal, take = self._loop.portal, self._core.take
+        batch_items = max(1, min(TAKE_BATCH, self.limits.queue_items // 4))  # leave room to fetch into
+        held = (0, 0)  # items and bytes of the last batch, released when the next is taken
         try:
             while True:
                 started = time.perf_counter()
-                batch = portal.call(take, TAKE_BATCH)
+                batch, held = portal.call(take, batch_items, held)
                 self._consumer_wait += time.perf_counter() - started
                 if not batch:
                     return
@@ -270,9 +272,11 @@ class _Core:
         self.delivered_items = 0
         self.delivered_bytes = 0
         self.retries = 0
+        self.take_bytes = max(1, limits.queue_bytes // 4)  # most bytes one batch hands over
         self.reserved_bytes = 0  # sum of the running jobs' reservations
         self.peak_reserved_bytes = 0
         self.largest_item = 0
+        self.taken = [0, 0]  # items and bytes handed over by the current take()
 
     async def main(self) -> None:
         store = None
@@ -424,24 +428,28 @@ class _Core:
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
         self.notify()
 
-    async def take(self, max_items: int) -> list[Any]:
-        """Runs in the loop on behalf of the consumer: the next items, ``[]`` at the end."""
+    async def take(self, max_items: int, released: tuple[int, int] = (0, 0)) -> tuple[list[Any], tuple[int, int]]:
+        """Runs in the loop on behalf of the consumer: the next items (``[]`` at the end) and
+        their count and bytes, which stay in the buffer's counts until the consumer hands them
+        back as ``released`` with its next call (it holds them until then)."""
+        self.release(*released)
+        self.taken = [0, 0]
         while True:
             if self.fatal is not None:
                 raise self.fatal
             out = self.pop[self.delivery](self, max_items)
             if out:
                 self.notify()
-                return out
+                return out, (self.taken[0], self.taken[1])
             if self.finished():
-                return []
+                return [], (0, 0)
             if self.delivery == "scheduled":
                 self.notify()  # the launcher may be holding back the job now wanted
             await self.wait_change()
 
     def pop_ordered(self, max_items: int) -> list[Any]:
         out: list[Any] = []
-        while len(out) < max_items:
+        while len(out) < max_items and self.taken[1] < self.take_bytes:
             self.wanted = self.head
             slot = self.slots.get(self.head)
             if slot is None:
@@ -461,7 +469,7 @@ class _Core:
 
     def pop_interleave(self, max_items: int) -> list[Any]:
         out: list[Any] = []
-        while len(out) < max_items and self.lanes:
+        while len(out) < max_items and self.taken[1] < self.take_bytes and self.lanes:
             self.cursor %= len(self.lanes)
             index = self.wanted = self.lanes[self.cursor]
             slot = self.slots.get(index)
@@ -486,7 +494,7 @@ class _Core:
 
     def pop_scheduled(self, max_items: int) -> list[Any]:
         out: list[Any] = []
-        while len(out) < max_items:
+        while len(out) < max_items and self.taken[1] < self.take_bytes:
             if self.entry is None:
                 self.entry = next(self.schedule, None)
                 if self.entry is None:
@@ -520,7 +528,7 @@ class _Core:
 
     def pop_completed(self, max_items: int) -> list[Any]:
         out: list[Any] = []
-        while self.ready and len(out) < max_items:
+        while self.ready and len(out) < max_items and self.taken[1] < self.take_bytes:
             item, _ = self.ready[0]
             if isinstance(item, _Failure):
                 if out:
@@ -531,12 +539,20 @@ class _Core:
         return out
 
     def account(self, entry: tuple[Any, int]) -> Any:
+        """An item handed over: delivered now, still buffered until the consumer releases it."""
         item, nbytes = entry
-        self.buffered_items -= 1
-        self.buffered_bytes -= nbytes
+        self.taken[0] += 1
+        self.taken[1] += nbytes
         self.delivered_items += 1
         self.delivered_bytes += nbytes
         return item
+
+    def release(self, items: int, nbytes: int) -> None:
+        """The consumer is done with the last batch: its room is free again."""
+        if items:
+            self.buffered_items -= items
+            self.buffered_bytes -= nbytes
+            self.notify()
 
     pop = {"ordered": pop_ordered, "interleave": pop_interleave, "completed": pop_completed,
            "scheduled": pop_scheduled}

@@ -283,6 +283,15 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
     ``(position, Skipped)`` instead, so the position still counts as delivered. Errors that
     would hit every sample (credentials, bucket, endpoint) are raised whatever ``on_error`` says.
     """
+    first = index.starts[sample]
+    if index.starts[sample + 1] - first == 1:
+        return _one_object_job(index, bucket, sample, position, on_error, first)
+    return _objects_job(index, bucket, sample, position, on_error)
+
+
+def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
+                 on_error: OnError) -> Job:
+    """``sample_job`` for a sample of several objects, fetched concurrently."""
     keys = index.objects(sample)
 
     async def job(ctx: JobContext) -> None:
@@ -296,3 +305,45 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
         await ctx.emit((position, index.sample(bucket, sample, bodies)), sum(map(len, bodies)))
 
     return job
+
+
+def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int, on_error: OnError,
+                    at: int) -> Job:
+    """``sample_job`` for a sample of one object, the usual case: one GET, without the task group
+    and key maps that several objects need (7-8 us of CPU per sample against 3.5 us here).
+
+    With ``on_error="raise"`` the coroutine has no exception handler, awaits no coroutine of its
+    own and, without a label, keeps no body in a local: each of these made the garbage collector
+    run 3-9x as often (measured, 20,000 samples from an in-memory store: 118-310 young
+    collections against 34, 16-19 us per sample against 11)."""
+    key = index.keys[at]
+    label = None if index.labels is None else index.labels[sample]
+    if on_error == "raise":
+        if label is None:
+            return object_job(bucket, key, position)  # the leanest: no local holds the body
+
+        async def job(ctx: JobContext) -> None:
+            data = await call_with_retries(
+                lambda: ctx.store.get(bucket, key), ctx.retry, on_retry=ctx.retried
+            )
+            out = object_sample(bucket, key, data)
+            if label is not None:
+                out[LABEL_FIELD] = label
+            await ctx.emit((position, out), len(data))
+
+        return job
+
+    async def skipping_job(ctx: JobContext) -> None:
+        try:
+            data = await call_with_retries(
+                lambda: ctx.store.get(bucket, key), ctx.retry, on_retry=ctx.retried
+            )
+        except NoSuchKeyError as exc:
+            await ctx.emit((position, Skipped(object_url(bucket, key), str(exc))), 0)
+            return
+        out = object_sample(bucket, key, data)
+        if label is not None:
+            out[LABEL_FIELD] = label
+        await ctx.emit((position, out), len(data))
+
+    return skipping_job

@@ -2,7 +2,9 @@
 
 ``RequestRecorder`` wraps the store an engine uses and counts requests, failed requests, bytes
 and request latency (whole response for ``get``/``get_range``, time to first chunk for
-``stream``) into a ``LatencyHistogram`` (log-spaced buckets: fixed size, mergeable).
+``stream``) into a ``LatencyHistogram`` (log-spaced buckets: fixed size, mergeable), and the
+time spent in requests (``seconds``: a stream's awaits for its chunks, not the time its reader
+holds them).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class RequestRecorder:
         self.requests = 0
         self.request_errors = 0
         self.bytes = 0
+        self.seconds = 0.0  # summed over requests, which overlap: it can exceed the wall time
         self.latency = LatencyHistogram()
 
     def wrap(self, factory: Callable[[], Awaitable[ObjectStore]]) -> Callable[[], Awaitable[ObjectStore]]:
@@ -106,8 +109,11 @@ class _RecordedStore:
             data = await request
         except Exception:
             recorder.request_errors += 1
+            recorder.seconds += time.perf_counter() - started
             raise
-        recorder.latency.add(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        recorder.seconds += elapsed
+        recorder.latency.add(elapsed)
         recorder.bytes += 0 if data is None else len(data)
         return data
 
@@ -117,16 +123,20 @@ class _RecordedStore:
     ) -> AsyncGenerator[bytes, None]:
         recorder = self.recorder
         recorder.requests += 1
-        started = time.perf_counter()
+        clock = time.perf_counter
+        asked = clock()
         first = True
         chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin)
         try:
             async for chunk in chunks:
+                got = clock()
+                recorder.seconds += got - asked
                 if first:
-                    recorder.latency.add(time.perf_counter() - started)
+                    recorder.latency.add(got - asked)
                     first = False
                 recorder.bytes += len(chunk)
                 yield chunk
+                asked = clock()
         except Exception:
             recorder.request_errors += 1
             raise
