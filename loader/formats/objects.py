@@ -310,12 +310,11 @@ def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
 def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int, on_error: OnError,
                     at: int) -> Job:
     """``sample_job`` for a sample of one object, the usual case: one GET, without the task group
-    and key maps that several objects need (7-8 us of CPU per sample against 3.5 us here).
+    and key maps that several objects need (about half the CPU per sample).
 
     With ``on_error="raise"`` the coroutine has no exception handler, awaits no coroutine of its
     own and, without a label, keeps no body in a local: each of these made the garbage collector
-    run 3-9x as often (measured, 20,000 samples from an in-memory store: 118-310 young
-    collections against 34, 16-19 us per sample against 11)."""
+    run several times as often (figures: bench/results/docstring-figures.md)."""
     key = index.keys[at]
     label = None if index.labels is None else index.labels[sample]
     if on_error == "raise":
