@@ -56,3 +56,13 @@ def no_leaked_threads() -> Iterator[None]:
         thread.join(timeout=5)
     leaked = [t.name for t in leaked if t.is_alive()]
     assert not leaked, f"threads left running: {leaked}"
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Lower the floor of ``part_size`` (1 MiB for users) to 1 KiB for this test, so that test
+    shards of a few KiB are read as many ranged parts; returns the floor in force."""
+    from loader.formats import shards
+
+    monkeypatch.setattr(shards, "MIN_PART_SIZE", 1024)
+    return shards.MIN_PART_SIZE

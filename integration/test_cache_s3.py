@@ -171,6 +171,7 @@ def test_dataloader_workers_fill_and_share_one_cache(s3_server, jpegs, tmp_path)
 
 
 @pytest.mark.parametrize("how", ["stream", "ranged_parts"])
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shard_epochs_after_the_first_send_no_get(s3_server, tmp_path, how):
     bucket = s3_server.new_bucket()
     expected, _ = upload_shards(s3_server.minio, bucket, "shards/train-", [60] * 6, payload=3000, seed=3)

@@ -28,6 +28,7 @@ from loader.tools.sizes import format_size
 
 from datasets import jpeg_dataset, sha256, upload_objects
 from s3servers import S3_VARS
+from shardsets import upload_shards
 
 REPO = Path(__file__).resolve().parents[1]
 N_SAMPLES = 1000  # x 2 objects (.jpg + .cls)
@@ -276,3 +277,52 @@ def test_user_errors_are_one_line(s3_server, source):
     assert "wrong-secret" not in denied.stderr
     no_dst = run_loader(s3_server, "shard", f"s3://{bucket}/train/", "s3://no-such-bucket-cli/x/")
     assert_one_line_error(no_dst, "no-such-bucket-cli", "does not exist")
+
+
+@pytest.mark.parametrize("compression", [None, "gzip", "zstd"])
+def test_ls_and_bench_see_shards_in_a_prefix_as_shards(s3_server, compression):
+    """Small .tar / .tar.gz / .tar.zst shards (with the index files `loader shard` leaves beside them):
+    `ls` says they are shards, with no advice to pack them into shards, and `bench` on the same
+    prefix reads them in shard mode and says why."""
+    bucket = s3_server.new_bucket(f"cli-{compression or 'tar'}")
+    expected, counts = upload_shards(s3_server.minio, bucket, "packed/shard-", [40] * 3,
+                                     compression=compression)
+    upload_objects(s3_server.minio, bucket, {"packed/index.json": b"{}", "packed/_progress.json": b"{}"})
+    uri = f"s3://{bucket}/packed/"
+    listed = run_loader(s3_server, "ls", uri)
+    assert_ok(listed)
+    assert f"these look like tar shards (3 of 5 objects): read them with AsyncS3Dataset.from_shards({uri!r})" \
+        in listed.stdout
+    assert "loader shard" not in listed.stdout and "Pack them" not in listed.stdout
+
+    benched = run_loader(s3_server, "bench", uri, "--samples", "0", "--workers", "0")
+    assert_ok(benched)
+    assert "(shards," in benched.stdout.splitlines()[0]
+    assert "of 3 shards" in benched.stdout and f"{sum(counts.values())}" in benched.stdout.splitlines()[1]
+    assert f"note: 3 of the 5 objects under {uri} are tar shards: read in shard mode" in benched.stdout
+    as_objects = run_loader(s3_server, "bench", uri, "--objects", "--samples", "0", "--workers", "0")
+    assert_ok(as_objects)
+    assert "(per-object," in as_objects.stdout and "note:" not in as_objects.stdout
+
+
+def test_ls_of_a_whole_bucket_suggests_a_destination_that_works(s3_server):
+    """`ls s3://b` suggests `loader shard s3://b s3://b/shards/` (not a bucket `b-shards` that
+    does not exist); that command packs the bucket, and run again it finds its shards done
+    rather than packing them as source objects."""
+    bucket = s3_server.new_bucket("cli-root")
+    objects = jpeg_dataset(s3_server.minio, bucket, "", 200, seed=5, with_cls=True)
+    listed = run_loader(s3_server, "ls", f"s3://{bucket}")
+    assert_ok(listed)
+    command = [line.split() for line in listed.stdout.splitlines() if line.startswith("  loader shard ")]
+    assert command == [["loader", "shard", f"s3://{bucket}", f"s3://{bucket}/shards/", "--target-size",
+                        "256MB"]], listed.stdout
+    packed = run_loader(s3_server, *command[0][1:3], command[0][3], "--target-size", "100k")
+    assert_ok(packed)
+    assert "packed 400 objects (200 samples" in packed.stdout
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", config=s3_server.config)
+    got = {f"{sample['__key__']}.{ext}": sha256(value) for sample in dataset
+           for ext, value in sample.items() if not ext.startswith("__")}
+    assert got == objects
+    again = run_loader(s3_server, *command[0][1:3], command[0][3], "--target-size", "100k")
+    assert_ok(again)
+    assert "packed 400 objects" in again.stdout and "were already there" in again.stdout

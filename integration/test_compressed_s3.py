@@ -68,6 +68,7 @@ def assert_exactly_once(got: list[tuple[str, str]], expected: dict[str, str]) ->
 
 @pytest.mark.parametrize("store", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_compressed_shards_exactly_once(s3_server, compressed, kind, store):
     bucket, expected = compressed
     dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/{kind}/", shuffle=True, seed=2,

@@ -13,8 +13,10 @@ import functools
 import io
 import math
 import os
+import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -112,12 +114,13 @@ def test_raw_bytes_through_the_dataloader_then_a_batch_decode(s3_server, photos,
     assert seen == N
 
 
-def test_the_demo_trains_on_decoded_images(tmp_path):
-    """``loader demo`` on a few samples: its own server, both modes, a table of training runs."""
+def run_demo(tmp_path, *argv: str) -> str:
+    """``python -m loader demo ARGV`` as a user runs it, its cache home in ``tmp_path``; stdout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "MINIO_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-m", "loader", "demo", "--samples", "96", "--epochs", "2"],
-                          check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, "-m", "loader", "demo", *argv], check=False, cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "Training a small CNN on JPEGs decoded to 112x112" in out, out
@@ -127,3 +130,21 @@ def test_the_demo_trains_on_decoded_images(tmp_path):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[1] == "192" and float(cells[3]) > 0  # 96 samples x 2 epochs, a rate
         assert math.isfinite(float(cells[5]))  # a loss: the model was trained on these samples
+    return out
+
+
+def test_the_demo_trains_on_decoded_images_and_keeps_them_for_the_next_run(tmp_path):
+    """``loader demo`` on a few samples: its own server, both modes, a table of training runs.
+    The JPEGs it made are kept under the user's cache home, keyed by their parameters: the
+    second run reads them instead of making them again, and trains on the same images."""
+    kept = tmp_path / "cache" / "s3stream-loader" / "demo" / "photos-v1-q90-n96.tar"
+    first = run_demo(tmp_path, "--samples", "96", "--epochs", "2")
+    assert "made 96 photo-like JPEGs in " in first and f"kept in {kept} for the next run" in first
+    with tarfile.open(kept) as tar:
+        names = sorted(tar.getnames())
+    assert len(names) == 96 and all(re.fullmatch(r"train/(red|green|blue)/\d{6}\.jpg", n) for n in names)
+    second = run_demo(tmp_path, "--samples", "96", "--epochs", "2")
+    assert f"read the 96 JPEGs kept by an earlier run from {kept}" in second and "made 96" not in second
+    sizes = [re.search(r"uploaded 96 objects .*\(([\d.]+ MB) of JPEGs\)", out).group(1) for out in (first, second)]
+    assert sizes[0] == sizes[1]  # the same images
+    assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]  # no partial file left

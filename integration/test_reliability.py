@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import io
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +52,7 @@ from loader import (
     RetryPolicy,
     SampleError,
     ShardFormatError,
+    TransientStoreError,
 )
 from loader.engine.fetch import live_engines
 
@@ -186,6 +189,7 @@ def first_requests(dataset: AsyncS3Dataset, mode: str) -> int:
 
 @pytest.mark.parametrize("store", BACKENDS)
 @pytest.mark.parametrize("mode", ["objects", "shards-stream", "shards-parts"])
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_every_epoch_is_exact_through_injected_faults(s3_server, fault_data, fault_report, mode, store):
     bucket, objects, samples = fault_data
     expected = objects if mode == "objects" else samples
@@ -286,6 +290,27 @@ def test_streamed_shards_resume_exactly_under_heavy_truncation(s3_server, fault_
     injected = sum(counts[kind] for kind in FAULT_KINDS)
     lower = injected - (counts["reset"] if store == "aioboto3" else 0)
     assert lower <= stats["retries"] <= injected, (stats, dict(counts))
+
+
+@pytest.mark.parametrize("mode,store,fault", [
+    ("objects", "aioboto3", "slowdown"), ("shards-stream", "obstore", "slowdown"),
+    ("objects", "obstore", "reset"), ("shards-stream", "aioboto3", "reset"),
+])
+def test_the_error_that_ends_the_retries_reads_as_final(s3_server, fault_data, mode, store, fault):
+    """Every GET answered 503 SlowDown, or its connection reset: the error raised once the policy
+    is spent says it gave up, after how many attempts and why, and nowhere that it will retry."""
+    bucket, _, _ = fault_data
+    policy = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, connect_timeout=2, read_timeout=2)
+    with proxy_for(s3_server, FaultPlan(**{fault: 1.0})) as proxy:
+        dataset = build_fault_dataset(mode, bucket, through(s3_server, proxy), store, retry=policy)
+        with pytest.raises(TransientStoreError) as info:
+            for _ in dataloader(dataset, store, 0):
+                pass
+    message = str(info.value)
+    assert "will retry" not in message and "retrying" not in message, message
+    assert re.search(r"; gave up( on s3://\S+/shard-\d{4}\.tar at byte 0)? after 3 attempt\(s\) over "
+                     r"\d+\.\ds \(RetryPolicy\(max_attempts=3\) allows no more\)$", message), message
+    assert (("SlowDown (HTTP 503)" in message) if fault == "slowdown" else ("connection" in message)), message
 
 
 # ---------------------------------------------------------------------------- server restarts
@@ -402,6 +427,60 @@ def test_server_killed_and_restarted_mid_epoch_completes_exactly_once(running, m
     print(f"\nrestart ({mode}, {store}, num_workers={num_workers}): {len(expected)} samples exactly "
           f"once; {stats['retries']} retries; server down for "
           f"{fault.ended - fault.started:.1f} s")
+
+
+OUTAGE = 20.0  # a MinIO rolling restart or a load balancer failover
+
+
+def test_the_default_retry_policy_rides_out_a_20_s_restart_in_both_modes(running, caplog):
+    """Both modes read at once with ``RetryPolicy()`` as users leave it; the server is SIGKILLed
+    and down for 20 s (then ~3 s to start). Every sample arrives exactly once, and while it waits
+    the loader says so in warning lines naming what fails and for how long, a few, not a flood."""
+    server, objects, samples = running
+    datasets = {mode: restart_dataset(mode, server.config, "aioboto3", RetryPolicy())
+                for mode in ("objects", "shards")}
+    for dataset in datasets.values():
+        dataset.resolve()
+    iterators = {mode: iter(dataloader(dataset, "aioboto3", 0)) for mode, dataset in datasets.items()}
+    digests: dict[str, dict[str, str]] = {"objects": {}, "shards": {}}
+    repeated: list[str] = []
+
+    def take(mode: str, n: int | None = None) -> None:
+        digest = object_digest if mode == "objects" else shard_digest
+        for count, sample in enumerate(iterators[mode], start=1):
+            key, value = digest(sample)
+            if key in digests[mode]:
+                repeated.append(key)
+            digests[mode][key] = value
+            if count == n:
+                return
+
+    fault: InThread | None = None
+    with caplog.at_level("WARNING", logger="loader"):
+        try:
+            take("objects", 100)
+            take("shards", 100)
+            fault = InThread(lambda: server.restart(downtime=OUTAGE, kill=True))
+            while server.running:  # killed before the rest is asked for
+                time.sleep(0.01)
+            drains = [InThread(functools.partial(take, mode)) for mode in iterators]  # both ask at once
+            for drain in drains:
+                drain.join(timeout=120)
+        finally:
+            if fault is not None:
+                fault.join(timeout=120)
+    assert fault is not None and fault.ended is not None and server.running
+    assert fault.ended - fault.started >= OUTAGE
+    assert repeated == [] and digests == {"objects": objects, "shards": samples}
+    assert all(dataset.stats()["retries"] > 0 for dataset in datasets.values())
+    lines = [r.getMessage() for r in caplog.records if r.name == "loader.retry"]
+    assert lines, "the loader waited for the server without a word"
+    assert len(lines) <= (fault.ended - fault.started) / 5 + 2, lines  # one per 5 s per process
+    assert all(re.match(r"still retrying( .*)? after \d+ s of failures \(attempt \d+; gives up after "
+                        r"120 s, see RetryPolicy\): .*s3://rel/", line) for line in lines), lines
+    assert max(int(re.search(r"after (\d+) s", line).group(1)) for line in lines) >= OUTAGE / 2
+    print(f"\n{OUTAGE:.0f} s outage ridden out with the default policy, "
+          f"{fault.ended - fault.started:.1f} s down in all; {len(lines)} progress lines, e.g.\n  {lines[-1][:300]}")
 
 
 @pytest.mark.parametrize(

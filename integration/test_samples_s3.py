@@ -1,16 +1,19 @@
 """Per-object samples on a real S3 server: stems grouped into one sample, class folders as
-labels, manifests with a label column, on_error and the sibling-prefix warning, exactly once
-with and without DataLoader workers."""
+labels (nested ones as ``ImageFolder`` reads them), manifests with a label column, on_error and
+the sibling-prefix warning, exactly once with and without DataLoader workers; files without an
+extension read alike in per-object and shard mode."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 import warnings
 
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
 
 from datasets import make_jpeg, sha256, upload_objects
 
@@ -135,3 +138,54 @@ def test_prefix_without_slash_warns_naming_the_sibling(s3_server, bucket):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         AsyncS3Dataset.from_prefix(f"s3://{name}/imgs/", config=s3_server.config).resolve()
+
+
+def tar_of(members: dict[str, bytes]) -> bytes:
+    """A tar archive written by Python's ``tarfile`` (another tool than ours), members in order."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def fields(sample):
+    """Module level, so spawned workers can pickle it."""
+    return {key: value for key, value in sample.items() if key not in ("__url__", "__index__")}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_files_without_extension_are_data_fields_in_both_modes(s3_server, num_workers):
+    """``a.txt``, ``noext``, ``c.txt`` as objects and as members of one shard: three samples in
+    each mode, the one without an extension in the field ``"data"``, nothing dropped."""
+    name = s3_server.new_bucket("noext")
+    members = {"set/a.txt": b"A", "set/noext": b"no extension", "set/c.txt": b"C", "set/d.": b"dot"}
+    upload_objects(s3_server.minio, name, {**members, "shards/s-0.tar": tar_of(members)})
+    expected = [{"__key__": "set/a", "txt": b"A"}, {"__key__": "set/c", "txt": b"C"},
+                {"__key__": "set/d", "data": b"dot"}, {"__key__": "set/noext", "data": b"no extension"}]
+    for dataset in (AsyncS3Dataset.from_prefix(f"s3://{name}/set/", transform=fields, config=s3_server.config),
+                    AsyncS3Dataset.from_shards(f"s3://{name}/shards/", transform=fields,
+                                               config=s3_server.config)):
+        got = list(DataLoader(dataset, batch_size=None, **loader_options(num_workers)))
+        assert sorted(got, key=lambda s: s["__key__"]) == expected, dataset.mode
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_class_folders_with_subfolders_follow_imagefolder(s3_server, num_workers):
+    """``cat/sub/e.jpg`` belongs to ``cat`` and ``dog/sub/d.jpg`` to ``dog``: two classes, as
+    torchvision's ``ImageFolder`` reads the same tree; with or without the prefix's slash."""
+    name = s3_server.new_bucket("nested")
+    tree = {"pets/cat/a.jpg": "cat", "pets/cat/sub/e.jpg": "cat", "pets/cat/kitten/f.jpg": "cat",
+            "pets/dog/sub/d.jpg": "dog", "pets/dog/b.jpg": "dog"}
+    upload_objects(s3_server.minio, name, {key: make_jpeg(i) for i, key in enumerate(tree)})
+    for uri in (f"s3://{name}/pets/", f"s3://{name}/pets"):
+        ds = AsyncS3Dataset.from_prefix(uri, label_from="parent", shuffle=True, config=s3_server.config)
+        assert ds.classes == ["cat", "dog"] and ds.class_to_idx == {"cat": 0, "dog": 1}
+        got = {key: ds.classes[label] for batch in DataLoader(ds, batch_size=2, **loader_options(num_workers))
+               for key, label in zip(batch["__key__"], batch["cls"].tolist())}
+        assert got == {key[:-4]: cls for key, cls in tree.items()}
+    upload_objects(s3_server.minio, name, {"pets/README.jpg": make_jpeg(99)})
+    with pytest.raises(ConfigError, match=rf"'pets/README.jpg' is not in a class folder under s3://{name}/pets/"):
+        AsyncS3Dataset.from_prefix(f"s3://{name}/pets/", label_from="parent", config=s3_server.config).resolve()

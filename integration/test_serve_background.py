@@ -131,3 +131,31 @@ def test_stop_refuses_a_pidfile_that_names_another_program(tmp_path, shell_env):
     finally:
         sleeper.send_signal(signal.SIGTERM)
         sleeper.wait(timeout=10)
+
+
+@pytest.mark.parametrize("argv", [["--bucket", "ft"], ["--bucket", "train", "--bucket", "Bad_Name"],
+                                  ["--background", "--pidfile", "{pidfile}", "--bucket", "10.0.0.1"]])
+def test_an_invalid_bucket_name_is_refused_before_the_server_starts(tmp_path, shell_env, argv):
+    """S3 answers a bad name with botocore's raw InvalidBucketName only after the server started;
+    the name and the rule come first, in one line, and nothing is left running."""
+    pidfile = tmp_path / "s3.pid"
+    argv = [arg.format(pidfile=pidfile) for arg in argv]
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "loader", "serve", *argv], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=shell_env)
+    took = time.monotonic() - started
+    name = argv[-1]
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{name!r} is not a valid bucket name" in lines[0]
+    assert "3-63 characters of lowercase letters, digits, dots and hyphens" in lines[0]
+    assert not pidfile.exists() and took < 30, took
+
+
+def test_devserver_refuses_an_invalid_bucket_name_before_starting():
+    from loader import ConfigError, DevServer
+
+    with pytest.raises(ConfigError, match=r"DevServer bucket 'ft' is not a valid bucket name \(it has 2 "
+                                          r"character\(s\)\); use 3-63 characters"):
+        DevServer(buckets=["ft"])

@@ -8,7 +8,7 @@ import time
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, NoSuchKeyError, ShardFormatError
+from loader import AsyncS3Dataset, ConfigError, NoSuchKeyError, ShardFormatError
 
 from datasets import sha256
 from shardsets import pack, upload_shards
@@ -45,12 +45,31 @@ def test_every_sample_exactly_once(s3_server, shards, num_workers):
     assert_exactly_once(digests(dataset, **options), expected)
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_prefix_form_reads_large_shards_as_ranged_parts(s3_server, shards):
     bucket, expected, _ = shards
     dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/", part_size=64 << 10, parts_inflight=4,
                                          config=s3_server.config)
     assert all(shard.size for shard in dataset.shards()), "the listing gives sizes"
     assert_exactly_once(digests(dataset), expected)
+
+
+def test_part_size_below_the_floor_is_refused_and_the_floor_reads_in_parts(s3_server):
+    """``part_size=1`` once made one GET per byte of a shard; it is refused before any request,
+    naming the setting and the floor. A 2.6 MB shard read with ``part_size`` at the floor takes
+    three ranged GETs."""
+    bucket = s3_server.new_bucket("parts")
+    expected, _ = upload_shards(s3_server.minio, bucket, "big/shard-", [130], payload=20_000, seed=8)
+    uri = f"s3://{bucket}/big/"
+    for part_size in (1, 256 << 10, (1 << 20) - 1):
+        with pytest.raises(ConfigError, match=rf"^part_size={part_size} is below the floor of 1048576 bytes: "
+                                              r"each part is one ranged GET.*give part_size=1048576 \(1 MiB\)"):
+            AsyncS3Dataset.from_shards(uri, part_size=part_size, config=s3_server.config)
+    dataset = AsyncS3Dataset.from_shards(uri, part_size=1 << 20, config=s3_server.config)
+    (shard,) = dataset.shards()
+    assert 2 << 20 < shard.size <= 3 << 20
+    assert_exactly_once(digests(dataset), expected)
+    assert dataset.stats()["requests"] == 3
 
 
 def test_fewer_shards_than_workers(s3_server, shards):

@@ -24,9 +24,7 @@ import tarfile
 import pytest
 import torch
 
-from loader import AsyncS3Dataset, checkpoint
-from loader.errors import ObjectChangedError
-from loader.retry import RetryPolicy
+from loader import AsyncS3Dataset, ObjectChangedError, RetryPolicy, checkpoint
 from loader.stores import open_store
 from loader.stores.aioboto3_store import Aioboto3Store
 
@@ -159,6 +157,7 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
 
 
 @pytest.mark.parametrize("backend", ["aioboto3", "obstore"])
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shard_replaced_between_listing_and_reading_is_read_in_its_new_version(s3_server, backend):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))
@@ -277,6 +276,7 @@ def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, 
     assert again.stats()["requests"] == 8 + 1  # 8 answered 304 (no body), one refetch
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shards_from_the_cache_are_refetched_when_overwritten(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))

@@ -8,11 +8,17 @@ Everything here is pure except ``call_with_retries``, which only sleeps.
 Backoff is exponential with *full jitter* (a uniform draw in ``[0, min(cap, base * 2**n))``),
 which spreads a thundering herd of DataLoader workers best; see the AWS architecture blog post
 "Exponential Backoff And Jitter".
+
+By default only the deadline ends the retries, so a request rides out an outage of up to two
+minutes (a rolling restart, a failover) with waits of at most ``max_delay``; a request that has
+been failing for a few seconds says so in a warning line (one per process every few seconds at
+most), so a long wait is never silent. ``max_attempts`` tightens it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -24,25 +30,29 @@ from .errors import ConfigError, TransientStoreError
 
 T = TypeVar("T")
 
-DEFAULT_MAX_ATTEMPTS = 8
+DEFAULT_MAX_ATTEMPTS: int | None = None  # no count: the deadline bounds the retries
 DEFAULT_BASE_DELAY = 0.05
 DEFAULT_MAX_DELAY = 5.0
 DEFAULT_DEADLINE = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 30.0
+PROGRESS_AFTER = 3.0  # a request failing for this long is reported in a warning line ...
+PROGRESS_EVERY = 5.0  # ... and the process reports at most once per this many seconds
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """Limits for retrying one request.
 
-    ``max_attempts`` counts the first try; ``deadline`` bounds all attempts of one request
-    together (seconds from the first try); ``read_timeout`` is how long a response may send no
-    bytes before it counts as stalled and is retried; ``connect_timeout`` bounds opening a
-    connection.
+    ``deadline`` bounds all attempts of one request together (seconds from the first try);
+    ``max_attempts`` (counting the first try) stops earlier, after that many; None: only the
+    deadline. ``read_timeout`` is how long a response may send no bytes before it counts as
+    stalled and is retried; ``connect_timeout`` bounds opening a connection.
     """
 
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    max_attempts: int | None = DEFAULT_MAX_ATTEMPTS
     base_delay: float = DEFAULT_BASE_DELAY
     max_delay: float = DEFAULT_MAX_DELAY
     deadline: float = DEFAULT_DEADLINE
@@ -50,8 +60,10 @@ class RetryPolicy:
     read_timeout: float = DEFAULT_READ_TIMEOUT
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ConfigError(f"RetryPolicy.max_attempts={self.max_attempts!r} must be at least 1")
+        attempts = self.max_attempts
+        if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1):
+            raise ConfigError(f"RetryPolicy.max_attempts={attempts!r} must be at least 1 (or None: "
+                              "only the deadline limits the retries)")
         for name in ("base_delay", "max_delay"):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must not be negative")
@@ -87,6 +99,86 @@ def backoff_delay(attempt: int, policy: RetryPolicy, rng: random.Random) -> floa
     return rng.uniform(0.0, cap)
 
 
+def next_delay(policy: RetryPolicy, failures: int, elapsed: float, rng: random.Random) -> float | None:
+    """Seconds to wait after the ``failures``-th failure in a row (1-based), ``elapsed`` seconds
+    into the retries, before the next attempt; None when the policy gives up instead."""
+    if policy.max_attempts is not None and failures >= policy.max_attempts:
+        return None
+    delay = backoff_delay(failures - 1, policy, rng)
+    return None if elapsed + delay >= policy.deadline else delay
+
+
+def gave_up(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapsed: float,
+            what: str = "") -> TransientStoreError:
+    """The final error: ``exc``'s type, bucket and key, and a message that says retrying is over,
+    after how many attempts and how long, and which limit of the policy ended it."""
+    if policy.max_attempts is not None and failures >= policy.max_attempts:
+        limit = f"RetryPolicy(max_attempts={policy.max_attempts}) allows no more"
+    else:
+        limit = (f"its deadline of {policy.deadline:g} s would pass before another attempt: raise "
+                 "RetryPolicy(deadline=...) to wait out longer outages")
+    where = f" on {what}" if what else ""
+    return type(exc)(f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})",
+                     bucket=exc.bucket, key=exc.key)
+
+
+class _Throttle:
+    """At most one progress line per ``PROGRESS_EVERY`` seconds in this process, whichever of
+    the many requests in flight it comes from (an outage fails them all at once)."""
+
+    last = -float("inf")
+
+    @classmethod
+    def ready(cls, now: float) -> bool:
+        if now - cls.last < PROGRESS_EVERY:
+            return False
+        cls.last = now
+        return True
+
+
+class Retrying:
+    """The retry state of one operation: failures in a row, since when, and the rng it jitters with.
+
+    ``failed(exc)`` is called with each transient failure and returns how long to wait before the
+    next attempt, or raises the final error (``gave_up``). The clock starts at ``started`` (the
+    first attempt's ``clock.monotonic()``), or with None at the first failure (a stream that ran
+    for minutes before breaking is not out of time); ``failed(exc, progressed=True)`` starts
+    attempts and clock over at that failure, for operations that resume where they stopped.
+    ``what`` names the operation in messages when the error alone does not. Without ``rng``, a fresh
+    ``random.Random()`` is made at the first failure only (seeding one costs more than a whole
+    successful request's Python work, and almost every call succeeds first).
+    """
+
+    def __init__(self, policy: RetryPolicy, *, started: float | None, rng: random.Random | None = None,
+                 what: str = "", clock: Clock = SYSTEM_CLOCK) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.started = started
+        self.rng = rng
+        self.what = what
+        self.failures = 0
+
+    def failed(self, exc: TransientStoreError, *, progressed: bool = False) -> float:
+        now = self.clock.monotonic()
+        if progressed:
+            self.failures, self.started = 0, None
+        if self.started is None:
+            self.started = now
+        if self.rng is None:
+            self.rng = random.Random()
+        self.failures += 1
+        elapsed = now - self.started
+        delay = next_delay(self.policy, self.failures, elapsed, self.rng)
+        if delay is None:
+            raise gave_up(exc, self.policy, self.failures, elapsed, self.what) from exc
+        if elapsed >= PROGRESS_AFTER and _Throttle.ready(now):
+            limit = (f"{self.policy.max_attempts} attempts or " if self.policy.max_attempts else "")
+            log.warning("still retrying%s after %.0f s of failures (attempt %d; gives up after %s%g s, "
+                        "see RetryPolicy): %s", f" {self.what}" if self.what else "", elapsed,
+                        self.failures, limit, self.policy.deadline, exc)
+        return delay
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is worth another attempt."""
     return isinstance(exc, TransientStoreError)
@@ -104,7 +196,7 @@ async def call_with_retries(
     """Run ``attempt()`` until it succeeds, a permanent error occurs, or the limits are spent.
 
     The last transient error is re-raised with the number of attempts and seconds spent added
-    to its message, so a user sees that retrying happened and gave up.
+    to its message, so a user sees that retrying happened and is over (``gave_up``).
 
     ``progressed``, when given, is asked after each failure whether that attempt got somewhere
     (a long listing received pages before its connection broke, and the next attempt resumes
@@ -112,31 +204,19 @@ async def call_with_retries(
     attempts that make no progress are limited, and a long operation is never cut for having
     taken longer than the deadline in total.
 
-    Without ``rng``, a fresh ``random.Random()`` (seeded from ``os.urandom``, so every process,
-    worker and call jitters independently) is made at the first retry only: seeding it costs
-    more than a whole successful request's Python work, and almost every call succeeds first.
+    Without ``rng``, each call jitters with its own ``random.Random()`` (seeded from
+    ``os.urandom``, so every process, worker and call jitters independently), see ``Retrying``.
     ``clock`` reads the time for the deadline and does the backoff sleeps.
     """
+    state: Retrying | None = None  # made at the first failure: almost every call succeeds first
     started = clock.monotonic()
-    n = 0  # failed attempts since the start or the last progress
     while True:
         try:
             return await attempt()
         except TransientStoreError as exc:
-            if progressed is not None and progressed():
-                started, n = clock.monotonic(), 0
-            if rng is None:
-                rng = random.Random()
-            elapsed = clock.monotonic() - started
-            delay = backoff_delay(n, policy, rng)
-            if n + 1 >= policy.max_attempts or elapsed + delay >= policy.deadline:
-                raise type(exc)(
-                    f"{exc} (gave up after {n + 1} attempt(s) over {elapsed:.1f}s; "
-                    "see RetryPolicy to allow more)",
-                    bucket=exc.bucket,
-                    key=exc.key,
-                ) from exc
+            if state is None:
+                state = Retrying(policy, started=started, rng=rng, clock=clock)
+            delay = state.failed(exc, progressed=progressed is not None and progressed())
             if on_retry is not None:
                 on_retry(exc)
-            n += 1
             await clock.sleep(delay)

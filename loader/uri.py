@@ -41,6 +41,42 @@ def parse_s3_uri(uri: str) -> S3Uri:
     return S3Uri(bucket, key)
 
 
+BUCKET_NAME_RULE = (
+    "3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with a "
+    "letter or digit, no '..', not an IP address"
+)
+_NEW_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]*[a-z0-9]$")
+_IP_RE = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+
+
+def bucket_name_problem(name: str) -> str | None:
+    """What breaks S3's rules for a *new* bucket's name (``BUCKET_NAME_RULE``), or None.
+
+    Reading accepts more (``parse_s3_uri``: old buckets may hold underscores); creating one
+    needs these rules, which S3, MinIO and SeaweedFS enforce alike."""
+    if not isinstance(name, str):
+        return f"{name!r} is not a string"
+    if not 3 <= len(name) <= 63:
+        return f"it has {len(name)} character(s)"
+    if not _NEW_BUCKET_RE.match(name):
+        bad = sorted({c for c in name if not (c.islower() or c.isdigit() or c in ".-") or not c.isascii()})
+        return f"it holds {', '.join(map(repr, bad))}" if bad else "it starts or ends with '.' or '-'"
+    if ".." in name:
+        return "it holds '..'"
+    if _IP_RE.match(name):
+        return "it is written like an IP address"
+    return None
+
+
+def check_bucket_name(name: str, setting: str = "bucket") -> str:
+    """``name`` if it may name a new bucket; else a ``ConfigError`` naming ``setting``, the
+    name, what is wrong and the rule (before any server or request is started)."""
+    problem = bucket_name_problem(name)
+    if problem is not None:
+        raise ConfigError(f"{setting} {name!r} is not a valid bucket name ({problem}); use {BUCKET_NAME_RULE}")
+    return name
+
+
 def object_url(bucket: str, key: str) -> str:
     """The ``s3://`` URL of one object (what samples carry as ``__url__``)."""
     return f"s3://{bucket}/{key}"

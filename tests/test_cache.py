@@ -763,6 +763,7 @@ def tar_shard(s: int, n: int) -> bytes:
 
 
 @pytest.mark.parametrize("how", ["stream", "parts", "stream_with_cuts"])
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shard_epochs_after_the_first_make_no_request(tmp_path, how):
     shards = {f"shards/train-{s:04d}.tar": tar_shard(s, 40) for s in range(6)}
     truncate = {key: [9000, None] for key in shards} if how == "stream_with_cuts" else None

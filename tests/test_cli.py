@@ -44,7 +44,7 @@ from loader.formats.packing import (
 from loader.formats.tar import TarStreamParser, iter_samples, split_key
 from loader.stores import ObjectInfo
 from loader.tools import cli
-from loader.tools.ls import log2_histogram, render_histogram, summarize_listing
+from loader.tools.ls import log2_histogram, looks_like_shards, render_histogram, shard_destination, summarize_listing
 from loader.tools.shard import PackOptions, pack
 from loader.tools.sizes import format_size, parse_size
 
@@ -152,6 +152,7 @@ BAD_ARGUMENTS = [
     (["bench", "s3://bkt/x/", "--store", "boto2"], ["invalid choice"]),
     (["demo", "--samples", "0"], ["not a positive integer"]),
     (["serve", "--port", "99999"], ["TCP port"]),
+    (["serve", "--bucket", "ft"], ["--bucket", "'ft' is not a valid bucket name", "3-63 characters"]),
 ]
 NO_CREDENTIALS = [
     ["ls", "s3://bkt/train/"],
@@ -201,11 +202,11 @@ def test_a_bad_endpoint_variable_is_a_one_line_error():
     assert_one_line_error(proc, 1, "AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
 
 
-def test_shard_refuses_a_destination_inside_the_source_before_any_request():
-    proc = run_cli("shard", "s3://bkt/train/", "s3://bkt/train/shards/",
+def test_shard_refuses_the_sources_own_folder_as_destination_before_any_request():
+    proc = run_cli("shard", "s3://bkt/train", "s3://bkt/train/",
                    env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k",
                         "AWS_SECRET_ACCESS_KEY": "s"})
-    assert_one_line_error(proc, 1, "lies under SRC_PREFIX")
+    assert_one_line_error(proc, 1, "is the folder of SRC_PREFIX", "one inside the source is fine")
 
 
 def test_worker_tracebacks_are_cut_to_their_last_line():
@@ -424,6 +425,42 @@ def test_ls_summary_suggests_shards_for_small_objects_only():
     tars = [ObjectInfo(f"s/{i}.tar", 100) for i in range(3)]
     assert "from_shards" in "\n".join(summarize_listing("s3://b/s/", tars))
 
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz", ".tgz", ".tar.zst", ".tzst"])
+def test_ls_sees_compressed_shards_as_shards_too(suffix):
+    """Small compressed shards are shards already: no advice to pack them into shards."""
+    listing = [ObjectInfo(f"s/shard-{i:05d}{suffix}", 3000) for i in range(2)]
+    listing += [ObjectInfo("s/index.json", 900), ObjectInfo("s/_progress.json", 300)]
+    text = "\n".join(summarize_listing("s3://bkt/s/", listing))
+    assert "these look like tar shards (2 of 4 objects)" in text and "from_shards('s3://bkt/s/')" in text
+    assert "loader shard" not in text and "Pack them" not in text
+    assert looks_like_shards(info.key for info in listing)
+
+
+def test_shards_are_judged_by_their_share_of_the_objects():
+    assert looks_like_shards(["a.tar", "b.jpg"]) and not looks_like_shards(["a.tar", "b.jpg", "c.jpg"])
+    assert not looks_like_shards(["index.json"]) and not looks_like_shards([])
+    assert not looks_like_shards(["x/index.json.tar.txt"])
+
+
+def test_ls_suggests_a_destination_that_can_exist():
+    assert shard_destination("s3://bkt") == shard_destination("s3://bkt/") == "s3://bkt/shards/"
+    assert shard_destination("s3://bkt/train/") == shard_destination("s3://bkt/train") == "s3://bkt/train-shards/"
+    small = [ObjectInfo(f"{i:04d}.jpg", 3000) for i in range(10)]
+    assert "  loader shard s3://bkt s3://bkt/shards/ --target-size 256MB" in summarize_listing("s3://bkt", small)
+
+
+@pytest.mark.parametrize("src", ["s3://bkt", "s3://bkt/", "s3://bkt/src"])
+def test_pack_into_a_folder_inside_the_source_leaves_that_folder_out(src):
+    """What ``ls`` suggests for a whole bucket (or a prefix without its slash) works, and a rerun
+    does not take the shards it wrote for source objects."""
+    objects = {f"src/{k}": v for k, v in source_objects(40).items()}
+    fake = FakeStore.with_objects(BUCKET, objects)
+    dst = shard_destination(src)
+    first = pack(src, dst, PackOptions(target_size=20_000), store=reusable(fake))
+    assert first.complete and first.objects == 80 and first.resumed == 0
+    again = pack(src, dst, PackOptions(target_size=20_000), store=reusable(fake))
+    assert again.complete and again.objects == 80 and again.resumed == again.shards
 
 # ------------------------------------------------------------------------ pack() on the fake store
 

@@ -252,6 +252,7 @@ def assert_exactly(got: list, expected: dict) -> None:
     assert dict(got) == expected
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_cut_streams_restart_from_the_first_byte_without_duplicates(kind):
     objects, expected = compressed_store(kind)
     sizes = {key: len(value) for key, value in objects.items()}
@@ -268,6 +269,7 @@ def test_cut_streams_restart_from_the_first_byte_without_duplicates(kind):
     assert dataset.stats()["retries"] == 3
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_compressed_shards_are_never_read_as_ranged_parts(kind):
     objects, expected = compressed_store(kind, shards=2, per_shard=200)
     fake = FakeStore.with_objects(BUCKET, objects)

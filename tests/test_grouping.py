@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ConfigError
-from loader.formats.objects import build_index, field_of, is_hidden, parent_folder
+from loader.formats.objects import build_index, class_folder, class_root, field_of, is_hidden
 
 STEMS = st.lists(st.from_regex(r"[a-c]{1,2}/[0-9]{1,3}", fullmatch=True), min_size=1, max_size=30,
                  unique=True)
@@ -71,7 +71,9 @@ def test_fields_follow_webdataset_naming():
     assert field_of("a/b") == "data"
     assert field_of("a.b/c.jpg") == "jpg"
     assert is_hidden("train/cat/.DS_Store") and is_hidden("._x.jpg") and not is_hidden("a/.b/c.jpg")
-    assert parent_folder("train/cat/1.jpg") == "cat" and parent_folder("1.jpg") is None
+    assert class_folder("train/cat/1.jpg", "train/") == "cat" and class_folder("1.jpg", "") is None
+    assert class_folder("train/cat/sub/1.jpg", "train/") == "cat"
+    assert class_folder("train/1.jpg", "train/") is None and class_folder("val/cat/1.jpg", "train/") is None
 
 
 def test_duplicate_field_in_a_sample_is_an_error_naming_both_keys():
@@ -87,7 +89,7 @@ def test_reserved_field_is_an_error():
 
 def test_parent_labels_number_sorted_class_names_like_imagefolder():
     keys = ["train/dog/1.jpg", "train/cat/2.jpg", "train/Zebra/3.jpg", "train/cat/4.jpg"]
-    index = build_index(keys, label_from="parent", root="train/")
+    index = build_index(keys, label_from="parent", prefix="train/")
     assert index.classes == ("Zebra", "cat", "dog")  # sorted(), as ImageFolder: uppercase first
     assert index.class_to_idx == {"Zebra": 0, "cat": 1, "dog": 2}
     assert [index.label(i) for i in range(4)] == [2, 1, 0, 1]
@@ -97,9 +99,53 @@ def test_parent_labels_number_sorted_class_names_like_imagefolder():
 def test_parent_label_needs_a_class_folder():
     with pytest.raises(ConfigError, match=r"'train/readme.txt' is not in a class folder under s3://b/train/"):
         build_index(["train/cat/1.jpg", "train/readme.txt"], label_from="parent",
-                    where="s3://b/train/", root="train/")
+                    where="s3://b/train/", prefix="train/")
     with pytest.raises(ConfigError, match=r"'top.jpg' is not in a class folder"):
         build_index(["top.jpg"], label_from="parent")
+
+
+def test_parent_labels_follow_imagefolder_in_nested_folders():
+    """The class is the first folder under the root; deeper folders belong to it, so same-named
+    subfolders of different classes never merge (``ImageFolder`` gives 2 classes here)."""
+    keys = ["train/cat/a.jpg", "train/cat/sub/e.jpg", "train/dog/sub/d.jpg", "train/cat/kitten/f.jpg"]
+    for prefix in ("train/", "train", None):  # a folder, the same without its slash, a key list
+        index = build_index(keys, label_from="parent", prefix=prefix)
+        assert index.classes == ("cat", "dog"), prefix
+        assert [index.classes[index.label(i)] for i in range(4)] == ["cat", "cat", "dog", "cat"]
+    with pytest.raises(ConfigError, match=r"'train/a.jpg' is not in a class folder under s3://b/train/ "
+                                          r"\(expected train/<class>/<file>"):
+        build_index(keys + ["train/a.jpg"], label_from="parent", prefix="train/", where="s3://b/train/")
+
+
+def test_class_root():
+    assert class_root(["a/cat/1.jpg"], "a/") == "a/"
+    assert class_root(["a/cat/1.jpg", "a/dog/2.jpg"], "a") == "a/"  # the folder a prefix names
+    assert class_root(["a/cat/1.jpg", "a-x/dog/2.jpg"], "a") == ""  # siblings: classes 'a', 'a-x'
+    assert class_root(["d/a/cat/1.jpg", "d/a-x/2.jpg"], "d/a") == "d/"
+    assert class_root(["x/1.jpg"], "") == ""
+    assert class_root(["r/cat/1.jpg", "r/dog/x/y/2.jpg"], None) == "r/"
+    assert class_root(["r/cat/1.jpg"], None) == "r/"  # one class still has its folder
+    assert class_root(["cat/1.jpg", "r/dog/2.jpg"], None) == ""
+    assert class_root(["top.jpg", "r/dog/2.jpg"], None) == ""
+
+
+SEGMENT = st.from_regex(r"[a-z]{1,3}", fullmatch=True)
+
+
+@given(root=st.lists(SEGMENT, max_size=3),
+       files=st.lists(st.tuples(SEGMENT, st.lists(SEGMENT, max_size=3), SEGMENT), min_size=1, max_size=20),
+       slash=st.booleans())
+def test_every_object_is_labelled_by_its_first_folder_under_the_root(root, files, slash):
+    base = "".join(part + "/" for part in root)
+    keys = list(dict.fromkeys(base + "/".join([cls, *sub, name]) + ".jpg" for cls, sub, name in files))
+    prefix = base if slash or not base else base[:-1]
+    index = build_index(keys, label_from="parent", prefix=prefix)
+    expected = [key[len(base):].split("/")[0] for key in index.keys]
+    assert [index.classes[index.label(i)] for i in range(len(index))] == expected
+    assert list(index.classes) == sorted(set(expected))
+    if len(set(expected)) > 1:  # a key list finds the same root when two classes show where it is
+        listed = build_index(keys, label_from="parent")
+        assert listed.classes == index.classes and list(listed.labels) == list(index.labels)
 
 
 def test_label_and_a_cls_object_conflict():

@@ -178,6 +178,7 @@ def test_loader_shard_records_each_shards_size_and_etag_and_from_shards_finds_it
     assert len(AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake))) == 60  # no batch_size
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_ranged_parts_when_asked_give_the_same_index():
     fake, _ = store_with_index(index=False)
     run(fake)

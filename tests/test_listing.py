@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 import sys
-import time
 
 import anyio
 import pytest
@@ -89,16 +88,15 @@ def test_folders_are_listed_in_parallel_and_merged_in_key_order():
 
 
 def test_one_flat_prefix_is_listed_in_parallel_ranges():
+    """Pages that wait on a round trip: the listing widens to several ranges at once. How far it
+    widens follows the rates it measures, so a busy machine may stop it early; how much faster
+    that lists is measured side by side by ``bench.listing``, not asserted here."""
     objects = {f"flat/{i:07d}.jpg": b"" for i in range(20_000)}
     store = FakeStore.with_objects("b", objects, page_size=100, latency=0.01)
-    started = time.perf_counter()
     found = run_list(store, "flat/", options=ListOptions(page_size=100, parallel=8))
-    took = time.perf_counter() - started
     assert list(found) == sorted(objects)
-    assert store.peak_list_inflight == 8
+    assert 2 <= store.peak_list_inflight <= 8, store.peak_list_inflight
     assert store.list_requests <= 200 * 1.3, store.list_requests
-    # 200 round trips of 10 ms one after the other would take 2 s
-    assert took < 200 * 0.01 / 2, took
 
 
 def test_on_a_server_that_answers_no_faster_in_parallel_the_listing_stays_narrow():

@@ -131,7 +131,7 @@ async def drain(iterator):
          r"access denied to s3://b/k at .* \(SignatureDoesNotMatch\): the credentials were rejected"),
         (error("403 Forbidden", "InvalidAccessKeyId"), AccessDeniedError, r"AWS_SECRET_ACCESS_KEY"),
         (error("503 Slow Down", "SlowDown"), TransientStoreError,
-         r"s3://b/k: the server answered SlowDown \(HTTP 503\); will retry"),
+         r"s3://b/k: the server answered SlowDown \(HTTP 503\)$"),
         (error("500 Internal Server Error", "InternalError"), TransientStoreError, r"HTTP 500"),
         (response("502 Bad Gateway", b"<html>proxy</html>"), TransientStoreError, r"HTTP 502"),
         (error("429 Too Many Requests", "TooManyRequests"), TransientStoreError, r"HTTP 429"),
@@ -200,7 +200,7 @@ async def test_body_shorter_than_content_length_is_transient():
             store = await open_at(endpoint)
             await fails(store.get("b", "k"), TransientStoreError,
                         r"s3://b/k: the connection failed mid-request \(the body ended before its "
-                        r"Content-Length\); will retry")
+                        r"Content-Length\)$")
             await fails(store.get_range("b", "k", 0, 1000), TransientStoreError, "Content-Length")
             got = []
             with pytest.raises(TransientStoreError, match="Content-Length"):
@@ -216,7 +216,7 @@ async def test_no_answer_times_out_as_transient():
         async with stub(lambda line: None) as endpoint:
             store = await open_at(endpoint, read_timeout=0.5)
             started = time.monotonic()
-            await fails(store.get("b", "k"), TransientStoreError, r"timed out\); will retry")
+            await fails(store.get("b", "k"), TransientStoreError, r"timed out\)$")
             assert time.monotonic() - started < 5
 
 
@@ -227,7 +227,7 @@ async def test_stalled_body_times_out_as_transient():
         async with stub(lambda line: stalled) as endpoint:
             store = await open_at(endpoint, read_timeout=0.5)
             started = time.monotonic()
-            await fails(store.get("b", "k"), TransientStoreError, r"timed out\); will retry")
+            await fails(store.get("b", "k"), TransientStoreError, r"timed out\)$")
             with pytest.raises(TransientStoreError, match="timed out"):
                 await drain(store.stream("b", "k"))
             assert time.monotonic() - started < 5
@@ -237,7 +237,7 @@ async def test_connection_closed_without_answer_is_transient():
     with anyio.fail_after(DEADLINE):
         async with stub(lambda line: b"") as endpoint:
             store = await open_at(endpoint)
-            exc = await fails(store.get("b", "k"), TransientStoreError, "will retry")
+            exc = await fails(store.get("b", "k"), TransientStoreError, r"failed mid-request \(.*\)$")
             assert not isinstance(exc, EndpointUnreachableError)
 
 

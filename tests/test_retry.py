@@ -37,11 +37,15 @@ from loader.retry import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_DELAY,
     DEFAULT_READ_TIMEOUT,
+    PROGRESS_AFTER,
+    PROGRESS_EVERY,
     RetryPolicy,
     backoff_delay,
     call_with_retries,
     is_transient,
+    next_delay,
 )
+from loader.stores import answers
 
 DEADLINE = 5.0  # seconds any async test may take before it fails instead of hanging
 FAST = dict(base_delay=0.001, max_delay=0.001)
@@ -117,6 +121,7 @@ def test_policy_is_keyword_only_frozen_and_pickles():
     "kwargs",
     [
         {"max_attempts": 1},
+        {"max_attempts": None},
         {"base_delay": 0.0},
         {"max_delay": 0.0},
         {"base_delay": 0, "max_delay": 0},
@@ -128,11 +133,15 @@ def test_valid_edge_policies(kwargs):
     RetryPolicy(**kwargs)
 
 
+ATTEMPTS_RULE = r"must be at least 1 \(or None: only the deadline limits the retries\)"
+
+
 @pytest.mark.parametrize(
     ("field", "value", "rule"),
     [
-        ("max_attempts", 0, "must be at least 1"),
-        ("max_attempts", -3, "must be at least 1"),
+        ("max_attempts", 0, ATTEMPTS_RULE),
+        ("max_attempts", -3, ATTEMPTS_RULE),
+        ("max_attempts", 2.5, ATTEMPTS_RULE),
         ("base_delay", -0.001, "must not be negative"),
         ("base_delay", math.nan, "must not be negative"),
         ("max_delay", -1.0, "must not be negative"),
@@ -263,8 +272,8 @@ async def test_gives_up_after_max_attempts_with_the_same_type(max_attempts, cls)
     assert attempt.calls == max_attempts
     assert len(retried) == max_attempts - 1  # once per retry, not for the final failure
     assert re.match(
-        rf"^503 SlowDown #{last} \(gave up after {max_attempts} attempt\(s\) over \d+\.\ds; "
-        r"see RetryPolicy to allow more\)$",
+        rf"^503 SlowDown #{last}; gave up after {max_attempts} attempt\(s\) over \d+\.\ds "
+        rf"\(RetryPolicy\(max_attempts={max_attempts}\) allows no more\)$",
         str(err),
     )
     assert (err.bucket, err.key) == ("bkt", f"train/{last:06d}.tar")
@@ -357,7 +366,8 @@ async def test_a_delay_past_the_deadline_gives_up_without_sleeping(clock):
     attempt, retried = Flaky([transient(i) for i in range(10)]), []
     policy = RetryPolicy(max_attempts=10, base_delay=1.0, max_delay=1.0, deadline=0.5)
     with anyio.fail_after(DEADLINE):
-        with pytest.raises(TransientStoreError, match=r"gave up after 1 attempt\(s\) over 0\.0s"):
+        with pytest.raises(TransientStoreError, match=r"gave up after 1 attempt\(s\) over 0\.0s \(its "
+                                                      r"deadline of 0\.5 s would pass before another attempt"):
             await call_with_retries(attempt, policy, on_retry=retried.append, rng=TopOfRange(), clock=clock)
     assert attempt.calls == 1 and retried == [] and clock.sleeps == []
 
@@ -375,7 +385,7 @@ async def test_deadline_counts_time_spent_in_attempts(clock):
     retried = []
     policy = RetryPolicy(max_attempts=100, deadline=3.5, **FAST)
     with anyio.fail_after(DEADLINE):
-        with pytest.raises(TransientStoreError, match=r"^503 SlowDown #4 \(gave up after 4 attempt\(s\) over 4\.0s"):
+        with pytest.raises(TransientStoreError, match=r"^503 SlowDown #4; gave up after 4 attempt\(s\) over 4\.0s"):
             await call_with_retries(slow_failure, policy, on_retry=retried.append, rng=random.Random(0),
                                     clock=clock)
     assert slow_failure.calls == 4
@@ -439,3 +449,128 @@ async def test_progress_restarts_the_attempt_count(progress):
         with pytest.raises(TransientStoreError):
             await call_with_retries(attempt, policy, progressed=lambda: False)
         assert calls == 2
+
+
+# ------------------------------------------------------------------------------ the schedule
+
+
+def schedule(policy: RetryPolicy, seed: int, durations=()) -> tuple[list[float], float]:
+    """When each attempt of a request that always fails starts, and when the policy gives up:
+    ``next_delay`` driven as ``call_with_retries`` drives it (attempt ``i`` takes
+    ``durations[i]`` seconds, 10 ms beyond the list: a refused connection takes a little time)."""
+    rng, now, starts = random.Random(seed), 0.0, []
+    while True:
+        starts.append(now)
+        now += durations[len(starts) - 1] if len(starts) <= len(durations) else 0.01
+        delay = next_delay(policy, len(starts), now, rng)
+        if delay is None:
+            return starts, now
+        now += delay
+
+
+@given(seed=st.integers(0, 2**64))
+def test_the_default_policy_rides_out_an_outage_of_a_minute_and_more(seed):
+    """A 20 s restart or a 60 s failover: attempts go on for well over a minute (until the
+    deadline is near), and one comes within max_delay of the moment the server is back."""
+    policy = RetryPolicy()
+    starts, gave_up_at = schedule(policy, seed)
+    assert policy.max_attempts is None and gave_up_at >= policy.deadline - policy.max_delay > 60
+    assert starts[-1] < policy.deadline  # the last attempt starts in time (and may end after it)
+    assert all(b - a <= policy.max_delay + 0.01 for a, b in zip(starts, starts[1:]))  # wait + attempt
+
+
+@given(policy=st.builds(RetryPolicy, max_attempts=st.none() | st.integers(1, 50),
+                        base_delay=st.floats(0, 2), max_delay=st.floats(0, 10),
+                        deadline=st.floats(0.01, 300)),
+       seed=st.integers(0, 2**64), durations=st.lists(st.floats(0.01, 20), max_size=60))
+def test_no_attempt_starts_after_the_deadline_nor_past_max_attempts(policy, seed, durations):
+    starts, _ = schedule(policy, seed, durations)
+    assert all(start < policy.deadline for start in starts)
+    if policy.max_attempts is not None:
+        assert len(starts) <= policy.max_attempts
+
+
+@given(attempts=st.integers(1, 20), seed=st.integers(0, 2**64))
+def test_max_attempts_still_tightens_the_default(attempts, seed):
+    """20 attempts of instant failures wait at most ~71 s together: well inside the deadline, so
+    ``max_attempts`` alone decides."""
+    starts, _ = schedule(RetryPolicy(max_attempts=attempts), seed)
+    assert len(starts) == attempts
+
+
+# ------------------------------------------------------------------------------ what users read
+
+
+class MovingClock(FakeClock):
+    """A fake clock whose sleeps move it forward, as real ones do."""
+
+    async def sleep(self, seconds):
+        self.now += seconds
+        await super().sleep(seconds)
+
+
+@pytest.fixture
+def moving(monkeypatch):
+    """A ``MovingClock``, and a fresh progress throttle (it is per process)."""
+    monkeypatch.setattr(retry_module._Throttle, "last", -math.inf)
+    return MovingClock()
+
+
+@pytest.mark.anyio
+async def test_a_long_outage_is_reported_in_progress_lines_and_ridden_out(moving, caplog):
+    """Eight requests fail together for 40 s (fake time): warning lines name what fails and for
+    how long, at most one per PROGRESS_EVERY for the whole process, none for a short blip;
+    then every request succeeds under the default policy."""
+    back = moving.now + 40.0
+
+    def attempt_of(i):
+        async def attempt():
+            if moving.now < back:
+                raise answers.unreachable("http://127.0.0.1:9000", "bkt", f"train/{i:06d}.tar")
+            return i
+        return attempt
+
+    results = []
+    with caplog.at_level("WARNING", logger="loader.retry"), anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                async def one(i=i):
+                    results.append(await call_with_retries(attempt_of(i), RetryPolicy(), clock=moving))
+                tg.start_soon(one)
+    assert sorted(results) == list(range(8))
+    lines = [r for r in caplog.records if r.name == "loader.retry"]
+    assert all(r.levelname == "WARNING" for r in lines)
+    assert 40 / PROGRESS_EVERY - 2 <= len(lines) <= 40 / PROGRESS_EVERY + 1
+    first = lines[0].getMessage()
+    assert re.match(r"still retrying after \d+ s of failures \(attempt \d+; gives up after 120 s, see "
+                    r"RetryPolicy\): cannot connect to http://127\.0\.0\.1:9000 for s3://bkt/train/\d{6}\.tar",
+                    first), first
+    seconds = [int(re.search(r"after (\d+) s", r.getMessage()).group(1)) for r in lines]
+    assert seconds[0] >= PROGRESS_AFTER and max(seconds) <= 40
+
+
+@pytest.mark.anyio
+async def test_a_short_blip_logs_nothing(moving, caplog):
+    attempt = Flaky([transient(i) for i in range(3)])
+    with caplog.at_level("WARNING", logger="loader.retry"), anyio.fail_after(DEADLINE):
+        assert await call_with_retries(attempt, RetryPolicy(base_delay=0.1, max_delay=0.5), clock=moving) == "ok"
+    assert [r for r in caplog.records if r.name == "loader.retry"] == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("error", [
+    answers.failed_mid_request("bkt", "train/000001.jpg", "connection reset"),
+    answers.unreachable("http://127.0.0.1:9000", "bkt", "train/000001.jpg"),
+])
+async def test_the_final_error_reads_as_final(moving, error):
+    """The message of the error that ends the retries says they are over, nowhere that more
+    will come (stores word transient faults without promising a retry)."""
+    attempt = Flaky([error] * 100)
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(type(error)) as info:
+            await call_with_retries(attempt, RetryPolicy(deadline=30), clock=moving)
+    message = str(info.value)
+    assert "retry" not in message.replace("RetryPolicy", "")
+    assert message.startswith(str(error) + "; gave up after ")
+    assert re.search(r"over \d+\.\ds \(its deadline of 30 s would pass before another attempt: raise "
+                     r"RetryPolicy\(deadline=\.\.\.\) to wait out longer outages\)$", message), message

@@ -17,11 +17,15 @@ import tarfile
 from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, get_worker_info
 
 import loader.datasets.shard_source
 from loader import AsyncS3Dataset, ConfigError, SampleError
+from loader.datasets.options import MIN_MEMORY_BUDGET, budget_options
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
+from loader.formats.shards import MIN_PART_SIZE, ShardOptions
 from loader.retry import RetryPolicy
 
 from fakes import FakeStore, reusable
@@ -159,6 +163,7 @@ def test_exactly_once_with_dataloader_workers(num_workers):
     assert all(len(shards) == 8 // num_workers for shards in by_worker.values())
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_prefix_form_uses_parallel_ranged_gets_and_keeps_bytes_exact():
     fake, expected = make_store(num_shards=3, per_shard=60)
     sizes = {key: len(data) for (_, key), data in fake.objects.items()}
@@ -433,6 +438,7 @@ def test_garbage_object_is_not_a_tar():
     assert info.value.offset == 0
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_garbage_object_on_the_ranged_path_is_not_a_tar():
     fake, _ = make_store(num_shards=2, per_shard=10)
     fake.objects[BUCKET, shard_key(1)] = random.Random(1).randbytes(50_000)
@@ -458,6 +464,7 @@ def test_empty_object_is_an_empty_shard():
     assert ds.stats()["shards_skipped"] == 0
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_empty_object_found_by_listing_is_an_empty_shard():
     fake, expected = make_store(num_shards=3, per_shard=10)
     fake.objects[BUCKET, shard_key(1)] = b""
@@ -524,6 +531,7 @@ def test_cuts_without_progress_give_up():
     assert fake.requests_by_key[shard_key(0)] == 3
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_transient_faults_on_ranged_parts_are_retried():
     fake, expected = make_store(num_shards=3, per_shard=60)
     fake.fail = {
@@ -539,6 +547,7 @@ def test_transient_faults_on_ranged_parts_are_retried():
     assert fake.requests_by_key[shard_key(0)] == parts + 3
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_persistent_fault_on_a_part_gives_up():
     fake, _ = make_store(num_shards=2, per_shard=60)
     fake.fail = {shard_key(1): [TransientStoreError("503", bucket=BUCKET, key=shard_key(1))] * 10}
@@ -548,6 +557,7 @@ def test_persistent_fault_on_a_part_gives_up():
         list(ds)
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_sample_ranges_that_end_inside_a_ranged_shard_stop_cleanly():
     """With known counts, a rank's run may end inside a shard read by ranged parts: the job stops
     reading there (and must not surface as an exception group from the part fetchers)."""
@@ -659,6 +669,8 @@ def test_resume_rejects_another_seed_or_shard_count():
         ({"shuffle_buffer": 2.5}, r"shuffle_buffer=2\.5"),
         ({"on_error": "ignore"}, r"on_error='ignore'"),
         ({"part_size": 0}, r"part_size=0"),
+        ({"part_size": 1}, r"^part_size=1 is below the floor of 1048576 bytes: each part is one ranged GET"),
+        ({"part_size": (1 << 20) - 1}, r"part_size=1048575 is below the floor.*give part_size=1048576 \(1 MiB\)"),
         ({"parts_inflight": 0}, r"parts_inflight=0"),
         ({"chunk_size": -5}, r"chunk_size=-5"),
         ({"shards_inflight": True}, r"shards_inflight=True"),
@@ -708,6 +720,19 @@ def test_transform_errors_in_shard_mode_follow_on_error():
                    transform=_fails_on_every_tenth)
     got = list(ds)
     assert len(got) == 54 and ds.stats()["samples_skipped"] == 6 == len(expected) - len(got)
+
+
+@given(part_size=st.integers(1, 64 << 20))
+def test_part_size_has_a_floor_of_one_mib_and_no_budget_goes_below_it(part_size):
+    """``part_size=1`` made one GET per byte of a shard: below 1 MiB is refused, naming the
+    setting and the floor; at or above it, accepted. A budget never derives less either."""
+    if part_size < MIN_PART_SIZE:
+        with pytest.raises(ConfigError, match=rf"^part_size={part_size} is below the floor of {MIN_PART_SIZE} bytes"):
+            ShardOptions(part_size=part_size)
+    else:
+        assert ShardOptions(part_size=part_size).part_size == part_size
+    derived = budget_options({"memory_budget": max(MIN_MEMORY_BUDGET, part_size)}, "shards")
+    assert derived["part_size"] >= MIN_PART_SIZE
 
 
 def test_a_skipped_sample_is_named_and_its_shard_goes_on(caplog):

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader.errors import ShardFormatError
+from loader.formats.objects import field_of
 from loader.formats.tar import (
     BLOCK_SIZE,
     SampleGrouper,
@@ -643,13 +644,20 @@ def test_reserved_extension_is_an_error():
         list(iter_samples([tar_bytes([("k.__key__", b"1")])], URL))
 
 
-def test_members_without_extension_or_hidden_are_skipped():
+def test_members_without_extension_fill_data_and_hidden_ones_are_skipped():
+    """As in per-object mode (``objects.field_of``): no extension, or a trailing dot, is the
+    field ``"data"``; hidden files are skipped and counted."""
     grouper = SampleGrouper(URL)
-    for name in ["README", "a/.DS_Store", "a/._k.jpg", "k.", "a/k.jpg"]:
-        assert grouper.add(TarMember(name, b"x", 0)) is None
-    assert grouper.members_skipped == 4
-    assert grouper.flush() == {"__key__": "a/k", "__url__": URL, "__index__": 0, "jpg": b"x"}
+    out = [grouper.add(TarMember(name, name.encode(), 0))
+           for name in ["README", "a/.DS_Store", "a/._k.jpg", "k.", "k.txt", "a/k.jpg"]]
+    assert grouper.members_skipped == 2
+    assert out == [None, None, None,
+                   {"__key__": "README", "__url__": URL, "__index__": 0, "data": b"README"},
+                   None,
+                   {"__key__": "k", "__url__": URL, "__index__": 1, "data": b"k.", "txt": b"k.txt"}]
+    assert grouper.flush() == {"__key__": "a/k", "__url__": URL, "__index__": 2, "jpg": b"a/k.jpg"}
     assert grouper.flush() is None
+    assert field_of("README") == field_of("k.") == "data"
 
 
 def test_key_runs_and_indices():

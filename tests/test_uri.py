@@ -9,7 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loader.errors import ConfigError
-from loader.uri import MAX_EXPANSION, S3Uri, expand_braces, object_url, parse_s3_uri, sibling_matches
+from loader.uri import (
+    MAX_EXPANSION,
+    S3Uri,
+    bucket_name_problem,
+    check_bucket_name,
+    expand_braces,
+    object_url,
+    parse_s3_uri,
+    sibling_matches,
+)
 
 # ------------------------------------------------------------------------------ parse_s3_uri
 
@@ -304,3 +313,42 @@ def test_zero_padding_follows_the_written_width():
 def test_sibling_matches_cuts_nested_keys_at_their_first_folder():
     keys = ["train/imgs/0.jpg", "train/imgs-shards/a/b/c.tar", "train/imgs-shards/a/d.tar"]
     assert sibling_matches("train/imgs", keys) == ["train/imgs-shards/"]
+
+
+# ------------------------------------------------------------------------------ new bucket names
+
+VALID_BUCKET = st.from_regex(r"[a-z0-9]([a-z0-9]|[.-](?=[a-z0-9])){1,61}[a-z0-9]", fullmatch=True)
+
+
+@given(VALID_BUCKET)
+def test_names_that_follow_s3s_rules_are_accepted(name):
+    if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):
+        assert bucket_name_problem(name) == "it is written like an IP address"
+    else:
+        assert bucket_name_problem(name) is None and check_bucket_name(name) == name
+
+
+@given(VALID_BUCKET, st.sampled_from("_A ~/:é"), st.data())
+def test_a_character_outside_the_rule_is_named(name, bad, data):
+    at = data.draw(st.integers(0, len(name)))
+    broken = name[:at] + bad + name[at:]
+    problem = bucket_name_problem(broken)
+    assert problem is not None and (repr(bad) in problem or "character" in problem), problem
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("ft", "it has 2 character(s)"),
+    ("a" * 64, "it has 64 character(s)"),
+    ("Bad_Bucket", "it holds 'B', '_'"),
+    ("-data", "it starts or ends with '.' or '-'"),
+    ("data.", "it starts or ends with '.' or '-'"),
+    ("my..data", "it holds '..'"),
+    ("192.168.1.10", "it is written like an IP address"),
+])
+def test_invalid_bucket_names_say_why_and_the_rule(name, problem):
+    assert bucket_name_problem(name) == problem
+    with pytest.raises(ConfigError, match=rf"^--bucket {re.escape(repr(name))} is not a valid bucket name "
+                                          rf"\({re.escape(problem)}\); use 3-63 characters of lowercase "
+                                          r"letters, digits, dots and hyphens, starting and ending with a "
+                                          r"letter or digit, no '\.\.', not an IP address$"):
+        check_bucket_name(name, "--bucket")

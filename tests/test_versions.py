@@ -112,6 +112,7 @@ def shard_dataset(fake: FakeStore, spec: str, **options) -> AsyncS3Dataset:
                                       shuffle_buffer=0, **options)
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_ranged_parts_of_a_shard_overwritten_mid_read_are_never_spliced():
     """The original report: parts of a listed shard, overwritten after a few parts."""
     old, new = tar_of(1), tar_of(2)
@@ -127,6 +128,7 @@ def test_ranged_parts_of_a_shard_overwritten_mid_read_are_never_spliced():
     assert fake.requests_by_key["shards/a.tar"] >= 4
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_parts_all_ask_for_the_listed_version():
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
     seen: list[str | None] = []
@@ -142,6 +144,7 @@ def test_parts_all_ask_for_the_listed_version():
     assert len(seen) > 3 and set(seen) == {fake.etag_of(BUCKET, "shards/a.tar")}
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_a_shard_replaced_after_listing_is_read_whole_in_its_new_version():
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
     ds = shard_dataset(fake, f"s3://{BUCKET}/shards/", part_size=4096, parts_inflight=2)
@@ -173,6 +176,7 @@ def test_resumed_stream_of_an_unchanged_shard_still_completes():
     assert fake.requests_by_key["shards/a.tar"] == 3
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_a_server_without_etags_reads_as_before():
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)}, etags=False)
     samples = list(shard_dataset(fake, f"s3://{BUCKET}/shards/", part_size=4096))
@@ -298,6 +302,7 @@ def test_map_dataset_refetches_overwritten_entries(tmp_path):
     assert fake.requests == 6
 
 
+@pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shards_from_a_cache_are_refetched_when_the_listing_says_so(tmp_path):
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
     options = {"cache_dir": tmp_path, "part_size": 4096, "parts_inflight": 2}

@@ -85,10 +85,9 @@ class ObjectSource:
 
     def _build_index(self) -> SampleIndex:
         where = f"s3://{self.bucket}/{self.prefix}" if self.prefix is not None else "the key list"
-        root = None if self.prefix is None else self.prefix[:self.prefix.rfind("/") + 1]
         keys = self.keys()
         return build_index(keys, group=self._group, label_from=self._label_from,
-                           labels=self._labels, where=where, root=root)
+                           labels=self._labels, where=where, prefix=self.prefix)
 
     # ------------------------------------------------------------------ the Source protocol
 

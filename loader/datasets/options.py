@@ -21,6 +21,7 @@ from ..formats.shards import (
     DEFAULT_PART_SIZE,
     DEFAULT_PARTS_INFLIGHT,
     DEFAULT_SHARDS_INFLIGHT,
+    MIN_PART_SIZE,
     ShardOptions,
 )
 from ..retry import RetryPolicy
@@ -35,7 +36,6 @@ from . import partition, topology
 Transform = Callable[[dict[str, Any]], Any]
 Mode = Literal["objects", "shards"]
 MIN_MEMORY_BUDGET = 8 << 20
-MIN_PART_SIZE = 1 << 20  # ranged parts smaller than this cost more in requests than they save
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,9 +12,10 @@ grouped, plus where each sample starts (flat arrays pickle small into DataLoader
 
 Labels, when asked for, become the field ``"cls"`` as an ``int``:
 
-* ``label_from="parent"``: the name of the folder that holds the object
-  (``train/cat/001.jpg`` -> ``"cat"``). Class indices follow the sorted class names, as
-  torchvision's ``ImageFolder`` numbers its folders; ``classes`` and ``class_to_idx`` say which.
+* ``label_from="parent"``: as torchvision's ``ImageFolder`` reads a folder, the first folder
+  under the root (``train/cat/001.jpg`` and ``train/cat/sub/002.jpg`` -> ``"cat"``, listed under
+  ``train/``); deeper folders belong to that class. Class indices follow the sorted class names,
+  as ``ImageFolder`` numbers them; ``classes`` and ``class_to_idx`` say which.
 * a label per key (a manifest's label column): class names are numbered the same way; integer
   labels are used as they are.
 """
@@ -32,12 +33,11 @@ from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..retry import call_with_retries
 from ..uri import object_url
-from .tar import split_key
+from .tar import NO_EXTENSION_FIELD, split_key
 
 LabelFrom = Literal["parent"]
 LABEL_SOURCES = ("parent",)
 LABEL_FIELD = "cls"
-NO_EXTENSION_FIELD = "data"
 RESERVED_FIELDS = ("__key__", "__url__", "__index__")
 Label = int | str
 
@@ -52,10 +52,45 @@ def is_hidden(key: str) -> bool:
     return key.startswith(".", key.rfind("/") + 1)
 
 
-def parent_folder(key: str) -> str | None:
-    """The name of the folder holding ``key`` (``"a/cat/1.jpg"`` -> ``"cat"``), or None at the top."""
-    folder = key.rpartition("/")[0]
-    return folder.rpartition("/")[2] if folder else None
+def class_folder(key: str, root: str) -> str | None:
+    """The class of ``key`` under the folder ``root`` (``""`` or ending in ``/``), as
+    ``ImageFolder`` reads it: the first folder below the root (``"a/cat/x/1.jpg"``, ``"a/"`` ->
+    ``"cat"``); None for a key directly in the root or outside it."""
+    if not key.startswith(root):
+        return None
+    folder, slash, _ = key[len(root):].partition("/")
+    return folder if slash and folder else None
+
+
+def class_root(keys: Sequence[str], prefix: str | None) -> str:
+    """The folder whose subfolders are the classes.
+
+    For a listed ``prefix``, the folder it names: itself when it ends in ``/``; ``prefix + "/"``
+    when every key lies in that folder (``s3://b/train`` reads as ``s3://b/train/``); else the
+    folder it sits in (it matched siblings too, each read as a class folder of that folder).
+    For a key list (``prefix`` None), the deepest folder that still leaves every key inside a
+    class folder below it (``a/cat/1.jpg`` + ``a/dog/x/2.jpg`` -> ``"a/"``).
+    """
+    if prefix is not None:
+        if prefix.endswith("/") or not prefix:
+            return prefix
+        folder = prefix + "/"
+        if all(key.startswith(folder) for key in keys):
+            return folder
+        return prefix[: prefix.rfind("/") + 1]
+    common: list[str] | None = None  # the folders above every key's own folder, shared by all
+    for key in keys:
+        above = key.split("/")[:-2]
+        if common is None:
+            common = above
+        else:
+            n = 0
+            while n < min(len(common), len(above)) and common[n] == above[n]:
+                n += 1
+            del common[n:]
+        if not common:
+            return ""
+    return "".join(part + "/" for part in common or ())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -106,14 +141,16 @@ def build_index(
     label_from: LabelFrom | None = None,
     labels: Sequence[Label | None] | None = None,
     where: str = "",
-    root: str | None = None,
+    prefix: str | None = None,
 ) -> SampleIndex:
     """Group ``keys`` into samples (first appearance of each stem decides the sample order).
 
     ``labels``: one label per key (or None where a row gave none); every sample needs exactly
     one value among its keys. ``where`` names the source in errors (a prefix URL, a manifest).
-    ``root``: with ``label_from="parent"``, the folder listed; objects directly in it have no
-    class folder and are an error (``ImageFolder`` reads only the class folders under its root).
+    ``prefix``: with ``label_from="parent"``, the prefix listed (None for a key list); the
+    classes are the folders right under the root it names (``class_root``); objects directly in
+    that root have no class folder and are an error (``ImageFolder`` reads only the class
+    folders under its root).
     """
     if label_from is not None and label_from not in LABEL_SOURCES:
         raise ConfigError(f"label_from={label_from!r} must be 'parent' or None")
@@ -152,6 +189,7 @@ def build_index(
         starts.append(len(ordered))
     index = SampleIndex(tuple(ordered), starts)
     if label_from == "parent":
+        root = class_root(index.keys, prefix)
         return _with_names(index, [_parent_label(index, i, where, root) for i in range(len(index))])
     if labels is not None:
         order = [position for positions in groups for position in positions]
@@ -174,15 +212,14 @@ def _with_names(index: SampleIndex, names: list[str]) -> SampleIndex:
                                classes=classes)
 
 
-def _parent_label(index: SampleIndex, i: int, where: str, root: str | None) -> str:
+def _parent_label(index: SampleIndex, i: int, where: str, root: str) -> str:
     key = index.keys[index.starts[i]]
-    folder = key.rpartition("/")[0]
-    name = parent_folder(key)
-    if name is None or (root is not None and folder + "/" == root):
+    name = class_folder(key, root)
+    if name is None:
         inside = f" under {where}" if where else ""
         raise ConfigError(
             f"label_from='parent': {key!r} is not in a class folder{inside} (expected "
-            "<root>/<class>/<file>, as ImageFolder reads them); move it into one, or list only "
+            f"{root}<class>/<file>, as ImageFolder reads them); move it into one, or list only "
             "the class folders")
     return name
 

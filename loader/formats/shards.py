@@ -13,8 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import random
-import time
 import warnings
 from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, NamedTuple
@@ -30,7 +28,7 @@ from ..errors import (
     ShardFormatError,
     TransientStoreError,
 )
-from ..retry import backoff_delay, call_with_retries
+from ..retry import Retrying, call_with_retries
 from ..stores.base import Pin
 from ..uri import object_url, parse_s3_uri
 from .compression import Compression, compression_of, open_decoder
@@ -41,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARDS_INFLIGHT = 4
 DEFAULT_SHUFFLE_BUFFER = 1000
 DEFAULT_PART_SIZE = 16 << 20
+MIN_PART_SIZE = 1 << 20  # a ranged part smaller than this costs more in requests than it saves
 DEFAULT_PARTS_INFLIGHT = 4
 DEFAULT_CHUNK_SIZE = 1 << 20
 
@@ -82,7 +81,8 @@ class ShardOptions:
     ``shuffle_buffer``: samples mixed after reading (0 = off; None: 1000 where a buffer applies);
     costs that many samples of RAM.
     ``part_size``/``parts_inflight``: a shard of known size above two parts is fetched as
-    ranged GETs of ``part_size`` bytes, ``parts_inflight`` at a time, reassembled in order.
+    ranged GETs of ``part_size`` bytes (``MIN_PART_SIZE`` at least), ``parts_inflight`` at a
+    time, reassembled in order.
     ``shuffle_bytes``: the shuffle buffer's limit in bytes as well (None: samples only);
     ``memory_budget`` sets it.
     ``samples_per_epoch``: exactly this many samples per rank and epoch, cycling through the
@@ -114,6 +114,11 @@ class ShardOptions:
             if not isinstance(self.index, str):
                 raise ConfigError(f"index={self.index!r} must be an s3:// URI of a shard index")
             parse_s3_uri(self.index)
+        if self.part_size < MIN_PART_SIZE:
+            raise ConfigError(
+                f"part_size={self.part_size!r} is below the floor of {MIN_PART_SIZE} bytes: each part is "
+                "one ranged GET, and parts that small spend their time on requests, not bytes; give "
+                f"part_size={MIN_PART_SIZE} (1 MiB) or more, or leave the default (16 MiB)")
 
     @property
     def buffer_size(self) -> int:
@@ -442,10 +447,10 @@ async def _read_stream(
 
     Each resumed request gets the full attempt budget again once the previous one made
     progress, so a long shard over a flaky link still finishes; an attempt that makes no
-    progress counts toward ``RetryPolicy.max_attempts`` and its deadline.
+    progress counts toward ``RetryPolicy.max_attempts`` and its deadline (from the first
+    failure: a stream that ran for minutes before breaking is not out of time).
     """
-    policy, rng = ctx.retry, random.Random()
-    failures, first_failure = 0, 0.0
+    retrying = Retrying(ctx.retry, started=None, what=shard.url)
     compression = shard.compression
     while True:
         resume = parser.resume_offset
@@ -481,21 +486,11 @@ async def _read_stream(
                 return  # resumed exactly at the end: nothing was left to read
             raise
         except TransientStoreError as exc:
-            if parser.resume_offset > resume:  # a member completed (bytes alone are no progress)
-                failures = 0
-            if failures == 0:
-                first_failure = time.monotonic()
-            failures += 1
-            elapsed = time.monotonic() - first_failure
-            if failures >= policy.max_attempts or elapsed >= policy.deadline:
-                raise type(exc)(
-                    f"{exc} (gave up on {shard.url} at byte {parser.resume_offset} after "
-                    f"{failures} attempt(s) without progress)",
-                    bucket=shard.bucket,
-                    key=shard.key,
-                ) from exc
+            retrying.what = f"{shard.url} at byte {parser.resume_offset}"
+            # a member completed since the last failure (bytes alone are no progress)
+            delay = retrying.failed(exc, progressed=parser.resume_offset > resume)
             ctx.retried(exc)
-            await anyio.sleep(backoff_delay(failures - 1, policy, rng))
+            await anyio.sleep(delay)
             parser.restart_at(parser.resume_offset)
 
 

@@ -18,6 +18,7 @@ from loader.errors import ShardFormatError
 
 __all__ = [
     "BLOCK_SIZE",
+    "NO_EXTENSION_FIELD",
     "SampleGrouper",
     "TarMember",
     "TarStreamParser",
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 BLOCK_SIZE = 512
+NO_EXTENSION_FIELD = "data"  # the field of a member (or object) whose name has no extension
 _ZERO_BLOCK = bytes(BLOCK_SIZE)
 # Data pieces smaller than this are copied into a bytearray; larger ones are kept as zero-copy
 # views into the fed chunk until the member is complete (then joined once). This keeps 1-byte
@@ -591,11 +593,12 @@ class SampleGrouper:
     Samples are runs of consecutive members with the same key; a key that comes back later starts
     another sample. A run with the same extension twice is a ShardFormatError naming the key.
 
-    Members that cannot form a field are skipped and counted in ``members_skipped``: those with an
-    empty extension (no dot in the basename, or a trailing dot) and hidden files whose basename
-    starts with a dot (``.DS_Store``, macOS ``._x.jpg`` resource forks), whose key would be just
-    the directory. WebDataset drops names without a dot too. Extensions named like the reserved
-    fields (``__key__``, ``__url__``, ``__index__``) are an error.
+    A member without an extension (no dot in its basename, or a trailing dot) fills the field
+    ``"data"``, as such an object does in per-object mode, so both modes read the same files alike
+    (webdataset drops such members without a word). Hidden files, whose basename starts with a dot
+    (``.DS_Store``, macOS ``._x.jpg`` resource forks) and whose key would be just the directory,
+    are skipped and counted in ``members_skipped``. Extensions named like the reserved fields
+    (``__key__``, ``__url__``, ``__index__``) are an error.
     """
 
     def __init__(self, url: str, *, start_index: int = 0) -> None:
@@ -612,10 +615,11 @@ class SampleGrouper:
 
     def add(self, member: TarMember) -> dict[str, Any] | None:
         """Add a member; returns the previous sample when this member starts a new one."""
-        key, ext = split_key(member.name)
-        if not ext or member.name.startswith(".", member.name.rfind("/") + 1):
+        if member.name.startswith(".", member.name.rfind("/") + 1):
             self.members_skipped += 1
             return None
+        key, ext = split_key(member.name)
+        ext = ext or NO_EXTENSION_FIELD
         if ext in _RESERVED_FIELDS:
             raise ShardFormatError(
                 f"{self.url}: member {member.name!r} at byte {member.offset} has the extension "

@@ -69,7 +69,7 @@ def error_for_answer(
                                    "If-Match: it no longer holds the version the read began with")
     if code in TRANSIENT_CODES or status >= 500 or status == 429:
         return TransientStoreError(
-            f"{what}: the server answered {code or status} (HTTP {status}); will retry",
+            f"{what}: the server answered {code or status} (HTTP {status})",
             bucket=bucket, key=key,
         )
     return StoreError(f"{what}: the server answered {code or status} (HTTP {status})",
@@ -128,8 +128,7 @@ def failed_mid_request(
 ) -> TransientStoreError:
     """A connection that broke, stalled or ended a body early: worth another attempt."""
     return TransientStoreError(
-        f"{target(bucket, key, listing=listing)}: the connection failed mid-request ({detail}); "
-        "will retry",
+        f"{target(bucket, key, listing=listing)}: the connection failed mid-request ({detail})",
         bucket=bucket, key=key,
     )
 

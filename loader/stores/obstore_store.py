@@ -361,7 +361,7 @@ class ObstoreStore:
         if received != expected:
             raise TransientStoreError(
                 f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
-                f"{expected - received} short of its Content-Length; will retry",
+                f"{expected - received} short of its Content-Length",
                 bucket=bucket,
                 key=key,
             )
@@ -572,7 +572,7 @@ def _checked(data: Any, expected: int, bucket: str, key: str, start: int) -> byt
     if len(data) != expected:
         raise TransientStoreError(
             f"{object_url(bucket, key)}: body ended after {start + len(data)} bytes, "
-            f"{expected - len(data)} short of its Content-Length; will retry",
+            f"{expected - len(data)} short of its Content-Length",
             bucket=bucket, key=key,
         )
     return bytes(data)

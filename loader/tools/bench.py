@@ -6,8 +6,9 @@ the throughput with ``dataset.stats()``'s request count and latency percentiles.
 
 Per-object mode (a prefix) reads a seeded random subset of ``samples`` keys with
 ``from_keys``, so the epoch ends on its own and every worker's statistics are complete. Shard
-mode (a ``.tar`` URI, a brace pattern, or ``--shards`` with a prefix) streams the shards and stops
-after ``samples`` samples.
+mode (a shard URI or brace pattern, a prefix that holds tar shards as ``loader ls`` judges it, or
+``--shards``) streams the shards and stops after ``samples`` samples; ``--objects`` reads a
+prefix of shards one object per sample all the same.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 from ..checks import check_int
 from ..config import S3Config
 from ..engine.fetch import DEFAULT_MAX_INFLIGHT
+from ..errors import ConfigError
+from ..formats.compression import SHARD_SUFFIXES, is_shard_name
 from ..uri import parse_s3_uri
+from .ls import looks_like_shards, shards_among
 from .sizes import format_size
 
 if TYPE_CHECKING:
@@ -39,6 +43,7 @@ class BenchOptions:
     workers: int = DEFAULT_WORKERS
     batch_size: int = DEFAULT_BATCH_SIZE
     shards: bool = False
+    objects: bool = False
     store: str | None = None
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     seed: int = 0
@@ -46,11 +51,13 @@ class BenchOptions:
     def __post_init__(self) -> None:
         for name, low in (("samples", 0), ("workers", 0), ("batch_size", 1), ("max_inflight", 1)):
             check_int(name, getattr(self, name), minimum=low, must=f"an integer >= {low}")
+        if self.shards and self.objects:
+            raise ConfigError("shards=True and objects=True contradict each other; give one")
 
 
-def looks_like_shards(uri: str) -> bool:
-    """A URI that names tar shards rather than a prefix of objects."""
-    return uri.endswith(".tar") or ("{" in uri and ".tar" in uri)
+def names_shards(uri: str) -> bool:
+    """A URI that names tar shards (one, or a brace pattern of them) rather than a prefix."""
+    return is_shard_name(uri) or ("{" in uri and any(suffix in uri for suffix in SHARD_SUFFIXES))
 
 
 def count_batch(batch: list[dict[str, Any]]) -> tuple[int, int]:
@@ -68,13 +75,21 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     from ..datasets.iterable import AsyncS3Dataset
 
     options = options or BenchOptions()
-    mode = "shards" if options.shards or looks_like_shards(uri) else "objects"
+    mode = "shards" if options.shards or (names_shards(uri) and not options.objects) else "objects"
     common: LoaderKwargs = dict(shuffle=True, seed=options.seed, max_inflight=options.max_inflight,
                                 store=options.store, config=config)
     total: int | None
+    note = ""
     if mode == "objects":
         dataset = AsyncS3Dataset.from_prefix(uri, **common)
-        index = dataset.samples()  # listing happens here, outside the measured time
+        keys = dataset.keys()  # listing happens here, outside the measured time
+        if not options.objects and looks_like_shards(keys):
+            mode = "shards"
+            note = (f"{shards_among(keys)[0]:,} of the {len(keys):,} objects under {uri} are tar shards: read "
+                    f"in shard mode, as AsyncS3Dataset.from_shards({uri!r}) reads them (--objects reads "
+                    "each object as one sample)")
+    if mode == "objects":
+        index = dataset.samples()
         if options.samples and options.samples < len(index):
             chosen = random.Random(options.seed).sample(range(len(index)), options.samples)
             dataset = AsyncS3Dataset.from_keys(parse_s3_uri(uri).bucket,
@@ -111,7 +126,7 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     seconds = time.perf_counter() - started
     stats = dataset.stats() or {}
     return {
-        "uri": uri, "mode": mode, "listed": listed, "store": dataset.options.store,
+        "uri": uri, "mode": mode, "note": note, "listed": listed, "store": dataset.options.store,
         "workers": options.workers, "batch_size": options.batch_size,
         "max_inflight": options.max_inflight, "samples": samples, "bytes": nbytes,
         "seconds": seconds, "first_batch_s": first_batch,
@@ -150,4 +165,6 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"loader bench {result['uri']} ({mode}, store {result['store']}, {result['workers']} "
              f"workers, batch {result['batch_size']}, max_inflight {result['max_inflight']})"]
     lines += [f"  {name:<20} {value:>22}   {note}".rstrip() for name, value, note in rows]
+    if result.get("note"):
+        lines.append(f"note: {result['note']}")
     return lines

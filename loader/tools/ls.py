@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from ..config import S3Config
 from ..datasets.sources import list_prefix
+from ..formats.compression import is_shard_name
+from ..formats.packing import INDEX_NAME, PROGRESS_NAME
 from ..formats.tar import split_key
 from ..retry import RetryPolicy
 from ..stores import ObjectInfo, StoreSpec
@@ -20,6 +22,34 @@ from .sizes import format_size
 
 SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
 BAR_WIDTH = 40
+
+
+def shards_among(keys: Iterable[str]) -> tuple[int, int]:
+    """``(tar shards, other objects)`` of a listing: shards plain or compressed (``.tar``,
+    ``.tar.gz``, ``.tgz``, ``.tar.zst``, ``.tzst``); the index files ``loader shard`` writes beside
+    its shards count as neither."""
+    shards = others = 0
+    for key in keys:
+        if is_shard_name(key):
+            shards += 1
+        elif key.rpartition("/")[2] not in (INDEX_NAME, PROGRESS_NAME):
+            others += 1
+    return shards, others
+
+
+def looks_like_shards(keys: Iterable[str]) -> bool:
+    """Whether a listing is tar shards to read with ``from_shards`` (at least half of its objects
+    are shards) rather than objects to read one per sample: what ``ls`` and ``bench`` both go by."""
+    shards, others = shards_among(keys)
+    return shards > 0 and shards >= others
+
+
+def shard_destination(uri: str) -> str:
+    """Where ``ls`` suggests ``loader shard`` put the shards of ``uri``: a folder beside it
+    (``s3://b/train/`` -> ``s3://b/train-shards/``), or ``s3://b/shards/`` for a whole bucket."""
+    bucket, _, key = uri.removeprefix("s3://").partition("/")  # a URI the caller checked
+    folder = key.rstrip("/")
+    return f"s3://{bucket}/{folder}-shards/" if folder else f"s3://{bucket}/shards/"
 
 
 class Bucket(NamedTuple):
@@ -84,11 +114,12 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
     lines.append(f"extensions: {shown}" + (f", and {more} more" if more > 0 else ""))
     lines.append("size histogram (log2 buckets):")
     lines.extend(render_histogram(log2_histogram(sizes)))
-    tars = extensions.get("tar", 0)
-    if tars and tars >= len(objects) / 2:
-        lines.append(f"these look like tar shards: read them with AsyncS3Dataset.from_shards({uri!r})")
+    shards, _ = shards_among(info.key for info in objects)
+    if looks_like_shards(info.key for info in objects):
+        lines.append(f"these look like tar shards ({shards:,} of {len(objects):,} objects): read them with "
+                     f"AsyncS3Dataset.from_shards({uri!r}); `loader bench {uri}` measures them")
     elif median < SMALL_OBJECT:
-        dst = uri.rstrip("/") + "-shards/"
+        dst = shard_destination(uri)
         lines.append(
             f"hint: the median object is {format_size(median)}; per-object loading pays one request "
             "per sample and tops out near max_inflight / latency samples/s. Pack them into tar "

@@ -160,11 +160,11 @@ def pack(
     dst_bucket, dst_prefix = parse_s3_uri(dst)
     if dst_prefix and not dst_prefix.endswith("/"):
         dst_prefix += "/"
-    if src_bucket == dst_bucket and dst_prefix.startswith(src_prefix):
+    if src_bucket == dst_bucket and dst_prefix in (src_prefix, src_prefix + "/"):
         raise ConfigError(
-            f"DST_PREFIX s3://{dst_bucket}/{dst_prefix} lies under SRC_PREFIX s3://{src_bucket}/"
-            f"{src_prefix}, so the shards would become source objects of a rerun; choose a DST_PREFIX "
-            "outside the source"
+            f"DST_PREFIX s3://{dst_bucket}/{dst_prefix} is the folder of SRC_PREFIX s3://{src_bucket}/"
+            f"{src_prefix}, so the shards would mix with the objects they hold; choose another folder "
+            "(one inside the source is fine: what lies under DST_PREFIX is left out of the source)"
         )
     factory = StoreSpec.of(store, config).opener(
         max_connections=options.max_inflight + options.concurrency, retry=retry)
@@ -180,6 +180,7 @@ class _Packer:
                  progress: Callable[[PackReport, int, int], ProgressHook] | None) -> None:
         self.src_bucket, self.src_prefix = src_bucket, src_prefix
         self.bucket, self.prefix = dst_bucket, dst_prefix
+        self.dst_in_src = src_bucket == dst_bucket and dst_prefix.startswith(src_prefix)  # left out of SRC
         self.options = options
         self.retry = retry
         self.make_progress = progress
@@ -211,7 +212,8 @@ class _Packer:
         # DST first: a missing bucket or permission fails before a long listing of SRC
         existing = await self._list(self.bucket, self.prefix)
         listing = await list_objects(self.store, self.src_bucket, self.src_prefix, self.retry)
-        objects = [(info.key, info.size) for info in listing.infos()]
+        objects = [(info.key, info.size) for info in listing.infos()
+                   if not (self.dst_in_src and info.key.startswith(self.prefix))]
         samples, skipped = group_samples(objects, self.src_prefix)
         report.skipped = skipped
         if skipped and not options.skip_invalid:
