@@ -5,46 +5,8 @@ from parallel ranged GETs, with neither a local file nor a whole copy of the byt
     checkpoint.save(model.state_dict(), "s3://bucket/ckpt/step-1000.pt")
     state = checkpoint.load("s3://bucket/ckpt/step-1000.pt", map_location="cpu")
 
-Both directions run ``torch`` in the caller's thread and the I/O on a short-lived event loop in a
-helper thread (an anyio blocking portal) that is gone when the call returns.
-
-**save.** ``torch.save`` writes its zip archive strictly front to back to a file object: it calls
-only ``write`` (with memoryviews straight onto tensor memory) and ``flush``, never ``seek``.
-``_PartWriter`` copies those bytes into parts of ``part_size`` and hands each full one to the
-loop, which uploads up to ``parts_inflight`` at once. The hand-off is a rendezvous that waits
-for a free upload slot (backpressure), so at most ``parts_inflight + 1`` parts exist at any
-time: ``(parts_inflight + 1) * part_size`` beyond the object being saved, 80 MiB with the
-defaults, plus the client's own memory (the measured peaks are in ``bench/results/``). A checkpoint
-smaller than one part is a single PUT.
-Each request is retried by ``loader.retry``. The object appears only when the upload completes,
-atomically; on *any* failure (``torch.save`` raising, a part failing after its retries,
-``KeyboardInterrupt``) the upload is aborted, so no invisible parts are left behind, and the
-error is re-raised naming the URI (in the message of our store errors, as a note on others,
-whose type is kept). Every 1,000 parts the part size doubles, so S3's 10,000-part limit is not
-reached below ~16 TB at the default part size.
-
-**load.** ``torch.load`` needs a seekable file: it reads the zip's directory at the end first,
-then each record (a small header, then the tensor's bytes with one ``readinto`` into the
-tensor's own, freshly allocated storage). ``_RangeReader`` serves those reads from the object:
-a read of at least ``part_size`` bytes goes straight from ranged GETs of ``part_size`` each,
-``parts_inflight`` at once, into torch's buffer; smaller reads (headers, the pickle, small
-tensors) come from a cache of at most ``parts_inflight`` blocks of ``part_size``, with
-read-ahead while misses run front to back. So the bytes are never held twice: the peak is the
-loaded tensors plus the cache plus the responses in flight, which aiohttp holds twice while it
-joins their chunks, i.e. about ``3 * parts_inflight * part_size`` (96 MiB with the defaults). Reading the object
-into one buffer first, or ``torch.load(io.BytesIO(...))``, would cost twice its size; no
-temporary file is written either. ``load``'s ``part_size`` defaults to 8 MiB, not 16, because
-each response costs twice its size while in flight. The object's size comes from listing its
-own key (one LIST request; ``ObjectStore`` has no HEAD), so loading needs ``s3:ListBucket``.
-Every ranged GET asks for the version that listing saw (``If-Match`` with its ETag): a checkpoint
-overwritten before or during the load fails with ``ObjectChangedError`` naming it ("load it
-again"), never a state dict assembled from two saves.
-
-**Backends.** ``store`` takes a backend name or an async factory returning a store, as the
-datasets do. ``save`` needs multipart uploads (``MultipartStore`` in ``loader/stores/base.py``);
-the obstore backend has none, so with ``store="obstore"`` (or ``LOADER_STORE=obstore``) both
-``save`` and ``load`` use the default aioboto3 backend, which also keeps obstore's fork-unsafe
-runtime out of a training process that later forks DataLoader workers.
+Memory is bounded by ``part_size`` x ``parts_inflight``; a failed save aborts its upload, and a
+load reads one version (``If-Match``) or fails. How and why: docs/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -75,7 +37,7 @@ __all__ = ["DEFAULT_LOAD_PART_SIZE", "DEFAULT_PART_SIZE", "DEFAULT_PARTS_INFLIGH
 T = TypeVar("T")
 
 DEFAULT_PART_SIZE = 16 << 20
-DEFAULT_LOAD_PART_SIZE = 8 << 20  # a response in flight costs twice its size (see above)
+DEFAULT_LOAD_PART_SIZE = 8 << 20  # a response in flight costs twice its size (docs/checkpoint.md)
 DEFAULT_PARTS_INFLIGHT = 4
 PARTS_PER_SIZE_STEP = 1000  # the part size doubles after every this many parts
 _PORTAL_NAME = "loader-checkpoint"
@@ -100,7 +62,7 @@ def save(
     ``(parts_inflight + 1) * part_size``. The object appears atomically when the upload
     completes; on any failure, ``KeyboardInterrupt`` included, the upload is aborted and the
     error names ``uri``. ``store``: a backend name or an async store factory; ``"obstore"`` has no
-    multipart upload and saves through aioboto3 (see the module docstring). ``retry`` governs each
+    multipart upload and saves through aioboto3 (docs/checkpoint.md). ``retry`` governs each
     request (default ``RetryPolicy()``).
     """
     bucket, key = _object_uri(uri)
@@ -153,9 +115,9 @@ def load(
 
     ``map_location`` and ``weights_only`` go to ``torch.load``. Tensor bytes go straight from the
     responses into the tensors, ``part_size`` bytes per GET: peak memory is the result plus about
-    ``3 * parts_inflight * part_size`` (see the module docstring); no temporary file is written.
+    ``3 * parts_inflight * part_size`` (docs/checkpoint.md); no temporary file is written.
     A missing object raises ``NoSuchKeyError``, a missing bucket ``NoSuchBucketError``, both
-    naming ``uri``. ``store="obstore"`` reads through aioboto3 (see the module docstring).
+    naming ``uri``. ``store="obstore"`` reads through aioboto3 (docs/checkpoint.md).
     """
     bucket, key = _object_uri(uri)
     _check_sizes(part_size, parts_inflight)
@@ -408,7 +370,7 @@ def _check_multipart(store: Any, part_size: int, given: StoreArg) -> None:
 
 
 class _RangeReader(io.RawIOBase):
-    """A seekable, read-only file over one object, for ``torch.load`` (see the module docstring).
+    """A seekable, read-only file over one object, for ``torch.load`` (docs/checkpoint.md).
 
     Reads of at least ``block_size`` bytes are fetched straight into the caller's buffer, in
     ``block_size`` spans, ``parallel`` at once (parts already cached are copied, then dropped);

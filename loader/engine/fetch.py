@@ -1,31 +1,10 @@
 """``FetchEngine``: many requests in flight, a bounded buffer, and a plain iterator on top.
 
-The engine is the only place with concurrency. It runs an anyio event loop in one background
-thread (an ``anyio.from_thread.BlockingPortal``) of the process that iterates, runs *jobs* there
-(a job is an async function that fetches something and ``emit``s zero or more items), and hands
-the items to the synchronous caller through a buffer bounded by item count and bytes.
-
-Why not an anyio memory object stream for the buffer: it bounds items, not bytes, and delivers
-in completion order only. The buffer here keeps one deque per job so that ``ordered=True`` can
-deliver in job order (a reorder window: later jobs run ahead, their items wait their turn), and
-admission checks both limits before a new job starts, so a slow consumer stops new requests.
-
-Memory bound: ``queue_bytes`` + ``max_inflight`` x (largest item) + two items: admission stops
-at the budget, and the job the consumer waits for may always deliver one item (or ordered
-delivery could deadlock while the room is held by other jobs' items). Items handed to the
-consumer in a batch count against ``queue_bytes`` until the consumer comes back for the next
-batch (it still holds them until then), and a batch takes at most a quarter of the queue (in
-bytes and in items), so that fetching goes on while the consumer works through it. With ``inflight_bytes``
-the middle term is bounded in bytes too: each job started reserves twice the largest item seen
-so far (its body arriving, then joined into one object), and a job starts only while the
-reservations fit, so ``queue_bytes`` + ``inflight_bytes`` + two items bounds everything. A job
-that knows what it will hold says so in a ``reserve`` attribute (bytes); otherwise, before the
-first item arrives nothing is known of sizes, so the first job runs alone.
-
-Lifecycle: nothing starts in ``__init__``. Iterating starts the thread; exhaustion, ``break``,
-an exception, ``close()``, garbage collection and interpreter exit all cancel the jobs, close
-the store inside the loop, stop the loop and join the thread. A forked child forgets engines
-inherited from its parent (their thread does not exist there) instead of touching them.
+The only place with concurrency: an anyio loop in one background thread runs *jobs* (async
+functions that ``emit`` items) and hands the items to the synchronous caller through a buffer
+bounded by items and bytes, in job order when ``ordered``. A job starts only while the limits
+hold, so a slow consumer stops new requests and memory stays bounded by configuration. Every
+way an iteration ends stops the loop and joins the thread. The bound and why: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -73,7 +52,7 @@ class EngineLimits:
     queue_bytes: int = DEFAULT_QUEUE_BYTES
     queue_items: int = DEFAULT_QUEUE_ITEMS
     delivery: Delivery = "ordered"
-    inflight_bytes: int | None = None  # bytes reserved by running jobs (see the module docstring)
+    inflight_bytes: int | None = None  # bytes reserved by running jobs (docs/engine.md)
 
     def __post_init__(self) -> None:
         if self.delivery not in DELIVERIES:

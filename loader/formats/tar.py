@@ -1,37 +1,10 @@
 """Incremental tar parsing: a byte stream in, WebDataset samples out.
 
-A shard arrives as a stream of chunks of any size (one byte to many megabytes) from a GET. The
-shard is never held whole: :class:`TarStreamParser` is a small state machine fed one chunk at a
-time. It keeps less than one 512-byte header block of lookahead plus the data of the one member it
-is assembling, and hands back each member as soon as its last data byte has arrived. It does no
-I/O, so the engine can feed it from any transport, and it can be restarted at a known offset with
-a ranged GET after a dropped connection (:attr:`TarStreamParser.resume_offset`,
-:meth:`TarStreamParser.restart_at`) without losing or repeating a member.
-
-Two stages, as in WebDataset::
-
-    chunks ─► TarStreamParser.feed() ─► TarMember(name, data, offset) ─► SampleGrouper.add() ─► dict
-
-Formats read: POSIX ustar (``prefix`` + ``name``), GNU (``L`` long names, ``K`` long link names,
-base-256 numbers), pax (``x`` per-member headers: ``path`` and ``size``; ``g`` global headers are
-checked and ignored, since a global ``path`` would give every member the same name) and old v7.
-Regular files (types ``0``, NUL and ``7``) become members; directories, devices, FIFOs and
-unknown types are consumed and skipped. Hard links (``1``) and symbolic links (``2``) carry no data
-in the stream (a hard link's bytes are those of an earlier member, a symlink's are elsewhere), so
-they cannot become fields either: they are skipped too, as webdataset does, but counted
-(:attr:`TarStreamParser.hard_links`, :attr:`TarStreamParser.symlinks`, and the first one's name
-and target in :attr:`TarStreamParser.first_link`) so that the shard job can warn and ``stats()``
-can say so. GNU sparse files are refused (they never occur in
-datasets, and reading them as plain files would return wrong bytes).
-
-End of archive: the first all-zero header block (tarfile and GNU tar do the same; a second one and
-the record padding after it are ignored, as is anything else after the end). A stream may also
-simply stop at a block boundary between members (some writers omit the end blocks), and an empty
-object is an empty shard. A stream that stops inside a header, a member's data or its padding is
-truncated.
-
-Every problem is a :class:`~loader.errors.ShardFormatError` whose message starts with the shard URL
-and says at which byte offset what is wrong; ``err.url`` and ``err.offset`` are set.
+``TarStreamParser`` is a state machine fed chunks of any size: it never holds a shard whole (one
+header of lookahead plus the member being assembled), does no I/O, and restarts at a member's
+offset after a dropped connection without losing or repeating one. ``SampleGrouper`` groups
+members into samples. Reads ustar, GNU, pax and v7; skips (and counts) links; every problem is a
+``ShardFormatError`` with the shard URL and byte offset. Formats and edge cases: docs/tar.md.
 """
 
 from __future__ import annotations
@@ -564,7 +537,7 @@ class TarStreamParser:
         elif kind == _K_PAX:
             self._apply_pax(self._pax_records(data))
         elif kind == _K_GLOBAL:
-            self._pax_records(data)  # checked, then ignored (see the module docstring)
+            self._pax_records(data)  # checked, then ignored (docs/tar.md)
             if self._global_alone:
                 self._unit_start = None  # not part of a member: no need to read it again
         pad = _padding(self._size)

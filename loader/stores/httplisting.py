@@ -1,12 +1,9 @@
 """Listings over the standard library's HTTP client, for the process that builds a dataset.
 
-The first sample waits for the listing, and the listing runs where DataLoader workers are forked
-later: importing aiohttp and botocore there costs 0.2-0.5 s, and obstore's runtime does not
-survive a fork. ``HttpLister`` needs neither: each page is one ``http.client`` request in a worker
-thread (``anyio.to_thread``, keep-alive connections reused), signed with SigV4 as AWS documents
-it (written out here because botocore's signer costs ~0.1 s to import; a test checks that both
-sign alike). It serves custom endpoints addressed path-style with keys in the config
-(``usable``); every other listing goes through the aioboto3 store.
+That process forks DataLoader workers later and waits for the listing before the first sample:
+``HttpLister`` imports neither aiohttp nor botocore (slow to import) and starts no runtime a fork
+breaks. Pages are SigV4-signed ``http.client`` requests in worker threads; it serves path-style
+custom endpoints with keys in the config (``usable``), other listings use aioboto3 (docs/listing.md).
 """
 
 from __future__ import annotations
@@ -81,7 +78,7 @@ def canonical_query(query: dict[str, str]) -> str:
 
 
 class HttpLister:
-    """``PagedLister`` over ``http.client`` (see the module docstring); besides listing it
+    """``PagedLister`` over ``http.client`` (docs/listing.md); besides listing it
     reads whole objects and ranges (what a listing may need: a shard index)."""
 
     def __init__(self, config: S3Config, *, max_connections: int = 8,

@@ -23,9 +23,9 @@ def parse_list_page(body: bytes) -> ListPage:
 
 def _parse_flat_page(body: bytes) -> ListPage | None:
     """The common answer (objects only, no namespace prefixes) read with three regular
-    expressions: ElementTree costs ~7 ms per page of 1,000 keys, this ~1.5 ms, and at 100
-    million keys that is hours of a core. None when the answer is not that plain shape (one
-    Key, Size and ETag per Contents, or no ETags at all), and ElementTree reads it instead."""
+    expressions, for about half the CPU of ElementTree (bench/results/docstring-figures.md).
+    None when the answer is not that plain shape (one Key, Size and ETag per Contents, or no
+    ETags at all), and ElementTree reads it instead."""
     if b"<CommonPrefixes>" in body or b":Contents" in body:
         return None
     keys, sizes, etags = _KEY.findall(body), _SIZE.findall(body), _ETAG.findall(body)

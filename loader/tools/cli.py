@@ -1,23 +1,10 @@
 """``python -m loader`` / ``loader``: command-line tools around the loader.
 
-    loader demo                       the whole product in a minute, on a throwaway local server
-    loader serve                      a local S3 server for your own experiments
-    loader ls s3://b/train/           count, total size and size histogram of a prefix
-    loader shard s3://b/train/ s3://b/shards/ --target-size 256MB
-                                      pack small objects into WebDataset tar shards (resumable)
-    loader index 's3://b/train-{0000..0099}.tar'
-                                      count the samples of any tool's shards: equal ranks
-    loader bench s3://b/train/        samples/s and MB/s of the loader on your data
+    loader demo | serve | ls URI | shard SRC DST | index SHARDS | bench URI
 
-Each subcommand is one ``register_*`` function that adds its parser and sets ``run`` to a
-function taking the parsed ``argparse.Namespace`` and returning an exit code. To add one, write
-``register_x(subparsers)`` and append it to ``SUBCOMMANDS``. The work itself lives in modules
-imported only when their command runs (``shardwrite``, ``inspect_cmd``, ``bench_cmd``, ``demo``).
-
-Errors a user can fix (bad arguments, ``LoaderError``: bad URI, missing bucket, no credentials,
-a server that does not start) are printed as one line, ``loader <command>: error: ...``, without
-a traceback; exit codes: 0 ok, 1 failed, 2 bad usage, 130 interrupted. Endpoint and credentials
-come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as for the datasets.
+Each verb is a ``register_*`` function in ``SUBCOMMANDS``; its work lives in a module imported
+only when it runs. Mistakes a user can fix print one line, no traceback; exit codes 0 ok,
+1 failed, 2 bad usage, 130 interrupted. Adding a verb, and the rules: docs/cli.md.
 """
 
 from __future__ import annotations
