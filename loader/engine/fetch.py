@@ -252,6 +252,7 @@ class _Core:
         self.ready: deque[tuple[Any, int]] = deque()  # "completed" delivery
         self.head = 0  # "ordered": the job being delivered
         self.wanted = 0  # the job whose next item the consumer is waiting for
+        self.waiting = False  # whether the consumer is parked in take(), holding nothing
         self.lanes = list(range(limits.max_inflight))  # "interleave": job index per lane
         self.cursor = 0  # "interleave": the lane whose turn it is
         self.next_index = limits.max_inflight  # "interleave": the job the next free lane takes
@@ -414,10 +415,12 @@ class _Core:
         return self.reserved_bytes + self.reservation(fixed) <= self.limits.inflight_bytes
 
     async def emit(self, slot: _Slot, item: Any, nbytes: int) -> None:
-        # The job the consumer waits for may always deliver one item when it has none buffered:
-        # making it wait for room would deadlock (the room is held by other jobs' items).
+        # The job the consumer is parked on may deliver one item over a full buffer: making it
+        # wait would deadlock (the room is held by other jobs' items). Only while the consumer
+        # is parked: items it holds are freed by its next take(), so one over is the most.
         while self.full() and not (
-            self.delivery != "completed" and slot.index == self.wanted and not slot.items
+            self.waiting and self.delivery != "completed" and slot.index == self.wanted
+            and not slot.items
         ):
             await self.wait_change()
         (self.ready if self.delivery == "completed" else slot.items).append((item, nbytes))
@@ -443,9 +446,12 @@ class _Core:
                 return out, (self.taken[0], self.taken[1])
             if self.finished():
                 return [], (0, 0)
-            if self.delivery == "scheduled":
-                self.notify()  # the launcher may be holding back the job now wanted
-            await self.wait_change()
+            self.waiting = True
+            self.notify()  # the wanted job may be parked in emit(); the launcher may hold it back
+            try:
+                await self.wait_change()
+            finally:
+                self.waiting = False
 
     def pop_ordered(self, max_items: int) -> list[Any]:
         out: list[Any] = []
