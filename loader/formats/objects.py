@@ -19,7 +19,7 @@ from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..retry import call_with_retries
 from ..uri import object_url
-from .tar import NO_EXTENSION_FIELD, split_key
+from .grouping import NO_EXTENSION_FIELD, split_key
 
 LabelFrom = Literal["parent"]
 LABEL_SOURCES = ("parent",)

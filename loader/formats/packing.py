@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 from ..checks import check_int
 from ..errors import ConfigError
 from .compression import SUFFIX_OF, Compression, compression_of, is_shard_name
-from .tar import BLOCK_SIZE, split_key
+from .grouping import split_key
+from .tar import BLOCK_SIZE
 
 INDEX_NAME = "index.json"
 INDEX_VERSION = 1

@@ -32,7 +32,8 @@ from ..retry import Retrying, call_with_retries
 from ..stores.base import Pin
 from ..uri import object_url, parse_s3_uri
 from .compression import Compression, compression_of, open_decoder
-from .tar import SampleGrouper, TarMember, TarStreamParser
+from .grouping import SampleGrouper
+from .tar import TarMember, TarStreamParser
 
 log = logging.getLogger(__name__)
 

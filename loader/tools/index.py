@@ -21,9 +21,10 @@ from ..datasets.sources import list_prefix, resolve_shards, shard_specs
 from ..engine.fetch import EngineLimits, FetchEngine, Job, JobContext
 from ..errors import ConfigError, NoSuchKeyError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name
+from ..formats.grouping import SampleGrouper
 from ..formats.index_entries import INDEX_NAME, IndexEntry, entry_document, index_document, parse_index
 from ..formats.shards import DEFAULT_PART_SIZE, ShardOptions, ShardRef, read_members
-from ..formats.tar import SampleGrouper, TarMember, TarStreamParser
+from ..formats.tar import TarMember, TarStreamParser
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import StoreFactory, open_store, resolve_backend
 from ..stores.base import Pin
