@@ -33,7 +33,7 @@ from .answers import (
     unreachable,
 )
 from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, objects_of
-from .listxml import parse_list_page
+from .listxml import list_query, parse_list_page
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _SAFE = "-_.~"  # what SigV4 leaves unescaped
@@ -113,14 +113,7 @@ class HttpLister:
     ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` or started after ``start_after``."""
         while True:
-            query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size),
-                     "encoding-type": "url"}
-            if token:
-                query["continuation-token"] = token
-            elif start_after:
-                query["start-after"] = start_after
-            if delimiter:
-                query["delimiter"] = delimiter
+            query = list_query(prefix, page_size, token, start_after, delimiter)
             page = await anyio.to_thread.run_sync(self._page, bucket, prefix, query,
                                                   limiter=self._limiter)
             yield page

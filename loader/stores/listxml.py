@@ -1,4 +1,5 @@
-"""``ListObjectsV2`` answers read into ``ListPage`` s, for every lister that reads the XML itself."""
+"""``ListObjectsV2`` requests built and answers read into ``ListPage`` s, for every lister that
+speaks the HTTP API itself."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ _KEY = re.compile(rb"<Key>([^<]*)</Key>")
 _SIZE = re.compile(rb"<Size>([0-9]+)</Size>")
 _ETAG = re.compile(rb"<ETag>([^<]*)</ETag>")
 _TOKEN = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
+
+
+def list_query(prefix: str, page_size: int, token: str | None = None, start_after: str | None = None,
+               delimiter: str | None = None) -> dict[str, str]:
+    """The query of one ``ListObjectsV2`` request: keys come URL-encoded (``parse_list_page``
+    decodes them); a continuation token wins over ``start_after``, as S3 itself would."""
+    query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size), "encoding-type": "url"}
+    if token:
+        query["continuation-token"] = token
+    elif start_after:
+        query["start-after"] = start_after
+    if delimiter:
+        query["delimiter"] = delimiter
+    return query
 
 
 def parse_list_page(body: bytes) -> ListPage:

@@ -23,7 +23,7 @@ from ..config import S3Config
 from ..retry import RetryPolicy
 from .base import ListPage
 from .httplisting import sign_v4
-from .listxml import parse_list_page
+from .listxml import list_query, parse_list_page
 
 # Looked up in an S3 error body (small XML); a regex because the body is tiny and ElementTree
 # would need the namespace handled for no gain.
@@ -125,20 +125,10 @@ class SignedGetter:
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
         start_after: str | None = None,
     ) -> ListPage:
-        """One ``ListObjectsV2`` page, parsed with ElementTree.
-
-        botocore's parser builds dicts and datetimes for every listed key, many times the CPU
-        of reading only what a listing needs; at 100 million keys that is hours of a core
-        against minutes (figures: bench/results/docstring-figures.md).
-        """
-        query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size),
-                 "encoding-type": "url"}
-        if token:
-            query["continuation-token"] = token
-        elif start_after:
-            query["start-after"] = start_after
-        if delimiter:
-            query["delimiter"] = delimiter
+        """One ``ListObjectsV2`` page, read by ``listxml``: botocore's parser builds dicts and
+        datetimes for every listed key, many times the CPU of reading only what a listing needs
+        (figures: bench/results/docstring-figures.md)."""
+        query = list_query(prefix, page_size, token, start_after, delimiter)
         async with await self._send(bucket, "", None, query) as response:
             await _raise_for_error(response)
             body = await response.read()
