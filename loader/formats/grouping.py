@@ -66,21 +66,13 @@ class SampleGrouper:
         key, ext = split_key(member.name)
         ext = ext or NO_EXTENSION_FIELD
         if ext in _RESERVED_FIELDS:
-            raise ShardFormatError(
-                f"{self.url}: member {member.name!r} at byte {member.offset} has the extension "
-                f"{ext!r}, which is a reserved sample field; rename it",
-                url=self.url,
-                offset=member.offset,
-            )
+            raise self._error(member, f"has the extension {ext!r}, which is a reserved sample "
+                                      "field; rename it")
         sample = self._sample
         if sample is not None and sample["__key__"] == key:
             if ext in sample:
-                raise ShardFormatError(
-                    f"{self.url}: duplicate member {member.name!r} at byte {member.offset}: sample "
-                    f"{key!r} already has a {ext!r} field",
-                    url=self.url,
-                    offset=member.offset,
-                )
+                raise self._error(member, f"repeats a field: sample {key!r} already has a {ext!r} "
+                                          "field (a duplicate member)")
             sample[ext] = member.data
             return None
         done = self.flush()
@@ -89,6 +81,10 @@ class SampleGrouper:
         self._sample_offset = member.offset
         self._index += 1
         return done
+
+    def _error(self, member: TarMember, text: str) -> ShardFormatError:
+        return ShardFormatError(f"{self.url}: member {member.name!r} at byte {member.offset} {text}",
+                                url=self.url, offset=member.offset)
 
     def flush(self) -> dict[str, Any] | None:
         """Return the sample being collected (at the end of the shard), or None."""
