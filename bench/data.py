@@ -1,7 +1,8 @@
 """The synthetic data set: distinct 512x512 JPEGs of ~110 KB, as objects and as tar shards.
 
-``loader.tools.demo.synthetic_jpeg`` makes ~150 KB noise images at ~20 ms each; these are closer to the
-~113 KiB of FIELD_NOTES.md and ~4x cheaper to make (a smooth per-image pattern plus grain).
+``synthetic_jpeg`` draws a smooth per-image pattern plus grain, near the size of a typical
+ImageNet JPEG and cheap to make; ``images="photo"`` uses the demo's smaller photo-like
+``loader.tools.demo.photo_jpeg`` instead.
 """
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import anyio
 
-from loader import DevServer
 from loader.retry import RetryPolicy
 from loader.stores import open_store
 from loader.stores.blocking import run_async
+from loader.testing import DevServer
 from loader.tools.index import IndexOptions, index_shards
 
 SETS = {  # name: (shards, samples per shard, payload bytes per sample, gzip)

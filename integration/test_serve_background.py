@@ -154,7 +154,8 @@ def test_an_invalid_bucket_name_is_refused_before_the_server_starts(tmp_path, sh
 
 
 def test_devserver_refuses_an_invalid_bucket_name_before_starting():
-    from loader import ConfigError, DevServer
+    from loader import ConfigError
+    from loader.testing import DevServer
 
     with pytest.raises(ConfigError, match=r"DevServer bucket 'ft' is not a valid bucket name \(it has 2 "
                                           r"character\(s\)\); use 3-63 characters"):

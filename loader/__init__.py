@@ -3,24 +3,16 @@
     from loader import AsyncS3Dataset
     ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", shuffle=True, max_inflight=64)
 
-The package is laid out along the data path; arrows run one way (tools → datasets → formats →
-engine → stores → foundation):
-
-* ``config``, ``uri``, ``errors``, ``retry``: the foundation every layer uses;
-* ``stores/``: the ``ObjectStore`` protocol, its backends and the wrappers that are stores too;
-* ``engine/``: many requests in flight in one background loop, a buffer bounded by bytes;
-* ``formats/``: how bytes become samples (tar shards, one object per sample) and shard packing;
-* ``datasets/``: the PyTorch datasets, their options, partitioning, shuffling and stats;
-* ``decode``, ``checkpoint``: images to tensors, and ``torch.save``/``load`` through S3;
-* ``tools/``: the ``python -m loader`` command line, never imported by the data path.
-
-Importing this package is cheap and has no side effects: public names resolve on first use
-(PEP 562), so the command line's verbs that need no torch never import it.
+The top level holds what users touch: the datasets, their options, decode helpers, ``checkpoint``,
+the shard index readers and every error to catch. Internals stay in their modules; the dev
+server for users' own tests is ``loader.testing``. Names resolve on first use (PEP 562), so
+``import loader`` is cheap and never imports torch.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
@@ -29,41 +21,42 @@ from ._version import __version__ as __version__
 _PUBLIC = {
     "AsyncS3Dataset": "loader.datasets.iterable",
     "AsyncS3MapDataset": "loader.datasets.mapped",
+    "mix": "loader.datasets.mix",
     "LoaderOptions": "loader.datasets.options",
     "S3Config": "loader.config",
     "RetryPolicy": "loader.retry",
     "ListOptions": "loader.stores.listing",
-    "KeyList": "loader.stores.listing",
-    "EngineLimits": "loader.engine.fetch",
-    "EngineStats": "loader.engine.fetch",
-    "FetchEngine": "loader.engine.fetch",
-    "decode_sample": "loader.decode",
-    "mix": "loader.datasets.mix",
+    **{name: "loader.decode" for name in ("collate_raw", "decode_image", "decode_images", "decode_sample")},
     "read_index": "loader.datasets.shard_index",
     "read_index_counts": "loader.datasets.shard_index",
-    "DevServer": "loader.tools.devserver",
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
-        "NoSuchKeyError", "ObjectChangedError", "SampleError",
-        "ShardFormatError", "StoreError", "TLSError", "TransientStoreError",
+        "NoSuchKeyError", "ObjectChangedError", "SampleError", "ShardFormatError", "StoreError",
+        "TLSError", "TransientStoreError",
     )},
 }
-_SUBMODULES = ("checkpoint", "decode")
+# public submodules, imported on first use
+_SUBMODULES = ("checkpoint",)
+# submodules that resolve as attributes (as they always did) but are not top-level names
+_QUIET_SUBMODULES = ("decode",)
+# names that left the top level: still importable, with a DeprecationWarning naming their home
+_MOVED = {
+    "DevServer": "loader.testing",
+    "EngineLimits": "loader.engine.fetch",
+    "EngineStats": "loader.engine.fetch",
+    "FetchEngine": "loader.engine.fetch",
+    "KeyList": "loader.stores.listing",
+}
 
-__all__ = [
+__all__ = [  # written out for editors and type checkers; tests/test_layout.py checks it against _PUBLIC
     "AccessDeniedError",
     "AsyncS3Dataset",
     "AsyncS3MapDataset",
     "ConfigError",
-    "DevServer",
     "EmptyDatasetError",
     "EndpointUnreachableError",
-    "EngineLimits",
-    "EngineStats",
-    "FetchEngine",
     "InvalidRangeError",
-    "KeyList",
     "ListOptions",
     "LoaderError",
     "LoaderOptions",
@@ -79,7 +72,9 @@ __all__ = [
     "TLSError",
     "TransientStoreError",
     "checkpoint",
-    "decode",
+    "collate_raw",
+    "decode_image",
+    "decode_images",
     "decode_sample",
     "mix",
     "read_index",
@@ -90,8 +85,13 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    elif name in _SUBMODULES:
+    elif name in _SUBMODULES or name in _QUIET_SUBMODULES:
         value = importlib.import_module(f"loader.{name}")
+    elif name in _MOVED:
+        warnings.warn(f"loader.{name} moved: import it from {_MOVED[name]} "
+                      f"(`from {_MOVED[name]} import {name}`); the top-level name will be removed",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)  # not cached: warn each time
     else:
         raise AttributeError(f"module 'loader' has no attribute {name!r}")
     globals()[name] = value  # resolve once
@@ -99,19 +99,18 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
 
 
 if TYPE_CHECKING:  # what editors and type checkers see
-    from . import checkpoint, decode
+    from . import checkpoint
     from .config import S3Config
     from .datasets.iterable import AsyncS3Dataset
     from .datasets.mapped import AsyncS3MapDataset
     from .datasets.mix import mix
     from .datasets.options import LoaderOptions
     from .datasets.shard_index import read_index, read_index_counts
-    from .decode import decode_sample
-    from .engine.fetch import EngineLimits, EngineStats, FetchEngine
+    from .decode import collate_raw, decode_image, decode_images, decode_sample
     from .errors import (
         AccessDeniedError,
         ConfigError,
@@ -130,5 +129,4 @@ if TYPE_CHECKING:  # what editors and type checkers see
         TransientStoreError,
     )
     from .retry import RetryPolicy
-    from .stores.listing import KeyList, ListOptions
-    from .tools.devserver import DevServer
+    from .stores.listing import ListOptions

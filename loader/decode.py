@@ -1,23 +1,10 @@
 """From raw sample dicts to training inputs: ``transform`` application, stock decoders, fast images.
 
-Samples arrive as ``{"__key__": ..., "__url__": ..., ext: bytes}``. ``apply_transform`` runs a
-user's transform and turns its failure into a ``SampleError`` naming the object (with the
-original exception as ``__cause__``). ``decode_sample`` is a ready-made transform that decodes
-fields by extension: images to uint8 CHW tensors, ``json``, text and class ids.
-
-Images, two ways (both need the ``image`` extra: Pillow, numpy, simplejpeg):
-
-* on the CPU, in DataLoader workers: ``decode_image(data, size=(224, 224))``. JPEGs are decoded
-  by libjpeg-turbo (simplejpeg) at the smallest of its DCT scales (1/8, 2/8, ... 8/8) that still
-  covers ``size``, so most of the shrinking costs nothing, then resized by torch's antialiased uint8 bilinear kernel on
-  the channels-last pixels. Pixels stay within 35 dB PSNR of the usual recipe
-  (Pillow decode -> ``convert("RGB")`` -> ``resize(BILINEAR)``) for a fraction of its CPU. Other
-  formats (PNG, WebP, ...) and CMYK JPEGs go through Pillow, as does everything when simplejpeg
-  is missing.
-* on a GPU, in the training loop: hand the raw bytes through the DataLoader
-  (``collate_fn=collate_raw``) and decode a whole batch on the device with
-  ``decode_images(batch["jpg"], (224, 224), "cuda")`` (nvJPEG through torchvision; the CPU path
-  where torchvision or CUDA is missing).
+``apply_transform`` turns a transform's failure into a ``SampleError`` naming the object.
+``decode_sample`` decodes fields by extension (images, ``json``, text, class ids). Images on the
+CPU: ``decode_image`` (libjpeg-turbo at the smallest DCT scale covering ``size``, then torch's
+antialiased resize); on a GPU: ``collate_raw`` in the DataLoader and ``decode_images`` per batch
+(nvJPEG). Both ways, and why: docs/decode.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,24 @@
-"""Every error the loader raises, in one tree.
-
-Backend errors (botocore, aiohttp, obstore) are translated into these in exactly one place per
-backend (``loader/stores/*``), always with ``raise ... from exc`` so the original stays reachable.
-Each class also subclasses the builtin it really is, so ``except FileNotFoundError`` works too::
+"""Every error the loader raises, in one tree; each also subclasses the builtin it really is::
 
     LoaderError
-    ├── ConfigError (ValueError)            bad setting or environment variable; raised before any I/O
-    │   └── NoCredentialsError              no credentials anywhere in the chain; lists what was tried
-    ├── StoreError                          something went wrong talking to the object store
-    │   ├── TransientStoreError             worth retrying: 5xx, SlowDown, reset, timeout, short body
+    ├── ConfigError (ValueError)                 a bad setting or variable; raised before any I/O
+    │   └── NoCredentialsError                   none anywhere in the chain; lists what was tried
+    ├── StoreError                               talking to the object store failed
+    │   ├── TransientStoreError                  worth retrying: 5xx, SlowDown, reset, short body
     │   │   └── EndpointUnreachableError (ConnectionError)
-    │   │                                   nothing answers at the endpoint (after retries: permanent)
-    │   ├── TLSError (ConnectionError)      the TLS handshake failed: a certificate that does not
-    │   │                                   verify, or https:// to a server that speaks plain http
-    │   ├── AccessDeniedError (PermissionError)  403: wrong credentials or missing permission
+    │   ├── TLSError (ConnectionError)           a certificate that does not verify, or http
+    │   ├── AccessDeniedError (PermissionError)  403
     │   ├── NoSuchBucketError (FileNotFoundError)
     │   ├── NoSuchKeyError (FileNotFoundError)
     │   ├── InvalidRangeError (ValueError)
-    │   └── ObjectChangedError              the object was replaced while a read of it ran (412 to
-    │                                       If-Match, or another ETag); never retried, never spliced
-    ├── EmptyDatasetError (ValueError)      a prefix or manifest with nothing in it
-    ├── ShardFormatError (ValueError)       a tar shard that is truncated, corrupt or not a tar
-    └── SampleError                         a sample failed after fetching (e.g. in ``transform``);
-                                            names the key, keeps the original as ``__cause__``
+    │   └── ObjectChangedError                   replaced during a read; never retried or spliced
+    ├── EmptyDatasetError (ValueError)           a prefix or manifest with nothing in it
+    ├── ShardFormatError (ValueError)            a tar shard truncated, corrupt or not a tar
+    └── SampleError                              a sample failed after fetching (``transform``)
 
-Messages name the bucket, key (and shard offset) at fault and say what to do. Secrets never
-appear in them.
+Backend errors are translated into these in one place per backend (``loader/stores/*``) with
+``raise ... from exc``. Messages name the bucket, key (and shard offset) at fault and say what
+to do; secrets never appear in them.
 """
 
 from __future__ import annotations
@@ -135,7 +128,8 @@ def _rebuild_shard_error(cls, message, url, offset):
 
 
 class SampleError(LoaderError):
-    """Turning a fetched object into a sample failed (e.g. ``transform`` raised)."""
+    """Turning a fetched object into a sample failed (e.g. ``transform`` raised); names the key
+    (``url``) and keeps the original error as ``__cause__``."""
 
     def __init__(self, message: str, *, url: str = "") -> None:
         super().__init__(message)

@@ -1,18 +1,10 @@
 """When and how long to retry a failed request.
 
-Which faults are transient is decided once, by type: the store backends translate their
-library's errors into ``TransientStoreError`` (5xx, SlowDown, RequestTimeout, resets, timeouts,
-bodies shorter than their Content-Length) or a permanent ``StoreError`` (403, 404, bad range).
-Everything here is pure except ``call_with_retries``, which only sleeps.
-
-Backoff is exponential with *full jitter* (a uniform draw in ``[0, min(cap, base * 2**n))``),
-which spreads a thundering herd of DataLoader workers best; see the AWS architecture blog post
-"Exponential Backoff And Jitter".
-
-By default only the deadline ends the retries, so a request rides out an outage of up to two
-minutes (a rolling restart, a failover) with waits of at most ``max_delay``; a request that has
-been failing for a few seconds says so in a warning line (one per process every few seconds at
-most), so a long wait is never silent. ``max_attempts`` tightens it.
+Transient or permanent is decided once, by type (the backends translate errors into
+``TransientStoreError`` or a permanent ``StoreError``). Backoff is exponential with full jitter,
+which spreads a herd of DataLoader workers best; by default only the deadline ends the retries,
+so a request rides out a short outage and says so in a warning. Pure except
+``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/retry.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The disk cache (``loader/cache.py``) against the in-memory store: no server.
+"""The disk cache (``loader/stores/cache.py``) against the in-memory store: no server.
 
 Each test asserts on two things: the bytes a reader got (always those the store holds), and what
 the inner store *saw* (``FakeStore.requests_by_key``), so "served from disk" means zero requests,

@@ -125,7 +125,7 @@ def _saved_bytes(obj) -> bytes:
 
 def test_part_size_doubles_every_step(monkeypatch):
     """Past PARTS_PER_SIZE_STEP parts the part size doubles, so 10,000 parts go a long way."""
-    monkeypatch.setattr(checkpoint, "PARTS_PER_SIZE_STEP", 2)
+    monkeypatch.setattr(checkpoint.upload, "PARTS_PER_SIZE_STEP", 2)  # read where parts are sized
     sizes: dict[int, int] = {}
     fake = new_fake()
     real = fake.upload_part

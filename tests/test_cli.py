@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from loader.datasets.shard_index import read_index_counts
 from loader.errors import ConfigError, StoreError, TransientStoreError
+from loader.formats.grouping import iter_samples, split_key
 from loader.formats.packing import (
     END_OF_ARCHIVE,
     INDEX_NAME,
@@ -41,7 +42,7 @@ from loader.formats.packing import (
     source_directory,
     tar_header,
 )
-from loader.formats.tar import TarStreamParser, iter_samples, split_key
+from loader.formats.tar import TarStreamParser
 from loader.stores import ObjectInfo
 from loader.tools import cli
 from loader.tools.ls import log2_histogram, looks_like_shards, render_histogram, shard_destination, summarize_listing

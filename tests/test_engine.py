@@ -259,6 +259,35 @@ def test_interleave_bounds_the_buffer_with_a_slow_consumer(no_leaked_threads):
     assert len(list(iterator)) == 7999
 
 
+def test_a_slow_job_goes_over_the_budget_only_while_the_consumer_waits_for_it(no_leaked_threads):
+    """The job the consumer waits on may add one item to a full buffer (or it would deadlock),
+    but not while the consumer still holds the items of its last take: those come back first.
+    The items divide the budget, so the buffer fills to it exactly and one item is the most over."""
+
+    def job_for(position, delay, count):
+        async def job(ctx):
+            import anyio
+
+            for i in range(count):
+                if delay:
+                    await anyio.sleep(delay)
+                await ctx.emit((position, i), 10)
+
+        return job
+
+    for delivery in ("ordered", "interleave"):
+        limits = EngineLimits(max_inflight=3, delivery=delivery, queue_items=10_000, queue_bytes=100)
+        jobs = [job_for(0, 0.003, 30), job_for(1, 0, 60), job_for(2, 0, 60)]
+        engine = FetchEngine(iter(jobs), reusable(FakeStore()), limits=limits)
+        got = []
+        for item in engine:
+            got.append(item)
+            time.sleep(0.005)  # holds each item while the slow job, which the others wait behind, adds one
+        assert sorted(got) == sorted([(0, i) for i in range(30)] + [(j, i) for j in (1, 2) for i in range(60)])
+        peak = engine.statistics().peak_buffered_bytes
+        assert peak <= 100 + 10, f"{delivery}: the wanted job went {peak - 100} bytes over a full buffer"
+
+
 def test_jobs_that_fail_in_interleave_mode_raise_after_earlier_items(no_leaked_threads):
     async def boom(ctx):
         await ctx.emit(("boom", 0), 1)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "loader"
@@ -28,7 +31,7 @@ def layer(module: str) -> str:
     parts = module.split(".")[1:]
     if not parts or parts[0] in FOUNDATION:
         return "foundation"
-    if parts[0] in ("__main__", "cli"):
+    if parts[0] in ("__main__", "cli", "testing"):  # entry points and re-exports of tools/
         return "tools"
     return parts[0]
 
@@ -106,6 +109,17 @@ def test_readme_module_table_matches_the_tree():
     )
 
 
+MAX_LINES = 600  # the house rule: past this a module holds more than one job
+
+
+def test_no_module_is_over_the_line_limit():
+    """No file in loader/ is over 600 lines; one that grows past it is split by concern."""
+    lines = {str(path.relative_to(PACKAGE)): len(path.read_text(encoding="utf-8").splitlines())
+             for path in PACKAGE.rglob("*.py")}
+    over = sorted(f"{name} ({count} lines)" for name, count in lines.items() if count > MAX_LINES)
+    assert over == [], f"files in loader/ over {MAX_LINES} lines; split each by concern: " + ", ".join(over)
+
+
 def test_imports_between_folders_run_one_way():
     wrong = []
     for path in PACKAGE.rglob("*.py"):
@@ -120,7 +134,7 @@ def test_imports_between_folders_run_one_way():
 
 
 def test_the_cli_and_the_package_import_without_torch():
-    code = "import sys, loader, loader.cli, loader.tools.cli; print('torch' in sys.modules)"
+    code = "import sys, loader, loader.cli, loader.testing, loader.tools.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -131,6 +145,40 @@ def test_public_names_resolve_lazily():
     for name in loader.__all__:
         assert getattr(loader, name) is not None, name
     assert "AsyncS3Dataset" in dir(loader)
+
+
+def _type_checking_names(path: Path) -> set[str]:
+    """The names a module's ``if TYPE_CHECKING:`` block imports (what editors see)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return {alias.asname or alias.name for sub in node.body if isinstance(sub, ast.ImportFrom)
+                    for alias in sub.names}
+    raise AssertionError(f"{path} has no TYPE_CHECKING block")
+
+
+def test_the_public_names_are_written_once_and_agree():
+    """``_PUBLIC`` (and the public submodules) decide the top level; ``__all__``, ``dir()`` and
+    what type checkers see say exactly the same, so no name is public in one and not the other."""
+    import loader
+
+    public = set(loader._PUBLIC) | set(loader._SUBMODULES)
+    assert sorted(loader.__all__) == loader.__all__ and len(set(loader.__all__)) == len(loader.__all__)
+    assert set(loader.__all__) == public
+    assert {name for name in dir(loader) if not name.startswith("__")} == public
+    assert _type_checking_names(PACKAGE / "__init__.py") == public
+    for name, module in loader._PUBLIC.items():
+        assert getattr(importlib.import_module(module), name) is getattr(loader, name), name
+
+
+def test_the_top_level_holds_what_users_touch_and_no_internals():
+    import loader
+
+    for name in ("AsyncS3Dataset", "AsyncS3MapDataset", "mix", "LoaderOptions", "S3Config", "RetryPolicy",
+                 "ListOptions", "decode_sample", "decode_image", "decode_images", "collate_raw",
+                 "checkpoint", "read_index", "read_index_counts", "ObjectChangedError"):
+        assert name in loader.__all__, name
+    for name in ("FetchEngine", "EngineLimits", "EngineStats", "KeyList", "DevServer", "ObjectStore"):
+        assert name not in loader.__all__ and name not in dir(loader), name
 
 
 def test_every_error_users_catch_imports_from_the_package_without_torch():
@@ -148,6 +196,74 @@ def test_every_error_users_catch_imports_from_the_package_without_torch():
             f"assert all(getattr(e, n) is globals()[n] for n in {errors!r}); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("name, home", [
+    ("DevServer", "loader.testing"),
+    ("FetchEngine", "loader.engine.fetch"),
+    ("EngineLimits", "loader.engine.fetch"),
+    ("EngineStats", "loader.engine.fetch"),
+    ("KeyList", "loader.stores.listing"),
+])
+def test_names_that_left_the_top_level_still_import_with_a_warning_naming_their_home(name, home):
+    """Kept for one release: ``loader.X`` and ``from loader import X`` still give the very same
+    object, with a ``DeprecationWarning`` that says where to import it from now."""
+    import loader
+
+    with pytest.warns(DeprecationWarning, match=re.escape(f"from {home} import {name}")):
+        value = getattr(loader, name)
+    assert value is getattr(importlib.import_module(home), name)
+    with pytest.warns(DeprecationWarning, match=re.escape(home)):
+        namespace: dict[str, object] = {}
+        exec(f"from loader import {name}", namespace)
+    assert namespace[name] is value
+    with pytest.warns(DeprecationWarning):  # every use warns: the name is not cached at the top level
+        getattr(loader, name)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import loader
+
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        loader.NoSuchThing  # noqa: B018
+    with pytest.raises(ImportError):
+        exec("from loader import NoSuchThing", {})
+
+
+def test_the_dev_server_has_a_stable_home_for_users_tests():
+    import loader.testing
+    import loader.tools.devserver
+
+    assert loader.testing.DevServer is loader.tools.devserver.DevServer
+    assert loader.testing.DevServerError is loader.tools.devserver.DevServerError
+    assert set(loader.testing.__all__) == {"DevServer", "DevServerError"}
+
+
+def _mentioned_py_files(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w./-])([\w./-]*\w\.py)\b", text))
+
+
+USER_SCRIPTS = {"train.py"}  # scripts of the user's that examples name, not files of this repository
+
+
+def test_every_python_file_the_readme_and_docs_name_exists():
+    """A path like ``stores/base.py`` in README.md, bench/README.md or docs/*.md names a file of
+    the tree: from the repository root, from ``loader/``, or beside the page; a bare ``name.py``
+    names some file of the repository. Modules that moved leave no old names in the prose."""
+    files = {p.relative_to(ROOT).as_posix() for folder in ("loader", "tests", "integration", "bench")
+             for p in (ROOT / folder).rglob("*.py")}
+    names = {path.rsplit("/", 1)[-1] for path in files}
+    missing = []
+    for page in [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for mention in sorted(_mentioned_py_files(page.read_text(encoding="utf-8")) - USER_SCRIPTS):
+            if "/" not in mention:
+                found = mention in names
+            else:
+                bases = (ROOT, PACKAGE, page.parent)
+                found = any((base / mention).resolve().is_file() for base in bases)
+            if not found:
+                missing.append(f"{page.relative_to(ROOT)}: {mention}")
+    assert missing == [], "pages name files that do not exist:\n" + "\n".join(missing)
 
 
 def test_typed_constructor_keywords_match_the_options():

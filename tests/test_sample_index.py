@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader.formats.grouping import split_key
 from loader.formats.objects import build_index
-from loader.formats.tar import split_key
 from loader.stores.base import ObjectInfo
 from loader.stores.listing import KeyList
 

@@ -1,16 +1,8 @@
 """Fixed-length epochs over shards of unknown size (``samples_per_epoch=N``): pure planning.
 
-Every rank yields exactly N samples an epoch, whatever the shards hold, and needs no counts:
-
-* a rank's N are split among its DataLoader workers by :func:`worker_quota`. With the dataset's
-  ``batch_size=B`` the split follows the DataLoader, which takes whole batches from its workers
-  in turn (worker ``w`` serves steps ``w, w + workers, ...``), so after ``s`` steps each rank has
-  consumed exactly ``s * B`` samples; without it the split is as even as possible;
-* each (rank, worker) slot reads an endless run of *passes* over the shards: pass ``p`` deals
-  them to slots as ``partition.shard_assignments`` does, in an order seeded by
-  ``(pass_seed, p)`` (a fresh order per pass with ``shuffle=True``, the shard order without), and
-  the slot stops once it has yielded its quota. A resumed epoch (``resume(samples_seen=)``)
-  continues from a fresh point of the cycle: its passes are seeded with what the resume skipped.
+Every rank yields exactly N samples an epoch without counts: a rank's N are split among its
+workers (``worker_quota``, following the DataLoader's batches with ``batch_size=``), and each
+slot reads endless seeded passes over the shards until its quota is met (docs/partition.md).
 """
 
 from __future__ import annotations

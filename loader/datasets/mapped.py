@@ -1,42 +1,10 @@
 """``AsyncS3MapDataset``: a map-style ``Dataset`` whose batches become concurrent GETs.
 
-A sampler decides which indices are read and in what order (``RandomSampler``,
-``DistributedSampler``, a custom one); the DataLoader hands each batch of indices to
-``__getitems__``, which fetches them with up to ``max_inflight`` GETs in flight and returns the
-samples in the order of the indices. ``__getitem__`` is one GET. Samples are the same
-WebDataset-style dicts as ``AsyncS3Dataset`` gives (``__key__``, ``__url__``, extension -> bytes),
-passed through ``transform`` when given.
-
-Why this dataset keeps an event loop alive across calls, when ``AsyncS3Dataset`` does not:
-an iterable dataset owns the whole pass. ``__iter__`` knows every key of the epoch up front, so
-one engine can run ahead over the plan and live exactly as long as the iteration; when the
-iteration ends, nothing is left running. A map-style dataset sees no pass at all: calls arrive
-synchronously, one batch at a time, from a sampler whose order it does not know, and nothing
-says when the last one has come. Starting a loop thread and opening a client for every batch
-would throw away the connection pool (TCP and TLS handshakes, credential setup) every few
-milliseconds, and a batch has nothing to overlap with but itself. So each process that reads
-holds one *client*: an ``anyio`` blocking portal (one event-loop thread) and one store opened
-inside it, created on first access and reused by every later call. Between calls that thread
-sleeps in the selector and holds nothing.
-
-Its lifetime is bounded all the same:
-
-* it is created lazily in the process that reads (the main process with ``num_workers=0``, else
-  each DataLoader worker), never in ``__init__`` and never pickled: ``__getstate__`` drops it
-  (the key list is pickled, listed once in the parent);
-* ``close()`` (or ``with``) stops the loop, closes the store and joins the thread; a later access
-  opens a fresh one. Garbage collection of the dataset and interpreter exit do the same
-  (``weakref.finalize``), so a DataLoader user need not call anything;
-* a forked child never touches the client it inherited: that loop thread exists only in the
-  parent, and any call into its portal (stopping it included) waits for it forever, the hazard
-  ``engine._forget_inherited`` guards against. The child parks the parent's client for good
-  and opens its own on first access; a spawned child never sees it at all. The portal is run
-  without ``start_blocking_portal``'s generator (see ``engine/loopthread.py``), so that even freeing
-  an inherited client, at the child's exit say, cannot block.
-
-Memory: one batch's objects (batch size x object size); there is no read-ahead across batches,
-which is what a sampler-driven DataLoader asks for (``prefetch_factor`` overlaps batches across
-workers).
+The sampler decides order; ``__getitems__`` fetches a batch of indices with up to
+``max_inflight`` GETs in flight and returns the samples in index order. Calls arrive one batch
+at a time with no end in sight, so each reading process keeps one loop thread and store open
+between calls (created lazily, never pickled, closed by ``close()``, garbage collection or exit,
+and disowned in a forked child). Why, and its lifetime: docs/map-dataset.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,11 @@
 """Which items each (rank, worker) reads in an epoch: pure functions, no I/O, no torch.
 
-Every process of a job computes its own share from the same inputs (item count, seed, epoch,
-rank, world size, worker, worker count) and gets an answer that agrees with every other
-process's, with no communication at all. That is why nothing here may depend on ``hash()``
-(salted per process), on global random state, or on which libraries happen to be installed:
-
-1. :func:`epoch_order` shuffles ``range(n)`` with ``random.Random(epoch_seed(seed, epoch))``;
-   ``epoch_seed`` mixes the two with BLAKE2b, and both are stable across processes and
-   Python versions. Shuffling is O(n) in pure Python: about 0.4 s per million items.
-2. :func:`rank_share` splits that order across ranks by striding, ``order[rank::world_size]``,
-   after padding (``"pad"``, like ``DistributedSampler(drop_last=False)``: the order is extended
-   by repeating its start, so every rank gets ``ceil(n / W)`` items) or trimming (``"drop"``:
-   the tail is dropped, every rank gets ``floor(n / W)``). Equal length per rank matters
-   because DDP hangs when one rank runs out of batches before the others.
-3. :func:`worker_share` splits a rank's share across its DataLoader workers, again by striding;
-   worker shares differ by at most one item (the DataLoader interleaves them anyway).
-
-Shard mode (``from_shards``) reads whole tar shards, so the unit of splitting is the shard, and
-there may be fewer shards than reading slots. A *slot* is one (rank, worker) pair::
-
-    slots   = world_size * max(1, num_workers)
-    slot id = rank * max(1, num_workers) + worker
-
-:func:`shard_assignments` deals shards (in epoch order) round-robin over slots when there are
-at least as many shards as slots. Otherwise it uses **sample-index splitting**: slot ``s``
-reads shard ``order[s % num_shards]`` and keeps only the samples whose index within the shard
-``% stride == phase``, where ``stride`` is the number of slots reading that shard and ``phase``
-is this slot's place among them. Every sample still goes to exactly one slot and no slot sits
-idle, at a price: each such shard is downloaded ``stride`` times (once per slot reading it).
-Round-robin dealing does not give equal sample counts per rank (shards hold different numbers
-of samples, and slots may hold one shard more than others). When the sample count of every shard
-is known (``from_shards(..., sample_counts=...)``), :func:`balanced_shard_ranges` does better:
-it lays the epoch's shards end to end and gives each rank a contiguous run of exactly
-``rank_length(total, W, policy)`` samples, and each worker a contiguous part of its rank's run.
-A shard on the border of two runs is read by both slots, each keeping its own sample range
-(the first stops reading at its range's end), so the overhead is at most one shard per slot.
+Every process computes its own share from the same inputs (count, seed, epoch, rank, world size,
+worker) and agrees with every other process without communicating, so nothing here may depend
+on ``hash()``, global random state or installed libraries. Items are shuffled per epoch, then
+split across ranks (equal lengths: ``"pad"`` or ``"drop"``, or DDP hangs) and workers; shards are
+dealt to (rank, worker) slots, split by sample index when there are fewer shards than slots, or
+laid end to end into equal runs when their counts are known. The rules: docs/partition.md.
 """
 
 from __future__ import annotations
@@ -181,7 +152,7 @@ def shard_assignments(
     worker: int,
     num_workers: int,
 ) -> list[ShardAssignment]:
-    """What one (rank, worker) slot reads in shard mode; see the module docstring.
+    """What one (rank, worker) slot reads in shard mode; see docs/partition.md.
 
     With at least as many shards as slots, slot ``s`` reads shards ``order[s::slots]`` whole.
     With fewer, it reads the one shard ``order[s % num_shards]`` with a sample-index stride.

@@ -1,16 +1,9 @@
 """Loader statistics: what each process fetched, how fast, where its time went, and how long
 the training loop waited for data.
 
-The requests themselves are counted by ``stores.recording.RequestRecorder``. Each iterating
-process also splits its time three ways: waiting for the engine (``consumer_wait_s``: fetching
-is behind), running ``transform`` (``transform_s``), and outside the loader between samples
-(``handoff_s``: the DataLoader's collate and hand-off to the main process, waiting while the
-main process has batches enough; with ``num_workers=0`` the training step itself).
-``StatsBoard`` is a small shared-memory table with one row per DataLoader worker. Each worker
-writes its row when its pass over the epoch ends; the main process sums the rows, so
-``dataset.stats()`` there covers the whole epoch of that rank, not just the main process.
-Written by hand on ``multiprocessing.RawArray`` because no library does "one row per
-worker, readable by the parent" and a DataLoader gives no channel for it.
+Each process splits its time into waiting for the engine, ``transform`` and the hand-off outside
+the loader; ``StatsBoard`` (one shared-memory row per DataLoader worker, hand-written because no
+library offers it) lets the main process sum the whole epoch of its rank (docs/stats.md).
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Who am I: this process's rank in the job, this worker's id in its DataLoader, and the epoch.
 
-Read these in ``__iter__``, never in ``__init__``: a dataset is often built before
-``init_process_group`` runs, and it is pickled into DataLoader workers that did not exist yet.
-Sources, in order: an initialized ``torch.distributed`` group; the ``RANK``/``WORLD_SIZE``
-variables that ``torchrun`` and most launchers set; otherwise a single process, ``(0, 1)``.
-
-DataLoader workers started by ``spawn`` or ``forkserver`` (the default under
-``torch.multiprocessing.spawn``) inherit neither the process group nor, with an explicit
-``init_process_group(rank=...)``, a ``RANK`` variable. So the process that starts them writes
-what it knows into the pickled dataset (:func:`observe`, a :class:`Launch`), and a worker
-believes it when that process is its parent. Forked workers inherit the group and need nothing.
-A worker that received the dataset some other way and finds no rank anywhere fails loudly
-rather than read the whole data set as "rank 0 of 1".
-
-The epoch travels in a :class:`SharedEpoch`: shared memory that persistent workers keep
-reading, whatever the order of ``set_epoch`` calls and worker starts.
-
-torch is imported lazily so that importing this module stays cheap and free of side effects.
+Read in ``__iter__``, never in ``__init__`` (a dataset is built before ``init_process_group`` and
+pickled into workers): the process group, else ``RANK``/``WORLD_SIZE``, else ``(0, 1)``. The
+process that starts spawned workers hands them its rank (``observe``, a ``Launch``), and the
+epoch travels in shared memory (``SharedEpoch``). Why: docs/partition.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """An anyio event loop in a daemon thread, reached through a ``BlockingPortal``.
 
-What ``anyio.from_thread.start_blocking_portal`` does, minus its generator: a suspended
-generator's ``finally`` runs whenever the generator is garbage-collected, and there it waits for
-the loop thread to stop the portal. In a forked child that thread does not exist, so merely
-*freeing* an inherited portal context (at interpreter exit, say) would hang the child. A plain
-portal and thread have no finalizer, so dropping them in a child is harmless. Used by the
-engine (one loop per pass) and the map-style dataset (one loop per process).
+``start_blocking_portal`` without its generator, whose ``finally`` waits for the loop thread when
+garbage-collected: in a forked child that thread does not exist, so freeing an inherited portal
+would hang. A plain portal and thread have no finalizer (docs/engine.md).
 """
 
 from __future__ import annotations

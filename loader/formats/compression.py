@@ -1,25 +1,8 @@
 """Compressed shards: which names are shards, and streaming decompression with bounded output.
 
-A shard's compression is told by its name, as webdataset does: ``.tar`` is plain, ``.tar.gz`` and
-``.tgz`` are gzip, ``.tar.zst`` and ``.tzst`` are zstd. A compressed shard is one stream: it has no
-byte offsets to resume at, so it is never read as ranged parts, and after a dropped connection it is
-read again from its first byte, decompressed, and the tar bytes already parsed are skipped (see
-``shards.py``).
-
-Decoders take compressed chunks of any size and yield decompressed pieces of at most ``piece``
-bytes, so a highly compressible shard does not turn one network chunk into a huge buffer:
-
-* gzip: the standard library's ``zlib`` (``max_length``), every gzip member of a multi-member file
-  (``pigz``, concatenated ``.gz`` files) in turn; NUL bytes after the last member are ignored, as
-  GNU gzip does; anything else after it is an error. The CRC and length of each member are checked.
-* zstd: ``compression.zstd`` where Python has it (3.14; ``backports.zstd`` offers the same module),
-  else the ``zstandard`` package (extra ``zstd``). ``compression.zstd`` bounds its output like
-  ``zlib``; ``zstandard``'s streaming decompressor has no output limit, so it is given at most
-  ``ZSTANDARD_INPUT`` compressed bytes at a time (output per step is that times the compression
-  ratio). Every frame of a multi-frame file is read; checksums are checked when the frame has one.
-
-Every problem is a :class:`~loader.errors.ShardFormatError` naming the shard URL and the compressed
-byte offset; a missing zstd library is a :class:`~loader.errors.ConfigError` naming the extra.
+``.tar.gz``/``.tgz`` (zlib) and ``.tar.zst``/``.tzst`` (``compression.zstd``, else ``zstandard``)
+are told by name, as webdataset does; decoders yield pieces of at most ``piece`` bytes so that a
+highly compressible shard cannot blow up one chunk. Details per codec: docs/tar.md.
 """
 
 from __future__ import annotations
@@ -119,7 +102,7 @@ class Decoder:
         self._head = b""  # the stream's first block, for "is this compressed at all?"
 
     def decode(self, data: bytes) -> Iterator[bytes]:
-        """Decompress ``data``; yields pieces of at most ``piece`` bytes (zstandard: see above)."""
+        """Decompress ``data``; yields pieces of at most ``piece`` bytes (zstandard: docs/tar.md)."""
         if len(self._head) < 512:
             self._head += data[: 512 - len(self._head)]
         start = self.consumed

@@ -1,16 +1,8 @@
 """The shard index's entries: what each shard held when it was indexed, and whether it still does.
 
-``index.json`` (format version 1, written by ``loader shard`` and ``loader index``) is a JSON
-object whose ``"shards"`` list holds one entry per shard::
-
-    {"url": "s3://b/train-0000.tar", "key": "train-0000.tar", "samples": 400, "size": 1234944,
-     "etag": "9b2c...", "bytes": 1234944, "offsets": [0, 3072, ...]}
-
-``samples`` (required) counts the samples as shard mode groups them; ``size`` (bytes of the
-object) and ``etag`` (its version) say which version of the shard that count belongs to;
-``bytes`` and ``offsets`` (each sample's first header) are of the tar stream, offsets only for
-uncompressed shards. Indexes from before versions were recorded lack ``size`` and ``etag``;
-their size is taken from ``stored_bytes`` or, for an uncompressed shard, ``bytes``. Pure: no I/O.
+``index.json`` (version 1, written by ``loader shard`` and ``loader index``) lists one entry per
+shard: ``samples``, and the object's ``size`` and ``etag`` that say which version that count
+belongs to (plus tar ``bytes`` and sample ``offsets``). Pure: no I/O. Format: docs/shard-index.md.
 """
 
 from __future__ import annotations

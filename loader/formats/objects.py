@@ -1,23 +1,10 @@
 """Per-object samples: which objects form one sample, its class label, and the job that fetches it.
 
-WebDataset's naming rule, applied to object keys instead of tar members: the *stem* is the key
-up to the first dot of its basename, the rest names the field. Objects that share a stem form
-one sample, fetched together::
-
-    imgs/00001.jpg + imgs/00001.cls  ->  {"__key__": "imgs/00001", "jpg": b"...", "cls": b"7"}
-
-A ``SampleIndex`` is the epoch's unit of work for per-object datasets: partitioning, shuffling,
-resume positions and map-style indices all count samples, not objects. It keeps the key list as
-given (a packed ``KeyList`` is not copied) plus where each sample starts, in flat arrays.
-
-Labels, when asked for, become the field ``"cls"`` as an ``int``:
-
-* ``label_from="parent"``: as torchvision's ``ImageFolder`` reads a folder, the first folder
-  under the root (``train/cat/001.jpg`` and ``train/cat/sub/002.jpg`` -> ``"cat"``, listed under
-  ``train/``); deeper folders belong to that class. Class indices follow the sorted class names,
-  as ``ImageFolder`` numbers them; ``classes`` and ``class_to_idx`` say which.
-* a label per key (a manifest's label column): class names are numbered the same way; integer
-  labels are used as they are.
+Objects whose keys share a stem (up to the first dot of the basename, WebDataset's rule) form one
+sample, each adding the field its extension names. A ``SampleIndex`` counts samples, not objects,
+for partitioning, resume and map-style indices, over the key list as given (a packed ``KeyList``
+is not copied); labels come from the parent folder (as ``ImageFolder`` numbers them) or a
+manifest. The rules: docs/objects.md.
 """
 
 from __future__ import annotations
@@ -35,7 +22,7 @@ from ..retry import call_with_retries
 from ..stores.base import Pin
 from ..stores.listing import KeyList
 from ..uri import object_url
-from .tar import NO_EXTENSION_FIELD, split_key
+from .grouping import NO_EXTENSION_FIELD, split_key
 
 LabelFrom = Literal["parent"]
 LABEL_SOURCES = ("parent",)
@@ -436,12 +423,11 @@ def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
 def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int, on_error: OnError,
                     at: int) -> Job:
     """``sample_job`` for a sample of one object, the usual case: one GET, without the task group
-    and key maps that several objects need (7-8 us of CPU per sample against 3.5 us here).
+    and key maps that several objects need (about half the CPU per sample).
 
     With ``on_error="raise"`` the coroutine has no exception handler, awaits no coroutine of its
     own and, without a label, keeps no body in a local: each of these made the garbage collector
-    run 3-9x as often (measured, 20,000 samples from an in-memory store: 118-310 young
-    collections against 34, 16-19 us per sample against 11)."""
+    run several times as often (figures: bench/results/docstring-figures.md)."""
     key = index.keys[at]
     label = None if index.labels is None else index.labels[sample]
     if on_error == "raise":

@@ -1,29 +1,9 @@
 """Packing objects into WebDataset tar shards: the pure half of ``loader shard``, plus the index.
 
-``loader shard SRC DST`` (``loader/tools/shard.py`` does the I/O) turns a listing into shards in
-three pure, deterministic steps, so that a rerun with the same listing and options makes the
-same plan and can skip what is already uploaded::
-
-    listing ─► group_samples ─► (shuffle_samples) ─► plan_shards ─► ShardPlan(number, samples,
-    (key, size)   objects sharing a WebDataset key     greedy by size    bytes, offsets)
-
-* **Samples.** An object's member name is its key relative to the source prefix's directory
-  (``s3://b/train/x/0001.jpg`` under ``s3://b/train/`` is ``x/0001.jpg``); its WebDataset key is
-  that name up to the first dot of the basename (``loader.formats.tar.split_key``). Objects with the same
-  key form one sample, whose members sit next to each other in a shard, so a sample never
-  straddles two shards. Samples are grouped by key, not by listing adjacency: in key order
-  ``a/b.c.jpg``, ``a/b.d/x.jpg``, ``a/b.e.jpg`` interleave two samples.
-* **Shards.** Samples fill shards greedily, in order, up to ``target_size`` bytes of tar (headers,
-  padding and the end-of-archive blocks counted exactly); a shard holds at least one sample, so
-  only a single sample larger than the target makes a shard larger than it.
-* **Layout.** Every tar byte is known before any data is read: a member is one 512-byte GNU header
-  (two more for a name over 100 bytes: a ``././@LongLink`` header and the name), its data, and
-  zero padding to 512; a shard ends with two zero blocks. So the index, with every sample's byte
-  offset, is built from the plan alone, and headers are deterministic (mtime 0, mode 0644, no
-  owner), which makes a rerun produce identical bytes.
-
-The index written beside the shards (``index.json``: every shard's URL, sample count, size and
-sample offsets) is built here; ``loader.datasets.shard_index`` reads it back.
+A listing becomes shards in pure, deterministic steps (``group_samples``, ``shuffle_samples``,
+``plan_shards``), so a rerun makes the same plan and skips what is uploaded. A sample never
+straddles two shards, and every tar byte (headers included) is known before any data is read, so
+the index with each sample's offset comes from the plan alone (docs/packing.md).
 """
 
 from __future__ import annotations
@@ -40,7 +20,8 @@ from typing import Any, NamedTuple
 from ..checks import check_int
 from ..errors import ConfigError
 from .compression import SUFFIX_OF, Compression, compression_of, is_shard_name
-from .tar import BLOCK_SIZE, split_key
+from .grouping import split_key
+from .tar import BLOCK_SIZE
 
 INDEX_NAME = "index.json"
 INDEX_VERSION = 1

@@ -1,18 +1,9 @@
 """Shard mode: stream WebDataset tar shards from S3 and parse them on the fly.
 
-One engine job per shard: it reads the shard as a byte stream (one GET, or parallel ranged GETs
-reassembled in order for a large shard of known size), feeds ``TarStreamParser``, groups members
-into samples and emits the ones its slot keeps. The shard is never whole in memory and never on
-disk. A dropped connection resumes with a ranged GET at the first byte of the member being
-parsed, so no sample is lost or repeated. After its last sample a job emits a ``ShardEnd`` so
-the dataset knows how many samples the shard held (for exact mid-epoch resume).
-
-Compressed shards (``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst``; see ``compression.py``) are one
-GET each, decompressed as they arrive. A compressed stream cannot be entered in the middle, so a
-dropped connection reads the shard again from its first byte, decompresses it, drops the tar bytes
-before the parser's resume offset unparsed, and parses on from there: again no sample is lost or
-repeated. Tar hard links and symlinks hold no data and are skipped; a shard that has any says so
-once (a ``RuntimeWarning`` and a log record) and ``stats()`` counts them (``tar_links_skipped``).
+One engine job per shard: one GET, or ranged parts for a large shard of known size, fed to the
+tar parser and grouped into the samples its slot keeps, never whole in memory or on disk. A
+dropped connection resumes at the member being parsed (a compressed shard is read again and
+the bytes already parsed skipped), so no sample is lost or repeated (docs/tar.md).
 """
 
 from __future__ import annotations
@@ -41,7 +32,8 @@ from ..retry import Retrying, call_with_retries
 from ..stores.base import Pin
 from ..uri import object_url, parse_s3_uri
 from .compression import Compression, compression_of, open_decoder
-from .tar import SampleGrouper, TarMember, TarStreamParser
+from .grouping import SampleGrouper
+from .tar import TarMember, TarStreamParser
 
 log = logging.getLogger(__name__)
 

@@ -1,43 +1,15 @@
 """Incremental tar parsing: a byte stream in, WebDataset samples out.
 
-A shard arrives as a stream of chunks of any size (one byte to many megabytes) from a GET. The
-shard is never held whole: :class:`TarStreamParser` is a small state machine fed one chunk at a
-time. It keeps less than one 512-byte header block of lookahead plus the data of the one member it
-is assembling, and hands back each member as soon as its last data byte has arrived. It does no
-I/O, so the engine can feed it from any transport, and it can be restarted at a known offset with
-a ranged GET after a dropped connection (:attr:`TarStreamParser.resume_offset`,
-:meth:`TarStreamParser.restart_at`) without losing or repeating a member.
-
-Two stages, as in WebDataset::
-
-    chunks ─► TarStreamParser.feed() ─► TarMember(name, data, offset) ─► SampleGrouper.add() ─► dict
-
-Formats read: POSIX ustar (``prefix`` + ``name``), GNU (``L`` long names, ``K`` long link names,
-base-256 numbers), pax (``x`` per-member headers: ``path`` and ``size``; ``g`` global headers are
-checked and ignored, since a global ``path`` would give every member the same name) and old v7.
-Regular files (types ``0``, NUL and ``7``) become members; directories, devices, FIFOs and
-unknown types are consumed and skipped. Hard links (``1``) and symbolic links (``2``) carry no data
-in the stream (a hard link's bytes are those of an earlier member, a symlink's are elsewhere), so
-they cannot become fields either: they are skipped too, as webdataset does, but counted
-(:attr:`TarStreamParser.hard_links`, :attr:`TarStreamParser.symlinks`, and the first one's name
-and target in :attr:`TarStreamParser.first_link`) so that the shard job can warn and ``stats()``
-can say so. GNU sparse files are refused (they never occur in
-datasets, and reading them as plain files would return wrong bytes).
-
-End of archive: the first all-zero header block (tarfile and GNU tar do the same; a second one and
-the record padding after it are ignored, as is anything else after the end). A stream may also
-simply stop at a block boundary between members (some writers omit the end blocks), and an empty
-object is an empty shard. A stream that stops inside a header, a member's data or its padding is
-truncated.
-
-Every problem is a :class:`~loader.errors.ShardFormatError` whose message starts with the shard URL
-and says at which byte offset what is wrong; ``err.url`` and ``err.offset`` are set.
+``TarStreamParser`` is a state machine fed chunks of any size: it never holds a shard whole (one
+header of lookahead plus the member being assembled), does no I/O, and restarts at a member's
+offset after a dropped connection without losing or repeating one. ``formats/grouping.py`` groups
+members into samples. Reads ustar, GNU, pax and v7; skips (and counts) links; every problem is a
+``ShardFormatError`` with the shard URL and byte offset. Formats and edge cases: docs/tar.md.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 from zlib import adler32
 
@@ -45,16 +17,11 @@ from loader.errors import ShardFormatError
 
 __all__ = [
     "BLOCK_SIZE",
-    "NO_EXTENSION_FIELD",
-    "SampleGrouper",
     "TarMember",
     "TarStreamParser",
-    "iter_samples",
-    "split_key",
 ]
 
 BLOCK_SIZE = 512
-NO_EXTENSION_FIELD = "data"  # the field of a member (or object) whose name has no extension
 _ZERO_BLOCK = bytes(BLOCK_SIZE)
 # Data pieces smaller than this are copied into a bytearray; larger ones are kept as zero-copy
 # views into the fed chunk until the member is complete (then joined once). This keeps 1-byte
@@ -87,7 +54,6 @@ _K_GLOBAL = 2
 _K_LONGNAME = 3
 _K_LONGLINK = 4
 
-_RESERVED_FIELDS = frozenset({"__key__", "__url__", "__index__"})
 
 
 class TarMember(NamedTuple):
@@ -564,7 +530,7 @@ class TarStreamParser:
         elif kind == _K_PAX:
             self._apply_pax(self._pax_records(data))
         elif kind == _K_GLOBAL:
-            self._pax_records(data)  # checked, then ignored (see the module docstring)
+            self._pax_records(data)  # checked, then ignored (docs/tar.md)
             if self._global_alone:
                 self._unit_start = None  # not part of a member: no need to read it again
         pad = _padding(self._size)
@@ -596,98 +562,3 @@ class TarStreamParser:
                 self._pax_size = -1
             if self._pax_size < 0:
                 raise self._fail(at, f"corrupt tar: {self._what} has a bad size {size!r}")
-
-
-def split_key(name: str) -> tuple[str, str]:
-    """Split a member name into (key, extension) by the WebDataset convention.
-
-    The key is the directory plus the basename up to the basename's first dot; the extension is
-    the rest after that dot, case kept: ``"a/b.c.jpg" -> ("a/b", "c.jpg")``. A name without a dot
-    in its basename gives ``(name, "")``.
-    """
-    base = name.rfind("/") + 1
-    dot = name.find(".", base)
-    if dot < 0:
-        return name, ""
-    return name[:dot], name[dot + 1 :]
-
-
-class SampleGrouper:
-    """Groups consecutive members with the same key into WebDataset sample dicts.
-
-    A sample is ``{"__key__": key, "__url__": url, "__index__": i, ext: bytes, ...}`` where
-    ``__index__`` counts samples within the shard from ``start_index`` (0 unless resuming).
-    Samples are runs of consecutive members with the same key; a key that comes back later starts
-    another sample. A run with the same extension twice is a ShardFormatError naming the key.
-
-    A member without an extension (no dot in its basename, or a trailing dot) fills the field
-    ``"data"``, as such an object does in per-object mode, so both modes read the same files alike
-    (webdataset drops such members without a word). Hidden files, whose basename starts with a dot
-    (``.DS_Store``, macOS ``._x.jpg`` resource forks) and whose key would be just the directory,
-    are skipped and counted in ``members_skipped``. Extensions named like the reserved fields
-    (``__key__``, ``__url__``, ``__index__``) are an error.
-    """
-
-    def __init__(self, url: str, *, start_index: int = 0) -> None:
-        self.url = url
-        self.members_skipped = 0
-        self._index = start_index
-        self._sample: dict[str, Any] | None = None
-        self._sample_offset: int | None = None
-
-    @property
-    def pending_offset(self) -> int | None:
-        """Stream offset of the first member of the sample being collected (None if none)."""
-        return self._sample_offset
-
-    def add(self, member: TarMember) -> dict[str, Any] | None:
-        """Add a member; returns the previous sample when this member starts a new one."""
-        if member.name.startswith(".", member.name.rfind("/") + 1):
-            self.members_skipped += 1
-            return None
-        key, ext = split_key(member.name)
-        ext = ext or NO_EXTENSION_FIELD
-        if ext in _RESERVED_FIELDS:
-            raise ShardFormatError(
-                f"{self.url}: member {member.name!r} at byte {member.offset} has the extension "
-                f"{ext!r}, which is a reserved sample field; rename it",
-                url=self.url,
-                offset=member.offset,
-            )
-        sample = self._sample
-        if sample is not None and sample["__key__"] == key:
-            if ext in sample:
-                raise ShardFormatError(
-                    f"{self.url}: duplicate member {member.name!r} at byte {member.offset}: sample "
-                    f"{key!r} already has a {ext!r} field",
-                    url=self.url,
-                    offset=member.offset,
-                )
-            sample[ext] = member.data
-            return None
-        done = self.flush()
-        self._sample = {"__key__": key, "__url__": self.url, "__index__": self._index}
-        self._sample[ext] = member.data
-        self._sample_offset = member.offset
-        self._index += 1
-        return done
-
-    def flush(self) -> dict[str, Any] | None:
-        """Return the sample being collected (at the end of the shard), or None."""
-        sample, self._sample, self._sample_offset = self._sample, None, None
-        return sample
-
-
-def iter_samples(chunks: Iterable[bytes], url: str) -> Iterator[dict[str, Any]]:
-    """Parse and group a whole shard given as chunks; for tests and synchronous callers."""
-    parser = TarStreamParser(url)
-    grouper = SampleGrouper(url)
-    for chunk in chunks:
-        for member in parser.feed(chunk):
-            sample = grouper.add(member)
-            if sample is not None:
-                yield sample
-    parser.close()
-    last = grouper.flush()
-    if last is not None:
-        yield last

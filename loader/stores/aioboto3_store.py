@@ -1,12 +1,10 @@
 """The default ``ObjectStore``: aioboto3 (botocore signing over aiohttp).
 
-One client per engine, its connection pool sized to the engine's concurrency, created inside the
-engine's event loop and closed there. GETs to path-style custom endpoints skip botocore's request
-pipeline (``signed_get``: same signer, a third of the CPU); everything else goes through it.
-botocore's own retries are off: ``loader.retry`` retries one level up, where a truncated body
-(which botocore does not retry) is handled too. Request checksums and parameter validation are
-off because they cost CPU on every GET and buy nothing for reads over TLS-or-loopback. Every
-botocore/aiohttp error is translated in ``_translate``, worded by ``answers``.
+One client per engine, made inside its loop (on first use), pool sized to its concurrency. GETs
+and listings to path-style custom endpoints skip botocore's request pipeline (``signed_get``);
+botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
+rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
+``answers`` (docs/stores.md).
 """
 
 from __future__ import annotations
@@ -150,7 +148,7 @@ class Aioboto3Store:
 
     async def _botocore(self) -> Any:
         """The aiobotocore client, made on first use: a store that only GETs and lists through
-        ``SignedGetter`` never imports aiobotocore nor builds a client (~0.2-0.5 s at start)."""
+        ``SignedGetter`` never imports aiobotocore nor builds a client (a cost paid before the first sample)."""
         if callable(self._made_client):
             async with self._client_lock:
                 if callable(self._made_client):
@@ -518,7 +516,7 @@ class _Keys(NamedTuple):
 
 def _given_credentials(config: S3Config) -> Any:
     """For keys given in the config: an async function that returns them, with no boto3
-    session (whose import and setup cost ~0.1 s at start); None when they are to be looked up."""
+    session (whose import and setup cost time at start); None when they are to be looked up."""
     if not config.has_credentials:
         return None
     frozen = _Keys(config.access_key_id or "", config.secret_access_key or "", config.session_token)

@@ -1,32 +1,14 @@
 """The one boundary between the loader and an object store: the ``ObjectStore`` protocol.
 
-Everything above this line is backend-agnostic; everything below it is I/O. A backend:
-
-* is created *inside* the event loop that will use it (by ``FetchEngine``) and closed there with
-  ``aclose()``; it never outlives that loop and is never shared across threads or processes;
-* translates its library's exceptions into ``loader.errors`` (one place per backend, ``from exc``),
-  so callers and the retry policy see the same tree whatever the backend;
-* reads every response body to the end, or closes it in ``finally``: a half-read body left
-  behind pins a pooled connection, and ``stream()`` is an async generator whose ``aclose()``
-  (use ``contextlib.aclosing``) releases the connection even when the caller stops early;
-* issues exactly one request per ``get`` (no HEAD first), and raises ``TransientStoreError`` when
-  a body ends before its Content-Length, since the HTTP libraries below do not retry that.
-
-Ranges are half-open, ``[start, end)``, like Python slices; ``end=None`` means to the end.
-
-**One version per read.** A read that spans several requests (ranged parts of a shard, a stream
-resumed after a dropped connection, the ranged GETs of a checkpoint load) passes the same
-``Pin`` to each of them. A backend sends ``If-Match: <pin.etag>`` once the pin holds an ETag, and
-hands the ETag of every response to ``pin.observe()``, which keeps the first and raises
-``ObjectChangedError`` for another one (requests sent in parallel before the first answer came
-carry no ``If-Match``, so their answers are compared instead). A 412 PreconditionFailed is
-``ObjectChangedError`` too. The rule above the stores: such a read never restarts on the new
-version; it fails with that error, which names the object, and no sample is ever assembled
-from two versions. A server that sends no ETag leaves the pin empty (nothing to compare).
-
-``get_if_changed`` is the conditional GET (``If-None-Match``) with which the disk cache
-(``cache.py``) revalidates an entry: a 304 costs a request, no body. What only a wrapper needs
-(the versions a key list gave, for the cache) is given to that wrapper, not passed with reads.
+Everything above it is backend-agnostic; everything below it is I/O. A backend is created and
+closed inside the event loop that uses it (never shared across threads or processes); it
+translates its library's errors into ``loader.errors`` in one place (``from exc``); it reads
+every body to the end or closes it in ``finally`` (``stream()``: use ``contextlib.aclosing``);
+it sends one request per ``get`` and raises ``TransientStoreError`` for a short body. Ranges
+are half-open, ``[start, end)``. One version per read: every request of a read passes the same
+``Pin``, sent as ``If-Match``; another ETag, or a 412, is ``ObjectChangedError``. What only a
+wrapper needs (the cache's expected versions) is given to that wrapper, never to every read.
+The rules in full: docs/stores.md.
 """
 
 from __future__ import annotations
@@ -109,14 +91,14 @@ class ListPage(NamedTuple):
 
 @runtime_checkable
 class ObjectStore(Protocol):
-    """Async access to one S3-compatible service (see the module docstring for the rules)."""
+    """Async access to one S3-compatible service (the rules: the module docstring, docs/stores.md)."""
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         """Every object under ``prefix``, in key order, page by page."""
         ...
 
     async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
-        """The whole object, with one GET (``pin``: see the module docstring)."""
+        """The whole object, with one GET (``pin``: one version per read, see ``Pin``)."""
         ...
 
     async def get_range(

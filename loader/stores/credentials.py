@@ -1,20 +1,9 @@
 """Credentials found the way AWS SDKs find them, for every endpoint (custom ones too).
 
-The order is botocore's, because that is what users of boto3 and the AWS CLI already have set up:
-
-1. keys in ``S3Config`` (given, or read by ``S3Config.from_env()`` from ``AWS_ACCESS_KEY_ID`` /
-   ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN`` or MinIO's names);
-2. botocore's resolver: the environment, the profile (``S3Config.profile``, else ``AWS_PROFILE``,
-   else ``default``) in the shared credentials and config files, with ``role_arn``,
-   ``credential_process`` and SSO; web identity (``AWS_WEB_IDENTITY_TOKEN_FILE``, EKS); container
-   credentials (ECS); instance metadata (EC2), bounded by botocore's own timeout and attempts
-   (``AWS_METADATA_SERVICE_TIMEOUT``, ``AWS_METADATA_SERVICE_NUM_ATTEMPTS``: 1 s and 1 by default)
-   and skipped with ``AWS_EC2_METADATA_DISABLED=true``.
-
-The aioboto3 backend lets aiobotocore (botocore's resolver, made async) run step 2; the obstore
-backend gets what botocore resolved through ``credential_provider`` (obstore itself reads no
-profiles), and temporary credentials are refreshed by botocore whenever obstore asks again.
-When nothing is found, ``NoCredentialsError`` lists what was tried (never a secret).
+Keys in ``S3Config`` first, then botocore's resolver (environment, profiles with roles,
+``credential_process`` and SSO, web identity, container and instance roles), because that is
+what users of boto3 and the AWS CLI already have set up. Both backends use what botocore
+resolved; ``NoCredentialsError`` lists what was tried. The order in full: docs/stores.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Listings over the standard library's HTTP client, for the process that builds a dataset.
 
-The first sample waits for the listing, and the listing runs where DataLoader workers are forked
-later: importing aiohttp and botocore there costs 0.2-0.5 s, and obstore's runtime does not
-survive a fork. ``HttpLister`` needs neither: each page is one ``http.client`` request in a worker
-thread (``anyio.to_thread``, keep-alive connections reused), signed with SigV4 as AWS documents
-it (written out here because botocore's signer costs ~0.1 s to import; a test checks that both
-sign alike). It serves custom endpoints addressed path-style with keys in the config
-(``usable``); every other listing goes through the aioboto3 store.
+That process forks DataLoader workers later and waits for the listing before the first sample:
+``HttpLister`` imports neither aiohttp nor botocore (slow to import) and starts no runtime a fork
+breaks. Pages are SigV4-signed ``http.client`` requests in worker threads; it serves path-style
+custom endpoints with keys in the config (``usable``), other listings use aioboto3 (docs/listing.md).
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from .answers import (
     unreachable,
 )
 from .base import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, objects_of
-from .listxml import parse_list_page
+from .listxml import list_query, parse_list_page
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _SAFE = "-_.~"  # what SigV4 leaves unescaped
@@ -81,7 +78,7 @@ def canonical_query(query: dict[str, str]) -> str:
 
 
 class HttpLister:
-    """``PagedLister`` over ``http.client`` (see the module docstring); besides listing it
+    """``PagedLister`` over ``http.client`` (docs/listing.md); besides listing it
     reads whole objects and ranges (what a listing may need: a shard index)."""
 
     def __init__(self, config: S3Config, *, max_connections: int = 8,
@@ -116,14 +113,7 @@ class HttpLister:
     ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` or started after ``start_after``."""
         while True:
-            query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size),
-                     "encoding-type": "url"}
-            if token:
-                query["continuation-token"] = token
-            elif start_after:
-                query["start-after"] = start_after
-            if delimiter:
-                query["delimiter"] = delimiter
+            query = list_query(prefix, page_size, token, start_after, delimiter)
             page = await anyio.to_thread.run_sync(self._page, bucket, prefix, query,
                                                   limiter=self._limiter)
             yield page

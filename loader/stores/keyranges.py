@@ -1,25 +1,9 @@
 """Key ranges for listing one prefix in parallel: when a range is finished, where to split one.
 
-A range is listed with ``StartAfter=lo`` and stops once it has seen a key *past* its upper
-bound ``hi``; the next range starts at ``StartAfter=hi``. Servers disagree on order:
-
-* S3 (and MinIO, Ceph, GCS) list in byte order (UTF-8, which is code point order) and
-  ``StartAfter=S`` gives every key greater than ``S``;
-* SeaweedFS lists directory by directory (``/`` sorts below every character: ``a/b`` before
-  ``a-c``), and ``StartAfter=S`` gives the keys after ``S`` in that order *except those under
-  ``S/``* (it skips the directory named ``S``).
-
-``past(key, hi)`` holds when ``key`` is after ``hi`` in both orders and not under ``hi/``. Then
-every key the server lists after ``key`` is one that ``StartAfter=hi`` returns too, whichever
-of the two servers it is: a range may stop there, and it may drop the keys past ``hi``, since
-the ranges after it list them. Wherever the bounds fall, no key is missed; a bound on which the
-two orders disagree only makes a range read a little further.
-
-Split points are guessed by treating keys as numbers written in the alphabet of the keys seen
-(``KeySpace``): halfway between two keys, or as far beyond the last key as the listing has
-covered so far. A bad guess costs a short or an empty page, never a key. A bound is preferably
-not cut where the keys seen have a ``/`` (it would likely name a folder, which the range before
-it then has to read to its end while the range after it reads it too on S3).
+S3 lists in byte order, SeaweedFS directory by directory, and ``StartAfter`` differs with them;
+``past(key, hi)`` holds in both orders, so a range may stop there and no key is missed wherever
+its bounds fall. ``KeySpace`` guesses split points from the keys seen: a bad guess costs a short
+page, never a key. Why this is exact on both kinds of server: docs/listing.md.
 """
 
 from __future__ import annotations
@@ -32,7 +16,7 @@ DEPTH = 64  # characters after the prefix that positions resolve
 
 def past(key: str, bound: str) -> bool:
     """Whether ``key`` lies after ``bound`` in byte order and in directory order, and not under
-    ``bound + "/"`` (see the module docstring)."""
+    ``bound + "/"`` (docs/listing.md)."""
     return (key > bound and key.split("/") > bound.split("/")
             and not key.startswith(bound + "/"))
 

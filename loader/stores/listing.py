@@ -1,25 +1,8 @@
 """Listing a prefix at scale: key ranges in parallel, pages retried where they failed, keys compact.
 
-A bucket with 100 million keys is ~100,000 pages of ``ListObjectsV2``. Three things make that
-workable, and ``list_all`` does all three:
-
-* **Key ranges in parallel.** A prefix is listed as ranges of keys (``StartAfter`` bounds),
-  ``parallel`` at a time; an idle lister splits the largest unfinished range, so one flat prefix
-  of a million keys is listed in parallel as well as a prefix of many folders
-  (``rangelisting``). A prefix of one or two pages costs exactly its pages. Where a range ends
-  on servers that list in other orders (SeaweedFS lists directory by directory): ``keyranges``.
-* **Retries per page.** A failed page is asked again with the token of the last page received
-  (``PagedLister.list_pages``), never from page 1; the retry limits (``RetryPolicy``) count from
-  the last page that arrived, so a listing that takes longer than the deadline in total is still
-  retried, and one that stops making progress still gives up.
-* **A compact key list.** Pages are packed as they arrive into ``KeyList``s: the keys' UTF-8
-  bytes in one buffer plus an array of offsets (and sizes), ~(length + 12) bytes per key instead
-  of ~150 for a ``str`` in an ``ObjectInfo`` in a list. The runs are merged into one sorted list
-  at the end (servers disagree on order, and ranges finish in any order); a key seen twice is
-  kept once.
-
-Stores that are not ``PagedLister`` s (wrappers, test stores) are listed whole, the whole listing
-retried from the start.
+``list_all`` lists a prefix as key ranges in parallel (``rangelisting``), retries a failed page
+from the last token received (never from page 1), and packs pages into a ``KeyList`` (keys in
+one buffer, ~length + 12 bytes each) merged into one sorted list. Why and how: docs/listing.md.
 """
 
 from __future__ import annotations
@@ -360,7 +343,7 @@ async def list_all(
     options: ListOptions | None = None,
 ) -> KeyList:
     """Every object under ``s3://bucket/prefix`` ending in ``suffix`` (or one of several),
-    sorted, with sizes (directory markers skipped). See the module docstring for retries,
+    sorted, with sizes (directory markers skipped). See docs/listing.md for retries,
     key ranges and memory."""
     options = options or ListOptions()
     runs = _Runs(suffix)

@@ -1,4 +1,5 @@
-"""``ListObjectsV2`` answers read into ``ListPage`` s, for every lister that reads the XML itself."""
+"""``ListObjectsV2`` requests built and answers read into ``ListPage`` s, for every lister that
+speaks the HTTP API itself."""
 
 from __future__ import annotations
 
@@ -15,6 +16,20 @@ _ETAG = re.compile(rb"<ETag>([^<]*)</ETag>")
 _TOKEN = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
 
 
+def list_query(prefix: str, page_size: int, token: str | None = None, start_after: str | None = None,
+               delimiter: str | None = None) -> dict[str, str]:
+    """The query of one ``ListObjectsV2`` request: keys come URL-encoded (``parse_list_page``
+    decodes them); a continuation token wins over ``start_after``, as S3 itself would."""
+    query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size), "encoding-type": "url"}
+    if token:
+        query["continuation-token"] = token
+    elif start_after:
+        query["start-after"] = start_after
+    if delimiter:
+        query["delimiter"] = delimiter
+    return query
+
+
 def parse_list_page(body: bytes) -> ListPage:
     """Keys, sizes, ETags, common prefixes and the next token of a ``ListObjectsV2`` answer
     (asked with ``encoding-type=url``, so keys with characters XML cannot carry arrive intact)."""
@@ -23,9 +38,9 @@ def parse_list_page(body: bytes) -> ListPage:
 
 def _parse_flat_page(body: bytes) -> ListPage | None:
     """The common answer (objects only, no namespace prefixes) read with three regular
-    expressions: ElementTree costs ~7 ms per page of 1,000 keys, this ~1.5 ms, and at 100
-    million keys that is hours of a core. None when the answer is not that plain shape (one
-    Key, Size and ETag per Contents, or no ETags at all), and ElementTree reads it instead."""
+    expressions, for about half the CPU of ElementTree (bench/results/docstring-figures.md).
+    None when the answer is not that plain shape (one Key, Size and ETag per Contents, or no
+    ETags at all), and ElementTree reads it instead."""
     if b"<CommonPrefixes>" in body or b":Contents" in body:
         return None
     keys, sizes, etags = _KEY.findall(body), _SIZE.findall(body), _ETAG.findall(body)

@@ -1,65 +1,11 @@
 """The fast ``ObjectStore``: obstore (Rust ``object_store`` over reqwest/hyper, signing in Rust).
 
-Why: botocore builds, signs and parses every request in Python; obstore does all of that natively
-and hands Python one buffer per response, for a fraction of the client CPU per GET (figures in
-``bench/results/``). Install it
-with the ``fast`` extra and choose it with ``store="obstore"`` (or ``LOADER_STORE=obstore``).
-
-How it is wired (each point checked against obstore 0.12.1):
-
-* **One ``S3Store`` per bucket**, built lazily on first use and cached: an obstore store is bound
-  to a bucket. Each carries its own reqwest connection pool (``pool_max_idle_per_host`` =
-  ``max_connections``); the engine, not the pool, bounds how many requests are in flight.
-* **S3Config is the only source of settings.** obstore's constructor also reads every ``AWS_*``
-  variable of the environment; a stray ``AWS_SESSION_TOKEN``, ``AWS_SKIP_SIGNATURE`` or
-  ``AWS_ENDPOINT_URL_S3`` would otherwise silently change who signs what and where requests go.
-  So credentials are always handed over through a ``credential_provider`` (which wins over the
-  environment's keys and token): the config's keys, or what botocore's chain resolved (profiles,
-  ``credential_process``, SSO, web identity, instance metadata: obstore's own chain reads no
-  profiles), refreshed by botocore when obstore asks again before they expire
-  (``stores.credentials``). Signing is forced on (``skip_signature=False``) and a custom endpoint
-  is set under both of obstore's endpoint keys.
-* **obstore's own retries are off** (``max_retries=0``): ``loader.retry`` retries one level up,
-  where a truncated body is handled too. Timeouts come from ``RetryPolicy``: ``connect_timeout``,
-  ``read_timeout`` (per read, reset by every chunk, like botocore's) and, because reqwest also
-  needs an overall per-request limit (obstore's default of 30 s would cut long shard streams),
-  ``RetryPolicy.deadline``: no single attempt may outlive the deadline of all attempts together; a
-  stream cut by it is resumed at its offset by the shard reader.
-* **Keys are strings, prefixes are strings.** ``object_store`` lists by *path segment* (its
-  prefix ``train/sh`` matches nothing in ``train/shard-0001``); S3 and this package match by string.
-  ``list`` therefore lists the prefix's directory, starting just before the prefix
-  (``start-after``), keeps the keys that start with it and stops at the first entry past it.
-  Keys come in the server's order (S3: UTF-8 byte order; SeaweedFS: directory by directory).
-  ``object_store`` cannot address keys with empty segments (``a//b``), ``.``/``..`` segments or
-  control characters, and it would silently drop a leading or trailing ``/`` (reading another
-  object); requests for such keys fail with a ``StoreError`` that says to use ``store="aioboto3"``.
-* **Bodies**: ``get`` collects the body in Rust and copies it once into a Python ``bytes`` (cheap next
-  to the GET itself: samples must be plain, picklable ``bytes``; ``obstore.Bytes``
-  unpickles as itself and a ``memoryview`` does not pickle). A body that ends before its
-  Content-Length makes hyper raise, which becomes ``TransientStoreError``.
-* **One await per GET**: ``get`` and ``get_range`` use ``get_range_async``, which sends the
-  request and collects the body in one tokio future. ``get_async`` + ``bytes_async`` cost two
-  futures, each a wake-up of the event loop from obstore's threads: with small objects those
-  wake-ups are a visible share of the process CPU per sample. A whole object is asked for as
-  ``bytes=0-(2**62-1)``, which S3 clips to the object (206 with ``Content-Range``; object_store
-  checks that range). Two answers fall back to a plain GET: a 416, which for a start of 0 means
-  an empty object, and a server that does not honour the range (a 200, or a 206 without the
-  whole object), after which this store sends plain GETs only. What is lost against
-  ``get_async``: the response's own range, so a body that ends cleanly but short of a
-  Content-Length that chunked encoding overrides (a server breaking HTTP/1.1) is no longer
-  caught; the plain-GET fallback still checks it.
-* **Ranges** are half-open like slices: a start equal to the object's size gives ``b""`` (and an
-  empty stream), beyond it ``InvalidRangeError``. S3 answers 416 to both, so after a 416 one
-  HEAD tells them apart; the successful path stays one request.
-* **Not fork-safe**: obstore runs its requests on a tokio runtime whose threads start on first use
-  and do not survive ``fork()``; in a forked child every request would hang forever. ``open()``
-  refuses with a ``ConfigError`` in a process forked after this module made a request (see
-  ``forked_after_use``): use ``multiprocessing_context="spawn"``/``"forkserver"`` for DataLoader
-  workers, or the aioboto3 backend, when the main process also reads with obstore.
-
-Every obstore error is translated in ``translate_error``, with the same wording as the aioboto3
-backend. obstore's exceptions carry only text (no status attribute), so the HTTP status, the S3
-error code and reqwest's error kind are read from that text.
+Why: botocore builds, signs and parses every request in Python; obstore does it natively and
+hands Python one buffer per response, for a fraction of the client CPU per GET. Choose it with
+``store="obstore"`` (extra ``fast``). ``S3Config`` is its only source of settings (never the
+``AWS_*`` environment obstore would read), its own retries are off (``loader.retry`` retries),
+and it does not survive ``fork``: ``open()`` refuses in a child forked after a request.
+How each part is wired, and why: docs/obstore.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Listing one prefix as key ranges in parallel, splitting the largest range as others finish.
 
-The listing starts as one range over the whole prefix. Once two pages have arrived (so a
-prefix of one or two pages costs exactly its pages), an idle lister takes a piece of the
-largest unfinished range: from a key halfway between that range's last key and its bound, or,
-for the range that runs to the end of the prefix, from as far beyond its last key as the
-listing has covered so far (doubling, so an unknown size is found in a few steps). Fewer
-ranges run than pages have arrived, so concurrency grows with what the listing has shown, and
-splitting pauses while split-off ranges keep coming back empty (keys of a tree of folders are
-far from evenly spread over the key space: the guesses land between folders).
-Where ranges end and why nothing is missed on either kind of server: ``keyranges``.
-
-The number of ranges at once starts at one and doubles while each doubling lists faster
-(``RangeLister._measure``), up to ``parallel``: against a remote S3 that is soon all of them,
-against a server that shares the client's CPU it may stay at one or two.
-
-Each range is retried page by page (``call_with_retries``, counted from its last page), and
-hands its pages to ``sink`` with the keys past its bound dropped (the next range lists them).
+After two pages an idle lister splits the largest unfinished range at a guessed key; ranges at
+once double while that lists faster, up to ``parallel``. Each range is retried page by page and
+drops the keys past its bound (the next range lists them). Details: docs/listing.md.
 """
 
 from __future__ import annotations

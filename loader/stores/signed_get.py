@@ -1,17 +1,9 @@
 """Signed S3 GETs sent straight over aiohttp: the aioboto3 backend's read path.
 
-botocore spends most of its CPU per ``GetObject`` before and after the network work: the
-endpoint rules engine, the user-agent string, event hooks and dateutil parsing of response
-headers. A GET needs none of that: a URL, a SigV4 signature (``httplisting.sign_v4``: checked against
-botocore's signer in the tests, and without its ~0.1 s import before the first sample), and a
-body read to its Content-Length. Client CPU per object is the per-object ceiling on small
-machines (see ``bench/results/`` for the measurements).
-
-Used for custom endpoints with path-style addressing (MinIO, SeaweedFS, Ceph, R2, ...), whose
-URL is ``endpoint/bucket/key``. AWS's own endpoints keep botocore's full path, because choosing
-their host (regions, FIPS, dual-stack, access points) is what the rules engine is for. Error
-responses become botocore ``ClientError`` s, so ``translate_error`` words them exactly as it
-does for the botocore path.
+botocore spends most of its CPU per ``GetObject`` on work a GET to a path-style custom endpoint
+does not need (rules engine, hooks, header parsing): here it is a URL, a SigV4 signature
+(``httplisting.sign_v4``) and a body read to its Content-Length. AWS's own endpoints keep
+botocore's path; error answers become botocore ``ClientError`` s, worded as on that path (docs/stores.md).
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from ..config import S3Config
 from ..retry import RetryPolicy
 from .base import ListPage
 from .httplisting import sign_v4
-from .listxml import parse_list_page
+from .listxml import list_query, parse_list_page
 
 # Looked up in an S3 error body (small XML); a regex because the body is tiny and ElementTree
 # would need the namespace handled for no gain.
@@ -133,20 +125,10 @@ class SignedGetter:
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
         start_after: str | None = None,
     ) -> ListPage:
-        """One ``ListObjectsV2`` page, parsed with ElementTree.
-
-        botocore's parser spends ~110 µs of CPU per listed key (dicts, timestamps parsed into
-        datetimes); reading only keys, sizes and the token costs ~8 µs. At 100 million keys
-        that is the difference between hours and minutes of a core.
-        """
-        query = {"list-type": "2", "prefix": prefix, "max-keys": str(page_size),
-                 "encoding-type": "url"}
-        if token:
-            query["continuation-token"] = token
-        elif start_after:
-            query["start-after"] = start_after
-        if delimiter:
-            query["delimiter"] = delimiter
+        """One ``ListObjectsV2`` page, read by ``listxml``: botocore's parser builds dicts and
+        datetimes for every listed key, many times the CPU of reading only what a listing needs
+        (figures: bench/results/docstring-figures.md)."""
+        query = list_query(prefix, page_size, token, start_after, delimiter)
         async with await self._send(bucket, "", None, query) as response:
             await _raise_for_error(response)
             body = await response.read()

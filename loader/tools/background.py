@@ -1,15 +1,8 @@
 """``loader serve --background`` and ``--stop``: a server a shell script can start and end.
 
-``eval "$(loader serve --background --pidfile F)"`` must return as soon as the server is ready:
-a shell's ``$(...)`` waits until every writer of the pipe has closed it, so the process that
-keeps serving must not hold stdout. The command therefore starts a second ``loader serve`` in
-a new session (no terminal, no SIGHUP), with its stdout and stderr on pipes to the first. That
-one starts the server, writes the pidfile, prints the export lines, then points its stdin,
-stdout and stderr at ``/dev/null``; the first sees both pipes close, relays the exports and
-exits 0 while the server runs on. If the server cannot start, the second prints its error and
-exits, and the first relays that error and exits 1. ``serve --stop F`` sends SIGTERM to the pid
-in ``F`` (after checking that it is a ``loader serve`` of that pidfile) and waits until it is
-gone; the server stops as it does on Ctrl-C.
+``eval "$(loader serve --background --pidfile F)"`` returns once the server is ready: a detached
+second ``loader serve`` runs it and lets go of the pipe that ``$(...)`` waits on; ``--stop F``
+ends it and waits until it is gone. How the hand-off works: docs/devserver.md.
 """
 
 from __future__ import annotations

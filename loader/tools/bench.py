@@ -1,14 +1,8 @@
 """``loader bench``: samples/s and MB/s of the loader on your own data, before training on it.
 
-Runs ``AsyncS3Dataset`` through a ``DataLoader`` exactly as a training script would, with a
-collate function that only counts (so the numbers are the loader's, not a model's), and prints
-the throughput with ``dataset.stats()``'s request count and latency percentiles.
-
-Per-object mode (a prefix) reads a seeded random subset of ``samples`` keys with
-``from_keys``, so the epoch ends on its own and every worker's statistics are complete. Shard
-mode (a shard URI or brace pattern, a prefix that holds tar shards as ``loader ls`` judges it, or
-``--shards``) streams the shards and stops after ``samples`` samples; ``--objects`` reads a
-prefix of shards one object per sample all the same.
+A ``DataLoader`` over ``AsyncS3Dataset`` as a training script runs it, with a collate function
+that only counts, then ``stats()``'s requests and latency percentiles: a seeded subset of keys in
+per-object mode, the first ``samples`` samples in shard mode (docs/cli.md).
 """
 
 from __future__ import annotations

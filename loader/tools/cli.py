@@ -1,81 +1,46 @@
 """``python -m loader`` / ``loader``: command-line tools around the loader.
 
-    loader demo                       the whole product in a minute, on a throwaway local server
-    loader serve                      a local S3 server for your own experiments
-    loader ls s3://b/train/           count, total size and size histogram of a prefix
-    loader shard s3://b/train/ s3://b/shards/ --target-size 256MB
-                                      pack small objects into WebDataset tar shards (resumable)
-    loader index 's3://b/train-{0000..0099}.tar'
-                                      count the samples of any tool's shards: equal ranks
-    loader bench s3://b/train/        samples/s and MB/s of the loader on your data
+    loader demo | serve | ls URI | shard SRC DST | index SHARDS | bench URI
 
-Each subcommand is one ``register_*`` function that adds its parser and sets ``run`` to a
-function taking the parsed ``argparse.Namespace`` and returning an exit code. To add one, write
-``register_x(subparsers)`` and append it to ``SUBCOMMANDS``. The work itself lives in modules
-imported only when their command runs (``shardwrite``, ``inspect_cmd``, ``bench_cmd``, ``demo``).
-
-Errors a user can fix (bad arguments, ``LoaderError``: bad URI, missing bucket, no credentials,
-a server that does not start) are printed as one line, ``loader <command>: error: ...``, without
-a traceback; exit codes: 0 ok, 1 failed, 2 bad usage, 130 interrupted. Endpoint and credentials
-come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as for the datasets.
+Each verb is a ``register_*`` function in ``SUBCOMMANDS``; its work lives in a module imported
+only when it runs. Mistakes a user can fix print one line, no traceback; exit codes 0 ok,
+1 failed, 2 bad usage, 130 interrupted. Adding a verb, and the rules: docs/cli.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import shlex
-import signal
 import sys
-import textwrap
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn
+from typing import IO, Any
 
 from .._version import DISTRIBUTION, __version__
 from ..errors import LoaderError, NoCredentialsError
+from .arguments import (
+    ENV_HELP,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    _bucket_name,
+    _Formatter,
+    _name_format,
+    _non_negative_int,
+    _Parser,
+    _port,
+    _positive_int,
+    _s3_uri,
+    _size,
+)
 
-if TYPE_CHECKING:
-    from .devserver import DevServer
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-ENV_HELP = ("Endpoint and credentials come from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
-            "AWS_SECRET_ACCESS_KEY, AWS_REGION (or MinIO's names), or AWS_PROFILE and the profiles in "
-            "~/.aws, as for the AWS CLI; `loader serve` prints them for a local server.")
 # What a shell user can do about missing credentials (the library's advice speaks of S3Config).
 CLI_CREDENTIALS_ADVICE = (
     "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE=NAME for a profile in "
     "~/.aws/credentials or ~/.aws/config (as `aws configure` or `aws sso login` leave them); "
     "for a local server, eval \"$(loader serve --background --pidfile FILE)\" exports them"
 )
-
-
-class _Formatter(argparse.HelpFormatter):
-    """Wraps each paragraph of a description or epilog; keeps lines indented by two spaces
-    (examples) as they are."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        lines = []
-        for line in text.splitlines():
-            if line.startswith("  ") or not line.strip():
-                lines.append(indent + line)
-            else:
-                lines.append(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent))
-        return "\n".join(lines)
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line: ``loader serve: error: ... (see --help)``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-class _Stop(Exception):
-    """Raised in the main thread by our SIGTERM handler so ``finally`` blocks run."""
 
 
 # ------------------------------------------------------------------------ serve
@@ -116,109 +81,9 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
-    """Start a ``DevServer``, print export lines to ``out``, wait for a stop signal, stop cleanly.
+    from .serve import serve
 
-    ``--background`` and ``--stop``: see ``tools.background``."""
-    from . import background
-    from .devserver import DEFAULT_START_TIMEOUT, DevServer, weed_version
-
-    out, err = out or sys.stdout, err or sys.stderr
-    if args.stop:
-        background.stop(Path(args.stop).absolute(), err)
-        return EXIT_OK
-    pidfile = Path(args.pidfile).absolute() if args.pidfile else None
-    if (args.background or args.detached) and pidfile is None:
-        print("loader serve: error: --background needs --pidfile FILE, the file "
-              "`loader serve --stop FILE` stops it by (see `loader serve --help`)", file=err)
-        return EXIT_USAGE
-    if args.background and pidfile is not None:
-        exports, status = background.start_detached(_serve_argv(args), pidfile,
-                                                    timeout=DEFAULT_START_TIMEOUT + 30)
-        out.write(exports)
-        out.flush()
-        err.write(status.replace("Ctrl-C to stop", f"stop it with `loader serve --stop {pidfile}`"))
-        return EXIT_OK
-    server = DevServer(data_dir=args.data_dir, port=args.port, buckets=args.bucket)
-    with _stop_on_sigterm():
-        try:
-            version = weed_version()
-            server.start()
-            if args.detached and pidfile is not None:
-                background.write_pidfile(pidfile, server.endpoint_url)
-            _print_exports(server.env, out)
-            print(f"# SeaweedFS {version} serving S3 at {server.endpoint_url} "
-                  f"(data: {server.root}, log: {server.log_path}); Ctrl-C to stop", file=err, flush=True)
-            if args.detached:
-                background.detach_stdio()  # the caller's $(...) returns now
-            return _wait_while_running(server, err)
-        except (KeyboardInterrupt, _Stop):
-            return EXIT_OK
-        finally:
-            _ignore_stop_signals()
-            server.stop()
-            if args.detached and pidfile is not None:
-                background.remove_pidfile(pidfile)
-
-
-def _serve_argv(args: argparse.Namespace) -> list[str]:
-    """The options of this ``serve`` again, for the detached process."""
-    argv = ["--data-dir", str(Path(args.data_dir).absolute())] if args.data_dir else []
-    if args.port:
-        argv += ["--port", str(args.port)]
-    for bucket in args.bucket:
-        argv += ["--bucket", bucket]
-    return argv
-
-
-def _print_exports(env: dict[str, str], out: IO[str]) -> None:
-    """``export NAME=value`` lines, shell-quoted, flushed so a reader sees them at once."""
-    for name, value in env.items():
-        print(f"export {name}={shlex.quote(value)}", file=out)
-    out.flush()
-
-
-def _wait_while_running(server: DevServer, err: IO[str]) -> int:
-    """Sleep until a signal arrives; fail if the server process dies on its own."""
-    idle = threading.Event()
-    while server.running:
-        idle.wait(0.5)
-    print(f"loader serve: error: the server exited unexpectedly; see {server.log_path}", file=err)
-    return EXIT_FAILED
-
-
-class _stop_on_sigterm:
-    """Turn SIGTERM into ``_Stop`` in the main thread for the duration of a ``with`` block."""
-
-    def __enter__(self) -> None:
-        self._old = signal.getsignal(signal.SIGTERM)
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _raise_stop)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._old)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
-
-
-def _ignore_stop_signals() -> None:
-    """While stopping, a second Ctrl-C/SIGTERM must not interrupt the cleanup."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; use 1-65535")
-    return value
+    return serve(args, out, err)
 
 
 # ------------------------------------------------------------------------ demo
@@ -471,73 +336,6 @@ def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     for line in bench_lines(result):
         print(line, file=out)
     return EXIT_OK
-
-
-# ------------------------------------------------------------------------ argument types
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def _s3_uri(text: str) -> str:
-    from ..uri import parse_s3_uri
-
-    try:
-        parse_s3_uri(text)
-    except LoaderError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _bucket_name(text: str) -> str:
-    """A name ``serve`` may create, checked before the server starts (S3's naming rules)."""
-    from ..uri import BUCKET_NAME_RULE, bucket_name_problem
-
-    problem = bucket_name_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a valid bucket name ({problem}); use {BUCKET_NAME_RULE}")
-    return text
-
-
-def _size(text: str) -> int:
-    from .sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except LoaderError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _name_format(text: str) -> str:
-    from ..formats.compression import compression_of
-    from ..formats.packing import check_name_format
-
-    try:  # its suffix is checked against --compress once both are known (PackOptions)
-        kind = compression_of(text.format(0))
-    except (IndexError, KeyError, ValueError):
-        kind = None  # check_name_format says what is wrong with it
-    try:
-        return check_name_format(text, kind)
-    except LoaderError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ------------------------------------------------------------------------ main

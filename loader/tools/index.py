@@ -1,19 +1,9 @@
 """``loader index``: count the samples of tar shards other tools wrote, and write the index that
 ``from_shards`` finds beside them (so every rank reads the same number of samples).
 
-    list the shards (sizes, ETags) ─► read the index already there ─► the shards it lacks or
-    that changed since, ``concurrency`` at a time, each streamed once through a ``FetchEngine``
-    (or as ranged parts, if asked; decompressed as they stream), parsed and grouped
-    into samples exactly as shard mode does ─► the index rewritten as shards finish (every
-    ``flush_s`` seconds), at the end, and when interrupted
-
-**Resume.** The index written so far is a true index of the shards it lists, so a run stopped by
-Ctrl-C (or a failure) leaves one, and the next run reads only the shards it lacks. Entries of
-shards that are not part of this run are kept. An entry is reused only for the shard version it
-was made from (the same ETag, or the same size where the store has no ETags).
-
-**Where.** ``index.json`` in the shards' common folder (``--out`` to write it elsewhere; then
-``from_shards(..., index=URI)`` reads it). Format: see ``formats/index_entries.py``.
+Each shard is streamed once and grouped exactly as shard mode does; the index is rewritten as
+shards finish, so an interrupted run resumes with the shards it lacks, and an entry is reused only
+for the shard version it was made from. Where, format and resume: docs/shard-index.md.
 """
 
 from __future__ import annotations
@@ -31,9 +21,10 @@ from ..datasets.sources import list_prefix, resolve_shards, shard_specs
 from ..engine.fetch import EngineLimits, FetchEngine, Job, JobContext
 from ..errors import ConfigError, NoSuchKeyError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name
+from ..formats.grouping import SampleGrouper
 from ..formats.index_entries import INDEX_NAME, IndexEntry, entry_document, index_document, parse_index
 from ..formats.shards import DEFAULT_PART_SIZE, ShardOptions, ShardRef, read_members
-from ..formats.tar import SampleGrouper, TarMember, TarStreamParser
+from ..formats.tar import TarMember, TarStreamParser
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import StoreFactory, open_store, resolve_backend
 from ..stores.base import Pin
@@ -103,7 +94,7 @@ def index_shards(
     retry: RetryPolicy | None = None,
     progress: Progress | None = None,
 ) -> IndexReport:
-    """Index ``shards`` (a brace pattern, a list of URIs/patterns, or a prefix), see above."""
+    """Index ``shards`` (a brace pattern, a list of URIs/patterns, or a prefix)."""
     options = options or IndexOptions()
     retry = retry or RetryPolicy()
     started = time.perf_counter()

@@ -16,8 +16,8 @@ from ..config import S3Config
 from ..datasets.snapshots import save_snapshot, snapshot_option
 from ..datasets.sources import list_prefix
 from ..formats.compression import is_shard_name
+from ..formats.grouping import split_key
 from ..formats.packing import INDEX_NAME, PROGRESS_NAME
-from ..formats.tar import split_key
 from ..retry import RetryPolicy
 from ..stores import ObjectInfo, StoreSpec
 from ..uri import parse_s3_uri

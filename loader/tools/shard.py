@@ -1,30 +1,9 @@
 """``loader shard``: pack the objects under a prefix into WebDataset tar shards, resumably.
 
-The I/O half of packing; the plan (which objects go into which shard, every byte offset) is
-pure and lives in ``loader/formats/packing.py``. One short-lived event loop in a helper thread
-(``sources.run_async``) does all of the work through the project's own store, and is gone when
-``pack`` returns::
-
-    list SRC ─► group + plan (pure) ─► list DST, read _progress.json ─► write _progress.json
-        ─► shards, ``concurrency`` at a time:
-              GET members in order (``max_inflight`` GETs in all, ``readahead`` bytes ahead
-              per shard) ─► tar bytes ─► multipart parts of ``part_size`` (a shard under one
-              part is one PUT) ─► complete ─► rewrite _progress.json
-        ─► index.json
-
-**Memory** is bounded by the options, not by the data: per shard in flight one part buffer plus
-``readahead`` bytes of fetched members (plus one object larger than that, when there is one), so
-about ``concurrency * (part_size + readahead)``: 256 MiB with the defaults, whatever the target
-size. A store without multipart uploads (obstore's backend) gets each shard as one PUT, so there
-a shard is held whole: ``concurrency * target_size``.
-
-**Resume.** The plan is deterministic, so a rerun with the same listing and options makes the
-same shards with the same names and bytes. ``_progress.json`` records the plan's fingerprint
-(a digest of the listing and the options) and the shards finished; a shard object becomes
-visible only when its upload completes, so a shard listed under DST with exactly its planned size
-is finished, and is skipped. A rerun for a different plan is refused (``--overwrite`` repacks).
-A failed or interrupted shard aborts its multipart upload; uploads a killed run left behind for
-shards still to write are aborted on the next run.
+The I/O half of packing (the plan is ``formats/packing.py``): members fetched in order, shards
+streamed up as multipart uploads ``concurrency`` at a time, memory about ``concurrency *
+(part_size + readahead)`` whatever the shard size. ``_progress.json`` records the plan's
+fingerprint and the finished shards, so a rerun writes only the rest (docs/packing.md).
 """
 
 from __future__ import annotations
@@ -169,7 +148,7 @@ def pack(
     retry: RetryPolicy | None = None,
     progress: Callable[[PackReport, int, int], ProgressHook] | None = None,
 ) -> PackReport:
-    """Pack every object under ``src`` into tar shards under ``dst``; see the module docstring.
+    """Pack every object under ``src`` into tar shards under ``dst``; see docs/packing.md.
 
     ``store`` is a backend name (default: ``$LOADER_STORE`` or aioboto3) or an async factory
     returning an ``ObjectStore``. ``progress(report, total_bytes, total_objects)``, when given,

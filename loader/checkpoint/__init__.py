@@ -1,0 +1,181 @@
+"""Checkpoints straight to and from S3: ``torch.save`` into a multipart upload, ``torch.load``
+from parallel ranged GETs, with neither a local file nor a whole copy of the bytes in memory.
+
+    from loader import checkpoint
+    checkpoint.save(model.state_dict(), "s3://bucket/ckpt/step-1000.pt")
+    state = checkpoint.load("s3://bucket/ckpt/step-1000.pt", map_location="cpu")
+
+Memory is bounded by ``part_size`` x ``parts_inflight``; a failed save aborts its upload, and a
+load reads one version (``If-Match``) or fails. How and why: docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable
+from typing import IO, Any, cast
+
+import torch
+from anyio.from_thread import start_blocking_portal
+
+from ..checks import check_int
+from ..config import S3Config
+from ..errors import ConfigError
+from ..retry import RetryPolicy
+from ..stores import ObjectStore, Pin, StoreSpec
+from ..stores.base import S3_MAX_PART_SIZE, S3_MIN_PART_SIZE, MultipartStore
+from ..uri import parse_s3_uri
+from .failures import _cause, _named, _naming
+from .reader import _listed, _RangeReader
+from .upload import _abandon, _PartWriter, _Upload
+
+__all__ = ["DEFAULT_LOAD_PART_SIZE", "DEFAULT_PART_SIZE", "DEFAULT_PARTS_INFLIGHT", "load", "save"]
+
+DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_LOAD_PART_SIZE = 8 << 20  # a response in flight costs twice its size (docs/checkpoint.md)
+DEFAULT_PARTS_INFLIGHT = 4
+_PORTAL_NAME = "loader-checkpoint"
+
+StoreArg = str | Callable[[], Awaitable[ObjectStore]] | None
+
+
+def save(
+    obj: Any,
+    uri: str,
+    *,
+    config: S3Config | None = None,
+    part_size: int = DEFAULT_PART_SIZE,
+    parts_inflight: int = DEFAULT_PARTS_INFLIGHT,
+    store: StoreArg = None,
+    retry: RetryPolicy | None = None,
+) -> None:
+    """``torch.save(obj)`` into the object at ``uri`` (``s3://bucket/key``), streamed in parts.
+
+    ``part_size`` bytes per part (S3 needs at least 5 MiB for every part but the last), up to
+    ``parts_inflight`` uploading at once; memory beyond ``obj`` stays within
+    ``(parts_inflight + 1) * part_size``. The object appears atomically when the upload
+    completes; on any failure, ``KeyboardInterrupt`` included, the upload is aborted and the
+    error names ``uri``. ``store``: a backend name or an async store factory; ``"obstore"`` has no
+    multipart upload and saves through aioboto3 (docs/checkpoint.md). ``retry`` governs each
+    request (default ``RetryPolicy()``).
+    """
+    bucket, key = _object_uri(uri)
+    _check_sizes(part_size, parts_inflight)
+    policy = retry or RetryPolicy()
+    factory = _store_factory(store, config, parts_inflight + 1, policy)
+    outer = sys.exc_info()[1]  # e.g. the KeyboardInterrupt a caller saves on: not ours
+    with start_blocking_portal(name=_PORTAL_NAME) as portal:
+        with _naming(uri, "saving checkpoint to"):
+            opened = portal.call(factory)
+        try:
+            _check_multipart(opened, part_size, store)
+            upload: _Upload = portal.call(
+                lambda: _Upload(opened, bucket, key, policy, parts_inflight)
+            )
+            future = portal.start_task_soon(upload.run)
+            writer = _PartWriter(portal, upload, future, part_size)
+            try:
+                torch.save(obj, cast(IO[bytes], writer))  # it needs write() and flush() only
+                if writer.error is not None:  # raised inside torch, which may have hidden it
+                    raise writer.error
+                writer.finish()
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - reraised below as the named cause, after the upload is aborted
+                cause = _cause(exc, writer.error, outer)
+                _abandon(portal, upload, future)
+                if upload.abort_error is not None:
+                    cause.add_note(
+                        f"could not abort multipart upload {upload.upload_id!r} of {uri}: "
+                        f"{upload.abort_error}; abort it by hand, or let a bucket lifecycle rule "
+                        "(AbortIncompleteMultipartUpload) remove it"
+                    )
+                raise _named(cause, uri, "saving checkpoint to", hide=exc)  # noqa: B904 (_named sets the cause)
+        finally:
+            portal.call(opened.aclose)
+
+
+def load(
+    uri: str,
+    *,
+    map_location: Any = None,
+    config: S3Config | None = None,
+    weights_only: bool = True,
+    store: StoreArg = None,
+    parts_inflight: int = DEFAULT_PARTS_INFLIGHT,
+    part_size: int = DEFAULT_LOAD_PART_SIZE,
+    retry: RetryPolicy | None = None,
+) -> Any:
+    """``torch.load`` the object at ``uri``, read with up to ``parts_inflight`` ranged GETs at once.
+
+    ``map_location`` and ``weights_only`` go to ``torch.load``. Tensor bytes go straight from the
+    responses into the tensors, ``part_size`` bytes per GET: peak memory is the result plus about
+    ``3 * parts_inflight * part_size`` (docs/checkpoint.md); no temporary file is written.
+    A missing object raises ``NoSuchKeyError``, a missing bucket ``NoSuchBucketError``, both
+    naming ``uri``. ``store="obstore"`` reads through aioboto3 (docs/checkpoint.md).
+    """
+    bucket, key = _object_uri(uri)
+    _check_sizes(part_size, parts_inflight)
+    policy = retry or RetryPolicy()
+    factory = _store_factory(store, config, parts_inflight + 1, policy)
+    outer = sys.exc_info()[1]
+    with start_blocking_portal(name=_PORTAL_NAME) as portal:
+        with _naming(uri, "loading checkpoint from"):
+            opened = portal.call(factory)
+        try:
+            with _naming(uri, "loading checkpoint from"):
+                listed = portal.call(_listed, opened, bucket, key, policy)
+            reader = _RangeReader(portal, opened, bucket, key, listed.size, Pin(listed.etag),
+                                  block_size=part_size, parallel=parts_inflight, retry=policy)
+            try:
+                return torch.load(cast(IO[bytes], reader),  # a RawIOBase, which typeshed tells apart
+                                  map_location=map_location, weights_only=weights_only)
+            except BaseException as exc:  # noqa: BLE001 - reraised as the named cause
+                cause = _cause(exc, reader.error, outer)
+                raise _named(cause, uri, "loading checkpoint from", hide=exc)  # noqa: B904 (_named sets the cause)
+            finally:
+                reader.close()
+        finally:
+            portal.call(opened.aclose)
+
+
+
+def _check_multipart(store: Any, part_size: int, given: StoreArg) -> None:
+    if not isinstance(store, MultipartStore):
+        raise ConfigError(
+            f"store={given!r} opened {type(store).__name__}, which has no multipart upload "
+            "(the MultipartStore protocol); checkpoints need one"
+        )
+    minimum = getattr(store, "min_part_size", S3_MIN_PART_SIZE)
+    if part_size < minimum:
+        raise ConfigError(
+            f"part_size={part_size!r} is below the smallest part the store accepts "
+            f"({minimum} bytes; S3 needs 5 MiB = {S3_MIN_PART_SIZE})"
+        )
+
+
+
+def _object_uri(uri: str) -> tuple[str, str]:
+    bucket, key = parse_s3_uri(uri)
+    if not key or key.endswith("/"):
+        raise ConfigError(
+            f"{uri!r} names no object; a checkpoint URI ends in a key, "
+            "e.g. 's3://bucket/ckpt/step-1000.pt'"
+        )
+    return bucket, key
+
+
+def _check_sizes(part_size: int, parts_inflight: int) -> None:
+    check_int("part_size", part_size, minimum=1, maximum=S3_MAX_PART_SIZE,
+              must=f"an integer number of bytes from 1 to {S3_MAX_PART_SIZE} (5 GiB); S3 needs at "
+                   f"least 5 MiB (default {DEFAULT_PART_SIZE})")
+    check_int("parts_inflight", parts_inflight, minimum=1,
+              must=f"a positive integer (default {DEFAULT_PARTS_INFLIGHT})")
+
+
+def _store_factory(
+    store: StoreArg, config: S3Config | None, connections: int, retry: RetryPolicy
+) -> Callable[[], Awaitable[Any]]:
+    """An async factory for the store: a user-given one, else aioboto3 (obstore included: the
+    multipart uploads go through botocore)."""
+    return StoreSpec.of(store, config).opener(max_connections=connections, retry=retry,
+                                              backend="aioboto3")

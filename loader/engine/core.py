@@ -1,0 +1,416 @@
+"""The loop-side half of an engine: job launching under the limits, the bounded buffer, and
+the delivery orders (ordered, interleave, completed, scheduled). Runs only in the engine's
+loop thread; ``fetch.FetchEngine`` is the thread-safe handle around it (docs/engine.md)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, NamedTuple
+
+import anyio
+
+from ..retry import RetryPolicy
+from ..stores import ObjectStore
+from .limits import EngineLimits
+
+
+class JobContext:
+    """What a job sees: the store, ``emit`` for its results, and a retry counter."""
+
+    __slots__ = ("store", "retry", "_core", "_slot")
+
+    def __init__(self, core: EngineCore, slot: Slot, store: ObjectStore, retry: RetryPolicy):
+        self.store = store
+        self.retry = retry
+        self._core = core
+        self._slot = slot
+
+    async def emit(self, item: Any, nbytes: int) -> None:
+        """Hand one item to the consumer; waits while the buffer is full (backpressure)."""
+        await self._core.emit(self._slot, item, nbytes)
+
+    def retried(self, exc: BaseException) -> None:
+        """Count one retry (passed as ``on_retry`` to ``call_with_retries``)."""
+        self._core.retries += 1
+
+
+Job = Callable[[JobContext], Awaitable[None]]
+
+
+class Slot:
+    """One job's place in the delivery order: its pending items and how it ended."""
+
+    __slots__ = ("index", "items", "done", "error", "reserved")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.items: deque[tuple[Any, int]] = deque()
+        self.done = False
+        self.error: BaseException | None = None
+        self.reserved = 0  # bytes of ``inflight_bytes`` this job holds while it runs
+
+
+class EngineCore:
+    """The loop-side half of an engine: job launching, the buffer and its counters.
+
+    Touched only from the engine thread, except for the plain-int counters that
+    ``statistics()`` reads (approximately consistent, which is all statistics need).
+    """
+
+    def __init__(
+        self,
+        jobs: Iterable[Job],
+        store_factory: Callable[[], Awaitable[ObjectStore]],
+        limits: EngineLimits,
+        retry: RetryPolicy,
+        schedule: Iterable[int] | None = None,
+    ) -> None:
+        self.jobs = jobs
+        self.schedule = iter(schedule or ())  # "scheduled": the job of each item to deliver
+        self.entry: int | None = None  # "scheduled": the schedule's current entry
+        self.schedule_done = False
+        self.store_factory = store_factory
+        self.limits = limits
+        self.retry = retry
+        self.delivery = limits.delivery
+        self.slots: dict[int, Slot] = {}  # launched and not yet drained
+        self.ready: deque[tuple[Any, int]] = deque()  # "completed" delivery
+        self.head = 0  # "ordered": the job being delivered
+        self.wanted = 0  # the job whose next item the consumer is waiting for
+        self.waiting = False  # whether the consumer is parked in take(), holding nothing
+        self.lanes = list(range(limits.max_inflight))  # "interleave": job index per lane
+        self.cursor = 0  # "interleave": the lane whose turn it is
+        self.next_index = limits.max_inflight  # "interleave": the job the next free lane takes
+        self.pending: deque[tuple[Job, JobContext]] = deque()  # launched, no runner yet
+        self.idle: list[anyio.Event] = []  # parked runners, each woken by setting its event
+        self.runners = 0
+        self.launch_done = False
+        self.failed = False
+        self.fatal: BaseException | None = None
+        self.changed: anyio.Event | None = None
+        self.launched = 0
+        self.jobs_done = 0
+        self.inflight = 0
+        self.peak_inflight = 0
+        self.buffered_items = 0
+        self.buffered_bytes = 0
+        self.peak_buffered_bytes = 0
+        self.delivered_items = 0
+        self.delivered_bytes = 0
+        self.retries = 0
+        self.take_bytes = max(1, limits.queue_bytes // 4)  # most bytes one batch hands over
+        self.reserved_bytes = 0  # sum of the running jobs' reservations
+        self.peak_reserved_bytes = 0
+        self.largest_item = 0
+        self.taken = [0, 0]  # items and bytes handed over by the current take()
+
+    async def main(self) -> None:
+        store = None
+        try:
+            store = await self.store_factory()
+            async with anyio.create_task_group() as tg:
+                await self.launch_all(tg, store)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            self.fatal = exc
+        finally:
+            self.launch_done = True
+            self.notify()
+            if store is not None:
+                with anyio.CancelScope(shield=True):
+                    await store.aclose()
+
+    async def launch_all(self, tg: anyio.abc.TaskGroup, store: ObjectStore) -> None:
+        for index, job in enumerate(self.jobs):
+            fixed = getattr(job, "reserve", None)  # a job may say what it holds (a shard read)
+            await self.wait_for_room(index, fixed)
+            if self.failed:
+                break
+            slot = Slot(index)
+            if self.limits.inflight_bytes is not None:
+                slot.reserved = self.reservation(fixed)
+                self.reserved_bytes += slot.reserved
+                self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+            self.slots[index] = slot
+            self.launched += 1
+            self.pending.append((job, JobContext(self, slot, store, self.retry)))
+            if self.idle:
+                self.idle.pop().set()
+            elif self.runners < self.limits.max_inflight or self.overdue(index):
+                self.runners += 1  # a job the consumer already waits for gets a runner even past the limit
+                tg.start_soon(self.runner)
+        self.launch_done = True
+        self.notify()
+        while self.idle:
+            self.idle.pop().set()  # parked runners see launch_done and return
+
+    async def runner(self) -> None:
+        """Run launched jobs one after another, parking when there is none; return at the end.
+
+        Up to ``max_inflight`` runners live as long as the engine. A task per job would be
+        simpler, but spawning an anyio task (its cancel scope, event and wrapper) cost about as
+        much as the rest of the engine's work per sample. Every launched job finds a runner: the
+        launcher wakes a parked one or starts a new one, and when there are already
+        ``max_inflight`` runners and none is parked, fewer than ``max_inflight`` jobs are held,
+        so some runner has not yet started or woken up and will take it.
+        """
+        while True:
+            while self.pending:
+                job, ctx = self.pending.popleft()
+                await self.run_job(job, ctx)
+            if self.launch_done or self.runners > self.limits.max_inflight:
+                self.runners -= 1
+                return
+            wake = anyio.Event()
+            self.idle.append(wake)
+            await wake.wait()
+
+    async def run_job(self, job: Job, ctx: JobContext) -> None:
+        slot = ctx._slot
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        try:
+            await job(ctx)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it in order
+            slot.error = exc
+            self.failed = True
+            if self.delivery == "completed":
+                self.ready.append((_Failure(exc), 0))
+        finally:
+            self.inflight -= 1
+            self.jobs_done += 1
+            self.reserved_bytes -= slot.reserved
+            slot.reserved = 0
+            slot.done = True
+            if self.delivery == "completed":
+                del self.slots[slot.index]
+            self.notify()  # a job slot is free: the launcher may be waiting for one
+
+    def full(self) -> bool:
+        return (
+            self.buffered_items >= self.limits.queue_items
+            or self.buffered_bytes >= self.limits.queue_bytes
+        )
+
+    def room_for(self, index: int) -> bool:
+        """Whether job ``index`` may start now (always in job order)."""
+        if self.delivery == "interleave":
+            # Every job a lane holds must run, or the round robin could wait on one that never
+            # starts; memory stays bounded because emit() waits while the buffer is full.
+            return index < self.next_index
+        if self.delivery == "ordered" and index >= self.head + self.limits.queue_items:
+            return False  # the reorder window
+        return not self.full()
+
+    async def wait_for_room(self, index: int, fixed: int | None = None) -> None:
+        """Wait until job ``index`` may start: a free job slot and room in the buffer.
+
+        The job slots are a plain count, not an ``anyio.Semaphore``: only this one task takes
+        them, and a semaphore's ``acquire`` yields to the loop on every call even when a slot is
+        free (one loop iteration per job, about a third of the engine's CPU per sample). Here
+        the launcher starts jobs back to back until the limit, then sleeps until one finishes.
+        """
+        while not self.failed and not self.overdue(index) and not (
+            self.launched - self.jobs_done < self.limits.max_inflight
+            and self.room_for(index)
+            and self.bytes_room(fixed)
+        ):
+            await self.wait_change()
+
+    def overdue(self, index: int) -> bool:
+        """Whether job ``index`` must start whatever the limits say: with a schedule, the
+        consumer may wait for it while the buffer is full of items of jobs that started
+        earlier but are due later (a long shard beside many small objects)."""
+        return self.delivery == "scheduled" and index <= self.wanted
+
+    def reservation(self, fixed: int | None = None) -> int:
+        """What a job about to start reserves of ``inflight_bytes``: what it says it holds
+        (``fixed``), else twice the largest item seen (its body arriving, then joined), or all
+        of it before any size is known."""
+        budget = self.limits.inflight_bytes or 0
+        if fixed is not None:
+            return min(fixed, budget)
+        if not self.largest_item:
+            return budget
+        return min(2 * self.largest_item, budget)
+
+    def bytes_room(self, fixed: int | None = None) -> bool:
+        """Whether another job's reservation fits (one job may always run)."""
+        if self.limits.inflight_bytes is None or self.launched == self.jobs_done:
+            return True
+        return self.reserved_bytes + self.reservation(fixed) <= self.limits.inflight_bytes
+
+    async def emit(self, slot: Slot, item: Any, nbytes: int) -> None:
+        # The job the consumer is parked on may deliver one item over a full buffer: making it
+        # wait would deadlock (the room is held by other jobs' items). Only while the consumer
+        # is parked: items it holds are freed by its next take(), so one over is the most.
+        while self.full() and not (
+            self.waiting and self.delivery != "completed" and slot.index == self.wanted
+            and not slot.items
+        ):
+            await self.wait_change()
+        (self.ready if self.delivery == "completed" else slot.items).append((item, nbytes))
+        if nbytes > self.largest_item:
+            self.largest_item = nbytes
+        self.buffered_items += 1
+        self.buffered_bytes += nbytes
+        self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
+        self.notify()
+
+    async def take(self, max_items: int, released: tuple[int, int] = (0, 0)) -> tuple[list[Any], tuple[int, int]]:
+        """Runs in the loop on behalf of the consumer: the next items (``[]`` at the end) and
+        their count and bytes, which stay in the buffer's counts until the consumer hands them
+        back as ``released`` with its next call (it holds them until then)."""
+        self.release(*released)
+        self.taken = [0, 0]
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            out = self.pop[self.delivery](self, max_items)
+            if out:
+                self.notify()
+                return out, (self.taken[0], self.taken[1])
+            if self.finished():
+                return [], (0, 0)
+            self.waiting = True
+            self.notify()  # the wanted job may be parked in emit(); the launcher may hold it back
+            try:
+                await self.wait_change()
+            finally:
+                self.waiting = False
+
+    def pop_ordered(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < max_items and self.taken[1] < self.take_bytes:
+            self.wanted = self.head
+            slot = self.slots.get(self.head)
+            if slot is None:
+                break
+            if slot.items:
+                out.append(self.account(slot.items.popleft()))
+                continue
+            if not slot.done:
+                break
+            if slot.error is not None and out:
+                break  # deliver what came before the error first
+            del self.slots[self.head]
+            self.head += 1
+            if slot.error is not None:
+                raise slot.error
+        return out
+
+    def pop_interleave(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < max_items and self.taken[1] < self.take_bytes and self.lanes:
+            self.cursor %= len(self.lanes)
+            index = self.wanted = self.lanes[self.cursor]
+            slot = self.slots.get(index)
+            if slot is None:
+                if self.launch_done and index >= self.launched:
+                    del self.lanes[self.cursor]  # no such job: the lane retires
+                    continue
+                break  # not started yet
+            if slot.items:
+                out.append(self.account(slot.items.popleft()))
+                self.cursor += 1
+                continue
+            if not slot.done or (slot.error is not None and out):
+                break
+            del self.slots[index]
+            if slot.error is not None:
+                raise slot.error
+            self.lanes[self.cursor] = self.next_index  # the lane takes the next job
+            self.next_index += 1
+            self.notify()  # the launcher may be waiting for that
+        return out
+
+    def pop_scheduled(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < max_items and self.taken[1] < self.take_bytes:
+            if self.entry is None:
+                self.entry = next(self.schedule, None)
+                if self.entry is None:
+                    self.end_schedule()
+                    break
+            index = self.wanted = self.entry
+            slot = self.slots.get(index)
+            if slot is None:
+                if index < self.launched or self.launch_done:
+                    self.entry = None  # a job that gave fewer items than scheduled, or none at all
+                    continue
+                break  # not started yet
+            if slot.items:
+                out.append(self.account(slot.items.popleft()))
+                self.entry = None
+                continue
+            if not slot.done or (slot.error is not None and out):
+                break
+            del self.slots[index]
+            self.entry = None
+            if slot.error is not None:
+                raise slot.error
+        return out
+
+    def end_schedule(self) -> None:
+        """The schedule is exhausted: every job must have delivered all it emitted."""
+        self.schedule_done = True
+        left = [index for index, slot in self.slots.items() if slot.items]
+        if left:
+            raise RuntimeError(f"jobs {left[:5]} emitted more items than the schedule gave them")
+
+    def pop_completed(self, max_items: int) -> list[Any]:
+        out: list[Any] = []
+        while self.ready and len(out) < max_items and self.taken[1] < self.take_bytes:
+            item, _ = self.ready[0]
+            if isinstance(item, _Failure):
+                if out:
+                    break
+                self.ready.popleft()
+                raise item.error
+            out.append(self.account(self.ready.popleft()))
+        return out
+
+    def account(self, entry: tuple[Any, int]) -> Any:
+        """An item handed over: delivered now, still buffered until the consumer releases it."""
+        item, nbytes = entry
+        self.taken[0] += 1
+        self.taken[1] += nbytes
+        self.delivered_items += 1
+        self.delivered_bytes += nbytes
+        return item
+
+    def release(self, items: int, nbytes: int) -> None:
+        """The consumer is done with the last batch: its room is free again."""
+        if items:
+            self.buffered_items -= items
+            self.buffered_bytes -= nbytes
+            self.notify()
+
+    pop = {"ordered": pop_ordered, "interleave": pop_interleave, "completed": pop_completed,
+           "scheduled": pop_scheduled}
+
+    def finished(self) -> bool:
+        if self.delivery == "scheduled":
+            return self.schedule_done and self.launch_done and self.jobs_done == self.launched
+        return (
+            self.launch_done
+            and self.jobs_done == self.launched
+            and not self.ready
+            and not self.slots
+        )
+
+    def notify(self) -> None:
+        if self.changed is not None:
+            self.changed.set()
+            self.changed = None
+
+    async def wait_change(self) -> None:
+        if self.changed is None:
+            self.changed = anyio.Event()
+        await self.changed.wait()
+
+
+class _Failure(NamedTuple):
+    """A job error queued in completion order (``ordered=False``)."""
+
+    error: BaseException

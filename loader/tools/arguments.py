@@ -1,0 +1,113 @@
+"""What the command line's verbs share: exit codes, the help formatter, one-line usage errors, and
+the types that parse option values (each error says what to give instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from typing import NoReturn
+
+from ..errors import LoaderError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+ENV_HELP = ("Endpoint and credentials come from the environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_REGION (or MinIO's names), or AWS_PROFILE and the profiles in "
+            "~/.aws, as for the AWS CLI; `loader serve` prints them for a local server.")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps each paragraph of a description or epilog; keeps lines indented by two spaces
+    (examples) as they are."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = []
+        for line in text.splitlines():
+            if line.startswith("  ") or not line.strip():
+                lines.append(indent + line)
+            else:
+                lines.append(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent))
+        return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line: ``loader serve: error: ... (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; use 1-65535")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _s3_uri(text: str) -> str:
+    from ..uri import parse_s3_uri
+
+    try:
+        parse_s3_uri(text)
+    except LoaderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _bucket_name(text: str) -> str:
+    """A name ``serve`` may create, checked before the server starts (S3's naming rules)."""
+    from ..uri import BUCKET_NAME_RULE, bucket_name_problem
+
+    problem = bucket_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid bucket name ({problem}); use {BUCKET_NAME_RULE}")
+    return text
+
+
+def _size(text: str) -> int:
+    from .sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except LoaderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _name_format(text: str) -> str:
+    from ..formats.compression import compression_of
+    from ..formats.packing import check_name_format
+
+    try:  # its suffix is checked against --compress once both are known (PackOptions)
+        kind = compression_of(text.format(0))
+    except (IndexError, KeyError, ValueError):
+        kind = None  # check_name_format says what is wrong with it
+    try:
+        return check_name_format(text, kind)
+    except LoaderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
