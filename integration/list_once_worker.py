@@ -110,12 +110,13 @@ def collate(batch: list[dict[str, Any]]) -> tuple[list[str], str | None, str]:
 
 
 def snapshot_of(dataset: Any) -> str:
-    """``file:<id>`` of the shared key list file a dataset maps, else a digest of its keys."""
+    """``file:<directory name>:<id>`` of the shared key list file a dataset maps, else a digest
+    of its keys."""
     source = dataset.source
     keys = getattr(source, "_keys", None)
     origin = getattr(keys, "_origin", None)
     if origin is not None:
-        return f"file:{origin.id}"
+        return f"file:{Path(origin.path).parent.name}:{origin.id}"
     names = list(keys) if keys is not None else [shard.url for shard in source._shards or ()]
     return "memory:" + hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 

@@ -28,6 +28,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from loader import AsyncS3Dataset, ListOptions
+from loader.stores.nodeshare import SHARE_DIR_ENV
 
 from datasets import upload_objects
 from faults import FaultProxy
@@ -121,14 +122,14 @@ def matrix(s3_server, tmp_path_factory):
     for mode in ("objects", "shards"):  # the yardstick prefixes
         upload_objects(s3_server.minio, bucket, cell_objects(f"plain-{mode}", mode)[0])
     out = tmp_path_factory.mktemp("once")
-    before = shared_files()
+    share = tmp_path_factory.mktemp("share")  # the job's own: other tests share files meanwhile
     seconds = {}
     with FaultProxy(s3_server.config.endpoint_url, max_lifetime=1800) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         listing = ListOptions(page_size=list_once_worker.PAGE)
         AsyncS3Dataset.from_prefix(f"s3://{bucket}/plain-objects/", config=config, listing=listing).keys()
         AsyncS3Dataset.from_shards(f"s3://{bucket}/plain-shards/", config=config, listing=listing).shards()
-        env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url}
+        env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url, SHARE_DIR_ENV: str(share)}
         for style, (_, cells) in LAUNCHES.items():
             plan = {"cells": cells, "bucket": bucket, "env": env, "out": str(out / style),
                     "init_method": f"tcp://127.0.0.1:{free_port()}"}
@@ -142,13 +143,7 @@ def matrix(s3_server, tmp_path_factory):
           f"one process alone: {plain}")
     objects = {mode: len(cell_objects("plain", mode)[0]) for mode in ("objects", "shards")}
     return {"out": out, "counts": counts, "plain": plain, "expected": expected, "objects": objects,
-            "left": shared_files() - before}
-
-
-def shared_files() -> set[str]:
-    from loader.stores.nodeshare import PREFIX, share_dirs
-
-    return {str(path) for where in share_dirs() for path in where.glob(f"*{PREFIX}*")}
+            "share": share.name, "left": {path.name for path in share.iterdir()}}
 
 
 def launch(style: str, plan: dict, out: Path) -> None:
@@ -182,7 +177,7 @@ def test_a_job_lists_each_prefix_once_and_every_process_reads_that_listing(matri
         snapshots = {snapshot for rank in ranks for snapshot in rank["snapshots"]}
         if len(snapshots) != 1:
             problems.append(f"{name}: processes read different listings {sorted(snapshots)}")
-        elif spec["mode"] != "shards" and not next(iter(snapshots)).startswith("file:"):
+        elif spec["mode"] != "shards" and not next(iter(snapshots)).startswith(f"file:{matrix['share']}:"):
             problems.append(f"{name}: the key list was not the node's shared file: {snapshots}")
         for epoch in range(spec.get("epochs", 1)):
             read = [key for rank in ranks for key in rank["epochs"][epoch]]

@@ -233,8 +233,10 @@ def test_the_secret_appears_nowhere(canary_server, monkeypatch, caplog, tmp_path
     for name in SECRET_LOGGERS:
         caplog.set_level(logging.DEBUG, logger=name)
     try:
-        # 1. an epoch with two forked workers; every child's argv read while they run
-        dataset = AsyncS3Dataset.from_prefix("s3://canary/data/", shuffle=True, max_inflight=8)
+        # 1. an epoch with two forked workers; every child's argv read while they run (the parent
+        # lists before it forks them: the workers' own records are their stats lines)
+        dataset = AsyncS3Dataset.from_prefix("s3://canary/data/", shuffle=True, max_inflight=8,
+                                             log_stats=True)
         argv: dict[int, list[str]] = {}
         got = []
         for number, sample in enumerate(DataLoader(dataset, batch_size=None, num_workers=2,
