@@ -7,7 +7,7 @@ shows), and ``.tar.gz`` shards (one stream each, decompressed). For each, the me
 baseline measured in the same run: the same shards fetched with the same store and concurrency,
 bytes discarded (no parsing). Writes ``bench/results/index-<date>.md`` and ``.json``.
 
-    flock /work/locks/heavy.lock python -m bench.index
+    python -m bench.index
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "# `loader index` throughput",
         "",
         f"{started_at}, embedded SeaweedFS on 127.0.0.1, {os.cpu_count()} CPUs shared by client and server "
-        f"(load average at start {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}); measured under "
-        "`flock /work/locks/heavy.lock python -m bench.index`. Median of "
+        f"(load average at start {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}); measured with "
+        "`python -m bench.index` while no other measurement ran. Median of "
         f"{args.repeats} runs of `index_shards(..., force=True)` (listing, one GET of the old index, "
         "every shard streamed, parsed and grouped, the index written); \"fetch alone\" streams the same "
         "objects with the same store and concurrency and discards the bytes, in the same run. MB are "

@@ -324,17 +324,7 @@ CONSUMER_SLEEP = 0.01  # per 5 MB sample: slower than the server, so the buffer 
 
 # Runs in a fresh interpreter, so that no earlier test's freed-but-kept memory blurs the baseline;
 # it samples its own RSS in a thread while it iterates and prints the numbers as JSON.
-_CONSUMER = """
-import gc, hashlib, json, sys, threading, time
-import psutil
-from loader import AsyncS3Dataset
-
-bucket, store, epochs, max_inflight, queue_bytes, pause = sys.argv[1:]
-epochs, max_inflight, queue_bytes, pause = int(epochs), int(max_inflight), int(queue_bytes), float(pause)
-dataset = AsyncS3Dataset.from_prefix(f"s3://{bucket}/big/", store=store, shuffle=True,
-                                     max_inflight=max_inflight, queue_bytes=queue_bytes)
-keys = dataset.keys()
-list(AsyncS3Dataset.from_keys(bucket, keys[:1], store=store))  # imports, client, runtime
+_RSS_SAMPLER = """
 gc.collect()
 proc = psutil.Process()
 baseline = peak = proc.memory_info().rss
@@ -348,6 +338,20 @@ def sample():
 
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
+"""  # the consumers below watch their own RSS from here on, every 5 ms
+
+_CONSUMER = """
+import gc, hashlib, json, sys, threading, time
+import psutil
+from loader import AsyncS3Dataset
+
+bucket, store, epochs, max_inflight, queue_bytes, pause = sys.argv[1:]
+epochs, max_inflight, queue_bytes, pause = int(epochs), int(max_inflight), int(queue_bytes), float(pause)
+dataset = AsyncS3Dataset.from_prefix(f"s3://{bucket}/big/", store=store, shuffle=True,
+                                     max_inflight=max_inflight, queue_bytes=queue_bytes)
+keys = dataset.keys()
+list(AsyncS3Dataset.from_keys(bucket, keys[:1], store=store))  # imports, client, runtime
+""" + _RSS_SAMPLER + """
 moved, ends, peak_buffered, epochs_seen = 0, [], 0, []
 for epoch in range(epochs):
     dataset.set_epoch(epoch)
@@ -444,19 +448,7 @@ for number, _ in enumerate(warm):
     if number == 2:
         break
 del warm, _
-gc.collect()
-proc = psutil.Process()
-baseline = peak = proc.memory_info().rss
-stop = threading.Event()
-
-def sample():
-    global peak
-    while not stop.is_set():
-        peak = max(peak, proc.memory_info().rss)
-        time.sleep(0.005)
-
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
+""" + _RSS_SAMPLER + """
 keys, moved = [], 0
 for number, item in enumerate(dataset):
     keys.append(item["__key__"])

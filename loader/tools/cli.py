@@ -34,6 +34,7 @@ from .arguments import (
     _s3_uri,
     _size,
 )
+from .bars import Bars, bar_disabled
 
 # What a shell user can do about missing credentials (the library's advice speaks of S3Config).
 CLI_CREDENTIALS_ADVICE = (
@@ -229,32 +230,19 @@ def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         max_inflight=args.max_inflight, part_size=args.part_size or DEFAULT_PART_SIZE,
         overwrite=args.overwrite, stop_after=args.stop_after,
     )
-    bars: list[Any] = []
+    bars = Bars(args.progress, err)
 
     def progress(report: Any, total_bytes: int, total_objects: int) -> Callable[[int, int], None]:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="shard",
-                   file=err, dynamic_ncols=True, disable=_bar_disabled(args.progress, err))
-        bars.append(bar)
-        objects = 0
-
-        def hook(nbytes: int, count: int) -> None:
-            nonlocal objects
-            objects += count
-            bar.set_postfix_str(f"{objects:,}/{total_objects:,} objects", refresh=False)
-            bar.update(nbytes)
-
-        return hook
+        return bars.counting("shard", total_bytes, total_objects, "objects")
 
     try:
         report = pack(args.src, args.dst, options, progress=progress)
     except KeyboardInterrupt:
-        _close_bars(bars)
+        bars.close()
         print(f"loader shard: interrupted; run the same command again to resume "
               f"(finished shards are kept in {args.dst})", file=err)
         return EXIT_INTERRUPTED
-    _close_bars(bars)
+    bars.close()
     if not report.complete:
         print(f"loader shard: stopped after {report.written} new shard(s) (--stop-after), "
               f"{report.resumed + report.written} of {report.shards} written; run the same "
@@ -266,17 +254,6 @@ def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
           f"sample_counts=read_index_counts({report.index_url!r}))  "
           "# from loader import read_index_counts", file=out)
     return EXIT_OK
-
-
-def _close_bars(bars: list[Any]) -> None:
-    for bar in bars:
-        bar.close()
-
-
-def _bar_disabled(wanted: bool | None, stream: IO[str]) -> bool:
-    if wanted is None:
-        return not (hasattr(stream, "isatty") and stream.isatty())
-    return not wanted
 
 
 # ------------------------------------------------------------------------ bench
@@ -332,7 +309,7 @@ def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     options = BenchOptions(samples=args.samples, workers=args.workers, batch_size=args.batch_size,
                            shards=args.shards, objects=args.objects, store=args.store,
                            max_inflight=args.max_inflight)
-    result = bench(args.uri, options, progress=not _bar_disabled(args.progress, sys.stderr))
+    result = bench(args.uri, options, progress=not bar_disabled(args.progress, sys.stderr))
     for line in bench_lines(result):
         print(line, file=out)
     return EXIT_OK

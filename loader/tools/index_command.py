@@ -10,7 +10,9 @@ import functools
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import IO, Any
+from typing import IO
+
+from .bars import Bars
 
 
 def register(subparsers: argparse._SubParsersAction, cli: ModuleType) -> None:
@@ -65,34 +67,20 @@ def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | Non
     options = IndexOptions(out=args.out, concurrency=args.concurrency, force=args.force,
                            parts_inflight=args.parts_inflight, part_size=args.part_size or DEFAULT_PART_SIZE,
                            stop_after=args.stop_after)
-    bars: list[Any] = []
+    bars = Bars(args.progress, err)
 
     def progress(report: IndexReport, total_bytes: int) -> Callable[[int, int], None]:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="index",
-                   file=err, dynamic_ncols=True, disable=cli._bar_disabled(args.progress, err))
-        bars.append(bar)
-        todo = report.shards - report.already
-        done = 0
-
-        def hook(nbytes: int, shards: int) -> None:
-            nonlocal done
-            done += shards
-            bar.set_postfix_str(f"{done:,}/{todo:,} shards", refresh=False)
-            bar.update(nbytes)
-
-        return hook
+        return bars.counting("index", total_bytes, report.shards - report.already, "shards")
 
     shards = args.shards[0] if len(args.shards) == 1 else args.shards
     try:
         report = index_shards(shards, options, progress=progress)
     except KeyboardInterrupt:
-        cli._close_bars(bars)
+        bars.close()
         print("loader index: interrupted; the shards indexed so far are in the index: run the same "
               "command again to index the rest", file=err)
         return cli.EXIT_INTERRUPTED
-    cli._close_bars(bars)
+    bars.close()
     if not report.complete:
         print(f"loader index: stopped after {report.indexed} shard(s) (--stop-after); run the same "
               "command again to index the rest", file=err)
