@@ -93,3 +93,16 @@ def test_a_disk_cache_serves_only_the_version_the_snapshot_recorded(fake, tmp_pa
     assert fresh["train/000003"] == b"another version", "a fresh listing refills the cache"
     with pytest.raises(ObjectChangedError, match=r"train/000003.bin was replaced after the listing"):
         keys_read(AsyncS3Dataset.from_manifest(str(path), **options))
+
+
+def test_ls_save_refuses_a_directory_or_a_foreign_file_before_listing(tmp_path):
+    from loader.config import S3Config
+    from loader.tools.ls import list_uri
+
+    nowhere = S3Config(endpoint_url="http://127.0.0.1:1", access_key_id="k", secret_access_key="s")
+    with pytest.raises(ConfigError, match=r"--save '.*' is a directory; give a file path"):
+        list_uri("s3://bucket/train/", config=nowhere, save=str(tmp_path))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a listing\n")
+    with pytest.raises(ConfigError, match=r"--save '.*notes\.txt' exists but is not a listing snapshot"):
+        list_uri("s3://bucket/train/", config=nowhere, save=str(notes))

@@ -27,17 +27,17 @@ class Snapshot(NamedTuple):
     create: bool
 
 
-def snapshot_option(path: str | os.PathLike[str] | None) -> Snapshot | None:
-    """``snapshot=`` of ``from_prefix``, checked now (a path, or None)."""
+def snapshot_option(path: str | os.PathLike[str] | None, setting: str = "snapshot=") -> Snapshot | None:
+    """``snapshot=`` of ``from_prefix`` (or the option ``setting`` names), checked now."""
     if path is None:
         return None
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ConfigError(f"snapshot={path!r} must be a file path")
+        raise ConfigError(f"{setting}{path!r} must be a file path")
     where = Path(path).expanduser().absolute()
     if where.is_dir():
-        raise ConfigError(f"snapshot={str(path)!r} is a directory; give a file path")
+        raise ConfigError(f"{setting}{str(path)!r} is a directory; give a file path")
     if where.exists() and not is_keyfile(where):
-        raise ConfigError(f"snapshot={str(path)!r} exists but is not a listing snapshot; "
+        raise ConfigError(f"{setting}{str(path)!r} exists but is not a listing snapshot; "
                           "give a new path (it is written on the first listing) or a file "
                           "that `loader ls --save` wrote")
     return Snapshot(str(where), create=True)

@@ -150,7 +150,7 @@ def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = No
     ``save``: also write it as a listing snapshot to that path (``datasets.snapshots``)."""
     retry = RetryPolicy()
     factory = StoreSpec.of(store, config).opener(max_connections=4, retry=retry)
-    snapshot = snapshot_option(save)  # checked before listing: a bad path fails now
+    snapshot = snapshot_option(save, "--save ")  # checked before listing: a bad path fails now
     found = list_prefix(uri, factory=factory, retry=retry)
     if snapshot is not None:
         bucket, prefix = parse_s3_uri(uri)
