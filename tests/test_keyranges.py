@@ -101,3 +101,22 @@ def test_plain_bounds():
     assert plain("a/b") and plain("ä") and plain("a-b.c")
     for bad in ("", "a//b", "a/", "./a", "a/..", "a\x00", "a\x7f"):
         assert not plain(bad)
+
+
+def test_a_server_listing_out_of_byte_order_ends_the_splitting_and_the_listing_ends():
+    """Directory order puts 'a-…' after 'a/…'; byte-order split points there once made pieces
+    wrap back over each other's keys, split after split (hundreds of thousands of LISTs)."""
+    inside = ["90", "z/中9/..", "!0ä/!A9", "zaZ/Z", "!/: /:", "ä中", ".中/990./a2", "中~/ ~ä.", ".zA", ".Z",
+              "-/ 2/A0", "2/99", "12/1!/9A!9", "!-Z:/~/9", "0 .Z", "2-/~: z", "ä!:a", "0A", "中",
+              "1/9:中/za", "z9.A/~!! /.9A ", "ä", " /9:1", ".a中", " 2中/0", "Z ", "0a/Z/...", "z",
+              " !./ a./-1!中", "./:ä中/~.20", "ä!2A"]
+    objects = {key: b"x" for key in ["a" + k for k in inside] + ["-9/z9/1"]}
+
+    async def listing(store, parallel):
+        with anyio.fail_after(30):
+            return await list_all(store, "b", "a", FAST, options=ListOptions(page_size=1, parallel=parallel))
+
+    for parallel in (4, 8, 8, 8):
+        store = FakeStore.with_objects("b", objects, page_size=1, order="directories")
+        assert list(anyio.run(listing, store, parallel)) == sorted(key for key in objects if key.startswith("a"))
+        assert store.list_requests <= 4 * len(objects), store.list_requests

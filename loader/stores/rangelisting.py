@@ -39,6 +39,7 @@ class KeyRange:
     keys: int = 0
     pages: int = 0
     done: bool = False
+    byte_order: bool = True  # every page so far in byte order: split points can be guessed
 
 
 class RangeLister:
@@ -124,6 +125,8 @@ class RangeLister:
 
     def _take(self, part: KeyRange, page: ListPage) -> None:
         objects = page.objects
+        if objects and part.byte_order:
+            self._check_order(part, objects)
         if objects:
             if part.first is None:
                 part.first = objects[0].key
@@ -147,6 +150,14 @@ class RangeLister:
         self.sink(objects)
         self._measure()
         self._notify()
+
+    def _check_order(self, part: KeyRange, objects: list[ObjectInfo]) -> None:
+        """A piece whose first key is not after its ``StartAfter`` in byte order is never split
+        again. SeaweedFS lists directory by directory (``a-b`` after ``a/c``) while split points
+        are guessed in byte order: such a piece wrapped back over keys another range holds, and
+        splitting it again can wrap again, split after split. It still lists exactly."""
+        if part.start_after is not None and part.last is None and objects[0].key <= part.start_after:
+            part.byte_order = False
 
     def _measure(self) -> None:
         """Double ``limit`` while each doubling lists faster, by ``GAIN`` at least; settle
@@ -217,7 +228,7 @@ class RangeLister:
         if self.misses > self.pages * MAX_MISSES:
             return None  # guesses keep landing in empty key space: wait for more pages
         candidates = [part for part in self.active
-                      if part.pages and not part.done and part.last is not None]
+                      if part.pages and not part.done and part.last is not None and part.byte_order]
         if not candidates:
             return None
         space = self._current_space()
