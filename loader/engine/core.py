@@ -273,7 +273,8 @@ class EngineCore:
             if self.finished():
                 return [], (0, 0)
             self.waiting = True
-            self.notify()  # the wanted job may be parked in emit(); the launcher may hold it back
+            if self.delivery == "scheduled" or self.full():
+                self.notify()  # the wanted job may be parked in emit(); the launcher may hold it back
             try:
                 await self.wait_change()
             finally:
