@@ -1,2 +1,21 @@
 """Unit-test helpers live in ``fakes.py`` (importable by name); the fixtures shared with
 ``integration/`` (``no_leaked_threads``, ``sigint_raises``) are in the repository's ``conftest.py``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture
+def share_dir(tmp_path, monkeypatch):
+    """A machine's key-list directory of its own (``$LOADER_SHARE_DIR``); what this process
+    still holds there is released at the end."""
+    from loader.stores import nodeshare
+
+    where = tmp_path / "node-a"
+    where.mkdir()
+    monkeypatch.setenv(nodeshare.SHARE_DIR_ENV, str(where))
+    yield where
+    nodeshare.release(nodeshare.process_ident(os.getpid()))

@@ -17,12 +17,7 @@ from loader.stores.nodeshare import NodeFile, is_alive, process_ident, release, 
 KEYS = KeyList.from_keys([f"k/{i:04d}" for i in range(100)], range(100))
 
 
-@pytest.fixture(autouse=True)
-def share_dir(tmp_path, monkeypatch):
-    where = tmp_path / "share"
-    where.mkdir()
-    monkeypatch.setenv(nodeshare.SHARE_DIR_ENV, str(where))
-    return where
+pytestmark = pytest.mark.usefixtures("share_dir")  # every test gets a directory of its own (conftest)
 
 
 def names(where) -> list[str]:

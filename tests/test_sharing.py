@@ -25,13 +25,7 @@ from loader.stores.listing import KeyList
 KEYS = KeyList.from_keys([f"train/{i:05d}.jpg" for i in range(500)], range(500))
 
 
-@pytest.fixture(autouse=True)
-def share_dir(tmp_path, monkeypatch):
-    where = tmp_path / "node-a"
-    where.mkdir()
-    monkeypatch.setenv(nodeshare.SHARE_DIR_ENV, str(where))
-    yield where
-    nodeshare.release(nodeshare.process_ident(os.getpid()))
+pytestmark = pytest.mark.usefixtures("share_dir")  # every test gets a directory of its own (conftest)
 
 
 @pytest.fixture
