@@ -111,3 +111,12 @@ def _name_format(text: str) -> str:
         return check_name_format(text, kind)
     except LoaderError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_long_run_options(p: argparse.ArgumentParser) -> None:
+    """What the long-running verbs (``shard``, ``index``) share: ``--progress``, and the hidden
+    ``--part-size``/``--stop-after`` that tests use to read small shards in parts and to stop early."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--part-size", type=_size, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stop-after", type=_positive_int, default=None, help=argparse.SUPPRESS)

@@ -33,8 +33,10 @@ from .arguments import (
     _positive_int,
     _s3_uri,
     _size,
+    add_long_run_options,
 )
 from .bars import Bars, bar_disabled
+from .index_command import register as register_index
 
 # What a shell user can do about missing credentials (the library's advice speaks of S3Config).
 CLI_CREDENTIALS_ADVICE = (
@@ -212,10 +214,7 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
                         "names) instead of stopping")
     p.add_argument("--overwrite", action="store_true",
                    help="ignore an earlier run's progress and shards under DST_PREFIX; repack everything")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: when stderr is a terminal)")
-    p.add_argument("--part-size", type=_size, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--stop-after", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    add_long_run_options(p)
     p.set_defaults(run=run_shard)
 
 
@@ -316,12 +315,6 @@ def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------ main
-
-def register_index(subparsers: argparse._SubParsersAction) -> None:
-    from .index_command import register  # its own module: this one is near its size limit
-
-    register(subparsers, sys.modules[__name__])
-
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     register_demo, register_serve, register_ls, register_shard, register_index, register_bench,

@@ -1,21 +1,18 @@
 """``loader index`` on the command line: its arguments, progress bar and summary (the work is
-``tools/index.py``, imported only when the command runs). The CLI's shared pieces (help format,
-argument types, exit codes, progress bars) come from ``tools/cli.py`` as an argument: importing it
-here would make an import circle."""
+``tools/index.py``, imported only when the command runs)."""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from collections.abc import Callable
-from types import ModuleType
 from typing import IO
 
+from .arguments import ENV_HELP, EXIT_INTERRUPTED, EXIT_OK, _Formatter, _positive_int, _s3_uri, add_long_run_options
 from .bars import Bars
 
 
-def register(subparsers: argparse._SubParsersAction, cli: ModuleType) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """``index``: count the samples of shards other tools wrote; write the index from_shards finds."""
     p = subparsers.add_parser(
         "index", help="count the samples of tar shards (any tool's) and write the index from_shards finds",
@@ -26,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction, cli: ModuleType) -> None:
             "by itself, so every rank of a job reads the same number of samples. Interrupted? Run "
             "the same command again: the index is written as shards finish, and shards already in "
             "it (unchanged since) are not read again; after shards change or are added, it reads "
-            "only those. " + cli.ENV_HELP
+            "only those. " + ENV_HELP
         ),
         epilog=(
             "examples:\n"
@@ -37,29 +34,25 @@ def register(subparsers: argparse._SubParsersAction, cli: ModuleType) -> None:
             "  ds = AsyncS3Dataset.from_shards(\"s3://data/shards/\", shuffle=True)  # the index is found\n"
             "  ds = AsyncS3Dataset.from_shards(..., index=\"s3://mine/meta/index.json\")  # after --out"
         ),
-        formatter_class=cli._Formatter,
+        formatter_class=_Formatter,
     )
-    p.add_argument("shards", nargs="+", type=cli._s3_uri, metavar="SHARDS",
+    p.add_argument("shards", nargs="+", type=_s3_uri, metavar="SHARDS",
                    help="a brace pattern (quote it), shard URIs, or a prefix holding the shards")
-    p.add_argument("--out", type=cli._s3_uri, default=None, metavar="URI",
+    p.add_argument("--out", type=_s3_uri, default=None, metavar="URI",
                    help="write the index here instead of index.json in the shards' folder "
                         "(then pass index=URI to from_shards)")
-    p.add_argument("--concurrency", type=cli._positive_int, default=8, metavar="N",
+    p.add_argument("--concurrency", type=_positive_int, default=8, metavar="N",
                    help="shards read at once (default: 8)")
-    p.add_argument("--parts-inflight", type=cli._positive_int, default=1, metavar="P",
+    p.add_argument("--parts-inflight", type=_positive_int, default=1, metavar="P",
                    help="ranged GETs at once per large uncompressed shard (default: 1, one stream "
                         "each; more helps a few very large shards on a distant store)")
     p.add_argument("--force", action="store_true",
                    help="read every shard again, even those indexed and unchanged")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: when stderr is a terminal)")
-    p.add_argument("--part-size", type=cli._size, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--stop-after", type=cli._positive_int, default=None, help=argparse.SUPPRESS)
-    p.set_defaults(run=functools.partial(run, cli=cli))
+    add_long_run_options(p)
+    p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None, *,
-        cli: ModuleType) -> int:
+def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     from .index import DEFAULT_PART_SIZE, IndexOptions, IndexReport, index_shards
     from .sizes import format_size
 
@@ -79,12 +72,12 @@ def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | Non
         bars.close()
         print("loader index: interrupted; the shards indexed so far are in the index: run the same "
               "command again to index the rest", file=err)
-        return cli.EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED
     bars.close()
     if not report.complete:
         print(f"loader index: stopped after {report.indexed} shard(s) (--stop-after); run the same "
               "command again to index the rest", file=err)
-        return cli.EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED
     seconds = max(report.seconds, 1e-9)
     print(f"indexed {report.indexed:,} shard(s) ({report.samples:,} samples, "
           f"{format_size(report.bytes_read)}) in {report.seconds:.1f} s "
@@ -93,4 +86,4 @@ def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | Non
     print(f"index: {report.index_url}", file=out)
     where = f", index={report.index_url!r}" if args.out else ""
     print(f"read them with: AsyncS3Dataset.from_shards({shards!r}{where})", file=out)
-    return cli.EXIT_OK
+    return EXIT_OK
