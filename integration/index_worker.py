@@ -8,16 +8,16 @@ the cell's URIs and options and reads one epoch with 2 workers. It writes ``{out
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, S3Config
+
+from launching import save_result
 
 
 def keys_of_batch(batch: list[dict]) -> list[str]:
@@ -48,9 +48,7 @@ def spawned(rank: int, world_size: int, plan: dict[str, Any]) -> None:
             except Exception as exc:  # the test compares what each rank saw
                 result["error"] = f"{type(exc).__name__}: {exc}"
             result["seconds"] = round(time.monotonic() - started, 2)
-            where = Path(plan["out"]) / cell["name"]
-            where.mkdir(parents=True, exist_ok=True)
-            (where / f"rank{rank}.json").write_text(json.dumps(result))
+            save_result(plan["out"], cell["name"], rank, result)
             dist.barrier()
     finally:
         dist.destroy_process_group()

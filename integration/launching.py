@@ -82,13 +82,18 @@ def run(rank: int, world_size: int, plan: dict[str, Any], init: Any) -> None:
             started = time.monotonic()
             result = read(cell, datasets[cell["name"]])
             result["seconds"] = round(time.monotonic() - started, 2)
-            where = Path(plan["out"]) / cell["name"]
-            where.mkdir(parents=True, exist_ok=True)
-            (where / f"rank{rank}.json").write_text(json.dumps(result))
+            save_result(plan["out"], cell["name"], rank, result)
     finally:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def save_result(out: str, cell: str, rank: int, result: dict[str, Any]) -> None:
+    """What one rank saw in one cell, as ``out/cell/rank{rank}.json`` for the test to compare."""
+    where = Path(out) / cell
+    where.mkdir(parents=True, exist_ok=True)
+    (where / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def build(mode: str, data: dict[str, Any], config: S3Config) -> Any:

@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ListOptions
 
+from launching import save_result
+
 PAGE = 4  # keys per LIST page: a cell's listing takes several requests
 
 
@@ -54,9 +56,7 @@ def run(rank: int, plan: dict[str, Any], init: Any) -> None:
                 datasets[cell["name"]] = build(cell, plan["bucket"])
         for cell in cells:
             result = read(cell, datasets[cell["name"]])
-            where = Path(plan["out"]) / cell["name"]
-            where.mkdir(parents=True, exist_ok=True)
-            (where / f"rank{rank}.json").write_text(json.dumps(result))
+            save_result(plan["out"], cell["name"], rank, result)
     finally:
         if dist.is_initialized():
             dist.barrier()
