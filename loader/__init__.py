@@ -33,7 +33,7 @@ _PUBLIC = {
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
         "NoSuchKeyError", "ObjectChangedError", "SampleError", "ShardFormatError", "StoreError",
-        "TLSError", "TransientStoreError",
+        "TLSError", "ThrottledError", "TransientStoreError",
     )},
 }
 # public submodules, imported on first use
@@ -70,6 +70,7 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "ShardFormatError",
     "StoreError",
     "TLSError",
+    "ThrottledError",
     "TransientStoreError",
     "checkpoint",
     "collate_raw",
@@ -125,6 +126,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
         SampleError,
         ShardFormatError,
         StoreError,
+        ThrottledError,
         TLSError,
         TransientStoreError,
     )

@@ -3,7 +3,9 @@
 Transient or permanent is decided once, by type (the backends translate errors into
 ``TransientStoreError`` or a permanent ``StoreError``). Backoff is exponential with full jitter,
 which spreads a herd of DataLoader workers best; by default only the deadline ends the retries,
-so a request rides out a short outage and says so in a warning. Pure except
+so a request rides out a short outage and says so in a warning; but an endpoint that has never
+answered (``loader.contact``) is given up within seconds, since a wrong endpoint is then likelier
+than an outage. Pure except
 ``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/retry.md.
 """
 
@@ -18,7 +20,8 @@ from typing import Protocol, TypeVar
 
 import anyio
 
-from .errors import ConfigError, TransientStoreError
+from . import contact
+from .errors import ConfigError, EndpointUnreachableError, TransientStoreError
 
 T = TypeVar("T")
 
@@ -110,8 +113,39 @@ def gave_up(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapse
         limit = (f"its deadline of {policy.deadline:g} s would pass before another attempt: raise "
                  "RetryPolicy(deadline=...) to wait out longer outages")
     where = f" on {what}" if what else ""
-    return type(exc)(f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})",
-                     bucket=exc.bucket, key=exc.key)
+    message = f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})"
+    if isinstance(exc, EndpointUnreachableError):
+        return type(exc)(message, bucket=exc.bucket, key=exc.key, endpoint=exc.endpoint)
+    return type(exc)(message, bucket=exc.bucket, key=exc.key)
+
+
+def first_contact(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapsed: float,
+                  delay: float | None) -> bool:
+    """Whether ``exc`` is a first contact that failed long enough: no connection to an endpoint
+    that has never answered, for ``contact.FIRST_CONTACT_DEADLINE`` seconds (or the policy's
+    own deadline or attempts, when shorter) if the next wait were taken."""
+    if not isinstance(exc, EndpointUnreachableError) or not exc.endpoint:
+        return False
+    if contact.has_answered(exc.endpoint):
+        return False
+    return delay is None or elapsed + delay >= min(contact.FIRST_CONTACT_DEADLINE, policy.deadline)
+
+
+def wrong_endpoint(exc: EndpointUnreachableError, failures: int, elapsed: float,
+                   what: str = "") -> EndpointUnreachableError:
+    """The final error of a first contact that could not connect: names the endpoint, what was
+    tried, and the fix (a wrong endpoint is far likelier than an outage of a server never seen)."""
+    endpoint = exc.endpoint
+    where = f" on {what}" if what else ""
+    return EndpointUnreachableError(
+        f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s: nothing at "
+        f"{endpoint} has answered since this process started, so this is most likely a wrong "
+        "endpoint, not an outage. Fix AWS_ENDPOINT_URL (or S3_ENDPOINT_URL, MINIO_ENDPOINT, "
+        "S3Config(endpoint_url=...)): its scheme (http or https), host and port, or start the "
+        f"server there. (Once an endpoint has answered, outages are retried for up to "
+        "RetryPolicy.deadline.)",
+        bucket=exc.bucket, key=exc.key, endpoint=endpoint,
+    )
 
 
 class _Throttle:
@@ -161,6 +195,9 @@ class Retrying:
         self.failures += 1
         elapsed = now - self.started
         delay = next_delay(self.policy, self.failures, elapsed, self.rng)
+        if first_contact(exc, self.policy, self.failures, elapsed, delay):
+            assert isinstance(exc, EndpointUnreachableError)  # first_contact checked it
+            raise wrong_endpoint(exc, self.failures, elapsed, self.what) from exc
         if delay is None:
             raise gave_up(exc, self.policy, self.failures, elapsed, self.what) from exc
         if elapsed >= PROGRESS_AFTER and _Throttle.ready(now):

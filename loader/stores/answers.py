@@ -7,6 +7,7 @@ reads the same advice whichever ``store=`` they picked (and tests hold both to i
 
 from __future__ import annotations
 
+from ..contact import answered
 from ..errors import (
     AccessDeniedError,
     ConfigError,
@@ -16,6 +17,7 @@ from ..errors import (
     NoSuchKeyError,
     ObjectChangedError,
     StoreError,
+    ThrottledError,
     TLSError,
     TransientStoreError,
 )
@@ -23,6 +25,10 @@ from ..errors import (
 TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
     "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "503", "500", "502", "504",
+})
+THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "ServiceUnavailable", "503",
 })
 DENIED_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
@@ -39,6 +45,7 @@ def error_for_answer(
     code: str, status: int, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> StoreError:
     """The error for an S3 error response: its code (``""`` if none) and HTTP status."""
+    answered(endpoint)  # an error answer is an answer: the endpoint is right
     what = target(bucket, key, listing=listing)
     if code == "NoSuchBucket":
         return NoSuchBucketError(
@@ -67,7 +74,12 @@ def error_for_answer(
     if code == "PreconditionFailed" or status == 412:
         return changed_during_read(bucket, key, "the server answered 412 PreconditionFailed to "
                                    "If-Match: it no longer holds the version the read began with")
-    if code in TRANSIENT_CODES or status >= 500 or status == 429:
+    if code in THROTTLE_CODES or status in (429, 503):
+        return ThrottledError(
+            f"{what}: the server answered {code or status} (HTTP {status})",
+            bucket=bucket, key=key,
+        )
+    if code in TRANSIENT_CODES or status >= 500:
         return TransientStoreError(
             f"{what}: the server answered {code or status} (HTTP {status})",
             bucket=bucket, key=key,
@@ -95,7 +107,7 @@ def unreachable(
         f"cannot connect to {endpoint} for {target(bucket, key, listing=listing)}"
         + (f" ({reason})" if reason else "")
         + "; is the server running and is AWS_ENDPOINT_URL right?",
-        bucket=bucket, key=key,
+        bucket=bucket, key=key, endpoint=endpoint,
     )
 
 

@@ -23,6 +23,7 @@ import anyio
 import anyio.to_thread
 
 from ..config import S3Config
+from ..contact import answered
 from ..errors import StoreError
 from ..retry import RetryPolicy
 from .answers import (
@@ -141,6 +142,7 @@ class HttpLister:
         try:
             connection.request("GET", target, headers=headers)
             response = connection.getresponse()
+            answered(self._endpoint)
             body = response.read()
         except (OSError, http.client.HTTPException) as exc:
             connection.close()

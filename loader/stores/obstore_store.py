@@ -23,6 +23,7 @@ from obstore.store import S3Store
 
 from ..checks import check_int
 from ..config import S3Config
+from ..contact import answered
 from ..errors import (
     ConfigError,
     InvalidRangeError,
@@ -208,6 +209,7 @@ class ObstoreStore:
                 elif stem and _past(key, skip, stem):
                     yield ListPage(objects, [], None)
                     return
+            answered(self._endpoint)
             if batch:
                 yield ListPage(objects, [], batch[-1]["path"])
         yield ListPage([], [], None)
@@ -219,7 +221,9 @@ class ObstoreStore:
         if self._whole_by_range:
             store = self._store(bucket)
             try:
-                return bytes(await obstore.get_range_async(store, key, start=0, end=_TO_THE_END))
+                data = bytes(await obstore.get_range_async(store, key, start=0, end=_TO_THE_END))
+                answered(self._endpoint)
+                return data
             except Exception as exc:
                 status = _status_of(exc)
                 if status is None and _RANGE_NOT_HONOURED_RE.search(str(exc)):
@@ -245,6 +249,7 @@ class ObstoreStore:
             if pin is not None:
                 pin.observe(result.meta.get("e_tag"), bucket, key)
             data = await result.bytes_async()
+            answered(self._endpoint)
             start, stop = result.range
         except StoreError:
             raise
@@ -280,6 +285,7 @@ class ObstoreStore:
             raise self._translate(exc, bucket, key) from exc
         finally:
             del store  # see _get_plain()
+        answered(self._endpoint)
         return bytes(data)
 
     async def _get_pinned_range(

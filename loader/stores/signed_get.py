@@ -20,6 +20,7 @@ import yarl
 from botocore.exceptions import ClientError
 
 from ..config import S3Config
+from ..contact import answered
 from ..retry import RetryPolicy
 from .base import ListPage
 from .httplisting import sign_v4
@@ -166,7 +167,9 @@ class SignedGetter:
             headers.update(conditions)
         # no redirects: a signature is for one host, and S3's 301/307 means a wrong region or
         # endpoint, which the error names
-        return await self._session.get(url, headers=headers, allow_redirects=False)
+        response = await self._session.get(url, headers=headers, allow_redirects=False)
+        answered(self._endpoint)
+        return response
 
 
 async def _raise_for_error(response: aiohttp.ClientResponse) -> None:
