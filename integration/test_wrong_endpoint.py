@@ -1,7 +1,7 @@
 """A mistyped endpoint (nothing listening there) fails within seconds with the fix named, in
 every entry point: the CLI, an iterable dataset with ``num_workers=0`` and 2, the map dataset,
 ``from_keys`` (no listing: the engine's GETs), both backends. The limit is
-``loader.contact.FIRST_CONTACT_DEADLINE`` (the errors report how long they tried, which is what is
+``loader.retry.FIRST_CONTACT_DEADLINE`` (the errors report how long they tried, which is what is
 asserted, with how many attempts); an endpoint that has answered is ridden out (tests/test_retry.py).
 """
 
@@ -15,7 +15,8 @@ import subprocess
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, EndpointUnreachableError, contact
+from loader import AsyncS3Dataset, AsyncS3MapDataset, EndpointUnreachableError
+from loader import retry as contact
 
 from test_cli_s3 import REPO, cli_env, loader_cmd
 

@@ -4,7 +4,7 @@ Transient or permanent is decided once, by type (the backends translate errors i
 ``TransientStoreError`` or a permanent ``StoreError``). Backoff is exponential with full jitter,
 which spreads a herd of DataLoader workers best; by default only the deadline ends the retries,
 so a request rides out a short outage and says so in a warning; but an endpoint that has never
-answered (``loader.contact``) is given up within seconds, since a wrong endpoint is then likelier
+answered (``answered``) is given up within seconds, since a wrong endpoint is then likelier
 than an outage. Pure except
 ``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/retry.md.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import anyio
 
-from . import contact
 from .errors import ConfigError, EndpointUnreachableError, TransientStoreError
 
 T = TypeVar("T")
@@ -65,6 +65,41 @@ class RetryPolicy:
         for name in ("deadline", "connect_timeout", "read_timeout"):
             if not getattr(self, name) > 0:  # also rejects NaN
                 raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must be positive")
+
+
+# ------------------------------------------------------------------------------ first contact
+# A request that cannot connect means one of two things: the endpoint is wrong (a typo in
+# AWS_ENDPOINT_URL, a server never started), or a server that worked is down for a while (a
+# restart, a failover). Only the first contact tells them apart: while nothing at an endpoint has
+# ever answered (any HTTP answer, an error status included: the backends call ``answered``), the
+# retries give up within FIRST_CONTACT_DEADLINE seconds with advice on the endpoint; once it has
+# answered, an outage is ridden out up to RetryPolicy.deadline. Plain process state (a set under
+# a lock: each engine runs in its own thread); a forked child inherits it, and a dataset pickled
+# into a spawned worker carries its endpoint's (``StoreSpec``), so a worker does not take a
+# running server for a typo.
+
+FIRST_CONTACT_DEADLINE = 5.0  # seconds of failed connects before a never-answered endpoint is called wrong
+
+_answered: set[str] = set()
+_lock = threading.Lock()
+
+
+def answered(endpoint: str | None) -> None:
+    """Record that ``endpoint`` answered a request (cheap when already known: a set lookup)."""
+    if endpoint and endpoint not in _answered:
+        with _lock:
+            _answered.add(endpoint)
+
+
+def has_answered(endpoint: str | None) -> bool:
+    """Whether ``endpoint`` ever answered in this process (or its dataset's parent)."""
+    return bool(endpoint) and endpoint in _answered
+
+
+def forget() -> None:
+    """Forget every endpoint (for tests that play a fresh process)."""
+    with _lock:
+        _answered.clear()
 
 
 class Clock(Protocol):
@@ -122,13 +157,13 @@ def gave_up(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapse
 def first_contact(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapsed: float,
                   delay: float | None) -> bool:
     """Whether ``exc`` is a first contact that failed long enough: no connection to an endpoint
-    that has never answered, for ``contact.FIRST_CONTACT_DEADLINE`` seconds (or the policy's
+    that has never answered, for ``FIRST_CONTACT_DEADLINE`` seconds (or the policy's
     own deadline or attempts, when shorter) if the next wait were taken."""
     if not isinstance(exc, EndpointUnreachableError) or not exc.endpoint:
         return False
-    if contact.has_answered(exc.endpoint):
+    if has_answered(exc.endpoint):
         return False
-    return delay is None or elapsed + delay >= min(contact.FIRST_CONTACT_DEADLINE, policy.deadline)
+    return delay is None or elapsed + delay >= min(FIRST_CONTACT_DEADLINE, policy.deadline)
 
 
 def wrong_endpoint(exc: EndpointUnreachableError, failures: int, elapsed: float,

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import loader.retry as retry_module
-from loader import contact
+from loader import retry as contact
 from loader.errors import (
     AccessDeniedError,
     ConfigError,

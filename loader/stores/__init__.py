@@ -8,7 +8,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .. import contact
+from .. import retry as contact
 from .._version import install_hint
 from ..config import S3Config, resolve_config
 from ..errors import ConfigError
@@ -143,7 +143,7 @@ class StoreSpec:
     def __getstate__(self) -> dict[str, Any]:
         # A dataset's store travels into its DataLoader workers with whether its endpoint has
         # answered here: a spawned worker then rides out an outage of a server the parent
-        # listed from, instead of taking it for a wrong endpoint (loader.contact).
+        # listed from, instead of taking it for a wrong endpoint (loader.retry.answered).
         return {**self.__dict__, "answered": contact.has_answered(self.endpoint)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

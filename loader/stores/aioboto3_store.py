@@ -24,7 +24,7 @@ import aiohttp
 from botocore import exceptions as bce
 
 from ..config import S3Config
-from ..contact import answered
+from ..retry import answered
 from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy

@@ -7,7 +7,7 @@ reads the same advice whichever ``store=`` they picked (and tests hold both to i
 
 from __future__ import annotations
 
-from ..contact import answered
+from ..retry import answered
 from ..errors import (
     AccessDeniedError,
     ConfigError,

@@ -23,7 +23,7 @@ import anyio
 import anyio.to_thread
 
 from ..config import S3Config
-from ..contact import answered
+from ..retry import answered
 from ..errors import StoreError
 from ..retry import RetryPolicy
 from .answers import (

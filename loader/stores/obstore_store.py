@@ -23,7 +23,7 @@ from obstore.store import S3Store
 
 from ..checks import check_int
 from ..config import S3Config
-from ..contact import answered
+from ..retry import answered
 from ..errors import (
     ConfigError,
     InvalidRangeError,

@@ -20,7 +20,7 @@ import yarl
 from botocore.exceptions import ClientError
 
 from ..config import S3Config
-from ..contact import answered
+from ..retry import answered
 from ..retry import RetryPolicy
 from .base import ListPage
 from .httplisting import sign_v4

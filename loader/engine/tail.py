@@ -1,0 +1,359 @@
+"""The tail of real S3, met in the engine: stragglers hedged, throttling answered with fewer requests.
+
+Every engine wraps its store in a ``TailStore``; the state it consults, a ``TailControl``, is
+one per endpoint and bucket in a process, shared by all of that process's engines (each runs its
+own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
+
+* **Throttling** (``ThrottledError``: SlowDown, 503, 429). Retrying alone turns a throttle into a
+  storm (measured: 54 % of GETs answered SlowDown). The first SlowDown puts a client-side rate
+  limit on the control at ``THROTTLE_CUT`` times the rate sent over the last second; each later
+  one cuts again (at most once per ``CUT_EVERY``, so one burst of SlowDowns is one cut), and every
+  good answer grows the limit by ``GROWTH`` requests/s (multiplicative decrease, additive increase,
+  as the AWS SDKs' adaptive retry mode does with a token bucket). After ``UNLIMIT_AFTER`` seconds
+  without a SlowDown the limit goes away. Requests waiting for their turn when a cut comes wait
+  again at the new rate.
+* **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
+  waiting. A GET with no answer after ``hedge_after()`` (the 95th percentile of this control's
+  last answers, at least ``HEDGE_FLOOR``) is sent again; the first answer wins and the other is
+  cancelled (its bytes were never handed over, so they are counted once). At most
+  ``HEDGE_SHARE`` of requests (plus a small burst) are hedged, and none while throttled.
+
+Hand-written: no asyncio library offers hedged requests or an adaptive rate limiter shared across
+event loops. Why and the numbers: docs/retry.md.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
+
+import anyio
+
+from ..errors import ThrottledError
+from ..stores import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
+
+T = TypeVar("T")
+
+THROTTLE_CUT = 0.7  # a SlowDown cuts the rate to this share of what was sent
+CUT_EVERY = 0.25  # seconds: SlowDowns closer together than this are one cut
+GROWTH = 0.05  # requests/s added to the limit per good answer (about 5 % a second at any rate)
+MIN_RATE = 1.0  # requests/s: the limit never goes below this
+UNLIMIT_AFTER = 30.0  # seconds without a SlowDown before the limit is lifted
+RATE_WINDOW = 1.0  # seconds over which the rate sent is measured
+HEDGE_FLOOR = 0.05  # seconds: never hedge sooner than this
+HEDGE_QUANTILE = 0.95
+HEDGE_SHARE = 0.05  # at most this share of requests is hedged ...
+HEDGE_BURST = 8  # ... plus this many
+HEDGE_MIN_SAMPLES = 32  # answers seen before any request is hedged
+LATENCY_WINDOW = 512  # answers the threshold is computed from
+RECOMPUTE_EVERY = 64  # answers between two computations of the threshold
+
+
+class TailStats(NamedTuple):
+    """One control's counters (approximately consistent: read without the lock)."""
+
+    requests: int
+    throttled: int
+    hedged: int
+    hedges_won: int
+    rate_limit: float | None  # requests/s allowed now; None: no limit
+    hedge_after_s: float | None  # the current hedging threshold; None: not hedging yet
+
+
+class TailControl:
+    """The shared state for one endpoint and bucket in this process (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.rate: float | None = None
+        self.next_free = 0.0  # when the next request may go, under a limit
+        self.generation = 0  # bumped by every cut: waiters take a new turn
+        self.last_cut = -float("inf")
+        self.sent: deque[float] = deque()  # send times within the last RATE_WINDOW
+        self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.threshold: float | None = None
+        self.since_recompute = 0
+        self.requests = 0
+        self.throttled = 0
+        self.hedged = 0
+        self.hedges_won = 0
+
+    # -------------------------------------------------------------------- rate
+
+    def turn(self) -> tuple[float, int]:
+        """Book the next request: seconds to wait before sending it, and the generation booked in."""
+        with self.lock:
+            now = self.clock()
+            self.requests += 1
+            sent = self.sent
+            sent.append(now)
+            while sent and sent[0] < now - RATE_WINDOW:
+                sent.popleft()
+            if self.rate is None:
+                return 0.0, self.generation
+            if now - self.last_cut > UNLIMIT_AFTER:
+                self.rate = None
+                return 0.0, self.generation
+            start = max(now, self.next_free)
+            self.next_free = start + 1.0 / self.rate
+            return start - now, self.generation
+
+    async def acquire(self) -> None:
+        """Wait for this request's turn under the rate limit (at once when there is none)."""
+        while True:
+            wait, generation = self.turn()
+            if wait <= 0:
+                return
+            await anyio.sleep(wait)
+            if generation == self.generation:
+                return
+            with self.lock:  # a cut came while waiting: book again at the new rate
+                self.requests -= 1
+
+    def on_throttled(self) -> None:
+        """A SlowDown: cut the rate (once per CUT_EVERY)."""
+        with self.lock:
+            self.throttled += 1
+            now = self.clock()
+            if now - self.last_cut < CUT_EVERY:
+                return
+            while self.sent and self.sent[0] < now - RATE_WINDOW:
+                self.sent.popleft()
+            measured = len(self.sent) / RATE_WINDOW
+            base = measured if self.rate is None else min(self.rate, max(measured, MIN_RATE))
+            self.rate = max(MIN_RATE, THROTTLE_CUT * base)
+            self.next_free = now + 1.0 / self.rate
+            self.last_cut = now
+            self.generation += 1
+
+    def on_answer(self, seconds: float) -> None:
+        """A good answer after ``seconds``: grow the limit, learn the latency."""
+        with self.lock:
+            if self.rate is not None:
+                self.rate += GROWTH
+            self.latencies.append(seconds)
+            self.since_recompute += 1
+            if self.since_recompute >= RECOMPUTE_EVERY or (
+                self.threshold is None and len(self.latencies) >= HEDGE_MIN_SAMPLES
+            ):
+                self.since_recompute = 0
+                ordered = sorted(self.latencies)
+                self.threshold = max(HEDGE_FLOOR, ordered[int(HEDGE_QUANTILE * (len(ordered) - 1))])
+
+    # -------------------------------------------------------------------- hedging
+
+    def hedge_after(self) -> float | None:
+        """Seconds after which a request still unanswered is hedged; None: do not hedge it."""
+        if self.rate is not None:
+            return None  # throttled: a second request would only add to the storm
+        return self.threshold
+
+    def take_hedge(self) -> bool:
+        """Whether one more hedge fits the budget (and count it if so)."""
+        with self.lock:
+            if self.rate is not None or self.hedged >= HEDGE_SHARE * self.requests + HEDGE_BURST:
+                return False
+            self.hedged += 1
+            return True
+
+    def statistics(self) -> TailStats:
+        return TailStats(self.requests, self.throttled, self.hedged, self.hedges_won, self.rate,
+                         self.threshold)
+
+
+class _Controls:
+    """The process's controls by (endpoint, bucket); a forked child starts with none."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.by_key: dict[tuple[str, str], TailControl] = {}
+        self.lock = threading.Lock()
+
+    def get(self, endpoint: str, bucket: str) -> TailControl:
+        if self.pid != os.getpid():  # forked: the parent's locks and counts are not ours
+            self.__init__()  # type: ignore[misc]
+        control = self.by_key.get((endpoint, bucket))
+        if control is None:
+            with self.lock:
+                control = self.by_key.setdefault((endpoint, bucket), TailControl())
+        return control
+
+
+CONTROLS = _Controls()
+
+
+def control_for(endpoint: str, bucket: str) -> TailControl:
+    """The control this process shares for ``bucket`` at ``endpoint``."""
+    return CONTROLS.get(endpoint, bucket)
+
+
+def endpoint_of(store: Any) -> str:
+    """The endpoint a store (or the store a wrapper holds) talks to, or its type's name."""
+    seen = 0
+    while store is not None and seen < 8:
+        endpoint = getattr(store, "_endpoint", None)
+        if isinstance(endpoint, str):
+            return endpoint
+        store = getattr(store, "inner", None) or getattr(store, "_inner", None)
+        seen += 1
+    return f"store:{type(store).__name__}"
+
+
+class _Race:
+    __slots__ = ("result", "failures", "launched", "settled", "hedge_won")
+
+    def __init__(self) -> None:
+        self.result: tuple[Any] | None = None
+        self.failures: list[Exception] = []
+        self.launched = 1
+        self.settled = anyio.Event()
+        self.hedge_won = False
+
+
+class TailStore:
+    """An ``ObjectStore`` that reads through the shared ``TailControl`` of each bucket: whole-body
+    reads (``get``, ``get_range``, ``get_if_changed``) wait for their turn under a rate limit and
+    are hedged when they straggle; streams wait for their turn; everything else passes through.
+
+    A hedge is sent only while fewer than ``max_requests`` of this store's reads are in flight
+    (the engine's ``max_inflight``: a hedge never takes the request count past what the user set).
+    Counts its own engine's share (``throttled``, ``hedged``, ``hedges_won``) for ``stats()``."""
+
+    def __init__(self, inner: ObjectStore, endpoint: str | None = None, *,
+                 max_requests: int | None = None) -> None:
+        self.inner = inner
+        self.max_requests = max_requests
+        self.inflight = 0
+        self.endpoint = endpoint or endpoint_of(inner)
+        self.controls: dict[str, TailControl] = {}
+        self.throttled = 0
+        self.hedged = 0
+        self.hedges_won = 0
+
+    def __getattr__(self, name: str) -> Any:  # list_pages, multipart, ...: the inner store's
+        return getattr(self.inner, name)
+
+    def control(self, bucket: str) -> TailControl:
+        control = self.controls.get(bucket)
+        if control is None:
+            control = self.controls[bucket] = control_for(self.endpoint, bucket)
+        return control
+
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return self.inner.list(bucket, prefix)
+
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
+        return await self._read(bucket, lambda: self.inner.get(bucket, key, pin=pin))
+
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
+    ) -> bytes:
+        return await self._read(bucket, lambda: self.inner.get_range(bucket, key, start, end, pin=pin))
+
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        return await self._read(
+            bucket, lambda: self.inner.get_if_changed(bucket, key, etag, start, end, pin=pin))
+
+    async def stream(
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        control = self.control(bucket)
+        await control.acquire()
+        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ThrottledError:
+            self._throttled(control)
+            raise
+        finally:
+            await chunks.aclose()
+
+    async def put(self, bucket: str, key: str, data: bytes) -> None:
+        await self.inner.put(bucket, key, data)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def __repr__(self) -> str:
+        return f"TailStore({self.inner!r})"
+
+    # ------------------------------------------------------------------------------------------
+
+    def room(self) -> bool:
+        """Whether one more request fits under ``max_requests``."""
+        return self.max_requests is None or self.inflight < self.max_requests
+
+    def _throttled(self, control: TailControl) -> None:
+        self.throttled += 1
+        control.on_throttled()
+
+    async def _read(self, bucket: str, call: Callable[[], Awaitable[T]]) -> T:
+        control = self.control(bucket)
+        await control.acquire()
+        after = control.hedge_after()
+        started = time.monotonic()
+        try:
+            if after is None:
+                self.inflight += 1
+                try:
+                    result = await call()
+                finally:
+                    self.inflight -= 1
+            else:
+                result = await self._race(control, call, after)
+        except ThrottledError:
+            self._throttled(control)
+            raise
+        control.on_answer(time.monotonic() - started)
+        return result
+
+    async def _race(self, control: TailControl, call: Callable[[], Awaitable[T]], after: float) -> T:
+        """``call()``, and once more if no answer came within ``after`` seconds (and the budget
+        allows): the first answer wins, the other request is cancelled; when both fail, the
+        first failure is raised."""
+        race = _Race()
+
+        async def run(hedge: bool) -> None:
+            self.inflight += 1
+            try:
+                data = await call()
+            except Exception as exc:  # noqa: BLE001 - raised below once every attempt has failed
+                race.failures.append(exc)
+                if len(race.failures) == race.launched:
+                    race.settled.set()
+                return
+            finally:
+                self.inflight -= 1
+            if race.result is None:
+                race.result = (data,)
+                race.hedge_won = hedge
+                race.settled.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, False)
+            with anyio.move_on_after(after):
+                await race.settled.wait()
+            if not race.settled.is_set() and self.room() and control.take_hedge():
+                self.hedged += 1
+                race.launched += 1
+                await control.acquire()  # counts it as a request (no wait: hedges only go unthrottled)
+                tg.start_soon(run, True)
+            await race.settled.wait()
+            tg.cancel_scope.cancel()
+        if race.result is None:
+            raise race.failures[0]
+        if race.hedge_won:
+            self.hedges_won += 1
+            with control.lock:
+                control.hedges_won += 1
+        return race.result[0]  # type: ignore[no-any-return]
