@@ -366,6 +366,8 @@ class AsyncS3Dataset(IterableDataset):
             "consumer_wait_s": engine.get("consumer_wait_s", 0.0), "seconds": seconds,
             "get_s": recorder.seconds, "transform_s": self._split[0], "handoff_s": self._split[1],
             "peak_inflight": engine.get("peak_inflight", 0),
+            "throttled": engine.get("throttled", 0), "hedged": engine.get("hedged", 0),
+            "hedges_won": engine.get("hedges_won", 0),
         }
         self._board.write(worker, counters, recorder.latency)
         self._last_stats = {**engine, **summarize([(counters, recorder.latency)])}

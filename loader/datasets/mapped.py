@@ -30,6 +30,7 @@ from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, get_pinned, skippable
 from ..lifecycle import LiveObjects
+from ..engine.tail import TailStore
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
 from ..stores.listing import KeyList
@@ -379,7 +380,8 @@ class _Client:
 
 
 async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[ObjectStore, anyio.Semaphore]:
-    return await factory(), anyio.Semaphore(max_inflight)
+    # the engine's tail handling (hedged stragglers, fewer requests under SlowDown) here too
+    return TailStore(await factory(), max_requests=max_inflight), anyio.Semaphore(max_inflight)
 
 
 async def _close_in_loop(store: ObjectStore) -> None:

@@ -14,7 +14,7 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   again at the new rate.
 * **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
   waiting. A GET with no answer after ``hedge_after()`` (the 95th percentile of this control's
-  last answers, at least ``HEDGE_FLOOR``) is sent again; the first answer wins and the other is
+  last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent again; the first answer wins and the other is
   cancelled (its bytes were never handed over, so they are counted once). At most
   ``HEDGE_SHARE`` of requests (plus a small burst) are hedged, and none while throttled.
 
@@ -45,6 +45,7 @@ MIN_RATE = 1.0  # requests/s: the limit never goes below this
 UNLIMIT_AFTER = 30.0  # seconds without a SlowDown before the limit is lifted
 RATE_WINDOW = 1.0  # seconds over which the rate sent is measured
 HEDGE_FLOOR = 0.05  # seconds: never hedge sooner than this
+HEDGE_AT_FIRST = 1.0  # seconds: the threshold until HEDGE_MIN_SAMPLES answers have been seen
 HEDGE_QUANTILE = 0.95
 HEDGE_SHARE = 0.05  # at most this share of requests is hedged ...
 HEDGE_BURST = 8  # ... plus this many
@@ -151,15 +152,11 @@ class TailControl:
         """Seconds after which a request still unanswered is hedged; None: do not hedge it."""
         if self.rate is not None:
             return None  # throttled: a second request would only add to the storm
-        return self.threshold
+        return HEDGE_AT_FIRST if self.threshold is None else self.threshold
 
-    def take_hedge(self) -> bool:
-        """Whether one more hedge fits the budget (and count it if so)."""
-        with self.lock:
-            if self.rate is not None or self.hedged >= HEDGE_SHARE * self.requests + HEDGE_BURST:
-                return False
-            self.hedged += 1
-            return True
+    def may_hedge(self) -> bool:
+        """Whether one more hedge fits the budget (counted when it is sent: ``acquire``)."""
+        return self.rate is None and self.hedged < HEDGE_SHARE * self.requests + HEDGE_BURST
 
     def statistics(self) -> TailStats:
         return TailStats(self.requests, self.throttled, self.hedged, self.hedges_won, self.rate,
@@ -220,8 +217,9 @@ class TailStore:
     reads (``get``, ``get_range``, ``get_if_changed``) wait for their turn under a rate limit and
     are hedged when they straggle; streams wait for their turn; everything else passes through.
 
-    A hedge is sent only while fewer than ``max_requests`` of this store's reads are in flight
-    (the engine's ``max_inflight``: a hedge never takes the request count past what the user set).
+    At most ``max_requests`` of this store's reads are in flight (the engine's ``max_inflight``):
+    a hedge waits for a free place like any request, so it never takes the count past what the
+    user set (it delays one other request instead).
     Counts its own engine's share (``throttled``, ``hedged``, ``hedges_won``) for ``stats()``."""
 
     def __init__(self, inner: ObjectStore, endpoint: str | None = None, *,
@@ -229,6 +227,7 @@ class TailStore:
         self.inner = inner
         self.max_requests = max_requests
         self.inflight = 0
+        self.freed: anyio.Event | None = None  # set when a place frees up, for those waiting
         self.endpoint = endpoint or endpoint_of(inner)
         self.controls: dict[str, TailControl] = {}
         self.throttled = 0
@@ -289,9 +288,20 @@ class TailStore:
 
     # ------------------------------------------------------------------------------------------
 
-    def room(self) -> bool:
-        """Whether one more request fits under ``max_requests``."""
-        return self.max_requests is None or self.inflight < self.max_requests
+    async def enter(self) -> None:
+        """Take a place among the ``max_requests`` in flight, waiting for one if need be."""
+        limit = self.max_requests
+        while limit is not None and self.inflight >= limit:
+            if self.freed is None:
+                self.freed = anyio.Event()
+            await self.freed.wait()
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.freed is not None:
+            self.freed.set()
+            self.freed = None
 
     def _throttled(self, control: TailControl) -> None:
         self.throttled += 1
@@ -304,11 +314,11 @@ class TailStore:
         started = time.monotonic()
         try:
             if after is None:
-                self.inflight += 1
+                await self.enter()
                 try:
                     result = await call()
                 finally:
-                    self.inflight -= 1
+                    self.leave()
             else:
                 result = await self._race(control, call, after)
         except ThrottledError:
@@ -324,8 +334,14 @@ class TailStore:
         race = _Race()
 
         async def run(hedge: bool) -> None:
-            self.inflight += 1
+            if hedge:
+                await control.acquire()  # counted as a request (no wait: only unthrottled hedges)
+            await self.enter()
             try:
+                if hedge:  # counted once sent: one still waiting for a place when the race ends is not
+                    self.hedged += 1
+                    with control.lock:
+                        control.hedged += 1
                 data = await call()
             except Exception as exc:  # noqa: BLE001 - raised below once every attempt has failed
                 race.failures.append(exc)
@@ -333,7 +349,7 @@ class TailStore:
                     race.settled.set()
                 return
             finally:
-                self.inflight -= 1
+                self.leave()
             if race.result is None:
                 race.result = (data,)
                 race.hedge_won = hedge
@@ -343,10 +359,8 @@ class TailStore:
             tg.start_soon(run, False)
             with anyio.move_on_after(after):
                 await race.settled.wait()
-            if not race.settled.is_set() and self.room() and control.take_hedge():
-                self.hedged += 1
+            if not race.settled.is_set() and control.may_hedge():
                 race.launched += 1
-                await control.acquire()  # counts it as a request (no wait: hedges only go unthrottled)
                 tg.start_soon(run, True)
             await race.settled.wait()
             tg.cancel_scope.cancel()
