@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", type=Path, help="a copy of an earlier tree (its loader/ is imported)")
     p.add_argument("--before-label", default="before")
+    p.add_argument("--only", choices=("clean", "stragglers", "throttle"), action="append",
+                   help="run only these conditions (repeatable; default: all three)")
     args = p.parse_args(argv)
+    conditions = {name: plan for name, plan in CONDITIONS.items()
+                  if not args.only or name.split(":")[0] in args.only}
     sys.path.insert(0, str(ROOT / "integration"))
     from faults import FaultPlan, FaultProxy
 
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         with FaultProxy(server.config.endpoint_url, FaultPlan(), max_lifetime=3600) as proxy:
             s3_env = dataclasses.replace(server.config, endpoint_url=proxy.endpoint_url).to_env()
             for round_ in range(args.rounds):
-                for condition, plan in CONDITIONS.items():
+                for condition, plan in conditions.items():
                     for label, tree in (trees.items() if round_ % 2 == 0 else reversed(trees.items())):
                         proxy.set_plan(FaultPlan(seed=round_, **plan))
                         proxy.reset_counts()
@@ -118,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
 
     lines = ["| condition | tree | samples/s | vs clean | batch wait p50 | p99 | GETs answered SlowDown | hedged (stats) |",
              "|---|---|--:|--:|--:|--:|--:|--:|"]
-    for condition in CONDITIONS:
+    for condition in conditions:
         for label in trees:
             runs = results[(condition, label)]
-            clean = statistics.median(r["samples"] / r["seconds"] for r in results[("clean", label)])
+            base = results.get(("clean", label), runs)
+            clean = statistics.median(r["samples"] / r["seconds"] for r in base)
             rate = statistics.median(r["samples"] / r["seconds"] for r in runs)
             p50 = statistics.median(r["p50"] for r in runs) * 1000
             p99 = statistics.median(r["p99"] for r in runs) * 1000

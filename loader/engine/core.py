@@ -111,8 +111,11 @@ class EngineCore:
         store = None
         try:
             store = self.tail = TailStore(await self.store_factory(), max_requests=self.limits.max_inflight)
-            async with anyio.create_task_group() as tg:
-                await self.launch_all(tg, store)
+            async with anyio.create_task_group() as beside:
+                beside.start_soon(store.watch)  # hedges straggling reads (engine/tail.py)
+                async with anyio.create_task_group() as tg:
+                    await self.launch_all(tg, store)
+                beside.cancel_scope.cancel()
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             self.fatal = exc
         finally:
