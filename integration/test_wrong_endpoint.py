@@ -13,12 +13,11 @@ import socket
 import subprocess
 
 import pytest
+from test_cli_s3 import REPO, cli_env, loader_cmd
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, EndpointUnreachableError
 from loader import retry as contact
-
-from test_cli_s3 import REPO, cli_env, loader_cmd
 
 HANG_GUARD = 90  # seconds: only a guard against a hang (the old behaviour took 120-235 s)
 TRIED = re.compile(r"gave up after (\d+) attempt\(s\) over (\d+\.\d)s: nothing at (\S+) has answered")

@@ -27,10 +27,10 @@ from typing_extensions import Unpack
 
 from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
+from ..engine.tail import TailStore
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..formats.objects import LabelFrom, SampleIndex, get_pinned, skippable
 from ..lifecycle import LiveObjects
-from ..engine.tail import TailStore
 from ..retry import RetryPolicy, call_with_retries
 from ..stores import ObjectStore, StoreFactory
 from ..stores.listing import KeyList

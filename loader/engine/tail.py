@@ -14,9 +14,10 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   again at the new rate.
 * **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
   waiting. A GET with no answer after ``hedge_after()`` (the 95th percentile of this control's
-  last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent again; the first answer wins and the other is
-  cancelled (its bytes were never handed over, so they are counted once). At most
-  ``HEDGE_SHARE`` of requests (plus a small burst) are hedged, and none while throttled.
+  last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
+  again; the first answer wins and the other is cancelled (its bytes were never handed over, so
+  they are counted once). At most ``HEDGE_SHARE`` of requests (plus a small burst) are hedged,
+  and none while throttled. One watcher task per engine (``TailStore.watch``) sends the hedges.
 
 Hand-written: no asyncio library offers hedged requests or an adaptive rate limiter shared across
 event loops. Why and the numbers: docs/retry.md.
@@ -356,7 +357,7 @@ class TailStore:
         self.hedges_won += 1
         with control.lock:
             control.hedges_won += 1
-        return pending.result[0]  # type: ignore[no-any-return]
+        return pending.result[0]
 
     async def watch(self) -> None:
         """Hedge the reads that straggle, until cancelled: run it beside the jobs that read

@@ -24,10 +24,9 @@ import aiohttp
 from botocore import exceptions as bce
 
 from ..config import S3Config
-from ..retry import answered
 from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from ..uri import object_url
 from .answers import (
     certificate_rejected,

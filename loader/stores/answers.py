@@ -7,7 +7,6 @@ reads the same advice whichever ``store=`` they picked (and tests hold both to i
 
 from __future__ import annotations
 
-from ..retry import answered
 from ..errors import (
     AccessDeniedError,
     ConfigError,
@@ -21,6 +20,7 @@ from ..errors import (
     TLSError,
     TransientStoreError,
 )
+from ..retry import answered
 
 TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",

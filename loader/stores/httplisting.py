@@ -23,9 +23,8 @@ import anyio
 import anyio.to_thread
 
 from ..config import S3Config
-from ..retry import answered
 from ..errors import StoreError
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from .answers import (
     certificate_rejected,
     error_for_answer,

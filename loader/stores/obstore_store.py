@@ -23,14 +23,13 @@ from obstore.store import S3Store
 
 from ..checks import check_int
 from ..config import S3Config
-from ..retry import answered
 from ..errors import (
     ConfigError,
     InvalidRangeError,
     StoreError,
     TransientStoreError,
 )
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from ..uri import object_url
 from .answers import (
     DENIED_CODES,

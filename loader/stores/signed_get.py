@@ -20,8 +20,7 @@ import yarl
 from botocore.exceptions import ClientError
 
 from ..config import S3Config
-from ..retry import answered
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from .base import ListPage
 from .httplisting import sign_v4
 from .listxml import list_query, parse_list_page
