@@ -17,7 +17,7 @@
     ├── ShardFormatError (ValueError)            a tar shard truncated, corrupt or not a tar
     └── SampleError                              a sample failed after fetching (``transform``)
 
-Backend errors are translated into these in one place per backend (``loader/stores/*``) with
+Backend errors are translated into these in one place per backend (``loader/s3/*``) with
 ``raise ... from exc``. Messages name the bucket, key (and shard offset) at fault and say what
 to do; secrets never appear in them.
 """
@@ -75,13 +75,13 @@ class TransientStoreError(StoreError):
 
 class ThrottledError(TransientStoreError):
     """The service asked for fewer requests (SlowDown, 503, 429): retried, and the engine sends
-    fewer requests to that endpoint and bucket for a while (docs/retry.md)."""
+    fewer requests to that endpoint and bucket for a while (docs/design/retry.md)."""
 
 
 class EndpointUnreachableError(TransientStoreError, ConnectionError):
     """Nothing answered at the endpoint (``endpoint``). Transient until the retry deadline passes
     once the endpoint has answered; before that (its first contact), it is given up within seconds,
-    since a wrong endpoint is far likelier than an outage (docs/retry.md)."""
+    since a wrong endpoint is far likelier than an outage (docs/design/retry.md)."""
 
     def __init__(self, message: str, *, bucket: str | None = None, key: str | None = None,
                  endpoint: str = "") -> None:

@@ -6,7 +6,7 @@ which spreads a herd of DataLoader workers best; by default only the deadline en
 so a request rides out a short outage and says so in a warning; but an endpoint that has never
 answered (``answered``) is given up within seconds, since a wrong endpoint is then likelier
 than an outage. Pure except
-``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/retry.md.
+``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/design/retry.md.
 """
 
 from __future__ import annotations

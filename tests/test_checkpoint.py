@@ -494,4 +494,4 @@ def test_the_next_save_aborts_what_a_killed_save_left_open(caplog, multipart):
     assert [r.getMessage() for r in caplog.records if "unfinished" in r.getMessage()] == [
         f"aborted 1 unfinished multipart upload(s) of {URI} left by an earlier save that was killed "
         "before it could abort (their parts were stored and billed out of sight); a bucket lifecycle "
-        "rule AbortIncompleteMultipartUpload cleans up those of keys never saved again (docs/checkpoint.md)"]
+        "rule AbortIncompleteMultipartUpload cleans up those of keys never saved again (docs/design/checkpoint.md)"]

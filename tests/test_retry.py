@@ -46,7 +46,7 @@ from loader.retry import (
     is_transient,
     next_delay,
 )
-from loader.stores import answers
+from loader.s3 import error_answers
 
 DEADLINE = 5.0  # seconds any async test may take before it fails instead of hanging
 FAST = dict(base_delay=0.001, max_delay=0.001)
@@ -534,7 +534,7 @@ async def test_a_long_outage_is_reported_in_progress_lines_and_ridden_out(moving
     def attempt_of(i):
         async def attempt():
             if moving.now < back:
-                raise answers.unreachable("http://127.0.0.1:9000", "bkt", f"train/{i:06d}.tar")
+                raise error_answers.unreachable("http://127.0.0.1:9000", "bkt", f"train/{i:06d}.tar")
             return i
         return attempt
 
@@ -567,8 +567,8 @@ async def test_a_short_blip_logs_nothing(moving, caplog):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("error", [
-    answers.failed_mid_request("bkt", "train/000001.jpg", "connection reset"),
-    answers.unreachable("http://127.0.0.1:9000", "bkt", "train/000001.jpg"),
+    error_answers.failed_mid_request("bkt", "train/000001.jpg", "connection reset"),
+    error_answers.unreachable("http://127.0.0.1:9000", "bkt", "train/000001.jpg"),
 ])
 async def test_the_final_error_reads_as_final(moving, error):
     """The message of the error that ends the retries says they are over, nowhere that more
@@ -593,7 +593,7 @@ async def test_a_first_contact_that_cannot_connect_fails_in_seconds(moving, list
     """Nothing at the endpoint has ever answered: the retries end within FIRST_CONTACT_DEADLINE
     (fake time), not the policy's 120 s, and the error names the endpoint, what was tried and the fix."""
     wrong = "http://127.0.0.1:9"
-    attempt = Flaky([answers.unreachable(wrong, "bkt", "train/", listing=listing,
+    attempt = Flaky([error_answers.unreachable(wrong, "bkt", "train/", listing=listing,
                                          reason="Connection refused")] * 1000)
     started = moving.now
     with anyio.fail_after(DEADLINE), pytest.raises(EndpointUnreachableError) as info:
@@ -612,7 +612,7 @@ async def test_a_first_contact_that_cannot_connect_fails_in_seconds(moving, list
 @pytest.mark.anyio
 async def test_an_endpoint_that_answered_once_is_ridden_out(moving):
     """The same failures at an endpoint that has answered are an outage: retried to the deadline."""
-    attempt = Flaky([answers.unreachable(ENDPOINT, "bkt", "k")] * 1000)
+    attempt = Flaky([error_answers.unreachable(ENDPOINT, "bkt", "k")] * 1000)
     started = moving.now
     with anyio.fail_after(DEADLINE), pytest.raises(EndpointUnreachableError, match="deadline of 120 s"):
         await call_with_retries(attempt, RetryPolicy(), clock=moving)
@@ -623,8 +623,8 @@ async def test_an_endpoint_that_answered_once_is_ridden_out(moving):
 async def test_an_error_answer_counts_as_contact(moving):
     """A 404 (any answer) proves the endpoint right: later connect failures are an outage."""
     elsewhere = "http://127.0.0.1:9001"
-    answers.error_for_answer("NoSuchKey", 404, bucket="b", key="k", endpoint=elsewhere)
+    error_answers.error_for_answer("NoSuchKey", 404, bucket="b", key="k", endpoint=elsewhere)
     assert contact.has_answered(elsewhere)
-    attempt = Flaky([answers.unreachable(elsewhere, "b", "k")] * 20)
+    attempt = Flaky([error_answers.unreachable(elsewhere, "b", "k")] * 20)
     with anyio.fail_after(DEADLINE):
         assert await call_with_retries(attempt, RetryPolicy(**FAST), clock=moving) == "ok"

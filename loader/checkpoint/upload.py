@@ -17,7 +17,7 @@ from anyio.from_thread import BlockingPortal
 
 from ..errors import LoaderError, StoreError
 from ..retry import RetryPolicy, call_with_retries
-from ..stores.base import S3_MAX_PART_SIZE, S3_MAX_PARTS, MultipartStore
+from ..s3.protocol import S3_MAX_PART_SIZE, S3_MAX_PARTS, MultipartStore
 
 T = TypeVar("T")
 log = logging.getLogger("loader.checkpoint")
@@ -127,7 +127,7 @@ class _Upload:
             "aborted %d unfinished multipart upload(s) of s3://%s/%s left by an earlier save that was "
             "killed before it could abort (their parts were stored and billed out of sight); a bucket "
             "lifecycle rule AbortIncompleteMultipartUpload cleans up those of keys never saved again "
-            "(docs/checkpoint.md)", aborted, self.bucket, self.key)
+            "(docs/design/checkpoint.md)", aborted, self.bucket, self.key)
 
     def abandon(self) -> None:
         """Stop at once: the writer failed (called in the loop thread)."""

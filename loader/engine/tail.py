@@ -20,7 +20,7 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   and none while throttled. One watcher task per engine (``TailStore.watch``) sends the hedges.
 
 Hand-written: no asyncio library offers hedged requests or an adaptive rate limiter shared across
-event loops. Why and the numbers: docs/retry.md.
+event loops. Why and the numbers: docs/design/retry.md.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, TypeVar
 import anyio
 
 from ..errors import ThrottledError
-from ..stores import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
+from ..s3 import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 
 T = TypeVar("T")
 
