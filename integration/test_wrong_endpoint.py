@@ -1,8 +1,9 @@
 """A mistyped endpoint (nothing listening there) fails within seconds with the fix named, in
 every entry point: the CLI, an iterable dataset with ``num_workers=0`` and 2, the map dataset,
 ``from_keys`` (no listing: the engine's GETs), both backends. The limit is
-``loader.retry.FIRST_CONTACT_DEADLINE`` (the errors report how long they tried, which is what is
-asserted, with how many attempts); an endpoint that has answered is ridden out (tests/test_retry.py).
+``loader.retry.FIRST_CONTACT_DEADLINE`` (tests/test_retry.py holds the retry loop to it on a fake
+clock); here the errors must be the first-contact one, after a handful of attempts where riding
+out the deadline took ~50. An endpoint that has answered is ridden out (tests/test_retry.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 from loader import AsyncS3Dataset, AsyncS3MapDataset, EndpointUnreachableError
 from loader import retry as contact
 
+MAX_ATTEMPTS = 20  # full-jitter backoff makes ~8-12 attempts in FIRST_CONTACT_DEADLINE
 HANG_GUARD = 90  # seconds: only a guard against a hang (the old behaviour took 120-235 s)
 TRIED = re.compile(r"gave up after (\d+) attempt\(s\) over (\d+\.\d)s: nothing at (\S+) has answered")
 
@@ -44,7 +46,9 @@ def assert_fast_and_named(message: str, endpoint: str) -> None:
     assert match, message
     attempts, seconds, named = int(match.group(1)), float(match.group(2)), match.group(3)
     assert named == endpoint
-    assert attempts >= 2 and seconds <= contact.FIRST_CONTACT_DEADLINE
+    # a handful of attempts, where riding out the 120 s deadline took ~50; how long they took is
+    # the library's own report (FIRST_CONTACT_DEADLINE, plus one attempt), not asserted here
+    assert 2 <= attempts <= MAX_ATTEMPTS and seconds > 0
     assert "AWS_ENDPOINT_URL" in message and "wrong endpoint" in message
 
 
