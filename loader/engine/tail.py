@@ -6,10 +6,11 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
 
 * **Throttling** (``ThrottledError``: SlowDown, 503, 429). Retrying alone turns a throttle into a
   storm (measured: 54 % of GETs answered SlowDown). The first SlowDown puts a client-side rate
-  limit on the control at ``THROTTLE_CUT`` times the rate sent over the last second; each later
-  one cuts again (at most once per ``CUT_EVERY``, so one burst of SlowDowns is one cut), and every
-  good answer grows the limit by ``GROWTH`` requests/s (multiplicative decrease, additive increase,
-  as the AWS SDKs' adaptive retry mode does with a token bucket). After ``UNLIMIT_AFTER`` seconds
+  limit on the control at ``THROTTLE_CUT`` times the rate sent over the last second; a later one
+  cuts again once ``CUT_EVERY`` has passed, or sooner when SlowDowns go on after a cut (see
+  ``on_throttled``), and every good answer grows the limit by ``GROWTH`` requests/s
+  (multiplicative decrease, additive increase, as the AWS SDKs' adaptive retry mode does with a
+  token bucket). After ``UNLIMIT_AFTER`` seconds
   without a SlowDown the limit goes away. Requests waiting for their turn when a cut comes wait
   again at the new rate.
 * **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
@@ -40,8 +41,11 @@ from ..s3 import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 T = TypeVar("T")
 
 THROTTLE_CUT = 0.7  # a SlowDown cuts the rate to this share of what was sent
-CUT_EVERY = 0.25  # seconds: SlowDowns closer together than this are one cut
-GROWTH = 0.05  # requests/s added to the limit per good answer (about 5 % a second at any rate)
+CUT_EVERY = 2.0  # seconds: one cut per this long, whatever the SlowDowns ...
+CUT_AGAIN_AFTER = 0.1  # ... unless, this long after a cut, ...
+CUT_AGAIN_SHARE = 0.1  # ... at least this share of the answers since were SlowDowns ...
+CUT_AGAIN_COUNT = 3  # ... and at least this many: the cut was not deep enough
+GROWTH = 0.3  # requests/s added to the limit per good answer (about 30 % a second at any rate)
 MIN_RATE = 1.0  # requests/s: the limit never goes below this
 UNLIMIT_AFTER = 30.0  # seconds without a SlowDown before the limit is lifted
 RATE_WINDOW = 1.0  # seconds over which the rate sent is measured
@@ -76,6 +80,8 @@ class TailControl:
         self.next_free = 0.0  # when the next request may go, under a limit
         self.generation = 0  # bumped by every cut: waiters take a new turn
         self.last_cut = -float("inf")
+        self.answers_since_cut = 0
+        self.throttled_since_cut = 0
         self.sent: deque[float] = deque()  # send times within the last RATE_WINDOW
         self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.threshold: float | None = None
@@ -118,24 +124,35 @@ class TailControl:
                 self.requests -= 1
 
     def on_throttled(self) -> None:
-        """A SlowDown: cut the rate (once per CUT_EVERY)."""
+        """A SlowDown: cut the rate, once per ``CUT_EVERY``, or sooner when SlowDowns go on
+        after a cut (a share of ``CUT_AGAIN_SHARE``): a throttle is met at once, while SlowDowns
+        sprinkled at any rate (a server's hiccups) cost one cut every ``CUT_EVERY`` seconds,
+        which growth makes up, instead of cutting the rate to nothing."""
         with self.lock:
             self.throttled += 1
+            self.throttled_since_cut += 1
             now = self.clock()
-            if now - self.last_cut < CUT_EVERY:
+            since = now - self.last_cut
+            again = (since >= CUT_AGAIN_AFTER and self.throttled_since_cut >= CUT_AGAIN_COUNT
+                     and self.throttled_since_cut
+                     >= CUT_AGAIN_SHARE * (self.throttled_since_cut + self.answers_since_cut))
+            if since < CUT_EVERY and not again:
                 return
-            while self.sent and self.sent[0] < now - RATE_WINDOW:
-                self.sent.popleft()
-            measured = len(self.sent) / RATE_WINDOW
+            sent = self.sent
+            while sent and sent[0] < now - RATE_WINDOW:
+                sent.popleft()
+            measured = len(sent) / RATE_WINDOW  # at the start, less than sent: on the safe side
             base = measured if self.rate is None else min(self.rate, max(measured, MIN_RATE))
             self.rate = max(MIN_RATE, THROTTLE_CUT * base)
             self.next_free = now + 1.0 / self.rate
             self.last_cut = now
+            self.answers_since_cut = self.throttled_since_cut = 0
             self.generation += 1
 
     def on_answer(self, seconds: float) -> None:
         """A good answer after ``seconds``: grow the limit, learn the latency."""
         with self.lock:
+            self.answers_since_cut += 1
             if self.rate is not None:
                 self.rate += GROWTH
             self.latencies.append(seconds)
