@@ -14,8 +14,8 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   without a SlowDown the limit goes away. Requests waiting for their turn when a cut comes wait
   again at the new rate.
 * **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
-  waiting. A GET with no answer after ``hedge_after()`` (twice the 95th percentile of this
-  control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
+  waiting. A GET with no answer after ``hedge_after()`` (``HEDGE_MARGIN`` times the 95th percentile
+  of this control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
   again; the first answer wins and the other is cancelled (its bytes were never handed over, so
   they are counted once). At most ``HEDGE_SHARE`` of requests (plus a small burst) are hedged,
   and none while throttled. One watcher task per engine (``TailStore.watch``) sends the hedges.
@@ -52,7 +52,7 @@ RATE_WINDOW = 1.0  # seconds over which the rate sent is measured
 HEDGE_FLOOR = 0.05  # seconds: never hedge sooner than this
 HEDGE_AT_FIRST = 0.3  # seconds: the threshold until HEDGE_MIN_SAMPLES answers have been seen
 HEDGE_QUANTILE = 0.95
-HEDGE_MARGIN = 1.0  # hedge after this many times the quantile: slow answers of a busy client are not stragglers
+HEDGE_MARGIN = 1.0  # hedge after this many times the quantile (2.0 hedged stragglers later: bench/results)
 HEDGE_SHARE = 0.05  # at most this share of requests is hedged ...
 HEDGE_BURST = 8  # ... plus this many
 HEDGE_MIN_SAMPLES = 32  # answers seen before any request is hedged
