@@ -16,8 +16,6 @@ import posixpath
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
-import anyio
-
 from ..engine.fetch import Delivery, EngineLimits, Job
 from ..errors import ConfigError, EmptyDatasetError, NoSuchKeyError
 from ..formats.parquet import (
@@ -31,6 +29,7 @@ from ..formats.parquet import (
     pyarrow_parquet,
     read_footer,
     row_group_job,
+    run_all,
 )
 from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
 from ..retry import RetryPolicy
@@ -94,15 +93,11 @@ def read_footers(files: Sequence[ParquetRef], factory: StoreFactory, retry: Retr
 
     async def use(store: ObjectStore) -> list[Footer]:
         out: list[Footer | None] = [None] * len(files)
-        limiter = anyio.CapacityLimiter(FOOTERS_INFLIGHT)
 
         async def one(number: int) -> None:
-            async with limiter:
-                out[number] = await read_footer(store, files[number], retry)
+            out[number] = await read_footer(store, files[number], retry)
 
-        async with anyio.create_task_group() as group:
-            for number in range(len(files)):
-                group.start_soon(one, number)
+        await run_all([functools.partial(one, number) for number in range(len(files))], FOOTERS_INFLIGHT)
         return [footer for footer in out if footer is not None]
 
     return run_async(functools.partial(with_store, factory, use))

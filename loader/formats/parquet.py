@@ -18,10 +18,11 @@ Page-level streaming (fetching a column chunk's pages as they are decoded) is no
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import warnings
-from collections.abc import Container, Generator, Sequence
+from collections.abc import Awaitable, Callable, Container, Generator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
@@ -111,6 +112,27 @@ class RowGroupPlan(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- footers
+
+
+async def run_all(calls: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
+    """Run ``calls``, ``limit`` at a time; the first to fail cancels the others and its error
+    is raised as it is (a task group would wrap it in an exception group)."""
+    errors: list[Exception] = []
+    limiter = anyio.CapacityLimiter(limit)
+    async with anyio.create_task_group() as group:
+
+        async def one(call: Callable[[], Awaitable[None]]) -> None:
+            async with limiter:
+                try:
+                    await call()
+                except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
+                    errors.append(exc)
+                    group.cancel_scope.cancel()
+
+        for call in calls:
+            group.start_soon(one, call)
+    if errors:
+        raise errors[0]
 
 
 async def read_footer(store: ObjectStore, ref: ParquetRef, retry: RetryPolicy,
@@ -331,18 +353,14 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         pin = Pin(ref.etag)
         parts = split_ranges(plan.ranges, read.part_size)
         fetched: dict[int, bytes] = {}
-        limiter = anyio.CapacityLimiter(read.parts_inflight)
 
         async def fetch(start: int, end: int) -> None:
-            async with limiter:
-                fetched[start] = await call_with_retries(
-                    lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
-                    ctx.retry, on_retry=ctx.retried)
+            fetched[start] = await call_with_retries(
+                lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
+                ctx.retry, on_retry=ctx.retried)
 
         try:
-            async with anyio.create_task_group() as group:
-                for start, end in parts:
-                    group.start_soon(fetch, start, end)
+            await run_all([functools.partial(fetch, start, end) for start, end in parts], read.parts_inflight)
         except ObjectChangedError as exc:
             raise ObjectChangedError(
                 f"{ref.url} was overwritten after its footer was read (ETag {ref.etag}): its row "
