@@ -383,7 +383,7 @@ def decode_sample(sample: dict[str, Any], size: Sequence[int] | None = None, *,
         elif isinstance(value, dict):
             out[key] = decode_image(value["bytes"], size, mode=mode) if is_hub_image(value) else value
         else:
-            out[key] = decode_field(key, value, size, mode=mode)
+            out[key] = decode_field(key, bytes(value), size, mode=mode)
     return out
 
 
