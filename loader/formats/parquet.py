@@ -282,9 +282,9 @@ class SparseFile(io.RawIOBase):
             offset, data = self._pieces[place]
             if self._at - offset < len(data):
                 stop = min(end, offset + len(data))
-                out = data[self._at - offset: stop - offset]
+                out = memoryview(data)[self._at - offset: stop - offset]  # pyarrow takes it without a copy
                 self._at = stop
-                return out
+                return out  # type: ignore[return-value]
         raise OSError(f"{self.url}: bytes {self._at}..{end} were not fetched")
 
     def readinto(self, buffer: Any) -> int:
@@ -313,6 +313,10 @@ def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
                                  "is corrupt", url=ref.url) from exc
     finally:
         reader.close()
+
+
+def _joined(parts: list[bytes]) -> bytes:
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def row_nbytes(row: dict[str, Any]) -> int:
@@ -366,7 +370,7 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
                 f"{ref.url} was overwritten after its footer was read (ETag {ref.etag}): its row "
                 f"groups no longer lie where the footer said ({exc}); build the dataset again to read "
                 "the new version", bucket=ref.bucket, key=ref.key) from exc
-        pieces = [(start, b"".join(fetched[at] for at, _ in split_ranges([(start, end)], read.part_size)))
+        pieces = [(start, _joined([fetched[at] for at, _ in split_ranges([(start, end)], read.part_size)]))
                   for start, end in plan.ranges]
         fetched.clear()
         rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
