@@ -2,7 +2,8 @@
 
 Every ```python block whose first line is ``# runnable`` runs, in README order, in one shared
 namespace, with the server's environment set and a bucket ``readme`` holding ``train/`` (JPEGs
-with class ids), ``pets/{cat,dog}/`` (class folders) and ``shards/`` (tar shards) ready.
+with class ids), ``pets/{cat,dog}/`` (class folders), ``shards/`` (tar shards) and ``parquet/``
+(a Parquet file with a Hub-style image column) ready.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import io
 import re
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from datasets import jpeg_dataset, make_jpeg
@@ -43,6 +46,11 @@ def readme_bucket(s3_server, s3_env, monkeypatch, tmp_path):
     for number in range(4):
         body = pack({k: samples[k] for k in keys[number * 16:(number + 1) * 16]})
         s3_server.minio.put_object(bucket, f"shards/train-{number:04d}.tar", io.BytesIO(body), len(body))
+    table = pa.table({"image": [{"bytes": make_jpeg(i), "path": f"{i}.jpg"} for i in range(16)],
+                      "label": list(range(16))})
+    out = io.BytesIO()
+    pq.write_table(table, out, row_group_size=4)
+    s3_server.minio.put_object(bucket, "parquet/train-0.parquet", io.BytesIO(out.getvalue()), len(out.getvalue()))
     monkeypatch.chdir(tmp_path)
     return bucket
 

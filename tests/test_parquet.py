@@ -25,14 +25,14 @@ ROWS = (37, 0, 50, 13)  # rows per file; the second file has none
 
 def parquet_bytes(rows: int, file: int, row_group_size: int = 10) -> bytes:
     table = pa.table({
-        "image": [{"bytes": bytes([file, i % 256]) * 40, "path": f"{file}-{i}.jpg"} for i in range(rows)],
+        "image": [{"bytes": bytes([file, i % 256]) * 20000, "path": f"{file}-{i}.jpg"} for i in range(rows)],
         "label": pa.array([i % 5 for i in range(rows)], pa.int64()),
         "tag": pa.array([f"t{i % 3}" for i in range(rows)]).dictionary_encode(),
         "tokens": [list(range(i % 4)) for i in range(rows)],
         "unused": [b"u" * 300] * rows,
     })
     out = io.BytesIO()
-    pq.write_table(table, out, row_group_size=row_group_size)
+    pq.write_table(table, out, row_group_size=row_group_size, compression="none", use_dictionary=["tag"])
     return out.getvalue()
 
 
@@ -49,6 +49,7 @@ TOTAL = sum(ROWS)
 
 def dataset(**options):
     options.setdefault("store", reusable(FAKE))
+    options.setdefault("part_size", 1 << 20)  # units of two or three row groups of 400 KB
     return AsyncS3Dataset.from_parquet("s3://bucket/pq/", columns=options.pop("columns", ["image", "label", "tag",
                                                                                          "tokens"]), **options)
 
@@ -64,7 +65,7 @@ def test_rows_carry_their_key_url_and_selected_columns():
     first = samples[0]
     assert first["__key__"] == "pq/part-0/0" and first["__url__"] == "s3://bucket/pq/part-0.parquet"
     assert set(first) == {"__key__", "__url__", "image", "label", "tag", "tokens"}
-    assert first["image"] == {"bytes": bytes([0, 0]) * 40, "path": "0-0.jpg"}
+    assert first["image"] == {"bytes": bytes([0, 0]) * 20000, "path": "0-0.jpg"}
     assert first["tag"] == "t0" and first["tokens"] == []
     assert [s["__key__"] for s in samples] == [f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)]
 
@@ -84,8 +85,10 @@ def test_only_the_selected_column_chunks_are_fetched():
     fake.get_range = get_range
     assert sorted(s["label"] for s in ds) == sorted(i % 5 for n in ROWS for i in range(n))
     whole = sum(len(v) for (_, k), v in fake.objects.items() if k.startswith("pq/"))
-    assert len(fetched) == sum(-(-n // 10) for n in ROWS)  # one ranged GET per row group
-    assert sum(fetched) < whole / 10
+    plans = ds.source.plans()
+    assert len(plans) == 3  # the small label chunks: one unit per file, one GET per chunk (not the gaps)
+    assert len(fetched) == sum(len(plan.ranges) for plan in plans) == sum(-(-n // 10) for n in ROWS)
+    assert sum(fetched) < whole / 1000
 
 
 @pytest.mark.parametrize("world,workers", [(1, 0), (2, 2), (3, 2)])
@@ -145,6 +148,13 @@ def test_state_dict_resumes_exactly_once():
     assert len(taken) + len(rest) == TOTAL and set(taken).isdisjoint(rest)
 
 
+def test_consecutive_row_groups_of_a_file_form_units_up_to_part_size():
+    plans = dataset().source.plans()
+    assert [(p.file, p.groups, p.rows) for p in plans] == [
+        (0, (0, 1), 20), (0, (2, 3), 17), (2, (0, 1), 20), (2, (2, 3), 20), (2, (4,), 10), (3, (0, 1), 13)]
+    assert all(p.fetched <= 1 << 20 for p in plans)
+
+
 def test_samples_per_epoch_cycles_the_row_groups():
     ds = dataset(samples_per_epoch=250, shuffle=True)
     got = keys(ds)
@@ -193,7 +203,7 @@ def test_files_without_rows_are_an_error():
 
 
 def test_a_budget_too_small_for_a_row_group_says_what_it_needs():
-    fake = FakeStore.with_objects("bucket", {"big/a.parquet": parquet_bytes(2000, 1, row_group_size=2000)})
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": parquet_bytes(20, 1)})
     big = pa.table({"blob": [b"x" * (64 << 10)] * 256})
     out = io.BytesIO()
     pq.write_table(big, out, row_group_size=256, compression="none", use_dictionary=False)

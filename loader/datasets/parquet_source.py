@@ -24,6 +24,7 @@ from ..formats.parquet import (
     ParquetRef,
     RowGroupPlan,
     RowGroupRead,
+    coalesce,
     parse_footer,
     plan_row_groups,
     pyarrow_parquet,
@@ -161,8 +162,8 @@ class ParquetSource(ShardSource):
             plans: list[RowGroupPlan] = []
             for number, (ref, footer) in enumerate(zip(files, footers)):
                 meta = self._metas[number] = parse_footer(ref, footer)
-                plans.extend(plan for plan in plan_row_groups(ref, number, meta, footer, self.columns)
-                             if plan.rows)
+                plans.extend(coalesce([plan for plan in plan_row_groups(ref, number, meta, footer, self.columns)
+                                       if plan.rows], self.shard_options.part_size))
             if not plans:
                 raise EmptyDatasetError(f"{len(files)} Parquet file(s) under {self._specs[:2]} hold no rows")
             self._check_budget(files, plans)
@@ -178,7 +179,7 @@ class ParquetSource(ShardSource):
         largest = max(plans, key=lambda plan: plan.need)
         if largest.need > reads:
             raise ConfigError(
-                f"row group {largest.group} of {files[largest.file].url} needs {largest.need} bytes to read "
+                f"{largest.name} of {files[largest.file].url} needs {largest.need} bytes to read "
                 f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, fetched "
                 f"whole because pyarrow decodes a row group's columns side by side, plus a decoded batch), "
                 f"more than memory_budget={self.options.memory_budget} leaves for reads ({reads} bytes); "
