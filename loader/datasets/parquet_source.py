@@ -45,6 +45,9 @@ from .sharing import ticket, track
 from .sources import list_prefix
 
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
+# Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
+# pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
+DEFAULT_UNIT_BYTES = 32 << 20
 
 
 def parquet_specs(spec: str | Iterable[str]) -> list[str]:
@@ -261,14 +264,16 @@ class ParquetSource(ShardSource):
 
 def parquet_options(options: Mapping[str, Any]) -> tuple[ShardOptions, dict[str, Any]]:
     """``from_parquet``'s keywords split into how row groups are read and dealt (``ShardOptions``:
-    ``row_groups_inflight`` is its ``shards_inflight``) and the rest; ``memory_budget`` gives the
-    queue a quarter and the shuffle buffer a quarter, and row groups being read the rest."""
+    ``row_groups_inflight`` is its ``shards_inflight``; ``part_size``: 32 MiB unless given) and the
+    rest; ``memory_budget`` gives the queue a quarter and the shuffle buffer a quarter, and row
+    groups being read the rest."""
     rest = dict(options)
     budget = rest.get("memory_budget")
     if isinstance(budget, int) and not isinstance(budget, bool):
         rest.setdefault("queue_bytes", budget // 4)
         if rest.get("shuffle"):
             rest.setdefault("shuffle_bytes", budget // 4)
+    rest.setdefault("part_size", DEFAULT_UNIT_BYTES)
     if "row_groups_inflight" in rest:
         rest["shards_inflight"] = rest.pop("row_groups_inflight")
     known = ("shards_inflight", "shuffle_buffer", "part_size", "parts_inflight", "shuffle_bytes",
