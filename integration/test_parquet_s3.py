@@ -20,8 +20,7 @@ import pytest
 import torch.multiprocessing as mp
 from PIL import Image
 
-from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, decode_sample
-from loader.errors import ParquetFormatError
+from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, decode_sample
 
 from datasets import jpeg_dataset
 from shardsets import upload_shards

@@ -25,14 +25,14 @@ _PUBLIC = {
     "LoaderOptions": "loader.datasets.options",
     "S3Config": "loader.config",
     "RetryPolicy": "loader.retry",
-    "ListOptions": "loader.stores.listing",
+    "ListOptions": "loader.listing.keylist",
     **{name: "loader.decode" for name in ("collate_raw", "decode_image", "decode_images", "decode_sample")},
-    "read_index": "loader.datasets.shard_index",
-    "read_index_counts": "loader.datasets.shard_index",
+    "read_index": "loader.shard_index.read",
+    "read_index_counts": "loader.shard_index.read",
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
-        "NoSuchKeyError", "ObjectChangedError", "SampleError", "ShardFormatError", "StoreError",
+        "NoSuchKeyError", "ObjectChangedError", "ParquetFormatError", "SampleError", "ShardFormatError", "StoreError",
         "TLSError", "TransientStoreError",
     )},
 }
@@ -46,7 +46,7 @@ _MOVED = {
     "EngineLimits": "loader.engine.fetch",
     "EngineStats": "loader.engine.fetch",
     "FetchEngine": "loader.engine.fetch",
-    "KeyList": "loader.stores.listing",
+    "KeyList": "loader.listing.keylist",
 }
 
 __all__ = [  # written out for editors and type checkers; tests/test_layout.py checks it against _PUBLIC
@@ -64,6 +64,7 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "NoSuchBucketError",
     "NoSuchKeyError",
     "ObjectChangedError",
+    "ParquetFormatError",
     "RetryPolicy",
     "S3Config",
     "SampleError",
@@ -109,7 +110,6 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .datasets.mapped import AsyncS3MapDataset
     from .datasets.mix import mix
     from .datasets.options import LoaderOptions
-    from .datasets.shard_index import read_index, read_index_counts
     from .decode import collate_raw, decode_image, decode_images, decode_sample
     from .errors import (
         AccessDeniedError,
@@ -122,11 +122,13 @@ if TYPE_CHECKING:  # what editors and type checkers see
         NoSuchBucketError,
         NoSuchKeyError,
         ObjectChangedError,
+        ParquetFormatError,
         SampleError,
         ShardFormatError,
         StoreError,
         TLSError,
         TransientStoreError,
     )
+    from .listing.keylist import ListOptions
     from .retry import RetryPolicy
-    from .stores.listing import ListOptions
+    from .shard_index.read import read_index, read_index_counts

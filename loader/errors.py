@@ -17,7 +17,7 @@
     │   └── ParquetFormatError                   a Parquet file whose footer or pages do not decode
     └── SampleError                              a sample failed after fetching (``transform``)
 
-Backend errors are translated into these in one place per backend (``loader/stores/*``) with
+Backend errors are translated into these in one place per backend (``loader/s3/*``) with
 ``raise ... from exc``. Messages name the bucket, key (and shard offset) at fault and say what
 to do; secrets never appear in them.
 """

@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, mix
-from loader.errors import ParquetFormatError
+from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, mix
 from loader.formats.parquet import merge_ranges, split_ranges
 
 from fakes import FakeStore, payloads, reusable

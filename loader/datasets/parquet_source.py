@@ -33,16 +33,16 @@ from ..formats.parquet import (
     run_all,
 )
 from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
+from ..listing.inputs import list_prefix
+from ..listing.keylist import ListOptions
+from ..listing.sharing import ticket, track
+from ..listing.versions import Versions, versions_of
 from ..retry import RetryPolicy
-from ..stores import ObjectStore, StoreFactory
-from ..stores.blocking import run_async, with_store
-from ..stores.listing import ListOptions
-from ..stores.versions import Versions, versions_of
+from ..s3 import ObjectStore, StoreFactory
+from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri
 from .options import LoaderOptions
 from .shard_source import ShardSource
-from .sharing import ticket, track
-from .sources import list_prefix
 
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as

@@ -31,8 +31,8 @@ import anyio.to_thread
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, ObjectChangedError, ParquetFormatError
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore
-from ..stores.base import Pin
+from ..s3 import ObjectStore
+from ..s3.protocol import Pin
 from ..uri import object_url
 from .shards import END, ShardAssignment, ShardEnd
 
