@@ -9,7 +9,8 @@ image data sets use 100), columns ``image: struct<bytes: binary, path: string>``
 Every loader hands the training loop one Python dict per row with the image's bytes (no decode),
 through ``DataLoader(batch_size=32, num_workers=0)``. Rounds alternate the loaders; the table gives
 medians of samples/s and of the time from building the dataset to its first sample.
-Writes ``bench/results/parquet-<date>.md``.
+CPU per row (this process, the server process) says where the time goes on a machine where the
+server and the client share two cores. Writes ``bench/results/parquet-<date>.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, IterableDataset
@@ -113,8 +115,18 @@ def first_image(batch: list[dict[str, Any]]) -> int:
     return len(batch)
 
 
-def run_once(make: Callable[[DevServer], IterableDataset], server: DevServer, rows: int) -> tuple[float, float]:
-    """(samples/s over the epoch, seconds from building the dataset to its first sample)."""
+def cpu_seconds(process: psutil.Process | None = None) -> float:
+    """CPU seconds of ``process`` (None: this one, its threads included)."""
+    times = (process or psutil.Process()).cpu_times()
+    return times.user + times.system
+
+
+def run_once(make: Callable[[DevServer], IterableDataset], server: DevServer,
+             rows: int) -> tuple[float, float, float, float]:
+    """(samples/s over the epoch, seconds from building the dataset to its first sample, client and
+    server CPU microseconds per row)."""
+    weed = psutil.Process(server.pid)
+    client_cpu, server_cpu = cpu_seconds(), cpu_seconds(weed)
     started = time.perf_counter()
     loader = DataLoader(make(server), batch_size=32, num_workers=0, collate_fn=first_image)
     got, first = 0, None
@@ -125,7 +137,8 @@ def run_once(make: Callable[[DevServer], IterableDataset], server: DevServer, ro
     took = time.perf_counter() - started
     assert got == rows, f"read {got} rows, not {rows}"
     assert first is not None
-    return rows / took, first
+    return (rows / took, first, (cpu_seconds() - client_cpu) / rows * 1e6,
+            (cpu_seconds(weed) - server_cpu) / rows * 1e6)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,25 +163,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - began:.0f} s")
         loaders = {name: make for name, make in LOADERS.items()
                    if args.only is None or any(word in name for word in args.only)}
-        rates: dict[str, list[float]] = {name: [] for name in loaders}
-        firsts: dict[str, list[float]] = {name: [] for name in loaders}
+        measured: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in loaders}
         for number in range(args.rounds + 1):  # round 0 warms the server and the page cache
             for name, make in loaders.items():
-                rate, first = run_once(make, server, args.rows)
-                print(f"round {number}: {name}: {rate:,.0f} samples/s, first sample {first:.2f} s"
-                      + (" (warm-up)" if not number else ""))
+                rate, first, client, weed = run_once(make, server, args.rows)
+                print(f"round {number}: {name}: {rate:,.0f} samples/s, first sample {first:.2f} s, CPU per row "
+                      f"{client:.0f} us here, {weed:.0f} us in the server" + (" (warm-up)" if not number else ""))
                 if number:
-                    rates[name].append(rate)
-                    firsts[name].append(first)
+                    measured[name].append((rate, first, client, weed))
 
-    ours_name = next(iter(loaders))
-    base = statistics.median(rates[ours_name])
-    lines = [f"| loader | samples/s (median of {args.rounds}) | MB/s | first sample, s | this project's speed-up |",
-             "|---|---|---|---|---|"]
+    def median(name: str, column: int) -> float:
+        return statistics.median(run[column] for run in measured[name])
+
+    base = median(next(iter(loaders)), 0)
+    lines = [f"| loader | samples/s (median of {args.rounds}) | MB/s | first sample, s | client CPU per row, us "
+             "| server CPU per row, us | this project's speed-up |", "|---|---|---|---|---|---|---|"]
     for name in loaders:
-        rate = statistics.median(rates[name])
-        lines.append(f"| {name} | {rate:,.0f} | {rate * total / args.rows / 1e6:,.0f} | "
-                     f"{statistics.median(firsts[name]):.2f} | {base / rate:.2f}x |")
+        rate = median(name, 0)
+        lines.append(f"| {name} | {rate:,.0f} | {rate * total / args.rows / 1e6:,.0f} | {median(name, 1):.2f} | "
+                     f"{median(name, 2):.0f} | {median(name, 3):.0f} | {base / rate:.2f}x |")
     table = "\n".join(lines) + "\n"
     print()
     print(table)
@@ -181,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Hub-style image column (`struct<bytes, path>`) plus a label, {args.files} files written by pyarrow "
         f"with row groups of {args.row_group} rows, embedded SeaweedFS on 127.0.0.1, rows as Python dicts "
         "with the image bytes (no decode), `DataLoader(batch_size=32, num_workers=0)`, loaders alternating "
-        "round by round after a warm-up round. The machine (2 cores) was shared with other work: compare "
+        "round by round after a warm-up round; CPU per row is this process's (its threads included) and the "
+        "server's. The machine (2 cores) was shared with other work: compare "
         f"the ratios, not the absolute numbers.\n\n{table}")
     print(f"wrote {out}")
     return 0
