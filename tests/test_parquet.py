@@ -154,6 +154,14 @@ def test_consecutive_row_groups_of_a_file_form_units_up_to_part_size():
     assert all(p.fetched <= 1 << 20 for p in plans)
 
 
+def test_a_budget_makes_units_smaller_before_it_refuses_one():
+    ds = dataset(memory_budget=8 << 20)  # 1.5 MiB for each of 4 units: one row group of 400 KB each
+    plans = ds.source.plans()
+    assert all(plan.need <= ds.source.read_bytes() // 4 for plan in plans)
+    assert [plan.groups for plan in plans][:4] == [(0,), (1,), (2,), (3,)]
+    assert len(list(ds)) == TOTAL
+
+
 def test_samples_per_epoch_cycles_the_row_groups():
     ds = dataset(samples_per_epoch=250, shuffle=True)
     got = keys(ds)

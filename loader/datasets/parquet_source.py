@@ -166,7 +166,7 @@ class ParquetSource(ShardSource):
             for number, (ref, footer) in enumerate(zip(files, footers)):
                 meta = self._metas[number] = parse_footer(ref, footer)
                 plans.extend(coalesce([plan for plan in plan_row_groups(ref, number, meta, footer, self.columns)
-                                       if plan.rows], self.shard_options.part_size))
+                                       if plan.rows], self.shard_options.part_size, self._unit_need()))
             if not plans:
                 raise EmptyDatasetError(f"{len(files)} Parquet file(s) under {self._specs[:2]} hold no rows")
             self._check_budget(files, plans)
@@ -187,6 +187,12 @@ class ParquetSource(ShardSource):
                 f"whole because pyarrow decodes a row group's columns side by side, plus a decoded batch), "
                 f"more than memory_budget={self.options.memory_budget} leaves for reads ({reads} bytes); "
                 "raise memory_budget, select fewer columns, or write smaller row groups")
+
+    def _unit_need(self) -> int | None:
+        """What a unit of several row groups may need: its share of ``read_bytes()``, so that
+        ``row_groups_inflight`` units fit in the budget at once (None: no budget)."""
+        reads = self.read_bytes()
+        return None if reads is None else reads // self.shard_options.shards_inflight
 
     def read_bytes(self) -> int | None:
         """What ``memory_budget`` leaves for row groups being read (None: no budget)."""
