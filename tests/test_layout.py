@@ -1,4 +1,4 @@
-"""The package's shape: folders import one way, the public namespace is lazy, pages name real files.
+"""The package's shape: folders import one way, the public namespace is lazy, pages name real files."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The sampler decides order; ``__getitems__`` fetches a batch of indices with up t
 ``max_inflight`` GETs in flight and returns the samples in index order. Calls arrive one batch
 at a time with no end in sight, so each reading process keeps one loop thread and store open
 between calls (created lazily, never pickled, closed by ``close()``, garbage collection or exit,
-and disowned in a forked child). Why, and its lifetime: docs/map-dataset.md.
+and disowned in a forked child). Why, and its lifetime: docs/design/map-dataset.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ workers. In a ``torch.distributed`` job rank 0 lists; one process per other mach
 result once through the job's ``TCPStore``; every process of a machine maps the one file
 ``stores.nodeshare`` keeps. Listings are named by target and the dataset's ``ticket`` (so ranks
 must build datasets in the same order) under a job id the store hands out. A plain process lists
-in memory (its forked workers share the pages). Why and how: ``docs/listing-once-per-job.md``.
+in memory (its forked workers share the pages). Why and how: ``docs/design/listing-once-per-job.md``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Read in ``__iter__``, never in ``__init__`` (a dataset is built before ``init_process_group`` and
 pickled into workers): the process group, else ``RANK``/``WORLD_SIZE``, else ``(0, 1)``. The
 process that starts spawned workers hands them its rank (``observe``, a ``Launch``), and the
-epoch travels in shared memory (``SharedEpoch``). Why: docs/partition.md.
+epoch travels in shared memory (``SharedEpoch``). Why: docs/design/partition.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ functions that ``emit`` items) and hands the items to the synchronous caller thr
 bounded by items and bytes, in job order when ``ordered``. A job starts only while the limits
 hold, so a slow consumer stops new requests and memory stays bounded by configuration. Every
 way an iteration ends stops the loop and joins the thread. This is the thread-safe handle; the
-loop side is ``core.EngineCore``. The bound and why: docs/engine.md.
+loop side is ``core.EngineCore``. The bound and why: docs/design/engine.md.
 """
 
 from __future__ import annotations

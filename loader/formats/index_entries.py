@@ -2,7 +2,7 @@
 
 ``index.json`` (version 1, written by ``loader shard`` and ``loader index``) lists one entry per
 shard: ``samples``, and the object's ``size`` and ``etag`` that say which version that count
-belongs to (plus tar ``bytes`` and sample ``offsets``). Pure: no I/O. Format: docs/shard-index.md.
+belongs to (plus tar ``bytes`` and sample ``offsets``). Pure: no I/O. Format: docs/design/shard-index.md.
 """
 
 from __future__ import annotations

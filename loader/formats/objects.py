@@ -4,7 +4,7 @@ Objects whose keys share a stem (up to the first dot of the basename, WebDataset
 sample, each adding the field its extension names. A ``SampleIndex`` counts samples, not objects,
 for partitioning, resume and map-style indices, over the key list as given (a packed ``KeyList``
 is not copied); labels come from the parent folder (as ``ImageFolder`` numbers them) or a
-manifest. The rules: docs/objects.md.
+manifest. The rules: docs/design/objects.md.
 """
 
 from __future__ import annotations

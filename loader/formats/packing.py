@@ -3,7 +3,7 @@
 A listing becomes shards in pure, deterministic steps (``group_samples``, ``shuffle_samples``,
 ``plan_shards``), so a rerun makes the same plan and skips what is uploaded. A sample never
 straddles two shards, and every tar byte (headers included) is known before any data is read, so
-the index with each sample's offset comes from the plan alone (docs/packing.md).
+the index with each sample's offset comes from the plan alone (docs/design/packing.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One engine job per shard: one GET, or ranged parts for a large shard of known size, fed to the
 tar parser and grouped into the samples its slot keeps, never whole in memory or on disk. A
 dropped connection resumes at the member being parsed (a compressed shard is read again and
-the bytes already parsed skipped), so no sample is lost or repeated (docs/tar.md).
+the bytes already parsed skipped), so no sample is lost or repeated (docs/design/tar.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One client per engine, made inside its loop (on first use), pool sized to its co
 and listings to path-style custom endpoints skip botocore's request pipeline (``signed_get``);
 botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
 rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
-``answers`` (docs/stores.md).
+``answers`` (docs/design/stores.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ it sends one request per ``get`` and raises ``TransientStoreError`` for a short 
 are half-open, ``[start, end)``. One version per read: every request of a read passes the same
 ``Pin``, sent as ``If-Match``; another ETag, or a 412, is ``ObjectChangedError``. What only a
 wrapper needs (the cache's expected versions) is given to that wrapper, never to every read.
-The rules in full: docs/stores.md.
+The rules in full: docs/design/stores.md.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class ListPage(NamedTuple):
 
 @runtime_checkable
 class ObjectStore(Protocol):
-    """Async access to one S3-compatible service (the rules: the module docstring, docs/stores.md)."""
+    """Async access to one S3-compatible service (the rules: the module docstring, docs/design/stores.md)."""
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         """Every object under ``prefix``, in key order, page by page."""

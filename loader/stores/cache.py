@@ -2,7 +2,7 @@
 
 The first epoch fills the cache; later epochs read from local disk and send no request for what
 is cached. Whole objects, streams and ranged parts all fill it; an entry is served only while it
-is current by the rule ``validate`` names, and never mixes versions (docs/cache.md).
+is current by the rule ``validate`` names, and never mixes versions (docs/design/cache.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .versions import Versions
 
 log = logging.getLogger(__name__)
 
-INLINE_MAX = 256 << 10  # reads and writes up to this size stay on the event loop (docs/cache.md)
+INLINE_MAX = 256 << 10  # reads and writes up to this size stay on the event loop (docs/design/cache.md)
 MAX_PENDING = 64  # incomplete temp files one CachedStore keeps at once
 MAX_GAP_FILL = 1 << 20  # a resumed stream re-asks at most this much to close a gap in its file
 
@@ -348,7 +348,7 @@ class CachedStore:
     async def _usable(
         self, entry: CacheEntry, name: str, bucket: str, key: str, pin: Pin | None
     ) -> bool:
-        """Whether ``entry`` may answer this read (the rule: docs/cache.md); if it
+        """Whether ``entry`` may answer this read (the rule: docs/design/cache.md); if it
         may, a read that ``pin`` is not pinned yet is pinned to the entry's version."""
         if pin is not None and pin.etag is not None:
             return entry.etag == pin.etag  # never mix versions within one read

@@ -1,7 +1,7 @@
 """The disk cache's files: one per object, checksummed per block, written atomically, shared by
 processes through a lock that keeps the byte count, evicted least recently used first.
 
-Synchronous; the layout, the file format and the locking are described in docs/cache.md.
+Synchronous; the layout, the file format and the locking are described in docs/design/cache.md.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class CorruptEntry(Exception):
 class DiskCache:
     """The on-disk part: entries named by hash, atomic commits, shared byte count, LRU eviction.
 
-    Synchronous and safe to call from several threads and processes at once (docs/cache.md).
+    Synchronous and safe to call from several threads and processes at once (docs/design/cache.md).
     Creating one creates the directory and removes stale temp files (bounded work).
     ``touch_after``: a hit refreshes an entry's mtime when it is older than this many seconds.
     ``stale_temp_after``: temp files untouched this long are leftovers of killed processes.

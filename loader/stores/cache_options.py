@@ -37,7 +37,7 @@ def check_cache_options(
 
 def check_validate(validate: Any, name: str = "cache_validate") -> None:
     """``validate`` must be one of ``VALIDATE_RULES``: ``"listing"`` checks entries against the
-    ETags the key list gave, ``"always"`` asks the server, ``"never"`` trusts them (docs/cache.md)."""
+    ETags the key list gave, ``"always"`` asks the server, ``"never"`` trusts them (docs/design/cache.md)."""
     if validate not in VALIDATE_RULES:
         raise ConfigError(
             f"{name}={validate!r} must be one of {VALIDATE_RULES}: 'listing' checks cache entries "

@@ -3,7 +3,7 @@
 Keys in ``S3Config`` first, then botocore's resolver (environment, profiles with roles,
 ``credential_process`` and SSO, web identity, container and instance roles), because that is
 what users of boto3 and the AWS CLI already have set up. Both backends use what botocore
-resolved; ``NoCredentialsError`` lists what was tried. The order in full: docs/stores.md.
+resolved; ``NoCredentialsError`` lists what was tried. The order in full: docs/design/stores.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 That process forks DataLoader workers later and waits for the listing before the first sample:
 ``HttpLister`` imports neither aiohttp nor botocore (slow to import) and starts no runtime a fork
 breaks. Pages are SigV4-signed ``http.client`` requests in worker threads; it serves path-style
-custom endpoints with keys in the config (``usable``), other listings use aioboto3 (docs/listing.md).
+custom endpoints with keys in the config (``usable``), other listings use aioboto3 (docs/design/listing.md).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def canonical_query(query: dict[str, str]) -> str:
 
 
 class HttpLister:
-    """``PagedLister`` over ``http.client`` (docs/listing.md); besides listing it
+    """``PagedLister`` over ``http.client`` (docs/design/listing.md); besides listing it
     reads whole objects and ranges (what a listing may need: a shard index)."""
 
     def __init__(self, config: S3Config, *, max_connections: int = 8,

@@ -3,7 +3,7 @@
 S3 lists in byte order, SeaweedFS directory by directory, and ``StartAfter`` differs with them;
 ``past(key, hi)`` holds in both orders, so a range may stop there and no key is missed wherever
 its bounds fall. ``KeySpace`` guesses split points from the keys seen: a bad guess costs a short
-page, never a key. Why this is exact on both kinds of server: docs/listing.md.
+page, never a key. Why this is exact on both kinds of server: docs/design/listing.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ DEPTH = 64  # characters after the prefix that positions resolve
 
 def past(key: str, bound: str) -> bool:
     """Whether ``key`` lies after ``bound`` in byte order and in directory order, and not under
-    ``bound + "/"`` (docs/listing.md)."""
+    ``bound + "/"`` (docs/design/listing.md)."""
     return (key > bound and key.split("/") > bound.split("/")
             and not key.startswith(bound + "/"))
 

@@ -2,7 +2,7 @@
 
 ``list_all`` lists a prefix as key ranges in parallel (``rangelisting``), retries a failed page
 from the last token received (never from page 1), and packs pages into a ``KeyList`` (keys in
-one buffer, ~length + 12 bytes each) merged into one sorted list. Why and how: docs/listing.md.
+one buffer, ~length + 12 bytes each) merged into one sorted list. Why and how: docs/design/listing.md.
 """
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ async def list_all(
     options: ListOptions | None = None,
 ) -> KeyList:
     """Every object under ``s3://bucket/prefix`` ending in ``suffix`` (or one of several),
-    sorted, with sizes (directory markers skipped). See docs/listing.md for retries,
+    sorted, with sizes (directory markers skipped). See docs/design/listing.md for retries,
     key ranges and memory."""
     options = options or ListOptions()
     runs = _Runs(suffix)

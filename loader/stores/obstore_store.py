@@ -5,7 +5,7 @@ hands Python one buffer per response, for a fraction of the client CPU per GET. 
 ``store="obstore"`` (extra ``fast``). ``S3Config`` is its only source of settings (never the
 ``AWS_*`` environment obstore would read), its own retries are off (``loader.retry`` retries),
 and it does not survive ``fork``: ``open()`` refuses in a child forked after a request.
-How each part is wired, and why: docs/obstore.md.
+How each part is wired, and why: docs/design/obstore.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 After two pages an idle lister splits the largest unfinished range at a guessed key; ranges at
 once double while that lists faster, up to ``parallel``. Each range is retried page by page and
-drops the keys past its bound (the next range lists them). Details: docs/listing.md.
+drops the keys past its bound (the next range lists them). Details: docs/design/listing.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 botocore spends most of its CPU per ``GetObject`` on work a GET to a path-style custom endpoint
 does not need (rules engine, hooks, header parsing): here it is a URL, a SigV4 signature
 (``httplisting.sign_v4``) and a body read to its Content-Length. AWS's own endpoints keep
-botocore's path; error answers become botocore ``ClientError`` s, worded as on that path (docs/stores.md).
+botocore's path; error answers become botocore ``ClientError`` s, worded as on that path (docs/design/stores.md).
 """
 
 from __future__ import annotations

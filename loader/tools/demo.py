@@ -2,7 +2,7 @@
 
 Uploads photo-like JPEGs (as objects and as shards) to the embedded server and trains a small CNN
 on both through ``AsyncS3Dataset`` + ``DataLoader``, reporting the training rate; the JPEGs are
-cached between runs under the user's cache directory (docs/cli.md).
+cached between runs under the user's cache directory (docs/design/cli.md).
 """
 
 from __future__ import annotations

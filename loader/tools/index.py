@@ -3,7 +3,7 @@
 
 Each shard is streamed once and grouped exactly as shard mode does; the index is rewritten as
 shards finish, so an interrupted run resumes with the shards it lacks, and an entry is reused only
-for the shard version it was made from. Where, format and resume: docs/shard-index.md.
+for the shard version it was made from. Where, format and resume: docs/design/shard-index.md.
 """
 
 from __future__ import annotations

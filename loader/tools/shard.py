@@ -3,7 +3,7 @@
 The I/O half of packing (the plan is ``formats/packing.py``): members fetched in order, shards
 streamed up as multipart uploads ``concurrency`` at a time, memory about ``concurrency *
 (part_size + readahead)`` whatever the shard size. ``_progress.json`` records the plan's
-fingerprint and the finished shards, so a rerun writes only the rest (docs/packing.md).
+fingerprint and the finished shards, so a rerun writes only the rest (docs/design/packing.md).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def pack(
     retry: RetryPolicy | None = None,
     progress: Callable[[PackReport, int, int], ProgressHook] | None = None,
 ) -> PackReport:
-    """Pack every object under ``src`` into tar shards under ``dst``; see docs/packing.md.
+    """Pack every object under ``src`` into tar shards under ``dst``; see docs/design/packing.md.
 
     ``store`` is a backend name (default: ``$LOADER_STORE`` or aioboto3) or an async factory
     returning an ``ObjectStore``. ``progress(report, total_bytes, total_objects)``, when given,
