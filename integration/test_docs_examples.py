@@ -10,6 +10,7 @@ with ``bash -n`` instead, so it still cannot hold a syntax error.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import subprocess
@@ -58,16 +59,18 @@ def data(s3_server) -> dict[str, bytes]:
 
 @pytest.fixture
 def page_bucket(s3_server, s3_env, data, tmp_path, monkeypatch) -> Path:
-    """``bucket`` holding exactly the starting data (what an earlier page wrote is removed),
-    and an empty working folder."""
+    """``bucket`` holding exactly the starting data (what an earlier page wrote or overwrote is
+    removed or put back), and an empty working folder."""
     from minio.deleteobjects import DeleteObject
 
     listed = {o.object_name: o.etag for o in s3_server.minio.list_objects(BUCKET, recursive=True)}
     extra = [DeleteObject(key) for key in listed if key not in data]
     for error in s3_server.minio.remove_objects(BUCKET, extra):
         raise AssertionError(f"could not remove {error.name}: {error.message}")
-    missing = {key: body for key, body in data.items() if key not in listed}
-    upload_objects(s3_server.minio, BUCKET, missing, workers=8)
+    # what is missing or was overwritten (a single PUT's ETag is its body's MD5)
+    stale = {key: body for key, body in data.items()
+             if listed.get(key, "").strip('"') != hashlib.md5(body).hexdigest()}
+    upload_objects(s3_server.minio, BUCKET, stale, workers=8)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
