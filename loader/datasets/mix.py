@@ -227,8 +227,9 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
     of the next can hold a sample of that source twice; ``"epoch"`` starts each epoch on a fresh
     pass. A weight of 0 gives no samples, but the source is still listed: it must exist and hold
     samples (leave it out of ``datasets`` instead). Every sample carries ``"__source__"``. Each
-    source keeps its ``transform``, ``shuffle``, ``on_error`` and shard options; how to load (``max_inflight``, ``memory_budget``, ``batch_size``, ranks, store
-    and endpoint) is the mix's, given here as keywords.
+    source keeps its ``transform``, ``shuffle``, ``on_error`` and shard options; how to load
+    (``max_inflight``, ``memory_budget``, ``batch_size``, ranks, store and endpoint) is the
+    mix's, given here as keywords.
     """
     from .iterable import AsyncS3Dataset
 
