@@ -22,8 +22,8 @@ from ..checks import check_int
 from ..config import S3Config
 from ..errors import ConfigError
 from ..retry import RetryPolicy
-from ..stores import ObjectStore, Pin, StoreSpec
-from ..stores.base import S3_MAX_PART_SIZE, S3_MIN_PART_SIZE, MultipartStore
+from ..s3 import ObjectStore, Pin, StoreSpec
+from ..s3.protocol import S3_MAX_PART_SIZE, S3_MIN_PART_SIZE, MultipartStore
 from ..uri import parse_s3_uri
 from .failures import _cause, _named, _naming
 from .reader import _listed, _RangeReader

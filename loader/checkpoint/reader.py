@@ -14,7 +14,7 @@ from anyio.from_thread import BlockingPortal
 
 from ..errors import NoSuchKeyError, StoreError
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectInfo, ObjectStore, Pin
+from ..s3 import ObjectInfo, ObjectStore, Pin
 from ..uri import object_url
 
 

@@ -14,7 +14,7 @@ from multiprocessing import RawArray
 from multiprocessing.context import get_spawning_popen
 from typing import Any, TypeVar
 
-from ..stores.recording import BOUNDS, LatencyHistogram
+from ..s3.recording import BOUNDS, LatencyHistogram
 
 COUNTERS = (
     "samples", "bytes", "requests", "request_errors", "retries", "samples_skipped", "shards_skipped",

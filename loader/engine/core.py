@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import anyio
 
 from ..retry import RetryPolicy
-from ..stores import ObjectStore
+from ..s3 import ObjectStore
 from .limits import EngineLimits
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
-from ..stores import ObjectStore
+from ..s3 import ObjectStore
 from .core import EngineCore, Job, JobContext
 from .limits import (
     DEFAULT_MAX_INFLIGHT,

@@ -29,7 +29,7 @@ from ..errors import (
     TransientStoreError,
 )
 from ..retry import Retrying, call_with_retries
-from ..stores.base import Pin
+from ..s3.protocol import Pin
 from ..uri import object_url, parse_s3_uri
 from .compression import Compression, compression_of, open_decoder
 from .grouping import SampleGrouper
@@ -399,7 +399,7 @@ async def read_members(
 ) -> None:
     """Parse the whole shard, handing each member to ``on_member`` as soon as it is complete.
 
-    Every request of the read carries one ``Pin`` (see ``loader/stores/base.py``): the later
+    Every request of the read carries one ``Pin`` (see ``loader/s3/protocol.py``): the later
     requests ask for the version of the first with ``If-Match``, and a shard overwritten
     meanwhile fails with ``ObjectChangedError`` instead of being parsed from two versions.
     Ranged parts are cut by the listed size, so they are pinned to the listed ETag from the

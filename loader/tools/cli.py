@@ -36,7 +36,7 @@ from .arguments import (
     add_long_run_options,
 )
 from .bars import Bars, bar_disabled
-from .index_command import register as register_index
+from .index import register as register_index
 
 # What a shell user can do about missing credentials (the library's advice speaks of S3Config).
 CLI_CREDENTIALS_ADVICE = (

@@ -27,8 +27,8 @@ from ..config import S3Config
 from ..datasets.iterable import AsyncS3Dataset
 from ..decode import decode_image
 from ..retry import RetryPolicy
-from ..stores import open_store
-from ..stores.blocking import run_async
+from ..s3 import open_store
+from ..s3.blocking import run_async
 
 BUCKET = "demo"
 QUALITY = 90

@@ -21,17 +21,13 @@ import anyio
 
 from ..checks import check_int
 from ..config import S3Config
-from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
-from ..formats.index_entries import add_versions
 from ..formats.packing import (
-    INDEX_NAME,
     PROGRESS_NAME,
     Member,
     ShardPlan,
     Skipped,
-    build_index,
     check_name_format,
     default_name_format,
     encode_member,
@@ -44,10 +40,12 @@ from ..formats.packing import (
     progress_document,
     shuffle_samples,
 )
+from ..listing.inputs import list_objects
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore, StoreFactory, StoreSpec
-from ..stores.base import S3_MIN_PART_SIZE, MultipartStore
-from ..stores.blocking import run_async
+from ..s3 import ObjectStore, StoreFactory, StoreSpec
+from ..s3.blocking import run_async
+from ..s3.protocol import S3_MIN_PART_SIZE, MultipartStore
+from ..shard_index.format import INDEX_NAME, add_versions, build_index
 from ..uri import parse_s3_uri
 from .sizes import format_size
 
