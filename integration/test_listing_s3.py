@@ -28,6 +28,7 @@ from faults import FaultDecider, FaultPlan, FaultProxy
 
 BACKENDS = ["aioboto3", "obstore"]
 LISTERS = [*BACKENDS, "http"]  # "http": open_listing_store's standard-library lister
+pytestmark = pytest.mark.server_sensitive  # listing order, StartAfter, pages: servers differ
 RETRY = RetryPolicy(base_delay=0.01, max_delay=0.2, connect_timeout=5, read_timeout=30)
 
 
