@@ -6,6 +6,7 @@ plain import finds depends on the order pytest was given its folders."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import itertools
@@ -326,12 +327,16 @@ def moto_server(timeout: float = MOTO_START_TIMEOUT) -> Iterator[S3Server]:
     import tempfile
 
     port = free_port()
-    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moto_main.py")  # two bugs patched
+    command = [sys.executable, launcher, "-H", "127.0.0.1", "-p", str(port)]
     config = S3Config(endpoint_url=f"http://127.0.0.1:{port}", access_key_id="it" + secrets.token_hex(8),
                       secret_access_key=secrets.token_urlsafe(24), region="us-east-1",
                       addressing_style="path")
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_MOTO_SETUP_CALLS)}
+        for name in S3_VARS:
+            env.pop(name, None)
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
         try:
             started = time.monotonic()
             while not _listening(port):
@@ -343,6 +348,7 @@ def moto_server(timeout: float = MOTO_START_TIMEOUT) -> Iterator[S3Server]:
                 if time.monotonic() - started > timeout:
                     raise TimeoutError(f"moto's server did not listen on port {port} within {timeout:.0f} s")
                 time.sleep(0.05)
+            config = _moto_user(config)
             server = S3Server("moto", config, f"moto {_moto_version()} at {config.endpoint_url} "
                               f"(started in {time.monotonic() - started:.1f} s)")
             try:
@@ -356,6 +362,30 @@ def moto_server(timeout: float = MOTO_START_TIMEOUT) -> Iterator[S3Server]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+_MOTO_SETUP_CALLS = 3
+
+
+def _moto_user(config: S3Config) -> S3Config:
+    """Create a moto IAM user allowed everything on S3 (``_MOTO_SETUP_CALLS`` requests, before
+    moto starts checking signatures) and return ``config`` with its keys."""
+    import json
+
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=config.endpoint_url, region_name=config.region,
+                       aws_access_key_id="setup", aws_secret_access_key="setup")
+    try:
+        iam.create_user(UserName="loader-tests")
+        policy = {"Version": "2012-10-17",
+                  "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="loader-tests", PolicyName="s3", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="loader-tests")["AccessKey"]
+    finally:
+        iam.close()
+    return dataclasses.replace(config, access_key_id=key["AccessKeyId"],
+                               secret_access_key=key["SecretAccessKey"])
 
 
 def _listening(port: int) -> bool:
