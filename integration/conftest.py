@@ -10,7 +10,7 @@ pytest-xdist) when a test first needs one. Their names, for ``$LOADER_TEST_SERVE
 
 ``LOADER_TEST_SERVERS=seaweedfs,moto``: the first server runs every test, and each one runs the
 tests marked ``server_sensitive`` (listings, versions, ranges, multipart, S3's error answers: where
-S3 implementations differ), whose ids then name the server (``test_x[moto]``). Unset: an
+S3 implementations differ); a test's id names its server (``test_x[moto]``). Unset: an
 endpoint from the environment, else MinIO when a Docker engine answers, else SeaweedFS; then moto.
 
 Tests get ``s3_server`` (see ``S3Server``) and, to read configuration from ``os.environ`` like a
@@ -48,9 +48,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """A server-sensitive test that uses a server runs once per chosen server, its id naming it."""
-    if "s3_server" in metafunc.fixturenames and metafunc.definition.get_closest_marker(SENSITIVE):
+    """A test that uses a server names it in its id: a server-sensitive one runs once per chosen
+    server, any other on the first. (Every such test takes the parameter, so that pytest groups
+    the tests by server and builds each module's data once per server.)"""
+    if "s3_server" in metafunc.fixturenames:
         names = chosen_servers()
+        if not metafunc.definition.get_closest_marker(SENSITIVE):
+            names = names[:1]
         metafunc.parametrize("s3_server", names, indirect=True, ids=names, scope="session")
 
 

@@ -319,17 +319,22 @@ def embedded_server() -> Iterator[S3Server]:
 
 
 @contextlib.contextmanager
-def moto_server(timeout: float = MOTO_START_TIMEOUT) -> Iterator[S3Server]:
+def moto_server(timeout: float = MOTO_START_TIMEOUT, *, certfile: str | None = None,
+                keyfile: str | None = None, cafile: str | None = None) -> Iterator[S3Server]:
     """moto's S3 server (``moto[server]``: AWS's semantics, in memory) in a child process on
     127.0.0.1, so that its Python does not share this process's interpreter lock (or patch the
     botocore of the tests). Any credentials are accepted; AWS's bucket rules apply. Its log (a
-    line per request) goes to a temporary file: a pipe nobody reads fills and stalls the server."""
+    line per request) goes to a temporary file: a pipe nobody reads fills and stalls the server.
+    ``certfile``/``keyfile``: serve https with them instead, ``cafile`` being what clients trust."""
     import tempfile
 
     port = free_port()
     launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moto_main.py")  # two bugs patched
     command = [sys.executable, launcher, "-H", "127.0.0.1", "-p", str(port)]
-    config = S3Config(endpoint_url=f"http://127.0.0.1:{port}", access_key_id="it" + secrets.token_hex(8),
+    if certfile is not None and keyfile is not None:
+        command += ["--ssl-cert", certfile, "--ssl-key", keyfile]
+    scheme = "http" if certfile is None else "https"
+    config = S3Config(endpoint_url=f"{scheme}://127.0.0.1:{port}", verify=cafile or True, access_key_id="it" + secrets.token_hex(8),
                       secret_access_key=secrets.token_urlsafe(24), region="us-east-1",
                       addressing_style="path")
     with tempfile.TemporaryFile() as log:
@@ -375,7 +380,7 @@ def _moto_user(config: S3Config) -> S3Config:
     import boto3
 
     iam = boto3.client("iam", endpoint_url=config.endpoint_url, region_name=config.region,
-                       aws_access_key_id="setup", aws_secret_access_key="setup")
+                       aws_access_key_id="setup", aws_secret_access_key="setup", verify=config.verify)
     try:
         iam.create_user(UserName="loader-tests")
         policy = {"Version": "2012-10-17",
