@@ -334,9 +334,9 @@ def moto_server(timeout: float = MOTO_START_TIMEOUT, *, certfile: str | None = N
     if certfile is not None and keyfile is not None:
         command += ["--ssl-cert", certfile, "--ssl-key", keyfile]
     scheme = "http" if certfile is None else "https"
-    config = S3Config(endpoint_url=f"{scheme}://127.0.0.1:{port}", verify=cafile or True, access_key_id="it" + secrets.token_hex(8),
-                      secret_access_key=secrets.token_urlsafe(24), region="us-east-1",
-                      addressing_style="path")
+    config = S3Config(endpoint_url=f"{scheme}://127.0.0.1:{port}", verify=cafile or True,
+                      access_key_id="it" + secrets.token_hex(8), secret_access_key=secrets.token_urlsafe(24),
+                      region="us-east-1", addressing_style="path")
     with tempfile.TemporaryFile() as log:
         env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_MOTO_SETUP_CALLS)}
         for name in S3_VARS:

@@ -25,6 +25,7 @@ import yaml
 from botocore.exceptions import ClientError
 from hypothesis import given
 from hypothesis import strategies as st
+from moto_main import canonical_query
 
 from loader.config import S3Config
 from loader.errors import ConfigError
@@ -32,7 +33,6 @@ from loader.tools import cli
 from loader.tools.devserver import DevServer, find_weed
 
 from datasets import jpeg_dataset, make_jpeg, sha256
-from moto_main import canonical_query
 from s3servers import S3_VARS, SERVERS_VAR, choose_server, chosen_servers, restart_container
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """The unit tests' in-memory store: ``loader.testing.MemoryStore`` (latency, faults, counters: see
-``loader/testing.py``), under the name the tests know it by, and two helpers."""
+``loader/s3/memory_store.py``), under the name the tests know it by, and two helpers."""
 
 from __future__ import annotations
 

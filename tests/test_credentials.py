@@ -1,4 +1,4 @@
-"""The credential chain (``loader.stores.credentials``) without a server: which source wins,
+"""The credential chain (``loader.s3.credentials``) without a server: which source wins,
 what obstore is handed and when it is refreshed, and what an error says when nothing is found.
 
 The root conftest points the profile files at an empty temporary directory and switches the
@@ -21,7 +21,7 @@ import pytest
 
 from loader.config import S3Config
 from loader.errors import ConfigError, NoCredentialsError
-from loader.stores.credentials import BotocoreCredentialProvider, resolve_credentials
+from loader.s3.credentials import BotocoreCredentialProvider, resolve_credentials
 
 ENDPOINT = "http://127.0.0.1:9"
 SECRET = "wJalrXUtnFEMI-profile-secret"

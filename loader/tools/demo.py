@@ -2,7 +2,7 @@
 
 Uploads photo-like JPEGs (as objects and as shards) to the embedded server and trains a small CNN
 on both through ``AsyncS3Dataset`` + ``DataLoader``, reporting the training rate; the JPEGs are
-cached between runs under the user's cache directory (docs/cli.md).
+cached between runs under the user's cache directory (docs/design/cli.md).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from ..config import S3Config
 from ..datasets.iterable import AsyncS3Dataset
 from ..decode import decode_image
 from ..retry import RetryPolicy
-from ..stores import open_store
-from ..stores.blocking import run_async
+from ..s3 import open_store
+from ..s3.blocking import run_async
 
 BUCKET = "demo"
 QUALITY = 90
