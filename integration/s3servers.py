@@ -361,12 +361,8 @@ def moto_server(timeout: float = MOTO_START_TIMEOUT, *, certfile: str | None = N
             finally:
                 server.close()
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            process.kill()  # it keeps nothing worth a clean stop, which took ~5 s under load
+            process.wait()
 
 
 _MOTO_SETUP_CALLS = 3
