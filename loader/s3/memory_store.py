@@ -101,7 +101,19 @@ class MultipartUpload:
 
 
 class MemoryStore:
-    """In-memory ``ObjectStore``; see the module docstring for latency, faults and counters."""
+    """An in-memory object store that a dataset or a checkpoint takes as ``store=`` (see
+    docs/testing.md; the module docstring has every counter and hook).
+
+    Args:
+        objects: ``{(bucket, key): bytes}``; ``with_objects(bucket, {key: bytes})`` is shorter.
+        buckets: buckets that exist, empty ones included.
+        latency: seconds, or ``callable(key) -> seconds``, before each answer.
+        fail: ``{key: exc}`` on every request, ``{key: [exc, ...]}`` one per request, then none.
+        list_fail: the same for listings, by prefix.
+        truncate: ``{key: n}``: streams of ``key`` are cut after ``n`` bytes.
+        page_size: keys per listing page.
+        order: ``"bytes"`` (S3) or ``"directories"`` (SeaweedFS's listing order).
+    """
 
     def __init__(
         self,
