@@ -243,9 +243,8 @@ class TailStore:
     reads (``get``, ``get_range``, ``get_if_changed``) wait for their turn under a rate limit and
     are hedged when they straggle; streams wait for their turn; everything else passes through.
 
-    At most ``max_requests`` of this store's reads are in flight (the engine's ``max_inflight``):
-    a hedge waits for a free place like any request, so it never takes the count past what the
-    user set (it delays one other request instead).
+    A hedge waits until fewer than ``max_requests`` of this store's reads are in flight (the
+    engine's ``max_inflight``), so hedging never takes the count past what the user set.
     Counts its own engine's share (``throttled``, ``hedged``, ``hedges_won``) for ``stats()``."""
 
     def __init__(self, inner: ObjectStore, endpoint: str | None = None, *,
@@ -316,10 +315,12 @@ class TailStore:
 
     # ------------------------------------------------------------------------------------------
 
-    async def enter(self) -> None:
-        """Take a place among the ``max_requests`` in flight, waiting for one if need be."""
+    async def enter(self, wait: bool = False) -> None:
+        """Count a read in flight; ``wait``: first wait for a place among ``max_requests`` (a
+        hedge does; the reads jobs ask for are already bounded by the engine, whose jobs may
+        send several at once: the objects of one sample)."""
         limit = self.max_requests
-        while limit is not None and self.inflight >= limit:
+        while wait and limit is not None and self.inflight >= limit:
             if self.freed is None:
                 self.freed = anyio.Event()
             await self.freed.wait()
@@ -405,7 +406,7 @@ class TailStore:
         assert pending.hedge is not None
         with pending.hedge:
             await pending.control.acquire()  # counted as a request (no wait: only unthrottled hedges)
-            await self.enter()
+            await self.enter(wait=True)
             try:
                 self.hedged += 1
                 with pending.control.lock:
