@@ -39,7 +39,9 @@ from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: shuffled orders of more than ``partition.SMALL_ORDER`` items are a keyed permutation
+computed per index; version 1 states are accepted only where their order is unchanged."""
 
 
 class AsyncS3Dataset(IterableDataset):
@@ -397,7 +399,9 @@ class AsyncS3Dataset(IterableDataset):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the next iteration of ``state["epoch"]`` skips the samples already delivered."""
         kind = self.source.kind
-        if state.get("version") != STATE_VERSION or state.get("mode") != kind:
+        if state.get("version") == 1 and state.get("mode") == kind:
+            _check_old_order(state, shuffled=self.options.shuffle)
+        elif state.get("version") != STATE_VERSION or state.get("mode") != kind:
             raise ConfigError(
                 f"this state (version {state.get('version')!r}, mode {state.get('mode')!r}) is not "
                 f"for a {kind} dataset of version {STATE_VERSION}")
@@ -556,3 +560,20 @@ def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[s
                           "from_keys(bucket, keys) or from_manifest(path))")
     return ObjectSource(bucket, options, keys=keys, prefix=prefix, group=group, label_from=label_from,
                         labels=labels)
+
+
+def _check_old_order(state: Mapping[str, Any], *, shuffled: bool) -> None:
+    """A state of version 1 (releases whose every shuffled order was a list shuffled whole) may
+    be resumed only where that order is still this release's: unshuffled, or objects or shards
+    (whose order is over the shards) of at most ``partition.SMALL_ORDER`` items. Elsewhere the position it
+    saved would point into another order, and the epoch would repeat and skip samples."""
+    size, epoch = state.get("size"), state.get("epoch")
+    if state.get("mode") in ("objects", "shards") and (
+            not shuffled or (isinstance(size, int) and size <= partition.SMALL_ORDER)):
+        return
+    raise ConfigError(
+        f"this state was saved by an earlier release (state version 1) in the middle of epoch "
+        f"{epoch!r}; this release shuffles {state.get('mode')} of more than {partition.SMALL_ORDER} "
+        f"items in another order, so the samples it delivered cannot be told apart. Start that "
+        f"epoch again (ds.set_epoch({epoch!r}) instead of load_state_dict), or finish it with the "
+        "release that saved the state and upgrade at an epoch boundary")
