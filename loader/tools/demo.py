@@ -74,7 +74,7 @@ def pack_shards(samples: dict[str, bytes], per_shard: int, labels: dict[str, int
     id is ``labels[key]``, or a stand-in when no labels are given), in key order, or with
     ``seed`` in a seeded random order as ``loader shard --shuffle`` packs them: keys sorted by
     class would otherwise make every shard one class, and batches drawn from a few shards at a
-    time lopsided (docs/shard-index.md, "Mixed batches")."""
+    time lopsided (docs/packing.md, "Mixed batches")."""
     keys = sorted(samples)
     if seed is not None:
         random.Random(seed).shuffle(keys)
