@@ -9,6 +9,7 @@ custom endpoints with keys in the config (``usable``), other listings use aiobot
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import hmac
 import http.client
@@ -50,7 +51,8 @@ def sign_v4(method: str, host: str, path: str, query: dict[str, str], *, access_
             secret_key: str, token: str | None, region: str, when: datetime.datetime
             ) -> dict[str, str]:
     """The headers of a SigV4-signed S3 request without a body (``path`` already escaped)."""
-    stamp = when.strftime("%Y%m%dT%H%M%SZ")
+    stamp = (f"{when.year:04d}{when.month:02d}{when.day:02d}T"  # strftime costs 3x as much
+             f"{when.hour:02d}{when.minute:02d}{when.second:02d}Z")
     headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
     if token:
         headers["x-amz-security-token"] = token
@@ -62,13 +64,21 @@ def sign_v4(method: str, host: str, path: str, query: dict[str, str], *, access_
     scope = f"{stamp[:8]}/{region}/s3/aws4_request"
     to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope,
                          hashlib.sha256(canonical.encode()).hexdigest()])
-    key = ("AWS4" + secret_key).encode()
-    for part in (stamp[:8], region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    signature = hmac.new(_signing_key(secret_key, stamp[:8], region), to_sign.encode(),
+                         hashlib.sha256).hexdigest()
     headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, "
                                 f"SignedHeaders={signed}, Signature={signature}")
     return headers
+
+
+@functools.lru_cache(maxsize=16)
+def _signing_key(secret_key: str, day: str, region: str) -> bytes:
+    """SigV4's key for one day and region: four HMACs, the same for every request of that day,
+    so derived once (the cache holds a few keys, in this process's memory only)."""
+    key = ("AWS4" + secret_key).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    return key
 
 
 def canonical_query(query: dict[str, str]) -> str:

@@ -83,6 +83,7 @@ class SignedGetter:
     ) -> None:
         assert config.endpoint_url is not None
         self._endpoint = config.endpoint_url
+        self._host = _host(yarl.URL(config.endpoint_url))  # the same for every request: once
         self._region = config.region
         self._credentials = credentials
         self._session = aiohttp.ClientSession(
@@ -156,7 +157,7 @@ class SignedGetter:
                 f"{name}={urllib.parse.quote(value, safe='-_.~')}" for name, value in sorted(query.items())
             ), encoded=True)
         credentials = await self._credentials()
-        headers = sign_v4("GET", _host(url), url.raw_path, query or {},
+        headers = sign_v4("GET", self._host, url.raw_path, query or {},
                           access_key=credentials.access_key, secret_key=credentials.secret_key,
                           token=credentials.token, region=self._region,
                           when=datetime.datetime.now(datetime.timezone.utc))
