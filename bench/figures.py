@@ -55,7 +55,7 @@ def listing_costs_us_per_key(keys: int = 1000) -> dict[str, float]:
     import botocore.session
     from botocore.parsers import create_parser
 
-    from loader.stores import listxml
+    from loader.s3 import list_xml as listxml
 
     body = listing_page(keys)
     operation = botocore.session.get_session().get_service_model("s3").operation_model("ListObjectsV2")
@@ -86,8 +86,8 @@ def main() -> None:
         ("import botocore's SigV4 signer (`botocore.auth`)", f"{import_cost_s('import botocore.auth'):.3f} s"),
         ("import aiohttp and botocore", f"{import_cost_s('import aiohttp, botocore.session'):.3f} s"),
         ("import aioboto3 and build a session", f"{import_cost_s('import aioboto3; aioboto3.Session()'):.3f} s"),
-        ("import the http.client lister (`loader.stores.httplisting`)",
-         f"{import_cost_s('import loader.stores.httplisting'):.3f} s"),
+        ("import the http.client lister (`loader.s3.http_client`)",
+         f"{import_cost_s('import loader.s3.http_client'):.3f} s"),
     ]
     rows += [(f"read a listing page: {name}", f"{us:.1f} us per key")
              for name, us in listing_costs_us_per_key().items()]

@@ -78,11 +78,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         from loader import AsyncS3Dataset
         from loader.config import S3Config
-        from loader.datasets import sources
+        from loader.listing import inputs
 
         imported = time.perf_counter() - started
         if workers == 0:  # where the time goes: the listing, timed where it runs
-            listed = sources.list_prefix
+            listed = inputs.list_prefix
 
             def timed_list(*args: Any, **kwargs: Any) -> Any:
                 begun = time.perf_counter()
@@ -91,7 +91,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 finally:
                     phases["listing"] = time.perf_counter() - begun
 
-            sources.list_prefix = timed_list  # type: ignore[assignment]
+            inputs.list_prefix = timed_list  # type: ignore[assignment]
         started = time.perf_counter()
         if spec.get("saved"):
             dataset = AsyncS3Dataset.from_manifest(spec["saved"], shuffle=True, store=spec["store"],
@@ -176,9 +176,9 @@ def save_listing(config: Any, uri: str) -> str:
 
 def sequential_listing(config: Any, prefix: str) -> float:
     """Seconds to list ``prefix`` page after page, as this project did before key ranges."""
+    from loader.listing.keylist import ListOptions, list_all
     from loader.retry import RetryPolicy
-    from loader.stores import open_store
-    from loader.stores.listing import ListOptions, list_all
+    from loader.s3 import open_store
 
     async def main() -> float:
         store = await open_store("aioboto3", config, max_connections=1, retry=RetryPolicy())

@@ -2,7 +2,7 @@
 
 Two questions of issue #7 ("cheap hand-off"), answered without a server:
 
-1. **Engine CPU per sample.** ``FetchEngine`` runs one-GET jobs (``loader.formats.objects.object_job``, what
+1. **Engine CPU per sample.** ``FetchEngine`` runs one-GET jobs (``loader.datasets.object_samples.object_job``, what
    per-object mode runs) against ``MemoryStore``, a zero-latency in-memory ``ObjectStore`` whose
    every key holds the same 100 KiB ``bytes`` object (ordered and completed delivery), and shard-like
    jobs of 100 items each (interleave and completed, as shard mode). Reported per sample:
@@ -42,10 +42,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from loader import AsyncS3Dataset
+from loader.datasets.object_samples import object_job, object_sample
 from loader.engine.fetch import DEFAULT_MAX_INFLIGHT, EngineLimits, FetchEngine, Job, JobContext
-from loader.formats.objects import object_job, object_sample
 from loader.formats.shards import DEFAULT_SHARDS_INFLIGHT
-from loader.stores.base import ObjectInfo
+from loader.s3.protocol import ObjectInfo
 
 from .harness import RESULTS_DIR
 from .loaders import BATCH_SIZE, PREFETCH_FACTOR

@@ -4,7 +4,7 @@ Only this process starts servers and proxies; measurements happen in ``bench.chi
 that one loader's threads, native runtimes (obstore's tokio, the AWS CRT) or a crash cannot leak
 into the next. Within a child, runs with DataLoader workers come first and ``num_workers=0`` runs
 last, so no child forks after iterating in its main process (obstore refuses that, see
-``loader/stores/obstore_store.py``).
+``loader/s3/obstore_store.py``).
 """
 
 from __future__ import annotations

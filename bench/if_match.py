@@ -1,4 +1,4 @@
-"""What pinning a read to one version (``If-Match``, see ``loader/stores/base.py``) costs.
+"""What pinning a read to one version (``If-Match``, see ``loader/s3/protocol.py``) costs.
 
 Against the embedded SeaweedFS, one process, both backends, pinned and unpinned requests
 interleaved round by round so that drift on a shared machine hits both alike:
@@ -23,7 +23,7 @@ import time
 import anyio
 
 from loader.retry import RetryPolicy
-from loader.stores import Pin, open_store
+from loader.s3 import Pin, open_store
 from loader.tools.devserver import DevServer
 
 PART = 2 << 20

@@ -29,10 +29,10 @@ from pathlib import Path
 import anyio
 
 from loader.retry import RetryPolicy
-from loader.stores import open_store
-from loader.stores.blocking import run_async
+from loader.s3 import open_store
+from loader.s3.blocking import run_async
+from loader.shard_index.write import IndexOptions, index_shards
 from loader.testing import DevServer
-from loader.tools.index import IndexOptions, index_shards
 
 SETS = {  # name: (shards, samples per shard, payload bytes per sample, gzip)
     "large": (12, 330, 100_000, False),

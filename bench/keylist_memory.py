@@ -7,7 +7,7 @@
 Ranks are forked from this launcher (they share torch's pages, so the numbers show the loader's
 own memory), form a gloo group over TCP, build ``AsyncS3Dataset.from_prefix`` and iterate a
 ``DataLoader`` with forked workers (the default) for a few batches, as a job's first steps do.
-Nothing lists on a server: the listing (``sources.list_objects``) is replaced by one that makes N
+Nothing lists on a server: the listing (``inputs.list_objects``) is replaced by one that makes N
 synthetic keys with sizes and MD5 ETags (counted: how many processes listed), and GETs return a
 byte. While every process holds its key list, the launcher reads each one's RSS, PSS and USS
 (psutil) and what the mapped key list file adds to them. Prints a Markdown table and writes it,
@@ -130,8 +130,8 @@ async def _open_store() -> _Store:
 
 def _synthetic_listing(count: int, signals: str) -> Any:
     async def list_objects(store: Any, bucket: str, prefix: str, retry: Any, **_: Any) -> Any:
-        from loader.stores.base import ObjectInfo
-        from loader.stores.listing import KeyList
+        from loader.listing.keylist import KeyList
+        from loader.s3.protocol import ObjectInfo
 
         with open(os.path.join(signals, "listed"), "a") as f:
             f.write(f"{os.getpid()}\n")
@@ -150,9 +150,9 @@ def _rank(rank: int, world_size: int, port: int, count: int, workers: int, signa
     from torch.utils.data import DataLoader
 
     from loader import AsyncS3Dataset
-    from loader.datasets import sources
+    from loader.listing import inputs
 
-    sources.list_objects = _synthetic_listing(count, signals)
+    inputs.list_objects = _synthetic_listing(count, signals)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where a stuck process is
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:

@@ -5,7 +5,7 @@ Starts the embedded SeaweedFS server on 127.0.0.1, PUTs N empty objects under on
 turn, in one process, with:
 
 * boto3's ``list_objects_v2`` paginator (page after page, what most scripts do);
-* ``loader.stores.listing.list_all`` with ``parallel=1`` (page after page) and the default
+* ``loader.listing.keylist.list_all`` with ``parallel=1`` (page after page) and the default
   ``parallel=8`` (key ranges in parallel), over the aioboto3 and the obstore backend.
 
 Each run is checked to return every key exactly once. Prints a markdown table: wall time
@@ -95,9 +95,9 @@ def boto3_paginator(config: Any, prefix: str) -> int:
 
 
 def ours(config: Any, prefix: str, store: str, parallel: int) -> int:
+    from loader.listing.keylist import ListOptions, list_all
     from loader.retry import RetryPolicy
-    from loader.stores import open_store
-    from loader.stores.listing import ListOptions, list_all
+    from loader.s3 import open_store
 
     async def main() -> int:
         opened = await open_store(store, config, max_connections=parallel, retry=RetryPolicy())

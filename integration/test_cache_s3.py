@@ -22,11 +22,11 @@ import pytest
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, StoreError
+from loader.cache.files import HEADER_SIZE, DiskCache
+from loader.cache.store import CachedStore, CacheStats
 from loader.retry import RetryPolicy
-from loader.stores import StoreSpec, open_store
-from loader.stores.base import DEFAULT_CHUNK_SIZE
-from loader.stores.cache import CachedStore, CacheStats
-from loader.stores.cache_files import HEADER_SIZE, DiskCache
+from loader.s3 import StoreSpec, open_store
+from loader.s3.protocol import DEFAULT_CHUNK_SIZE
 
 from datasets import jpeg_dataset, sha256
 from shardsets import upload_shards

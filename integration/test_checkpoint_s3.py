@@ -19,7 +19,7 @@ import torch
 
 from loader import checkpoint
 from loader.errors import AccessDeniedError, NoSuchBucketError, NoSuchKeyError, StoreError
-from loader.stores.aioboto3_store import Aioboto3Store
+from loader.s3.aioboto3_store import Aioboto3Store
 
 MiB = 1 << 20
 SMALL_PART = 5 * MiB  # S3's minimum part size

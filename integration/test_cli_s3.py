@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from loader import AsyncS3Dataset
-from loader.datasets.shard_index import read_index_counts
+from loader.shard_index.read import read_index_counts
 from loader.tools.sizes import format_size
 
 from datasets import jpeg_dataset, sha256, upload_objects

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset
-from loader.tools.index import index_shards
+from loader.shard_index.write import index_shards
 
 import launching
 from datasets import jpeg_dataset

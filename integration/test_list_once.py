@@ -28,7 +28,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from loader import AsyncS3Dataset, ListOptions
-from loader.stores.nodeshare import SHARE_DIR_ENV
+from loader.listing.nodeshare import SHARE_DIR_ENV
 
 from datasets import upload_objects
 from faults import FaultProxy

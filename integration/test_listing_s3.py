@@ -19,10 +19,10 @@ import pytest
 import torch.multiprocessing as mp
 from listing_worker import list_on_rank
 
+from loader.listing.keylist import ListOptions, list_all
 from loader.retry import RetryPolicy
-from loader.stores import open_listing_store, open_store
-from loader.stores.httplisting import HttpLister
-from loader.stores.listing import ListOptions, list_all
+from loader.s3 import open_listing_store, open_store
+from loader.s3.http_client import HttpLister
 
 from faults import FaultDecider, FaultPlan, FaultProxy
 

@@ -30,8 +30,8 @@ from loader import (
     S3Config,
     StoreError,
 )
-from loader.stores import ObjectStore, open_store
-from loader.stores.obstore_store import ObstoreStore
+from loader.s3 import ObjectStore, open_store
+from loader.s3.obstore_store import ObstoreStore
 from loader.tools.devserver import DevServer, find_weed
 
 pytestmark = pytest.mark.anyio

@@ -27,7 +27,7 @@ import webdataset as wds
 
 from loader import AsyncS3Dataset, ConfigError
 from loader.errors import ObjectChangedError
-from loader.tools.index import IndexOptions, index_shards
+from loader.shard_index.write import IndexOptions, index_shards
 
 from s3servers import S3_VARS
 from shardsets import pack

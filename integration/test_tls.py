@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, S3Config, TLSError
 from loader.retry import RetryPolicy
-from loader.stores import open_store
+from loader.s3 import open_store
 from loader.tools.devserver import DevServer
 
 from datasets import jpeg_dataset

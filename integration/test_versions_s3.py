@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from loader import AsyncS3Dataset, ObjectChangedError, RetryPolicy, checkpoint
-from loader.stores import open_store
-from loader.stores.aioboto3_store import Aioboto3Store
+from loader.s3 import open_store
+from loader.s3.aioboto3_store import Aioboto3Store
 
 from faults import FaultPlan, FaultProxy
 

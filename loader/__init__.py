@@ -25,10 +25,10 @@ _PUBLIC = {
     "LoaderOptions": "loader.datasets.options",
     "S3Config": "loader.config",
     "RetryPolicy": "loader.retry",
-    "ListOptions": "loader.stores.listing",
+    "ListOptions": "loader.listing.keylist",
     **{name: "loader.decode" for name in ("collate_raw", "decode_image", "decode_images", "decode_sample")},
-    "read_index": "loader.datasets.shard_index",
-    "read_index_counts": "loader.datasets.shard_index",
+    "read_index": "loader.shard_index.read",
+    "read_index_counts": "loader.shard_index.read",
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
@@ -46,7 +46,7 @@ _MOVED = {
     "EngineLimits": "loader.engine.fetch",
     "EngineStats": "loader.engine.fetch",
     "FetchEngine": "loader.engine.fetch",
-    "KeyList": "loader.stores.listing",
+    "KeyList": "loader.listing.keylist",
 }
 
 __all__ = [  # written out for editors and type checkers; tests/test_layout.py checks it against _PUBLIC
@@ -109,7 +109,6 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .datasets.mapped import AsyncS3MapDataset
     from .datasets.mix import mix
     from .datasets.options import LoaderOptions
-    from .datasets.shard_index import read_index, read_index_counts
     from .decode import collate_raw, decode_image, decode_images, decode_sample
     from .errors import (
         AccessDeniedError,
@@ -128,5 +127,6 @@ if TYPE_CHECKING:  # what editors and type checkers see
         TLSError,
         TransientStoreError,
     )
+    from .listing.keylist import ListOptions
     from .retry import RetryPolicy
-    from .stores.listing import ListOptions
+    from .shard_index.read import read_index, read_index_counts

@@ -30,7 +30,7 @@ class S3Config:
     looks them up, for custom endpoints too: the environment, then ``profile`` (else
     ``AWS_PROFILE``, else ``default``) in the shared credentials and config files (keys, roles,
     ``credential_process``, SSO), then web identity, container and instance-metadata credentials
-    (see ``loader.stores.credentials``). Custom endpoints default to path-style addressing, which
+    (see ``loader.s3.credentials``). Custom endpoints default to path-style addressing, which
     is what MinIO, SeaweedFS, Ceph and ``localhost`` need (virtual-host style would put the
     bucket into the host name).
     """

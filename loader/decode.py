@@ -4,7 +4,7 @@
 ``decode_sample`` decodes fields by extension (images, ``json``, text, class ids). Images on the
 CPU: ``decode_image`` (libjpeg-turbo at the smallest DCT scale covering ``size``, then torch's
 antialiased resize); on a GPU: ``collate_raw`` in the DataLoader and ``decode_images`` per batch
-(nvJPEG). Both ways, and why: docs/decode.md.
+(nvJPEG). Both ways, and why: docs/design/decode.md.
 """
 
 from __future__ import annotations

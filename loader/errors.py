@@ -16,7 +16,7 @@
     ├── ShardFormatError (ValueError)            a tar shard truncated, corrupt or not a tar
     └── SampleError                              a sample failed after fetching (``transform``)
 
-Backend errors are translated into these in one place per backend (``loader/stores/*``) with
+Backend errors are translated into these in one place per backend (``loader/s3/*``) with
 ``raise ... from exc``. Messages name the bucket, key (and shard offset) at fault and say what
 to do; secrets never appear in them.
 """

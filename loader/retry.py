@@ -4,7 +4,7 @@ Transient or permanent is decided once, by type (the backends translate errors i
 ``TransientStoreError`` or a permanent ``StoreError``). Backoff is exponential with full jitter,
 which spreads a herd of DataLoader workers best; by default only the deadline ends the retries,
 so a request rides out a short outage and says so in a warning. Pure except
-``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/retry.md.
+``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/design/retry.md.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 def share_dir(tmp_path, monkeypatch):
     """A machine's key-list directory of its own (``$LOADER_SHARE_DIR``); what this process
     still holds there is released at the end."""
-    from loader.stores import nodeshare
+    from loader.listing import nodeshare
 
     where = tmp_path / "node-a"
     where.mkdir()

@@ -1,6 +1,6 @@
 """An in-memory ``ObjectStore`` for unit tests: no server, injectable latency and faults, counters.
 
-``FakeStore`` implements exactly the protocol in ``loader/stores/base.py`` and behaves like a
+``FakeStore`` implements exactly the protocol in ``loader/s3/protocol.py`` and behaves like a
 well-behaved backend (our error tree, half-open ranges, key-ordered paged listings, a
 ``TransientStoreError`` when a streamed body is cut short), so tests of the engine, retries and
 datasets can assert on what the store *saw*:
@@ -73,8 +73,8 @@ from loader.errors import (
     StoreError,
     TransientStoreError,
 )
-from loader.stores.answers import error_for_answer
-from loader.stores.base import DEFAULT_CHUNK_SIZE, ListPage, ObjectInfo, Pin
+from loader.s3.error_answers import error_for_answer
+from loader.s3.protocol import DEFAULT_CHUNK_SIZE, ListPage, ObjectInfo, Pin
 
 Latency = float | Callable[[str], float]
 Fault = BaseException | list[BaseException]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import multiprocessing
 
 from loader import S3Config
-from loader.stores import aioboto3_store
-from loader.stores.aioboto3_store import _SESSIONS
+from loader.s3 import aioboto3_store
+from loader.s3.aioboto3_store import _SESSIONS
 
 A = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="AK", secret_access_key="SK")
 B = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="AK", secret_access_key="other")

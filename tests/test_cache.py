@@ -1,4 +1,4 @@
-"""The disk cache (``loader/stores/cache.py``) against the in-memory store: no server.
+"""The disk cache (``loader/cache/store.py``) against the in-memory store: no server.
 
 Each test asserts on two things: the bytes a reader got (always those the store holds), and what
 the inner store *saw* (``FakeStore.requests_by_key``), so "served from disk" means zero requests,
@@ -28,14 +28,14 @@ import anyio
 import pytest
 
 from loader import AsyncS3Dataset, ConfigError
+from loader.cache.files import HEADER_SIZE, DiskCache
+from loader.cache.options import check_cache_options
+from loader.cache.store import CachedStore, CacheStats, open_cached_store
 from loader.config import S3Config
 from loader.errors import InvalidRangeError, TransientStoreError
 from loader.retry import RetryPolicy
-from loader.stores import StoreSpec
-from loader.stores.base import ObjectStore
-from loader.stores.cache import CachedStore, CacheStats, open_cached_store
-from loader.stores.cache_files import HEADER_SIZE, DiskCache
-from loader.stores.cache_options import check_cache_options
+from loader.s3 import StoreSpec
+from loader.s3.protocol import ObjectStore
 
 from fakes import FakeStore
 
@@ -539,7 +539,7 @@ def test_threads_writing_one_key_leave_one_valid_file_and_readers_never_see_a_pa
 
 WRITER = textwrap.dedent("""
     import os, random, sys, time
-    from loader.stores.cache_files import DiskCache
+    from loader.cache.files import DiskCache
     directory, limit, name_count, rounds, seed, barrier, processes = sys.argv[1:]
     limit, name_count, rounds, seed, processes = map(int, (limit, name_count, rounds, seed, processes))
     cache = DiskCache(directory, limit, block_size=256)
@@ -663,7 +663,7 @@ async def test_cache_failures_fall_back_to_the_store(tmp_path, monkeypatch, capl
 
     monkeypatch.setattr(cache, "put", disk_full)
     monkeypatch.setattr(cache, "begin", disk_full)
-    with anyio.fail_after(DEADLINE), caplog.at_level(logging.WARNING, logger="loader.stores.cache"):
+    with anyio.fail_after(DEADLINE), caplog.at_level(logging.WARNING, logger="loader.cache.store"):
         async with session(fake, cache) as store:
             for key in data:
                 assert await store.get(BUCKET, key) == data[key]
@@ -702,9 +702,9 @@ def test_options_resolve_the_directory_and_default_the_limit(tmp_path, monkeypat
     assert check_cache_options(None, None) == (None, None)
     assert StoreSpec.of("aioboto3", S3Config(endpoint_url="http://h:9000/")).identity == "http://h:9000"
     assert StoreSpec.of("aioboto3", S3Config()).identity == "aws-s3"
-    assert StoreSpec.of(open_cached_store).identity == "factory:loader.stores.cache.open_cached_store"
+    assert StoreSpec.of(open_cached_store).identity == "factory:loader.cache.store.open_cached_store"
     secret = functools.partial(open_cached_store, "secret-token")  # stable, and no arguments shown
-    assert StoreSpec.of(secret).identity == "factory:loader.stores.cache.open_cached_store"
+    assert StoreSpec.of(secret).identity == "factory:loader.cache.store.open_cached_store"
 
 
 async def test_an_unusable_directory_is_a_config_error(tmp_path):

@@ -38,7 +38,7 @@ def test_must_words_every_failure_and_optional_lets_none_pass():
 
 def test_settings_keep_their_messages():
     from loader.engine import EngineLimits
-    from loader.stores.listing import ListOptions
+    from loader.listing.keylist import ListOptions
 
     with pytest.raises(ConfigError, match=r"^max_inflight=True must be a positive integer$"):
         EngineLimits(max_inflight=True)

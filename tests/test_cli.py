@@ -20,19 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loader.datasets.shard_index import read_index_counts
 from loader.errors import ConfigError, StoreError, TransientStoreError
 from loader.formats.grouping import iter_samples, split_key
 from loader.formats.packing import (
     END_OF_ARCHIVE,
-    INDEX_NAME,
     PROGRESS_NAME,
     check_name_format,
     encode_member,
     end_of_archive,
     group_samples,
     header_size,
-    index_counts,
     member_problem,
     parse_progress,
     plan_fingerprint,
@@ -43,7 +40,9 @@ from loader.formats.packing import (
     tar_header,
 )
 from loader.formats.tar import TarStreamParser
-from loader.stores import ObjectInfo
+from loader.s3 import ObjectInfo
+from loader.shard_index.format import INDEX_NAME, index_counts
+from loader.shard_index.read import read_index_counts
 from loader.tools import cli
 from loader.tools.ls import log2_histogram, looks_like_shards, render_histogram, shard_destination, summarize_listing
 from loader.tools.shard import PackOptions, pack

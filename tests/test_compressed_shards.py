@@ -416,7 +416,7 @@ def pack_source(n: int) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("kind", ["gzip", "zstd"])
 def test_pack_compresses_shards_that_read_back_exactly(kind):
-    from loader.formats.packing import INDEX_NAME
+    from loader.shard_index.format import INDEX_NAME
     from loader.tools.shard import PackOptions, pack
 
     source = pack_source(150)

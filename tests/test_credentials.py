@@ -1,4 +1,4 @@
-"""The credential chain (``loader.stores.credentials``) without a server: which source wins,
+"""The credential chain (``loader.s3.credentials``) without a server: which source wins,
 what obstore is handed and when it is refreshed, and what an error says when nothing is found.
 
 The root conftest points the profile files at an empty temporary directory and switches the
@@ -22,7 +22,7 @@ import pytest
 
 from loader.config import S3Config
 from loader.errors import ConfigError, NoCredentialsError
-from loader.stores.credentials import BotocoreCredentialProvider, resolve_credentials
+from loader.s3.credentials import BotocoreCredentialProvider, resolve_credentials
 
 ENDPOINT = "http://127.0.0.1:9"
 SECRET = "wJalrXUtnFEMI-profile-secret"
@@ -83,7 +83,7 @@ def test_given_keys_need_no_botocore_and_stay_hidden():
     (~30 ms of a store's start-up); their repr hides them, and they never expire."""
     code = ("import sys\n"
             "from loader.config import S3Config\n"
-            "from loader.stores.credentials import BotocoreCredentialProvider, resolve_credentials\n"
+            "from loader.s3.credentials import BotocoreCredentialProvider, resolve_credentials\n"
             "keys = resolve_credentials(S3Config(access_key_id='AKIDGIVEN', secret_access_key='given'))\n"
             "answer = BotocoreCredentialProvider(keys)()\n"
             "print(answer['access_key_id'], answer['expires_at'], repr(keys), 'botocore.credentials' in sys.modules)\n")

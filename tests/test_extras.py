@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "loader"
 OPTIONAL = {"obstore": "fast", "PIL": "image", "numpy": "image", "simplejpeg": "image",
             "zstandard": "zstd", "torchdata": "stateful"}
 # modules imported only through a guard elsewhere (stores._obstore_backend)
-GUARDED_MODULES = {"stores/obstore_store.py"}
+GUARDED_MODULES = {"s3/obstore_store.py"}
 
 
 def optional_imports(tree: ast.AST):
@@ -94,9 +94,9 @@ def hide(monkeypatch):
 
 def test_obstore_backend_names_the_fast_extra(hide, monkeypatch):
     hide("obstore")
-    monkeypatch.delitem(sys.modules, "loader.stores.obstore_store", raising=False)
+    monkeypatch.delitem(sys.modules, "loader.s3.obstore_store", raising=False)
     # an earlier import left the module as an attribute of its package, which `from . import` finds
-    monkeypatch.delattr(importlib.import_module("loader.stores"), "obstore_store", raising=False)
+    monkeypatch.delattr(importlib.import_module("loader.s3"), "obstore_store", raising=False)
     with pytest.raises(ConfigError, match=hint("fast")):
         AsyncS3Dataset.from_keys("bucket", ["a.jpg"], store="obstore")
 

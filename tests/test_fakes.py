@@ -19,7 +19,7 @@ from loader.errors import (
     NoSuchKeyError,
     TransientStoreError,
 )
-from loader.stores.base import ObjectInfo, ObjectStore
+from loader.s3.protocol import ObjectInfo, ObjectStore
 
 from fakes import FakeStore
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ConfigError
-from loader.formats.objects import build_index, class_folder, class_root, field_of, is_hidden
+from loader.datasets.object_samples import build_index, class_folder, class_root, field_of, is_hidden
 
 STEMS = st.lists(st.from_regex(r"[a-c]{1,2}/[0-9]{1,3}", fullmatch=True), min_size=1, max_size=30,
                  unique=True)

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loader import ConfigError
-from loader.datasets.shard_counts import index_location, match_index
-from loader.formats.index_entries import entry_document, index_document, parse_index, stale_reason
 from loader.formats.shards import ShardRef
+from loader.shard_index.counts import index_location, match_index
+from loader.shard_index.format import entry_document, index_document, parse_index, stale_reason
 
 names = st.text(string.ascii_lowercase + string.digits + "-_", min_size=1, max_size=8)
 etags = st.none() | st.text("0123456789abcdef", min_size=8, max_size=8)

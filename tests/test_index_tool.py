@@ -1,4 +1,4 @@
-"""``loader index`` (``tools/index.py``) against the in-memory store: what it writes, where, how it
+"""``loader index`` (``shard_index/write.py``) against the in-memory store: what it writes, where, how it
 resumes, and that ``from_shards`` then reads equal ranks from it without being told anything."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from test_shards import BUCKET, build_shard, shard_key, shard_url
 
 from loader import AsyncS3Dataset, ConfigError
 from loader.errors import NoSuchKeyError
-from loader.formats.index_entries import parse_index
-from loader.tools.index import IndexOptions, index_shards
+from loader.shard_index.format import parse_index
+from loader.shard_index.write import IndexOptions, index_shards
 
 from fakes import FakeStore, reusable
 
@@ -198,7 +198,7 @@ def test_indexing_never_imports_torch():
     script = """
 import sys
 from fakes import FakeStore, reusable
-from loader.tools.index import index_shards
+from loader.shard_index.write import index_shards
 import io, tarfile
 out = io.BytesIO()
 with tarfile.open(fileobj=out, mode="w") as tar:

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import ConfigError
-from loader.stores import keyfile, nodeshare
-from loader.stores.base import ObjectInfo
-from loader.stores.keyfile import is_keyfile, open_keys, parse_keys, read_header, to_bytes, write_keys
-from loader.stores.listing import KeyList
+from loader.listing import keyfile, nodeshare
+from loader.listing.keyfile import is_keyfile, open_keys, parse_keys, read_header, to_bytes, write_keys
+from loader.listing.keylist import KeyList
+from loader.s3.protocol import ObjectInfo
 
 KEYS = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
 ETAGS = st.one_of(st.none(), st.just("d41d8cd98f00b204e9800998ecf8427e"),

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader.errors import TransientStoreError
+from loader.listing.keylist import ListOptions, list_all
+from loader.listing.keyspace import KeySpace, past, plain
 from loader.retry import RetryPolicy
-from loader.stores.keyranges import KeySpace, past, plain
-from loader.stores.listing import ListOptions, list_all
 
 from fakes import FakeStore
 

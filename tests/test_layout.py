@@ -1,4 +1,4 @@
-"""The package's shape: the README's module table matches the tree, and folders import one way."""
+"""The package's shape: the layout table (docs/design/layout.md) matches the tree, and folders import one way."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "loader"
 # lower layers first: a module may import from its own layer or any layer below it
-LAYERS = ("foundation", "stores", "engine", "formats", "datasets", "checkpoint", "tools")
-FOUNDATION = {"config", "uri", "errors", "retry", "decode", "checks", "lifecycle", "_version"}
+LAYERS = ("foundation", "s3", "engine", "formats", "listing", "cache", "shard_index", "datasets", "checkpoint",
+          "tools")
+FOUNDATION = {"config", "uri", "errors", "retry", "decode", "checks", "lifecycle", "topology", "_version"}
 
 
 def modules() -> list[str]:
@@ -27,11 +28,11 @@ def modules() -> list[str]:
 
 
 def layer(module: str) -> str:
-    """``loader.stores.cache`` -> ``stores``; top-level foundation modules -> ``foundation``."""
+    """``loader.cache.store`` -> ``stores``; top-level foundation modules -> ``foundation``."""
     parts = module.split(".")[1:]
     if not parts or parts[0] in FOUNDATION:
         return "foundation"
-    if parts[0] in ("__main__", "cli", "testing"):  # entry points and re-exports of tools/
+    if parts[0] in ("__main__", "testing"):  # the entry point and re-exports of tools/
         return "tools"
     return parts[0]
 
@@ -59,7 +60,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def module_name(path: Path) -> str:
-    """``loader/stores/cache.py`` -> ``loader.stores.cache``; a package's ``__init__.py`` -> the package."""
+    """``loader/cache/store.py`` -> ``loader.cache.store``; a package's ``__init__.py`` -> the package."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -98,15 +99,18 @@ def test_no_import_circle_between_modules():
         raise AssertionError("an import circle: " + " -> ".join(exc.args[1])) from None
 
 
-def test_readme_module_table_matches_the_tree():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("| module | its one job |"):]
-    section = section[: section.index("\n\n")]
-    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", section, re.M))
+def test_the_layout_table_matches_the_tree():
+    """docs/design/layout.md lists every module of the package, one line each, under its package."""
+    page = (ROOT / "docs" / "design" / "layout.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", page, re.M))
     assert listed == set(modules()), (
-        f"README module table is out of date: missing {sorted(set(modules()) - listed)}, "
+        f"docs/design/layout.md is out of date: missing {sorted(set(modules()) - listed)}, "
         f"stale {sorted(listed - set(modules()))}"
     )
+
+
+def test_the_readme_points_to_the_layout():
+    assert "docs/design/layout.md" in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 MAX_LINES = 600  # the house rule: past this a module holds more than one job
@@ -134,7 +138,7 @@ def test_imports_between_folders_run_one_way():
 
 
 def test_the_cli_and_the_package_import_without_torch():
-    code = "import sys, loader, loader.cli, loader.testing, loader.tools.cli; print('torch' in sys.modules)"
+    code = "import sys, loader, loader.testing, loader.tools.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -203,7 +207,7 @@ def test_every_error_users_catch_imports_from_the_package_without_torch():
     ("FetchEngine", "loader.engine.fetch"),
     ("EngineLimits", "loader.engine.fetch"),
     ("EngineStats", "loader.engine.fetch"),
-    ("KeyList", "loader.stores.listing"),
+    ("KeyList", "loader.listing.keylist"),
 ])
 def test_names_that_left_the_top_level_still_import_with_a_warning_naming_their_home(name, home):
     """Kept for one release: ``loader.X`` and ``from loader import X`` still give the very same
@@ -247,14 +251,14 @@ USER_SCRIPTS = {"train.py"}  # scripts of the user's that examples name, not fil
 
 
 def test_every_python_file_the_readme_and_docs_name_exists():
-    """A path like ``stores/base.py`` in README.md, bench/README.md or docs/*.md names a file of
+    """A path like ``s3/protocol.py`` in README.md, bench/README.md or docs/ names a file of
     the tree: from the repository root, from ``loader/``, or beside the page; a bare ``name.py``
     names some file of the repository. Modules that moved leave no old names in the prose."""
     files = {p.relative_to(ROOT).as_posix() for folder in ("loader", "tests", "integration", "bench")
              for p in (ROOT / folder).rglob("*.py")}
     names = {path.rsplit("/", 1)[-1] for path in files}
     missing = []
-    for page in [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for page in [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for mention in sorted(_mentioned_py_files(page.read_text(encoding="utf-8")) - USER_SCRIPTS):
             if "/" not in mention:
                 found = mention in names
@@ -316,11 +320,11 @@ def test_store_reads_take_the_protocols_parameters_and_no_more():
     is given to that wrapper, never added to every read's signature."""
     import inspect
 
-    from loader.stores.aioboto3_store import Aioboto3Store
-    from loader.stores.base import ObjectStore
-    from loader.stores.cache import CachedStore
-    from loader.stores.obstore_store import ObstoreStore
-    from loader.stores.recording import _RecordedStore
+    from loader.cache.store import CachedStore
+    from loader.s3.aioboto3_store import Aioboto3Store
+    from loader.s3.obstore_store import ObstoreStore
+    from loader.s3.protocol import ObjectStore
+    from loader.s3.recording import _RecordedStore
 
     from fakes import FakeStore
 

@@ -9,9 +9,9 @@ import anyio
 import pytest
 
 from loader.errors import ConfigError, NoSuchBucketError, TransientStoreError
+from loader.listing.keylist import KeyList, ListOptions, list_all
 from loader.retry import RetryPolicy
-from loader.stores import ObjectInfo
-from loader.stores.listing import KeyList, ListOptions, list_all
+from loader.s3 import ObjectInfo
 
 from fakes import FakeStore
 

@@ -16,10 +16,10 @@ import pytest
 from test_shards import BUCKET, assert_exactly, make_store, shards_ds
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
+from loader.datasets.object_samples import object_job
 from loader.datasets.options import LoaderOptions, budget_options, shard_read_bytes
 from loader.datasets.shuffle import shuffled
 from loader.engine import EngineLimits, FetchEngine
-from loader.formats.objects import object_job
 
 from fakes import FakeStore, reusable
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError, mix
-from loader.datasets.interleave import Interleave, apportion
+from loader.datasets.mix_order import Interleave, apportion
 from loader.engine import fetch
 
 from fakes import FakeStore, payloads, reusable

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from loader.stores import nodeshare
-from loader.stores.listing import KeyList
-from loader.stores.nodeshare import NodeFile, is_alive, process_ident, release, sweep
+from loader.listing import nodeshare
+from loader.listing.keylist import KeyList
+from loader.listing.nodeshare import NodeFile, is_alive, process_ident, release, sweep
 
 KEYS = KeyList.from_keys([f"k/{i:04d}" for i in range(100)], range(100))
 
@@ -94,7 +94,7 @@ def test_no_room_to_share_keeps_the_list_in_memory_with_a_warning(monkeypatch, c
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(nodeshare, "write_keys", full)
-    with caplog.at_level(logging.WARNING, logger="loader.stores.nodeshare"):
+    with caplog.at_level(logging.WARNING, logger="loader.listing.nodeshare"):
         keys = NodeFile("full").publish(KEYS, os.getpid())
     assert keys is KEYS
     assert "no room to share a key list" in caplog.text and "LOADER_SHARE_DIR" in caplog.text

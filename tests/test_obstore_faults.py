@@ -31,7 +31,7 @@ from loader.errors import (
     TransientStoreError,
 )
 from loader.retry import RetryPolicy
-from loader.stores.obstore_store import (
+from loader.s3.obstore_store import (
     ObstoreStore,
     _start_after,
     forked_after_use,

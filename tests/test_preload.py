@@ -7,17 +7,17 @@ import sys
 
 import pytest
 
-import loader.stores
+import loader.s3
 from loader import AsyncS3Dataset, ConfigError, S3Config
 
 _PROBE = """
 import sys
 from loader import AsyncS3Dataset, S3Config
 config = S3Config(endpoint_url=sys.argv[2] or None, access_key_id="a", secret_access_key="b")
-before = {name for name in ("aiohttp", "loader.stores.aioboto3_store", "loader.stores.obstore_store")
+before = {name for name in ("aiohttp", "loader.s3.aioboto3_store", "loader.s3.obstore_store")
           if name in sys.modules}
 AsyncS3Dataset.from_keys("b", ["k"], config=config, store=sys.argv[1])
-after = {name for name in ("aiohttp", "loader.stores.aioboto3_store", "loader.stores.obstore_store")
+after = {name for name in ("aiohttp", "loader.s3.aioboto3_store", "loader.s3.obstore_store")
          if name in sys.modules}
 print(sorted(before), sorted(after))
 """
@@ -30,20 +30,20 @@ def probe(store: str, endpoint: str = "http://127.0.0.1:9") -> str:
 
 
 def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork():
-    assert probe("aioboto3") == "[] ['aiohttp', 'loader.stores.aioboto3_store']"
+    assert probe("aioboto3") == "[] ['aiohttp', 'loader.s3.aioboto3_store']"
     # obstore datasets list with the standard library's HTTP client where it serves (a custom
     # endpoint with keys given): nothing of aiohttp's, in the parent or in a forked worker
-    assert probe("obstore") == "[] ['loader.stores.obstore_store']"
+    assert probe("obstore") == "[] ['loader.s3.obstore_store']"
     # elsewhere (AWS itself) they list through aioboto3, imported before any fork
     assert probe("obstore", "") == (
-        "[] ['aiohttp', 'loader.stores.aioboto3_store', 'loader.stores.obstore_store']")
+        "[] ['aiohttp', 'loader.s3.aioboto3_store', 'loader.s3.obstore_store']")
 
 
 def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch):
     monkeypatch.setitem(sys.modules, "obstore", None)  # "not installed": its import raises
-    monkeypatch.delitem(sys.modules, "loader.stores.obstore_store", raising=False)
+    monkeypatch.delitem(sys.modules, "loader.s3.obstore_store", raising=False)
     # ``from . import obstore_store`` finds an attribute the package got at an earlier import
-    monkeypatch.delattr(loader.stores, "obstore_store", raising=False)
+    monkeypatch.delattr(loader.s3, "obstore_store", raising=False)
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
     with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
                                           r"pip install 's3stream-loader\[fast\]'"):

@@ -45,7 +45,7 @@ from loader.retry import (
     is_transient,
     next_delay,
 )
-from loader.stores import answers
+from loader.s3 import error_answers
 
 DEADLINE = 5.0  # seconds any async test may take before it fails instead of hanging
 FAST = dict(base_delay=0.001, max_delay=0.001)
@@ -526,7 +526,7 @@ async def test_a_long_outage_is_reported_in_progress_lines_and_ridden_out(moving
     def attempt_of(i):
         async def attempt():
             if moving.now < back:
-                raise answers.unreachable("http://127.0.0.1:9000", "bkt", f"train/{i:06d}.tar")
+                raise error_answers.unreachable("http://127.0.0.1:9000", "bkt", f"train/{i:06d}.tar")
             return i
         return attempt
 
@@ -559,8 +559,8 @@ async def test_a_short_blip_logs_nothing(moving, caplog):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("error", [
-    answers.failed_mid_request("bkt", "train/000001.jpg", "connection reset"),
-    answers.unreachable("http://127.0.0.1:9000", "bkt", "train/000001.jpg"),
+    error_answers.failed_mid_request("bkt", "train/000001.jpg", "connection reset"),
+    error_answers.unreachable("http://127.0.0.1:9000", "bkt", "train/000001.jpg"),
 ])
 async def test_the_final_error_reads_as_final(moving, error):
     """The message of the error that ends the retries says they are over, nowhere that more

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader.datasets.object_samples import build_index
 from loader.formats.grouping import split_key
-from loader.formats.objects import build_index
-from loader.stores.base import ObjectInfo
-from loader.stores.listing import KeyList
+from loader.listing.keylist import KeyList
+from loader.s3.protocol import ObjectInfo
 
 # Few characters, the ones that make stems interleave in sorted order: "-" sorts before ".",
 # a dot may sit in a folder name (a/1.d/x.jpg), a key may have no extension at all.

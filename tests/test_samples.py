@@ -91,7 +91,7 @@ def test_grouped_samples_exactly_once_across_ranks_and_workers(n, world, workers
         ds = AsyncS3Dataset.from_keys(BUCKET, keys, store=reusable(fake), shuffle=shuffle,
                                       seed=seed, rank=rank, world_size=world, pad_policy="drop")
         for worker in range(max(1, workers)):
-            with mock.patch("loader.datasets.topology.worker", return_value=(worker, workers)):
+            with mock.patch("loader.topology.worker", return_value=(worker, workers)):
                 got.extend(sample["__key__"] for sample in ds)
     assert len(got) == len(set(got)) == (n // world) * world
     assert set(got) <= {f"imgs/{i:05d}" for i in range(n)}

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError
 from loader.errors import ObjectChangedError, ShardFormatError
-from loader.formats.index_entries import entry_document, index_document
+from loader.shard_index.format import entry_document, index_document
 
 from fakes import FakeStore, reusable
 

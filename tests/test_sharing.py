@@ -17,10 +17,9 @@ import pytest
 import torch.distributed as dist
 
 from loader import EmptyDatasetError
-from loader.datasets import sharing
-from loader.datasets.sharing import Job, once_per_job, ticket
-from loader.stores import nodeshare
-from loader.stores.listing import KeyList
+from loader.listing import nodeshare, sharing
+from loader.listing.keylist import KeyList
+from loader.listing.sharing import Job, once_per_job, ticket
 
 KEYS = KeyList.from_keys([f"train/{i:05d}.jpg" for i in range(500)], range(500))
 
@@ -118,7 +117,7 @@ def test_a_failed_listing_reaches_every_rank_as_the_same_error(store):
 def test_a_rank_that_sees_no_listing_started_lists_itself_with_a_warning(store, monkeypatch, caplog):
     monkeypatch.setattr(sharing, "START_WAIT", 0.3)
     produce, calls = counted()
-    with caplog.at_level(logging.WARNING, logger="loader.datasets.sharing"):
+    with caplog.at_level(logging.WARNING, logger="loader.listing.sharing"):
         keys = sharing._in_job(Job(1, 2, store), "n4", "s3://b/train/", os.getpid(), produce)
     assert len(calls) == 1 and keys == KEYS
     assert "rank 0 did not start listing s3://b/train/" in caplog.text

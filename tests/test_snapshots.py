@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, NoSuchKeyError
 from loader.errors import ObjectChangedError
-from loader.stores.keyfile import read_header
+from loader.listing.keyfile import read_header
 
 from fakes import FakeStore, payloads, reusable
 

@@ -15,7 +15,7 @@ from loader.datasets import partition
 from loader.datasets.object_source import ObjectProgress
 from loader.datasets.options import LoaderOptions
 from loader.datasets.progress import Watermark
-from loader.datasets.source import Slot
+from loader.datasets.protocol import Slot
 
 from fakes import FakeStore, reusable
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, TransientStoreError
 from loader.datasets.stats import StepWaits, report, timed
-from loader.stores.recording import BOUNDS, LatencyHistogram
+from loader.s3.recording import BOUNDS, LatencyHistogram
 
 from fakes import FakeStore, payloads, reusable
 

@@ -8,7 +8,7 @@ import pytest
 
 from loader import ConfigError, S3Config
 from loader.retry import RetryPolicy
-from loader.stores import StoreSpec, open_store
+from loader.s3 import StoreSpec, open_store
 
 CONFIG = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
 

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loader.datasets.object_samples import field_of
 from loader.errors import ShardFormatError
 from loader.formats.grouping import SampleGrouper, iter_samples, split_key
-from loader.formats.objects import field_of
 from loader.formats.tar import BLOCK_SIZE, TarMember, TarStreamParser
 
 URL = "s3://bucket/shards/train-00007.tar"

@@ -1,4 +1,4 @@
-"""Tests for ``loader.datasets.topology``: rank from the environment or torch.distributed, worker ids."""
+"""Tests for ``loader.topology``: rank from the environment or torch.distributed, worker ids."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from loader.datasets import topology
+from loader import topology
 from loader.errors import ConfigError
 
 

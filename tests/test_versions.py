@@ -22,12 +22,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, checkpoint
+from loader.cache.files import MAGIC, DiskCache
+from loader.cache.store import CachedStore
 from loader.errors import ObjectChangedError
 from loader.retry import RetryPolicy
-from loader.stores.answers import error_for_answer
-from loader.stores.base import Pin, normalize_etag
-from loader.stores.cache import CachedStore
-from loader.stores.cache_files import MAGIC, DiskCache
+from loader.s3.error_answers import error_for_answer
+from loader.s3.protocol import Pin, normalize_etag
 
 from fakes import FakeStore, reusable
 
@@ -409,8 +409,8 @@ def test_cache_entry_records_the_etag(tmp_path):
 def test_key_lists_keep_listed_etags_compactly_through_merges_slices_and_pickles():
     import pickle
 
-    from loader.stores.base import ObjectInfo
-    from loader.stores.listing import KeyList, _Runs
+    from loader.listing.keylist import KeyList, _Runs
+    from loader.s3.protocol import ObjectInfo
 
     md5 = hashlib.md5(b"x").hexdigest()
     infos = [ObjectInfo("b/2", 2, md5), ObjectInfo("a/1", 1, "abc-3"), ObjectInfo("c/3", 3, None)]
@@ -437,9 +437,9 @@ keys_and_tags = st.lists(st.tuples(st.text(min_size=1, max_size=8), st.one_of(st
 
 @given(keys_and_tags, st.text(max_size=8), st.booleans())
 def test_a_key_lists_versions_answer_as_a_dict_would_sorted_or_not(pairs, probe, in_order):
-    from loader.stores.base import ObjectInfo
-    from loader.stores.listing import KeyList
-    from loader.stores.versions import listed_versions
+    from loader.listing.keylist import KeyList
+    from loader.listing.versions import listed_versions
+    from loader.s3.protocol import ObjectInfo
 
     if in_order:
         pairs = sorted(pairs)
@@ -457,7 +457,7 @@ def test_a_key_lists_versions_answer_as_a_dict_would_sorted_or_not(pairs, probe,
 
 def test_keys_from_the_user_and_shards_without_etags_give_no_versions():
     from loader.formats.shards import ShardRef
-    from loader.stores.versions import listed_versions, versions_of
+    from loader.listing.versions import listed_versions, versions_of
 
     assert listed_versions(BUCKET, ("a", "b")) is None
     assert versions_of([ShardRef(BUCKET, "s/a.tar", 10)]) is None
@@ -468,7 +468,7 @@ def test_keys_from_the_user_and_shards_without_etags_give_no_versions():
 
 
 def test_a_mix_asks_its_sources_key_lists_in_turn():
-    from loader.stores.versions import first_known
+    from loader.listing.versions import first_known
 
     def listing(table):
         return lambda bucket, key: table.get((bucket, key))

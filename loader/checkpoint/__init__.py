@@ -6,7 +6,7 @@ from parallel ranged GETs, with neither a local file nor a whole copy of the byt
     state = checkpoint.load("s3://bucket/ckpt/step-1000.pt", map_location="cpu")
 
 Memory is bounded by ``part_size`` x ``parts_inflight``; a failed save aborts its upload, and a
-load reads one version (``If-Match``) or fails. How and why: docs/checkpoint.md.
+load reads one version (``If-Match``) or fails. How and why: docs/design/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from ..checks import check_int
 from ..config import S3Config
 from ..errors import ConfigError
 from ..retry import RetryPolicy
-from ..stores import ObjectStore, Pin, StoreSpec
-from ..stores.base import S3_MAX_PART_SIZE, S3_MIN_PART_SIZE, MultipartStore
+from ..s3 import ObjectStore, Pin, StoreSpec
+from ..s3.protocol import S3_MAX_PART_SIZE, S3_MIN_PART_SIZE, MultipartStore
 from ..uri import parse_s3_uri
 from .failures import _cause, _named, _naming
 from .reader import _listed, _RangeReader
@@ -32,7 +32,7 @@ from .upload import _abandon, _PartWriter, _Upload
 __all__ = ["DEFAULT_LOAD_PART_SIZE", "DEFAULT_PART_SIZE", "DEFAULT_PARTS_INFLIGHT", "load", "save"]
 
 DEFAULT_PART_SIZE = 16 << 20
-DEFAULT_LOAD_PART_SIZE = 8 << 20  # a response in flight costs twice its size (docs/checkpoint.md)
+DEFAULT_LOAD_PART_SIZE = 8 << 20  # a response in flight costs twice its size (docs/design/checkpoint.md)
 DEFAULT_PARTS_INFLIGHT = 4
 _PORTAL_NAME = "loader-checkpoint"
 
@@ -56,7 +56,7 @@ def save(
     ``(parts_inflight + 1) * part_size``. The object appears atomically when the upload
     completes; on any failure, ``KeyboardInterrupt`` included, the upload is aborted and the
     error names ``uri``. ``store``: a backend name or an async store factory; ``"obstore"`` has no
-    multipart upload and saves through aioboto3 (docs/checkpoint.md). ``retry`` governs each
+    multipart upload and saves through aioboto3 (docs/design/checkpoint.md). ``retry`` governs each
     request (default ``RetryPolicy()``).
     """
     bucket, key = _object_uri(uri)
@@ -109,9 +109,9 @@ def load(
 
     ``map_location`` and ``weights_only`` go to ``torch.load``. Tensor bytes go straight from the
     responses into the tensors, ``part_size`` bytes per GET: peak memory is the result plus about
-    ``3 * parts_inflight * part_size`` (docs/checkpoint.md); no temporary file is written.
+    ``3 * parts_inflight * part_size`` (docs/design/checkpoint.md); no temporary file is written.
     A missing object raises ``NoSuchKeyError``, a missing bucket ``NoSuchBucketError``, both
-    naming ``uri``. ``store="obstore"`` reads through aioboto3 (docs/checkpoint.md).
+    naming ``uri``. ``store="obstore"`` reads through aioboto3 (docs/design/checkpoint.md).
     """
     bucket, key = _object_uri(uri)
     _check_sizes(part_size, parts_inflight)

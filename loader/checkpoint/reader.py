@@ -14,12 +14,12 @@ from anyio.from_thread import BlockingPortal
 
 from ..errors import NoSuchKeyError, StoreError
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectInfo, ObjectStore, Pin
+from ..s3 import ObjectInfo, ObjectStore, Pin
 from ..uri import object_url
 
 
 class _RangeReader(io.RawIOBase):
-    """A seekable, read-only file over one object, for ``torch.load`` (docs/checkpoint.md).
+    """A seekable, read-only file over one object, for ``torch.load`` (docs/design/checkpoint.md).
 
     Reads of at least ``block_size`` bytes are fetched straight into the caller's buffer, in
     ``block_size`` spans, ``parallel`` at once (parts already cached are copied, then dropped);

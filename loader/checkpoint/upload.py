@@ -16,7 +16,7 @@ from anyio.from_thread import BlockingPortal
 
 from ..errors import LoaderError, StoreError
 from ..retry import RetryPolicy, call_with_retries
-from ..stores.base import S3_MAX_PART_SIZE, S3_MAX_PARTS
+from ..s3.protocol import S3_MAX_PART_SIZE, S3_MAX_PARTS
 
 T = TypeVar("T")
 

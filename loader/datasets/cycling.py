@@ -2,7 +2,7 @@
 
 Every rank yields exactly N samples an epoch without counts: a rank's N are split among its
 workers (``worker_quota``, following the DataLoader's batches with ``batch_size=``), and each
-slot reads endless seeded passes over the shards until its quota is met (docs/partition.md).
+slot reads endless seeded passes over the shards until its quota is met (docs/design/partition.md).
 """
 
 from __future__ import annotations

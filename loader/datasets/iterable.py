@@ -21,20 +21,21 @@ from typing import Any
 from torch.utils.data import IterableDataset
 from typing_extensions import Unpack
 
+from .. import topology
+from ..cache.store import CacheStats
 from ..engine.fetch import EngineLimits, FetchEngine, Job
 from ..errors import ConfigError, SampleError
-from ..formats.objects import LabelFrom, SampleIndex, Skipped, skippable
 from ..formats.shards import ShardOptions, ShardRef
-from ..stores.cache import CacheStats
-from ..stores.recording import RequestRecorder
+from ..listing.inputs import read_manifest
+from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
+from ..s3.recording import RequestRecorder
 from ..uri import parse_s3_uri
-from . import partition, topology
+from . import partition
+from .object_samples import LabelFrom, SampleIndex, Skipped, skippable
 from .object_source import ObjectSource
 from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options
+from .protocol import Progress, Slot, Source
 from .shard_source import ShardSource
-from .snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
-from .source import Progress, Slot, Source
-from .sources import read_manifest
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ The sampler decides order; ``__getitems__`` fetches a batch of indices with up t
 ``max_inflight`` GETs in flight and returns the samples in index order. Calls arrive one batch
 at a time with no end in sight, so each reading process keeps one loop thread and store open
 between calls (created lazily, never pickled, closed by ``close()``, garbage collection or exit,
-and disowned in a forked child). Why, and its lifetime: docs/map-dataset.md.
+and disowned in a forked child). Why, and its lifetime: docs/design/map-dataset.md.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from typing_extensions import Unpack
 from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError
-from ..formats.objects import LabelFrom, SampleIndex, get_pinned, skippable
 from ..lifecycle import LiveObjects
+from ..listing.inputs import read_manifest
+from ..listing.keylist import KeyList
+from ..listing.snapshots import Snapshot, is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore, StoreFactory
-from ..stores.listing import KeyList
+from ..s3 import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
+from .object_samples import LabelFrom, SampleIndex, get_pinned, skippable
 from .object_source import ObjectSource
 from .options import LoaderOptions, MapKwargs
-from .snapshots import Snapshot, is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
-from .sources import read_manifest
 
 log = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ from ..checks import check_int
 from ..decode import apply_transform
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
+from ..listing.versions import Versions, first_known
 from ..retry import RetryPolicy
-from ..stores import ObjectStore
-from ..stores.versions import Versions, first_known
+from ..s3 import ObjectStore
 from . import partition
-from .interleave import Interleave, apportion
+from .mix_order import Interleave, apportion
 from .object_source import ObjectProgress
 from .options import LoaderKwargs, LoaderOptions
 from .progress import Watermark
-from .source import Mixable, Progress, Read, Run, Slot, Tagged
+from .protocol import Mixable, Progress, Read, Run, Slot, Tagged
 
 if TYPE_CHECKING:
     from .iterable import AsyncS3Dataset

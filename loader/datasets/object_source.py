@@ -12,16 +12,16 @@ from typing import Any
 
 from ..decode import apply_transform
 from ..engine.fetch import Delivery
-from ..formats.objects import LabelFrom, SampleIndex, build_index, sample_job
-from ..stores.listing import KeyList
-from ..stores.versions import Versions, listed_versions
+from ..listing.inputs import check_keys, list_keys
+from ..listing.keylist import KeyList
+from ..listing.sharing import ticket, track
+from ..listing.snapshots import Snapshot
+from ..listing.versions import Versions, listed_versions
 from . import partition
+from .object_samples import LabelFrom, SampleIndex, build_index, sample_job
 from .options import LoaderOptions
 from .progress import Watermark
-from .sharing import ticket, track
-from .snapshots import Snapshot
-from .source import Progress, Read, Run, Slot, Tagged
-from .sources import check_keys, list_keys
+from .protocol import Progress, Read, Run, Slot, Tagged
 
 
 class ObjectProgress:

@@ -11,11 +11,13 @@ from typing import Any, Literal
 
 from typing_extensions import TypedDict
 
+from .. import topology
+from ..cache.options import DEFAULT_VALIDATE, check_cache_options
+from ..cache.store import CacheStats, open_cached_store
 from ..checks import check_int
 from ..config import S3Config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
 from ..errors import ConfigError
-from ..formats.objects import ON_ERROR, OnError
 from ..formats.shards import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PART_SIZE,
@@ -24,14 +26,13 @@ from ..formats.shards import (
     MIN_PART_SIZE,
     ShardOptions,
 )
+from ..listing.keylist import ListOptions
+from ..listing.versions import Versions
 from ..retry import RetryPolicy
-from ..stores import StoreFactory, StoreSpec
-from ..stores.cache import CacheStats, open_cached_store
-from ..stores.cache_options import DEFAULT_VALIDATE, check_cache_options
-from ..stores.listing import ListOptions
-from ..stores.recording import RequestRecorder
-from ..stores.versions import Versions
-from . import partition, topology
+from ..s3 import StoreFactory, StoreSpec
+from ..s3.recording import RequestRecorder
+from . import partition
+from .object_samples import ON_ERROR, OnError
 
 Transform = Callable[[dict[str, Any]], Any]
 Mode = Literal["objects", "shards"]

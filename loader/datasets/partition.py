@@ -5,7 +5,7 @@ worker) and agrees with every other process without communicating, so nothing he
 on ``hash()``, global random state or installed libraries. Items are shuffled per epoch, then
 split across ranks (equal lengths: ``"pad"`` or ``"drop"``, or DDP hangs) and workers; shards are
 dealt to (rank, worker) slots, split by sample index when there are fewer shards than slots, or
-laid end to end into equal runs when their counts are known. The rules: docs/partition.md.
+laid end to end into equal runs when their counts are known. The rules: docs/design/partition.md.
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ class Taken(_Computed):
 
     def __iter__(self) -> Iterator[int]:
         order, n = self._order, len(self._order)
-        return (order[p % n] for p in self._positions)
+        at = order._at if isinstance(order, EpochOrder) else order.__getitem__  # no bounds checks
+        return (at(p % n) for p in self._positions)
 
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> EpochOrder:
@@ -291,7 +292,7 @@ def shard_assignments(
     worker: int,
     num_workers: int,
 ) -> list[ShardAssignment]:
-    """What one (rank, worker) slot reads in shard mode; see docs/partition.md.
+    """What one (rank, worker) slot reads in shard mode; see docs/design/partition.md.
 
     With at least as many shards as slots, slot ``s`` reads shards ``order[s::slots]`` whole.
     With fewer, it reads the one shard ``order[s % num_shards]`` with a sample-index stride.

@@ -19,7 +19,6 @@ from ..checks import check_int
 from ..decode import apply_transform
 from ..engine.fetch import Delivery, Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
-from ..formats.index_entries import INDEX_NAME
 from ..formats.shards import (
     END,
     ShardAssignment,
@@ -30,11 +29,10 @@ from ..formats.shards import (
     sample_nbytes,
     shard_job,
 )
-from ..stores.versions import Versions, versions_of
-from . import cycling, partition
-from .options import LoaderOptions, check_budget, shard_read_bytes
-from .progress import Watermark
-from .shard_counts import (
+from ..listing.inputs import resolve_shards, shard_specs
+from ..listing.sharing import ticket, track
+from ..listing.versions import Versions, versions_of
+from ..shard_index.counts import (
     Counts,
     fetch_index,
     given_counts,
@@ -44,10 +42,12 @@ from .shard_counts import (
     unknown_counts_advice,
     with_versions,
 )
-from .sharing import ticket, track
+from ..shard_index.format import INDEX_NAME
+from . import cycling, partition
+from .options import LoaderOptions, check_budget, shard_read_bytes
+from .progress import Watermark
+from .protocol import Progress, Read, Run, Slot, Tagged
 from .shuffle import shuffled
-from .source import Progress, Read, Run, Slot, Tagged
-from .sources import resolve_shards, shard_specs
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ the training loop waited for data.
 
 Each process splits its time into waiting for the engine, ``transform`` and the hand-off outside
 the loader; ``StatsBoard`` (one shared-memory row per DataLoader worker, hand-written because no
-library offers it) lets the main process sum the whole epoch of its rank (docs/stats.md).
+library offers it) lets the main process sum the whole epoch of its rank (docs/design/stats.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from multiprocessing import RawArray
 from multiprocessing.context import get_spawning_popen
 from typing import Any, TypeVar
 
-from ..stores.recording import BOUNDS, LatencyHistogram
+from ..s3.recording import BOUNDS, LatencyHistogram
 
 COUNTERS = (
     "samples", "bytes", "requests", "request_errors", "retries", "samples_skipped", "shards_skipped",

@@ -1,6 +1,6 @@
 """The loop-side half of an engine: job launching under the limits, the bounded buffer, and
 the delivery orders (ordered, interleave, completed, scheduled). Runs only in the engine's
-loop thread; ``fetch.FetchEngine`` is the thread-safe handle around it (docs/engine.md)."""
+loop thread; ``fetch.FetchEngine`` is the thread-safe handle around it (docs/design/engine.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import anyio
 
 from ..retry import RetryPolicy
-from ..stores import ObjectStore
+from ..s3 import ObjectStore
 from .limits import EngineLimits
 
 

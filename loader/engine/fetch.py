@@ -5,7 +5,7 @@ functions that ``emit`` items) and hands the items to the synchronous caller thr
 bounded by items and bytes, in job order when ``ordered``. A job starts only while the limits
 hold, so a slow consumer stops new requests and memory stays bounded by configuration. Every
 way an iteration ends stops the loop and joins the thread. This is the thread-safe handle; the
-loop side is ``core.EngineCore``. The bound and why: docs/engine.md.
+loop side is ``core.EngineCore``. The bound and why: docs/design/engine.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
-from ..stores import ObjectStore
+from ..s3 import ObjectStore
 from .core import EngineCore, Job, JobContext
 from .limits import (
     DEFAULT_MAX_INFLIGHT,

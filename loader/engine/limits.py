@@ -33,7 +33,7 @@ class EngineLimits:
     queue_bytes: int = DEFAULT_QUEUE_BYTES
     queue_items: int = DEFAULT_QUEUE_ITEMS
     delivery: Delivery = "ordered"
-    inflight_bytes: int | None = None  # bytes reserved by running jobs (docs/engine.md)
+    inflight_bytes: int | None = None  # bytes reserved by running jobs (docs/design/engine.md)
 
     def __post_init__(self) -> None:
         if self.delivery not in DELIVERIES:

@@ -2,7 +2,7 @@
 
 ``start_blocking_portal`` without its generator, whose ``finally`` waits for the loop thread when
 garbage-collected: in a forked child that thread does not exist, so freeing an inherited portal
-would hang. A plain portal and thread have no finalizer (docs/engine.md).
+would hang. A plain portal and thread have no finalizer (docs/design/engine.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How bytes become samples: tar parsing (``tar``), compressed shards (``compression``), shard jobs
-(``shards``), one object per sample (``objects``), and packing objects into shards with the shard
-index's entries (``packing``, ``index_entries``).
+"""How bytes become samples: tar parsing (``tar``), grouping members into samples (``grouping``),
+compressed shards (``compression``), shard jobs (``shards``), and packing objects into shards
+(``packing``, the pure half of ``loader shard``).
 """

@@ -2,7 +2,7 @@
 
 ``.tar.gz``/``.tgz`` (zlib) and ``.tar.zst``/``.tzst`` (``compression.zstd``, else ``zstandard``)
 are told by name, as webdataset does; decoders yield pieces of at most ``piece`` bytes so that a
-highly compressible shard cannot blow up one chunk. Details per codec: docs/tar.md.
+highly compressible shard cannot blow up one chunk. Details per codec: docs/design/tar.md.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Decoder:
         self._head = b""  # the stream's first block, for "is this compressed at all?"
 
     def decode(self, data: bytes) -> Iterator[bytes]:
-        """Decompress ``data``; yields pieces of at most ``piece`` bytes (zstandard: docs/tar.md)."""
+        """Decompress ``data``; yields pieces of at most ``piece`` bytes (zstandard: docs/design/tar.md)."""
         if len(self._head) < 512:
             self._head += data[: 512 - len(self._head)]
         start = self.consumed

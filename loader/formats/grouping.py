@@ -1,5 +1,5 @@
 """Tar members into WebDataset samples: the key and extension of a name, and the grouping of
-consecutive members with the same key into one sample dict (pure, no I/O; docs/tar.md)."""
+consecutive members with the same key into one sample dict (pure, no I/O; docs/design/tar.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,16 @@
-"""Packing objects into WebDataset tar shards: the pure half of ``loader shard``, plus the index.
+"""Packing objects into WebDataset tar shards: the pure half of ``loader shard``.
 
 A listing becomes shards in pure, deterministic steps (``group_samples``, ``shuffle_samples``,
 ``plan_shards``), so a rerun makes the same plan and skips what is uploaded. A sample never
 straddles two shards, and every tar byte (headers included) is known before any data is read, so
-the index with each sample's offset comes from the plan alone (docs/packing.md).
+the index with each sample's offset (``shard_index.format.build_index``) comes from the plan
+alone (docs/design/packing.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import random
 import tarfile
@@ -23,10 +23,8 @@ from .compression import SUFFIX_OF, Compression, compression_of, is_shard_name
 from .grouping import split_key
 from .tar import BLOCK_SIZE
 
-INDEX_NAME = "index.json"
-INDEX_VERSION = 1
-
 PROGRESS_NAME = "_progress.json"
+PROGRESS_VERSION = 1  # the format of `_progress.json` (resume refuses another)
 PLAN_VERSION = 1  # bump when the layout of planned shards changes (resume refuses old plans)
 END_OF_ARCHIVE = 2 * BLOCK_SIZE
 DEFAULT_NAME_FORMAT = "shard-{:05d}.tar"
@@ -279,7 +277,7 @@ def plan_fingerprint(source: str, objects: Iterable[tuple[str, int]], options: M
 def progress_document(fingerprint: str, source: str, dst: str, total: int,
                       done: Iterable[int], options: Mapping[str, Any]) -> dict[str, Any]:
     """What ``DST/_progress.json`` holds: the plan's identity and the shard numbers finished."""
-    return {"version": INDEX_VERSION, "fingerprint": fingerprint, "source": source,
+    return {"version": PROGRESS_VERSION, "fingerprint": fingerprint, "source": source,
             "destination": dst, "options": dict(options), "shards": total, "done": sorted(done)}
 
 
@@ -289,7 +287,7 @@ def parse_progress(document: Any, fingerprint: str, where: str) -> set[int]:
     A document for another plan (the source listing or the options changed) is an error that
     says what to do, since resuming it would mix two different packings.
     """
-    if not isinstance(document, dict) or document.get("version") != INDEX_VERSION:
+    if not isinstance(document, dict) or document.get("version") != PROGRESS_VERSION:
         raise ConfigError(f"{where} is not a progress file of this version of loader shard; "
                           "use a new DST_PREFIX, or --overwrite to start over")
     if document.get("fingerprint") != fingerprint:
@@ -302,53 +300,3 @@ def parse_progress(document: Any, fingerprint: str, where: str) -> set[int]:
     if not isinstance(done, list) or not all(isinstance(n, int) for n in done):
         raise ConfigError(f"{where} has a malformed 'done' list; pass --overwrite to start over")
     return set(done)
-
-
-# ------------------------------------------------------------------------ the index
-
-
-def build_index(source: str, bucket: str, names: Sequence[str], plans: Sequence[ShardPlan], *,
-                fingerprint: str, target_size: int, skipped: int = 0,
-                compression: Compression | None = None,
-                stored_bytes: Sequence[int] | None = None) -> dict[str, Any]:
-    """``index.json``: every shard's key, URL, samples, objects, bytes and sample offsets.
-
-    ``bytes`` and ``offsets`` are of the tar stream; compressed shards add ``compression`` and
-    each shard's ``stored_bytes`` (the object's size).
-    """
-    shards = [
-        {"key": name, "url": f"s3://{bucket}/{name}", "samples": len(plan.samples),
-         "objects": plan.objects, "bytes": plan.bytes, "offsets": list(plan.offsets)}
-        for name, plan in zip(names, plans, strict=True)
-    ]
-    if compression is not None:
-        for shard, stored in zip(shards, stored_bytes or itertools.repeat(None, len(shards)),
-                                 strict=True):
-            shard["stored_bytes"] = stored
-    return {
-        "version": INDEX_VERSION,
-        "created_by": "loader shard",
-        "source": source,
-        "fingerprint": fingerprint,
-        "target_size": target_size,
-        **({"compression": compression} if compression else {}),
-        "samples": sum(s["samples"] for s in shards),
-        "objects": sum(s["objects"] for s in shards),
-        "skipped_objects": skipped,
-        "bytes": sum(s["bytes"] for s in shards),
-        "shards": shards,
-    }
-
-
-def index_counts(index: Any, where: str = "the index") -> dict[str, int]:
-    """``{shard url: samples}`` from a parsed index, checked (for ``sample_counts=``)."""
-    if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
-        raise ConfigError(f"{where} is not an index written by loader shard (version {INDEX_VERSION})")
-    counts: dict[str, int] = {}
-    for position, shard in enumerate(index.get("shards", ())):
-        url = shard.get("url") if isinstance(shard, dict) else None
-        samples = shard.get("samples") if isinstance(shard, dict) else None
-        if not isinstance(url, str) or not isinstance(samples, int) or samples < 0:
-            raise ConfigError(f"{where}: shards[{position}] lacks a url or a sample count")
-        counts[url] = samples
-    return counts

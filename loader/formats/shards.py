@@ -3,7 +3,7 @@
 One engine job per shard: one GET, or ranged parts for a large shard of known size, fed to the
 tar parser and grouped into the samples its slot keeps, never whole in memory or on disk. A
 dropped connection resumes at the member being parsed (a compressed shard is read again and
-the bytes already parsed skipped), so no sample is lost or repeated (docs/tar.md).
+the bytes already parsed skipped), so no sample is lost or repeated (docs/design/tar.md).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..errors import (
     TransientStoreError,
 )
 from ..retry import Retrying, call_with_retries
-from ..stores.base import Pin
+from ..s3.protocol import Pin
 from ..uri import object_url, parse_s3_uri
 from .compression import Compression, compression_of, open_decoder
 from .grouping import SampleGrouper
@@ -399,7 +399,7 @@ async def read_members(
 ) -> None:
     """Parse the whole shard, handing each member to ``on_member`` as soon as it is complete.
 
-    Every request of the read carries one ``Pin`` (see ``loader/stores/base.py``): the later
+    Every request of the read carries one ``Pin`` (see ``loader/s3/protocol.py``): the later
     requests ask for the version of the first with ``If-Match``, and a shard overwritten
     meanwhile fails with ``ObjectChangedError`` instead of being parsed from two versions.
     Ranged parts are cut by the listed size, so they are pinned to the listed ETag from the

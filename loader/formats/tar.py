@@ -4,7 +4,7 @@
 header of lookahead plus the member being assembled), does no I/O, and restarts at a member's
 offset after a dropped connection without losing or repeating one. ``formats/grouping.py`` groups
 members into samples. Reads ustar, GNU, pax and v7; skips (and counts) links; every problem is a
-``ShardFormatError`` with the shard URL and byte offset. Formats and edge cases: docs/tar.md.
+``ShardFormatError`` with the shard URL and byte offset. Formats and edge cases: docs/design/tar.md.
 """
 
 from __future__ import annotations
@@ -530,7 +530,7 @@ class TarStreamParser:
         elif kind == _K_PAX:
             self._apply_pax(self._pax_records(data))
         elif kind == _K_GLOBAL:
-            self._pax_records(data)  # checked, then ignored (docs/tar.md)
+            self._pax_records(data)  # checked, then ignored (docs/design/tar.md)
             if self._global_alone:
                 self._unit_start = None  # not part of a member: no need to read it again
         pad = _padding(self._size)

@@ -2,7 +2,7 @@
 
 ``eval "$(loader serve --background --pidfile F)"`` returns once the server is ready: a detached
 second ``loader serve`` runs it and lets go of the pipe that ``$(...)`` waits on; ``--stop F``
-ends it and waits until it is gone. How the hand-off works: docs/devserver.md.
+ends it and waits until it is gone. How the hand-off works: docs/design/devserver.md.
 """
 
 from __future__ import annotations

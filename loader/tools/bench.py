@@ -2,7 +2,7 @@
 
 A ``DataLoader`` over ``AsyncS3Dataset`` as a training script runs it, with a collate function
 that only counts, then ``stats()``'s requests and latency percentiles: a seeded subset of keys in
-per-object mode, the first ``samples`` samples in shard mode (docs/cli.md).
+per-object mode, the first ``samples`` samples in shard mode (docs/design/cli.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 Each verb is a ``register_*`` function in ``SUBCOMMANDS``; its work lives in a module imported
 only when it runs. Mistakes a user can fix print one line, no traceback; exit codes 0 ok,
-1 failed, 2 bad usage, 130 interrupted. Adding a verb, and the rules: docs/cli.md.
+1 failed, 2 bad usage, 130 interrupted. Adding a verb, and the rules: docs/design/cli.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .arguments import (
     add_long_run_options,
 )
 from .bars import Bars, bar_disabled
-from .index_command import register as register_index
+from .index import register as register_index
 
 # What a shell user can do about missing credentials (the library's advice speaks of S3Config).
 CLI_CREDENTIALS_ADVICE = (

@@ -2,7 +2,7 @@
 
 Uploads photo-like JPEGs (as objects and as shards) to the embedded server and trains a small CNN
 on both through ``AsyncS3Dataset`` + ``DataLoader``, reporting the training rate; the JPEGs are
-cached between runs under the user's cache directory (docs/cli.md).
+cached between runs under the user's cache directory (docs/design/cli.md).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from ..config import S3Config
 from ..datasets.iterable import AsyncS3Dataset
 from ..decode import decode_image
 from ..retry import RetryPolicy
-from ..stores import open_store
-from ..stores.blocking import run_async
+from ..s3 import open_store
+from ..s3.blocking import run_async
 
 BUCKET = "demo"
 QUALITY = 90
@@ -74,7 +74,7 @@ def pack_shards(samples: dict[str, bytes], per_shard: int, labels: dict[str, int
     id is ``labels[key]``, or a stand-in when no labels are given), in key order, or with
     ``seed`` in a seeded random order as ``loader shard --shuffle`` packs them: keys sorted by
     class would otherwise make every shard one class, and batches drawn from a few shards at a
-    time lopsided (docs/packing.md, "Mixed batches")."""
+    time lopsided (docs/design/packing.md, "Mixed batches")."""
     keys = sorted(samples)
     if seed is not None:
         random.Random(seed).shuffle(keys)

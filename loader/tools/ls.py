@@ -13,13 +13,14 @@ from collections.abc import Iterable, Sequence
 from typing import IO, NamedTuple
 
 from ..config import S3Config
-from ..datasets.snapshots import save_snapshot, snapshot_option
-from ..datasets.sources import list_prefix
 from ..formats.compression import is_shard_name
 from ..formats.grouping import split_key
-from ..formats.packing import INDEX_NAME, PROGRESS_NAME
+from ..formats.packing import PROGRESS_NAME
+from ..listing.inputs import list_prefix
+from ..listing.snapshots import save_snapshot, snapshot_option
 from ..retry import RetryPolicy
-from ..stores import ObjectInfo, StoreSpec
+from ..s3 import ObjectInfo, StoreSpec
+from ..shard_index.format import INDEX_NAME
 from ..uri import parse_s3_uri
 from .sizes import format_size
 

@@ -3,7 +3,7 @@
 The I/O half of packing (the plan is ``formats/packing.py``): members fetched in order, shards
 streamed up as multipart uploads ``concurrency`` at a time, memory about ``concurrency *
 (part_size + readahead)`` whatever the shard size. ``_progress.json`` records the plan's
-fingerprint and the finished shards, so a rerun writes only the rest (docs/packing.md).
+fingerprint and the finished shards, so a rerun writes only the rest (docs/design/packing.md).
 """
 
 from __future__ import annotations
@@ -21,17 +21,13 @@ import anyio
 
 from ..checks import check_int
 from ..config import S3Config
-from ..datasets.sources import list_objects
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
-from ..formats.index_entries import add_versions
 from ..formats.packing import (
-    INDEX_NAME,
     PROGRESS_NAME,
     Member,
     ShardPlan,
     Skipped,
-    build_index,
     check_name_format,
     default_name_format,
     encode_member,
@@ -44,10 +40,12 @@ from ..formats.packing import (
     progress_document,
     shuffle_samples,
 )
+from ..listing.inputs import list_objects
 from ..retry import RetryPolicy, call_with_retries
-from ..stores import ObjectStore, StoreFactory, StoreSpec
-from ..stores.base import S3_MIN_PART_SIZE, MultipartStore
-from ..stores.blocking import run_async
+from ..s3 import ObjectStore, StoreFactory, StoreSpec
+from ..s3.blocking import run_async
+from ..s3.protocol import S3_MIN_PART_SIZE, MultipartStore
+from ..shard_index.format import INDEX_NAME, add_versions, build_index
 from ..uri import parse_s3_uri
 from .sizes import format_size
 
@@ -148,7 +146,7 @@ def pack(
     retry: RetryPolicy | None = None,
     progress: Callable[[PackReport, int, int], ProgressHook] | None = None,
 ) -> PackReport:
-    """Pack every object under ``src`` into tar shards under ``dst``; see docs/packing.md.
+    """Pack every object under ``src`` into tar shards under ``dst``; see docs/design/packing.md.
 
     ``store`` is a backend name (default: ``$LOADER_STORE`` or aioboto3) or an async factory
     returning an ``ObjectStore``. ``progress(report, total_bytes, total_objects)``, when given,

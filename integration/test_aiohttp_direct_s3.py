@@ -1,0 +1,134 @@
+"""The aioboto3 backend's two read paths against the real server: they must not differ.
+
+GETs to path-style endpoints go through ``aiohttp_direct`` (SigV4 over aiohttp, no botocore request
+pipeline); with ``direct_gets=False`` they go through botocore's ``get_object``, the path AWS's
+own endpoints take. boto3 (``s3_server.minio``) is the oracle for bytes; botocore's path is the
+oracle for errors, which must be the same type with the same message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import anyio
+import pytest
+
+from loader import S3Config, StoreError
+from loader.s3.aioboto3_store import Aioboto3Store
+
+pytestmark = pytest.mark.anyio
+DEADLINE = 60
+BIG = 3 * 1024 * 1024 + 17  # several stream chunks, not a multiple of any of them
+AWKWARD = ["odd/a b.txt", "odd/x%41.bin", "odd/ü.bin", "odd/q?x=1", "odd/hash#1", "odd/plus+sign",
+           "odd/star*", "odd/tilde~", "odd/brace{1}", "odd/caret^", "odd/semi;colon",
+           "odd//double", "odd/ctl\x01"]  # dot segments and a trailing "/": SeaweedFS refuses them
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def objects(s3_server):
+    bucket = s3_server.new_bucket("sig")
+    items = {key: b"body of " + key.encode() for key in AWKWARD}
+    items["big.bin"] = os.urandom(BIG)
+    items["empty"] = b""
+
+    async def upload():  # botocore's PutObject: the MinIO client refuses '.' and '..' segments
+        async with opened(s3_server.config, False) as store:
+            for key, body in items.items():
+                await store.put(bucket, key, body)
+
+    anyio.run(upload)
+    return bucket, items
+
+
+@contextlib.asynccontextmanager
+async def opened(config: S3Config, direct: bool):
+    store = await Aioboto3Store.open(config, max_connections=4, direct_gets=direct)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def read_all(store, bucket, key, start=0, chunk_size=256 * 1024):
+    return b"".join([chunk async for chunk in store.stream(bucket, key, start, chunk_size)])
+
+
+def test_direct_gets_are_used_for_path_style_endpoints(s3_server):
+    async def check():
+        async with opened(s3_server.config, True) as direct, opened(s3_server.config, False) as boto:
+            assert direct._getter is not None and boto._getter is None
+    anyio.run(check)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "botocore"])
+async def test_every_read_returns_what_was_written(s3_server, objects, direct):
+    bucket, items = objects
+    with anyio.fail_after(DEADLINE):
+        async with opened(s3_server.config, direct) as store:
+            for key, body in items.items():
+                assert await store.get(bucket, key) == body, key
+                assert await read_all(store, bucket, key) == body, key
+            big = items["big.bin"]
+            for start, end in [(0, 1), (5, 1000), (BIG - 10, BIG), (BIG - 10, None), (1 << 20, 2 << 20)]:
+                assert await store.get_range(bucket, "big.bin", start, end) == big[start:end]
+            for start, chunk in [(1, 7), (65_537, 100_000), (BIG - 1, 1 << 20)]:
+                assert await read_all(store, bucket, "big.bin", start, chunk) == big[start:]
+
+
+async def test_a_stream_closed_early_returns_its_connection(s3_server, objects):
+    bucket, items = objects
+    with anyio.fail_after(DEADLINE):
+        async with opened(s3_server.config, True) as store:
+            for _ in range(10):  # more than the pool's 4 connections: a leak would block here
+                async with contextlib.aclosing(store.stream(bucket, "big.bin", 0, 1024)) as pieces:
+                    async for _chunk in pieces:
+                        break
+            assert await store.get(bucket, "big.bin") == items["big.bin"]
+
+
+async def errors_of(config: S3Config, direct: bool, bucket: str) -> list[tuple[type, str]]:
+    """The (type, message) of each failing read, in a fixed order."""
+    seen = []
+    async with opened(config, direct) as store:
+        for request in (lambda: store.get(bucket, "no/such-key"),
+                        lambda: store.get_range(bucket, "no/such-key", 1, 5),
+                        lambda: read_all(store, bucket, "no/such-key"),
+                        lambda: store.get("no-such-bucket-sig", "k"),
+                        lambda: store.get_range(bucket, "empty", 10, 20)):
+            with pytest.raises(StoreError) as info:
+                await request()
+            seen.append((type(info.value), str(info.value)))
+    return seen
+
+
+async def test_errors_are_the_same_on_both_paths(s3_server, objects):
+    bucket, _ = objects
+    with anyio.fail_after(DEADLINE):
+        direct = await errors_of(s3_server.config, True, bucket)
+        boto = await errors_of(s3_server.config, False, bucket)
+    assert direct == boto
+    assert [kind.__name__ for kind, _ in direct] == [
+        "NoSuchKeyError", "NoSuchKeyError", "NoSuchKeyError", "NoSuchBucketError", "InvalidRangeError"]
+
+
+async def test_wrong_secret_is_denied_the_same_way_without_showing_it(s3_server, objects):
+    bucket, _ = objects
+    wrong = "wrong-secret-" + "q" * 24
+    config = S3Config(endpoint_url=s3_server.config.endpoint_url, access_key_id=s3_server.config.access_key_id,
+                      secret_access_key=wrong)
+    messages = {}
+    with anyio.fail_after(DEADLINE):
+        for direct in (True, False):
+            async with opened(config, direct) as store:
+                with pytest.raises(StoreError) as info:
+                    await store.get(bucket, "big.bin")
+            messages[direct] = (type(info.value).__name__, str(info.value))
+            assert wrong not in str(info.value) + repr(info.value)
+    assert messages[True] == messages[False]
+    assert messages[True][0] == "AccessDeniedError"

@@ -1,0 +1,461 @@
+"""Per-object samples: which objects form one sample, its class label, and the job that fetches it.
+
+Objects whose keys share a stem (up to the first dot of the basename, WebDataset's rule) form one
+sample, each adding the field its extension names. A ``SampleIndex`` counts samples, not objects,
+for partitioning, resume and map-style indices, over the key list as given (a packed ``KeyList``
+is not copied); labels come from the parent folder (as ``ImageFolder`` numbers them) or a
+manifest. The rules: docs/design/objects.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import anyio
+
+from ..engine.fetch import Job, JobContext
+from ..errors import ConfigError, NoSuchKeyError, ObjectChangedError, SampleError
+from ..formats.grouping import NO_EXTENSION_FIELD, split_key
+from ..listing.keylist import KeyList
+from ..retry import call_with_retries
+from ..s3.protocol import Pin
+from ..uri import object_url
+
+LabelFrom = Literal["parent"]
+LABEL_SOURCES = ("parent",)
+LABEL_FIELD = "cls"
+RESERVED_FIELDS = ("__key__", "__url__", "__index__")
+Label = int | str
+
+
+def field_of(key: str) -> str:
+    """The sample field an object fills: its extension (``"data"`` when it has none)."""
+    return split_key(key)[1] or NO_EXTENSION_FIELD
+
+
+def is_hidden(key: str) -> bool:
+    """Whether the basename starts with a dot (``.DS_Store``, ``._x.jpg``): never a sample."""
+    return key.startswith(".", key.rfind("/") + 1)
+
+
+def class_folder(key: str, root: str) -> str | None:
+    """The class of ``key`` under the folder ``root`` (``""`` or ending in ``/``), as
+    ``ImageFolder`` reads it: the first folder below the root (``"a/cat/x/1.jpg"``, ``"a/"`` ->
+    ``"cat"``); None for a key directly in the root or outside it."""
+    if not key.startswith(root):
+        return None
+    folder, slash, _ = key[len(root):].partition("/")
+    return folder if slash and folder else None
+
+
+def class_root(keys: Sequence[str], prefix: str | None) -> str:
+    """The folder whose subfolders are the classes.
+
+    For a listed ``prefix``, the folder it names: itself when it ends in ``/``; ``prefix + "/"``
+    when every key lies in that folder (``s3://b/train`` reads as ``s3://b/train/``); else the
+    folder it sits in (it matched siblings too, each read as a class folder of that folder).
+    For a key list (``prefix`` None), the deepest folder that still leaves every key inside a
+    class folder below it (``a/cat/1.jpg`` + ``a/dog/x/2.jpg`` -> ``"a/"``).
+    """
+    if prefix is not None:
+        if prefix.endswith("/") or not prefix:
+            return prefix
+        folder = prefix + "/"
+        if all(key.startswith(folder) for key in keys):
+            return folder
+        return prefix[: prefix.rfind("/") + 1]
+    common: list[str] | None = None  # the folders above every key's own folder, shared by all
+    for key in keys:
+        above = key.split("/")[:-2]
+        if common is None:
+            common = above
+        else:
+            n = 0
+            while n < min(len(common), len(above)) and common[n] == above[n]:
+                n += 1
+            del common[n:]
+        if not common:
+            return ""
+    return "".join(part + "/" for part in common or ())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SampleIndex:
+    """Samples over object keys: sample ``i`` is the keys at ``positions(i)``.
+
+    ``keys`` is the key list as given (a ``KeyList`` stays packed, possibly shared by every
+    process of the machine: the index adds ~8 bytes per sample, not a copy of each key);
+    ``order`` lists positions sample by sample when grouping had to reorder them (None: samples
+    are runs of ``keys``, the usual case for a sorted listing). ``labels`` holds one class index
+    per sample when samples carry a label; ``classes`` names them. ``pinned``: each GET must get
+    the version ``keys`` recorded (a listing snapshot).
+    """
+
+    keys: Sequence[str]
+    starts: array
+    labels: array | None = None
+    classes: tuple[str, ...] | None = None
+    order: array | None = None
+    pinned: bool = False
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def positions(self, index: int) -> Sequence[int]:
+        """Where the keys of sample ``index`` are in ``keys``, in key order."""
+        start, end = self.starts[index], self.starts[index + 1]
+        return range(start, end) if self.order is None else self.order[start:end]
+
+    def objects(self, index: int) -> tuple[str, ...]:
+        """The keys of sample ``index``, in key order."""
+        keys = self.keys
+        return tuple(keys[p] for p in self.positions(index))
+
+    def stem(self, index: int) -> str:
+        return split_key(self.keys[self.positions(index)[0]])[0]
+
+    def label(self, index: int) -> int | None:
+        return None if self.labels is None else self.labels[index]
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        return None if self.classes is None else {name: i for i, name in enumerate(self.classes)}
+
+    def sample(self, bucket: str, index: int, bodies: Sequence[bytes]) -> dict[str, Any]:
+        """The sample dict of ``index`` from its objects' bodies (in ``objects(index)`` order)."""
+        keys = self.objects(index)
+        out: dict[str, Any] = {"__key__": split_key(keys[0])[0], "__url__": object_url(bucket, keys[0])}
+        for key, body in zip(keys, bodies):
+            out[field_of(key)] = body
+        if self.labels is not None:
+            out[LABEL_FIELD] = self.labels[index]
+        return out
+
+
+def build_index(
+    keys: Sequence[str],
+    *,
+    group: bool = True,
+    label_from: LabelFrom | None = None,
+    labels: Sequence[Label | None] | None = None,
+    where: str = "",
+    prefix: str | None = None,
+    pinned: bool = False,
+) -> SampleIndex:
+    """Group ``keys`` into samples (first appearance of each stem decides the sample order).
+
+    ``labels``: one label per key (or None where a row gave none); every sample needs exactly
+    one value among its keys. ``where`` names the source in errors (a prefix URL, a manifest).
+    ``prefix``: with ``label_from="parent"``, the prefix listed (None for a key list); the
+    classes are the folders right under the root it names (``class_root``); objects directly in
+    that root have no class folder and are an error (``ImageFolder`` reads only the class
+    folders under its root). ``pinned``: see ``SampleIndex``.
+    """
+    if label_from is not None and label_from not in LABEL_SOURCES:
+        raise ConfigError(f"label_from={label_from!r} must be 'parent' or None")
+    if label_from is not None and labels is not None:
+        raise ConfigError(f"{where} carries a label column; label_from={label_from!r} would "
+                          "replace it: use one or the other")
+    if labels is not None and len(labels) != len(keys):
+        raise ValueError(f"{len(labels)} labels for {len(keys)} keys")
+    order, starts = _groups(keys) if group else (None, array("q", range(len(keys) + 1)))
+    index = SampleIndex(keys, starts, order=order, pinned=pinned)
+    label = ("label_from=" + repr(label_from) if label_from else "label column" if labels is not None
+             else None)
+    for sample in range(len(index)):
+        _check_fields(index, sample, where, label)
+    if label_from == "parent":
+        root = class_root(index.keys, prefix)
+        return _with_names(index, [_parent_label(index, i, where, root) for i in range(len(index))])
+    if labels is not None:
+        per_sample = [_one_label(index, i, [labels[p] for p in index.positions(i)], where)
+                      for i in range(len(index))]
+        numbers = [label for label in per_sample if isinstance(label, int)]
+        names = [label for label in per_sample if isinstance(label, str)]
+        if len(numbers) == len(per_sample):
+            return dataclasses.replace(index, labels=array("q", numbers))
+        if len(names) == len(per_sample):
+            return _with_names(index, names)
+        raise ConfigError(f"{where}: labels mix class names and integers; use one kind")
+    return index
+
+
+def _groups(keys: Sequence[str]) -> tuple[array | None, array]:
+    """``(order, starts)`` of the samples: keys sharing a stem, by first appearance.
+
+    A sorted key list (every listing) is grouped in one pass holding only the stems that are
+    prefixes of the current key: a stem's keys all start with it, so in sorted order they lie in
+    one stretch, which may hold other stems' keys too (``a/1.cls``, ``a/1.d/x.jpg``,
+    ``a/1.jpg``): then ``order`` says where each sample's keys are. Any other order is grouped
+    through a dict of every stem.
+    """
+    group_of = _sorted_groups(keys)
+    if group_of is None:
+        members: dict[str, int] = {}
+        group_of = array("q", (members.setdefault(split_key(key)[0], len(members)) for key in keys))
+    count = max(group_of, default=-1) + 1
+    starts = array("q", [0]) * (count + 1)
+    for group in group_of:
+        starts[group + 1] += 1
+    for group in range(count):
+        starts[group + 1] += starts[group]
+    if all(a <= b for a, b in zip(group_of, group_of[1:])):
+        return None, starts  # every sample is a run of keys in their own order
+    order = array("q", [0]) * len(group_of)
+    filled = array("q", starts[:-1])
+    for position, group in enumerate(group_of):
+        order[filled[group]] = position
+        filled[group] += 1
+    return order, starts
+
+
+def _sorted_groups(keys: Sequence[str]) -> array | None:
+    """The group of every key of a sorted list (see ``_groups``); None if it is not sorted."""
+    group_of = array("q")
+    stack: list[tuple[str, int]] = []  # open stems, each a prefix of the next
+    previous = None
+    groups = 0
+    for key in keys:
+        if previous is not None and key <= previous:
+            return None
+        previous = key
+        while stack and not key.startswith(stack[-1][0]):
+            stack.pop()
+        stem = split_key(key)[0]
+        if stack and stack[-1][0] == stem:
+            group_of.append(stack[-1][1])
+        else:
+            stack.append((stem, groups))
+            group_of.append(groups)
+            groups += 1
+    return group_of
+
+
+def _check_fields(index: SampleIndex, sample: int, where: str, label: str | None) -> None:
+    """One field per object of a sample, none reserved, and no ``cls`` beside a label."""
+    fields: dict[str, str] = {}
+    for key in index.objects(sample):
+        field = field_of(key)
+        if field in RESERVED_FIELDS:
+            raise ConfigError(f"{_object(where, key)} has the extension {field!r}, which is a "
+                              "reserved sample field; rename it")
+        if field in fields:
+            raise ConfigError(
+                f"{_object(where, key)} and {fields[field]!r} both give field {field!r} of "
+                f"sample {split_key(key)[0]!r}; rename one, or pass group=False to read every "
+                "object as a sample of its own")
+        if field == LABEL_FIELD and label is not None:
+            raise ConfigError(
+                f"{_object(where, key)} fills the field {LABEL_FIELD!r}, where the label "
+                f"({label}) goes; use the objects or the label, not both")
+        fields[field] = key
+
+
+def _with_names(index: SampleIndex, names: list[str]) -> SampleIndex:
+    classes = tuple(sorted(set(names)))
+    number = {name: i for i, name in enumerate(classes)}
+    return dataclasses.replace(index, labels=array("q", (number[name] for name in names)),
+                               classes=classes)
+
+
+def _parent_label(index: SampleIndex, i: int, where: str, root: str) -> str:
+    key = index.objects(i)[0]
+    name = class_folder(key, root)
+    if name is None:
+        inside = f" under {where}" if where else ""
+        raise ConfigError(
+            f"label_from='parent': {key!r} is not in a class folder{inside} (expected "
+            f"{root}<class>/<file>, as ImageFolder reads them); move it into one, or list only "
+            "the class folders")
+    return name
+
+
+def _one_label(index: SampleIndex, i: int, given: list[Label | None], where: str) -> Label:
+    values = {label for label in given if label is not None}
+    if len(values) == 1:
+        return values.pop()
+    stem = index.stem(i)
+    if not values:
+        raise ConfigError(f"{where}: sample {stem!r} has no label; give every row a label")
+    raise ConfigError(f"{where}: the rows of sample {stem!r} disagree on its label "
+                      f"({sorted(map(repr, values))}); give them one")
+
+
+def _object(where: str, key: str) -> str:
+    return f"{where}: object {key!r}" if where else f"object {key!r}"
+
+
+# ----------------------------------------------------------------------------- fetching
+
+OnError = Literal["raise", "skip", "warn"]
+ON_ERROR = ("raise", "skip", "warn")
+
+
+class Skipped(NamedTuple):
+    """Emitted instead of a sample that ``on_error`` skipped: what failed, for the warning."""
+
+    url: str
+    reason: str
+
+
+def skippable(exc: BaseException) -> bool:
+    """Whether ``on_error`` may skip past ``exc``: a fault of one sample (an object gone since
+    the listing, a transform that raised on it), not one every sample would meet next (a missing
+    library behind a transform, memory running out), which would skip the whole epoch."""
+    if isinstance(exc, NoSuchKeyError):
+        return True
+    return isinstance(exc, SampleError) and not isinstance(exc.__cause__, (ImportError, MemoryError))
+
+
+def object_sample(bucket: str, key: str, data: bytes) -> dict[str, Any]:
+    """``{"__key__": "train/000123", "__url__": "s3://b/train/000123.jpg", "jpg": b"..."}``."""
+    stem, ext = split_key(key)
+    return {"__key__": stem, "__url__": object_url(bucket, key), ext or NO_EXTENSION_FIELD: data}
+
+
+def object_job(bucket: str, key: str, position: int) -> Job:
+    """Fetch ``s3://bucket/key`` with one GET (retried) and emit ``(position, sample)``.
+
+    One request cannot mix versions, so nothing is pinned.
+    """
+
+    async def job(ctx: JobContext) -> None:
+        data = await call_with_retries(lambda: ctx.store.get(bucket, key), ctx.retry,
+                                       on_retry=ctx.retried)
+        await ctx.emit((position, object_sample(bucket, key, data)), len(data))
+
+    return job
+
+
+async def fetch_all(ctx: JobContext, bucket: str, keys: Sequence[str],
+                    etags: Sequence[str | None] | None = None) -> list[bytes]:
+    """Every object of ``keys`` (one GET each, retried), concurrently; the first failure
+    cancels the others and is raised as itself (not wrapped in an exception group).
+
+    One request cannot mix versions, so nothing is pinned, unless ``etags`` (a snapshot's, one
+    per key) asks each GET for that version (``get_pinned``).
+    """
+    pins = {} if etags is None else dict(zip(keys, etags))
+
+    async def get(key: str) -> bytes:
+        etag = pins.get(key) if pins else None
+        if etag is None:
+            return await call_with_retries(lambda: ctx.store.get(bucket, key), ctx.retry,
+                                           on_retry=ctx.retried)
+        return await call_with_retries(lambda: get_pinned(ctx.store, bucket, key, etag), ctx.retry,
+                                       on_retry=ctx.retried)
+
+    if len(keys) == 1:
+        return [await get(keys[0])]
+    out: list[Any] = [None] * len(keys)
+    failures: list[Exception] = []
+
+    async def one(slot: int, key: str) -> None:
+        try:
+            out[slot] = await get(key)
+        except Exception as exc:  # noqa: BLE001 - the first one ends the sample; cancellation passes by
+            failures.append(exc)
+            tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for slot, key in enumerate(keys):
+            tg.start_soon(one, slot, key)
+    if failures:
+        raise failures[0]
+    return out
+
+
+async def get_pinned(store: Any, bucket: str, key: str, etag: str | None) -> bytes:
+    """One GET of the version ``etag`` that a listing snapshot recorded (any version without
+    one): an object replaced since is an ``ObjectChangedError`` naming it, never other bytes."""
+    if etag is None:
+        return await store.get(bucket, key)
+    try:
+        return await store.get(bucket, key, pin=Pin(etag))
+    except ObjectChangedError as exc:
+        raise ObjectChangedError(
+            f"s3://{bucket}/{key} was replaced after the listing snapshot was saved (it recorded "
+            f"ETag {etag}; the server no longer has that version), so the snapshot no longer "
+            "describes the data: save a new one (`loader ls --save`, or delete the snapshot file "
+            "to list again)", bucket=bucket, key=key) from exc
+
+
+def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
+               on_error: OnError = "raise") -> Job:
+    """Fetch the objects of sample ``sample`` concurrently and emit ``(position, sample dict)``.
+
+    With ``on_error`` other than ``"raise"``, an object gone since the listing (404) emits
+    ``(position, Skipped)`` instead, so the position still counts as delivered. Errors that
+    would hit every sample (credentials, bucket, endpoint) are raised whatever ``on_error`` says.
+    """
+    first = index.starts[sample]
+    if index.starts[sample + 1] - first == 1 and not index.pinned:
+        at = first if index.order is None else index.order[first]
+        return _one_object_job(index, bucket, sample, position, on_error, at)
+    return _objects_job(index, bucket, sample, position, on_error)
+
+
+def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
+                 on_error: OnError) -> Job:
+    """``sample_job`` for a sample of several objects, fetched concurrently, or of a pinned
+    index (a snapshot's key list, whose ETags each GET asks for)."""
+    keys = index.objects(sample)
+    listed = index.keys
+    etags = ([listed.etag(p) for p in index.positions(sample)]
+             if index.pinned and isinstance(listed, KeyList) else None)
+
+    async def job(ctx: JobContext) -> None:
+        try:
+            bodies = await fetch_all(ctx, bucket, keys, etags)
+        except NoSuchKeyError as exc:
+            if on_error == "raise":
+                raise
+            await ctx.emit((position, Skipped(object_url(bucket, exc.key or keys[0]), str(exc))), 0)
+            return
+        await ctx.emit((position, index.sample(bucket, sample, bodies)), sum(map(len, bodies)))
+
+    return job
+
+
+def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int, on_error: OnError,
+                    at: int) -> Job:
+    """``sample_job`` for a sample of one object, the usual case: one GET, without the task group
+    and key maps that several objects need (about half the CPU per sample).
+
+    With ``on_error="raise"`` the coroutine has no exception handler, awaits no coroutine of its
+    own and, without a label, keeps no body in a local: each of these made the garbage collector
+    run several times as often (figures: bench/results/docstring-figures.md)."""
+    key = index.keys[at]
+    label = None if index.labels is None else index.labels[sample]
+    if on_error == "raise":
+        if label is None:
+            return object_job(bucket, key, position)  # the leanest: no local holds the body
+
+        async def job(ctx: JobContext) -> None:
+            data = await call_with_retries(
+                lambda: ctx.store.get(bucket, key), ctx.retry, on_retry=ctx.retried
+            )
+            out = object_sample(bucket, key, data)
+            if label is not None:
+                out[LABEL_FIELD] = label
+            await ctx.emit((position, out), len(data))
+
+        return job
+
+    async def skipping_job(ctx: JobContext) -> None:
+        try:
+            data = await call_with_retries(
+                lambda: ctx.store.get(bucket, key), ctx.retry, on_retry=ctx.retried
+            )
+        except NoSuchKeyError as exc:
+            await ctx.emit((position, Skipped(object_url(bucket, key), str(exc))), 0)
+            return
+        out = object_sample(bucket, key, data)
+        if label is not None:
+            out[LABEL_FIELD] = label
+        await ctx.emit((position, out), len(data))
+
+    return skipping_job

@@ -1,0 +1,594 @@
+"""The default ``ObjectStore``: aioboto3 (botocore signing over aiohttp).
+
+One client per engine, made inside its loop (on first use), pool sized to its concurrency. GETs
+and listings to path-style custom endpoints skip botocore's request pipeline (``aiohttp_direct``);
+botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
+rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
+``answers`` (docs/design/stores.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins  # list() below is a method: annotations after it name the type this way
+import contextlib
+import io
+import os
+import re
+import ssl
+import threading
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any, NamedTuple
+
+import aiohttp
+from botocore import exceptions as bce
+
+from ..config import S3Config
+from ..errors import StoreError, TransientStoreError
+from ..lifecycle import LiveObjects
+from ..retry import RetryPolicy
+from ..uri import object_url
+from .aiohttp_direct import SignedGetter, can_sign_directly
+from .credentials import credentials_error, no_credentials_found
+from .error_answers import (
+    certificate_rejected,
+    error_for_answer,
+    failed_mid_request,
+    no_credentials,
+    plain_http_server,
+    target,
+    unreachable,
+)
+from .protocol import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ListPage,
+    ObjectInfo,
+    Pin,
+    normalize_etag,
+    objects_of,
+)
+
+_STREAM_ERRORS = (
+    bce.ResponseStreamingError,
+    bce.IncompleteReadError,
+    bce.ReadTimeoutError,
+    bce.ConnectionClosedError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    asyncio.TimeoutError,
+    ConnectionError,
+)
+
+_CONDITION_PARAMS = {"If-Match": "IfMatch", "If-None-Match": "IfNoneMatch"}  # botocore's names
+_NOT_MODIFIED = ("304", "NotModified")  # the code botocore gives a 304 answer (it has no body)
+
+
+class _SessionCache:
+    """aioboto3 sessions by credentials and region, lent to one store opening at a time.
+
+    A new session loads botocore's service data again, tens of milliseconds of CPU that every
+    engine (each DataLoader worker, each epoch) would pay; a client from a warm session is
+    an order of magnitude cheaper. botocore sessions are not thread-safe, so a session is lent to one
+    opening at a time; one that finds it lent out (another engine thread, or another store
+    opening in the same event loop, where waiting on a lock would block the loop) takes a
+    fresh session instead: never a wait. A forked child starts with an empty cache and a fresh
+    lock, rather than trust a session or a lock that a parent thread held at the fork.
+    """
+
+    def __init__(self) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[tuple[str | None, ...], Any] = {}
+
+    @contextlib.contextmanager
+    def borrow(self, config: S3Config) -> Iterator[Any]:
+        _session_caches.add(self)  # on use, not at import; again in a forked child
+        if not self._lock.acquire(blocking=False):
+            yield _new_session(config)
+            return
+        try:
+            key = _session_key(config)
+            session = self._sessions.get(key)
+            if session is None:
+                session = self._sessions[key] = _new_session(config)
+            yield session
+        finally:
+            self._lock.release()
+
+
+_session_caches: LiveObjects[_SessionCache] = LiveObjects(in_child=_SessionCache._forget)
+
+
+def _session_key(config: S3Config) -> tuple[str | None, ...]:
+    """What a session's credentials depend on: the config's keys and profile, and, when the
+    chain is to find them, the AWS_* variables it reads (tests and tools change them)."""
+    key = (config.access_key_id, config.secret_access_key, config.session_token, config.region,
+           config.profile)
+    if config.has_credentials:
+        return key
+    return key + tuple(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("AWS_"))
+
+
+def _new_session(config: S3Config) -> Any:
+    import aioboto3  # imported here: it is slow to import and only the engine thread needs it
+
+    # Keys left as None make aiobotocore run botocore's chain (environment, profile files,
+    # credential_process, SSO, web identity, container, instance metadata) on first use.
+    return aioboto3.Session(
+        aws_access_key_id=config.access_key_id,
+        aws_secret_access_key=config.secret_access_key,
+        aws_session_token=config.session_token,
+        region_name=config.region,
+        profile_name=config.profile,
+    )
+
+
+_SESSIONS = _SessionCache()
+
+
+class Aioboto3Store:
+    """``ObjectStore`` over one aiobotocore S3 client; build it with ``await Aioboto3Store.open()``."""
+
+    def __init__(
+        self,
+        client: Any,
+        stack: contextlib.AsyncExitStack,
+        endpoint: str,
+        getter: SignedGetter | None = None,
+    ) -> None:
+        self._made_client = client  # or an async factory of it: made on first use
+        self._client_lock = asyncio.Lock()
+        self._stack = stack
+        self._endpoint = endpoint
+        self._getter = getter  # GETs without botocore's per-request pipeline, where it applies
+
+    async def _botocore(self) -> Any:
+        """The aiobotocore client, made on first use: a store that only GETs and lists through
+        ``SignedGetter`` never imports aiobotocore nor builds a client (a cost paid before the first sample)."""
+        if callable(self._made_client):
+            async with self._client_lock:
+                if callable(self._made_client):
+                    self._made_client = await self._made_client()
+        return self._made_client
+
+    @classmethod
+    async def open(
+        cls,
+        config: S3Config,
+        *,
+        max_connections: int = 64,
+        retry: RetryPolicy | None = None,
+        direct_gets: bool = True,
+    ) -> Aioboto3Store:
+        """Create the store inside the running event loop (the botocore client when first needed).
+
+        ``direct_gets`` sends GETs and listings to path-style custom endpoints through
+        ``SignedGetter`` (a third of botocore's CPU per request); ``False`` keeps every request on
+        botocore.
+        """
+        retry = retry or RetryPolicy()
+        # Plain-http endpoints have nothing to verify: say so, and aiobotocore then builds no
+        # SSL context at all (it otherwise does, per engine, even for http). Besides the CPU,
+        # that keeps OpenSSL out of forked DataLoader workers, where a lock inherited from a
+        # parent thread can hang SSL_CTX_new (seen in the benchmark with forked workers).
+        plain_http = (config.endpoint_url or "").startswith("http://")
+        stack = contextlib.AsyncExitStack()
+
+        async def make_client() -> Any:
+            from aiobotocore.config import AioConfig  # slow to import: only when needed
+
+            boto_config = AioConfig(
+                max_pool_connections=max(1, max_connections),
+                connect_timeout=retry.connect_timeout,
+                read_timeout=retry.read_timeout,
+                # total_max_attempts counts the first try; botocore reads a bare "max_attempts" as
+                # *retries* (+1), which silently retried 503/5xx/resets once below loader.retry
+                retries={"total_max_attempts": 1, "mode": "standard"},
+                s3={"addressing_style": "path" if config.path_style else "auto"},
+                parameter_validation=False,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                tcp_keepalive=True,
+            )
+            with _SESSIONS.borrow(config) as session:
+                await _credentials(session, config)
+                return await stack.enter_async_context(
+                    session.client(
+                        "s3", endpoint_url=config.endpoint_url, config=boto_config,
+                        verify=False if plain_http else config.verify,
+                    )
+                )
+
+        try:
+            if not (can_sign_directly(config) and direct_gets):
+                return cls(await make_client(), stack, config.endpoint_url or "AWS S3")
+            frozen = _given_credentials(config)
+            if frozen is None:
+                with _SESSIONS.borrow(config) as session:
+                    credentials = await _credentials(session, config)
+
+                async def frozen() -> Any:
+                    return await credentials.get_frozen_credentials()  # refreshes temporary ones
+
+            getter = SignedGetter(config, frozen, max_connections=max_connections, retry=retry)
+            stack.push_async_callback(getter.aclose)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return cls(make_client, stack, config.endpoint_url or "AWS S3", getter)
+
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return objects_of(self.list_pages(bucket, prefix))
+
+    async def list_pages(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        token: str | None = None,
+        start_after: str | None = None,
+        delimiter: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncGenerator[ListPage, None]:
+        """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token) or started
+        after ``start_after``."""
+        while True:
+            after = None if token else start_after
+            try:
+                if self._getter is not None:
+                    page = await self._getter.list_page(bucket, prefix, token, delimiter, page_size,
+                                                        after)
+                else:
+                    page = await self._botocore_page(bucket, prefix, token, delimiter, page_size,
+                                                     after)
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            yield page
+            if page.token is None:
+                return
+            token = page.token
+
+    async def _botocore_page(
+        self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
+        start_after: str | None = None,
+    ) -> ListPage:
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size}
+        if token:
+            kwargs["ContinuationToken"] = token
+        elif start_after:
+            kwargs["StartAfter"] = start_after
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        page = await (await self._botocore()).list_objects_v2(**kwargs)
+        objects = [ObjectInfo(item["Key"], int(item["Size"]), normalize_etag(item.get("ETag")))
+                   for item in page.get("Contents", ())]
+        prefixes = [item["Prefix"] for item in page.get("CommonPrefixes", ())]
+        next_token = page.get("NextContinuationToken")
+        return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
+
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
+        return await self._read(bucket, key, None, pin)
+
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
+    ) -> bytes:
+        if end is not None and end <= start:
+            return b""
+        return await self._read(bucket, key, _range_header(start, end), pin)
+
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        byte_range = None if start == 0 and end is None else _range_header(start, end)
+        try:
+            return await self._read(bucket, key, byte_range, pin, {"If-None-Match": f'"{etag}"'})
+        except StoreError as exc:
+            if _error_code(exc.__cause__) in _NOT_MODIFIED:
+                return None
+            raise
+
+    async def _read(
+        self, bucket: str, key: str, byte_range: str | None, pin: Pin | None,
+        conditions: dict[str, str] | None = None,
+    ) -> bytes:
+        if pin is not None and pin.etag is not None:
+            conditions = {**(conditions or {}), "If-Match": f'"{pin.etag}"'}
+        if self._getter is not None:
+            try:
+                data, etag = await self._getter.get(bucket, key, byte_range, conditions)
+            except Exception as exc:
+                raise self._translate(exc, bucket, key) from exc
+            if pin is not None:
+                pin.observe(etag, bucket, key)
+            return data
+        kwargs = {"Bucket": bucket, "Key": key}
+        if byte_range:
+            kwargs["Range"] = byte_range
+        for header, name in _CONDITION_PARAMS.items():
+            if conditions and header in conditions:
+                kwargs[name] = conditions[header]
+        try:
+            response = await (await self._botocore()).get_object(**kwargs)
+            body = response["Body"]
+            async with body:  # releases the connection even on error (its __aenter__ returns
+                # the raw aiohttp response, so keep the StreamingBody, which checks the length)
+                data = await body.read()  # verifies Content-Length: short bodies raise
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+        if pin is not None:
+            pin.observe(response.get("ETag"), bucket, key)
+        return data
+
+    async def stream(
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        if_match = None if pin is None else pin.if_match()
+        if self._getter is not None:
+            pieces = self._direct_stream(bucket, key, start, chunk_size, if_match)
+        else:
+            pieces = self._botocore_stream(bucket, key, start, chunk_size, if_match)
+        expected, received, first = -1, 0, True
+        try:
+            async for chunk, expected, etag in pieces:  # noqa: B007 (expected is read after the loop)
+                if first and pin is not None:
+                    pin.observe(etag, bucket, key)  # before the first byte reaches the caller
+                first = False
+                received += len(chunk)
+                yield chunk
+        finally:  # a consumer that stops early releases the connection now, not at GC
+            await pieces.aclose()
+        if expected >= 0 and received < expected:
+            raise TransientStoreError(
+                f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
+                f"{expected - received} short of its Content-Length",
+                bucket=bucket,
+                key=key,
+            )
+
+    async def _direct_stream(
+        self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
+    ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
+        assert self._getter is not None
+        byte_range = _range_header(start, None) if start else None
+        conditions = None if if_match is None else {"If-Match": if_match}
+        pieces = self._getter.stream(bucket, key, byte_range, chunk_size, conditions)
+        try:
+            async for chunk, length, etag in pieces:
+                yield chunk, -1 if length is None else length, etag
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+        finally:
+            await pieces.aclose()
+
+    async def _botocore_stream(
+        self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
+    ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
+        kwargs = {"Bucket": bucket, "Key": key}
+        if start:
+            kwargs["Range"] = _range_header(start, None)
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        try:
+            response = await (await self._botocore()).get_object(**kwargs)
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+        expected = int(response.get("ContentLength", -1))
+        etag = response.get("ETag")
+        body = response["Body"]
+        async with body:
+            while True:
+                try:
+                    chunk = await body.read(chunk_size)
+                except Exception as exc:
+                    raise self._translate(exc, bucket, key) from exc
+                if not chunk:
+                    break
+                yield chunk, expected, etag
+
+    async def put(self, bucket: str, key: str, data: bytes) -> None:
+        try:
+            await (await self._botocore()).put_object(Bucket=bucket, Key=key, Body=data)
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+
+    # ------------------------------------------------------------- MultipartStore (protocol.py)
+
+    async def create_multipart(self, bucket: str, key: str) -> str:
+        try:
+            response = await (await self._botocore()).create_multipart_upload(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise self._translate_multipart(exc, bucket, key, None) from exc
+        return str(response["UploadId"])
+
+    async def upload_part(
+        self, bucket: str, key: str, upload_id: str, part_number: int, data: bytes | bytearray
+    ) -> str:
+        body = _PartBody(data if isinstance(data, bytes) else bytes(data))
+        try:
+            response = await (await self._botocore()).upload_part(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=part_number, Body=body
+            )
+        except Exception as exc:
+            raise self._translate_multipart(exc, bucket, key, upload_id) from exc
+        return str(response["ETag"])
+
+    async def complete_multipart(
+        self, bucket: str, key: str, upload_id: str, parts: builtins.list[tuple[int, str]]
+    ) -> None:
+        listed = [{"PartNumber": number, "ETag": etag} for number, etag in parts]
+        try:  # botocore turns a "200 OK with an error in the body" into a ClientError here
+            await (await self._botocore()).complete_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": listed}
+            )
+        except Exception as exc:
+            raise self._translate_multipart(exc, bucket, key, upload_id) from exc
+
+    async def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        try:
+            await (await self._botocore()).abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:
+            if _error_code(exc) == "NoSuchUpload":
+                return  # already aborted or completed: nothing is left to clean up
+            raise self._translate_multipart(exc, bucket, key, upload_id) from exc
+
+    async def list_multipart_uploads(
+        self, bucket: str, prefix: str = ""
+    ) -> builtins.list[tuple[str, str]]:
+        found: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            try:
+                page = await (await self._botocore()).list_multipart_uploads(
+                    Bucket=bucket, Prefix=prefix, **markers
+                )
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            found.extend((str(u["Key"]), str(u["UploadId"])) for u in page.get("Uploads", ()))
+            key_marker = page.get("NextKeyMarker")
+            if not page.get("IsTruncated") or not key_marker:
+                return found
+            markers = {"KeyMarker": key_marker}
+            if page.get("NextUploadIdMarker"):
+                markers["UploadIdMarker"] = page["NextUploadIdMarker"]
+
+    def _translate_multipart(
+        self, exc: BaseException, bucket: str, key: str, upload_id: str | None
+    ) -> BaseException:
+        """``translate_error``, except that a vanished upload is not a missing key."""
+        if _error_code(exc) == "NoSuchUpload":
+            return StoreError(
+                f"s3://{bucket}/{key}: multipart upload {upload_id!r} no longer exists at "
+                f"{self._endpoint} (aborted, completed, or expired by a lifecycle rule); "
+                "start the upload again",
+                bucket=bucket, key=key,
+            )
+        return self._translate(exc, bucket, key)
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
+
+    def _translate(
+        self, exc: BaseException, bucket: str, key: str, *, listing: bool = False
+    ) -> BaseException:
+        """Map a botocore/aiohttp error to ``loader.errors`` with a message that gives advice."""
+        return translate_error(exc, bucket=bucket, key=key, endpoint=self._endpoint, listing=listing)
+
+
+def translate_error(
+    exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
+) -> BaseException:
+    """The one place where aiobotocore's and aiohttp's errors become ours (wording: ``answers``)."""
+    if isinstance(exc, (StoreError, asyncio.CancelledError)):
+        return exc
+    if isinstance(exc, bce.ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
+                                listing=listing)
+    if isinstance(exc, (bce.SSLError, aiohttp.ClientSSLError, ssl.SSLError)):
+        return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
+    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
+        return unreachable(endpoint, bucket, key, listing=listing)
+    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return no_credentials()
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return unreachable(endpoint, bucket, key, listing=listing,
+                           reason=exc.os_error.strerror or str(exc))
+    if isinstance(exc, _STREAM_ERRORS):
+        return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
+    return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "
+                      f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
+
+
+class _Keys(NamedTuple):
+    """Keys as botocore's frozen credentials hold them (what ``SignedGetter`` signs with)."""
+
+    access_key: str
+    secret_key: str
+    token: str | None
+
+
+def _given_credentials(config: S3Config) -> Any:
+    """For keys given in the config: an async function that returns them, with no boto3
+    session (whose import and setup cost time at start); None when they are to be looked up."""
+    if not config.has_credentials:
+        return None
+    frozen = _Keys(config.access_key_id or "", config.secret_access_key or "", config.session_token)
+
+    async def given() -> Any:
+        return frozen
+
+    return given
+
+
+async def _credentials(session: Any, config: S3Config) -> Any:
+    """The session's credentials (resolved once per session, refreshed by aiobotocore), or an
+    error that names what was tried or which source failed."""
+    try:
+        credentials = await session.get_credentials()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise credentials_error(config, exc) from exc
+    if credentials is None:
+        raise no_credentials_found(config)
+    return credentials
+
+
+# OpenSSL's words for a TLS handshake answered in plain HTTP (versions differ)
+_PLAIN_HTTP = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure",
+               "packet length too long", "HTTP_REQUEST")
+_VERIFY_REASON = re.compile(r"certificate verify failed: ([^(\]]+)")
+
+
+def _tls_error(
+    exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool
+) -> BaseException:
+    """A failed TLS handshake, by OpenSSL's message: a plain-http server, or a certificate
+    that did not verify (botocore wraps it in its ``SSLError``, aiohttp in its own)."""
+    text = str(exc)
+    if any(marker in text for marker in _PLAIN_HTTP):
+        return plain_http_server(endpoint, bucket, key, listing=listing)
+    reason = _VERIFY_REASON.search(text)
+    if reason is not None or "CERTIFICATE_VERIFY_FAILED" in text:
+        return certificate_rejected(endpoint, bucket, key,
+                                    reason.group(1).strip() if reason else "verify failed",
+                                    listing=listing)
+    return failed_mid_request(bucket, key, f"TLS error: {text[:200]}", listing=listing)
+
+
+class _PartBody(io.BytesIO):
+    """A part's body that reaches the socket without a whole copy.
+
+    A plain ``bytes`` body is copied whole on its way out (aiohttp joins it with the headers on
+    Python < 3.12.9, and asyncio buffers whatever the socket did not take at once); a
+    ``BytesIO`` is sent in small chunks, but aiohttp sizes it with ``getbuffer()``, which copies
+    a buffer shared with ``bytes``. This one answers ``getbuffer()`` with a read-only view of
+    the bytes it shares: one part in flight then costs the part, not two or three of it.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self._data = data
+
+    def getbuffer(self) -> memoryview:
+        return memoryview(self._data)
+
+
+def _error_code(exc: BaseException | None) -> str:
+    """The S3 error code of a botocore ``ClientError`` ('' for anything else)."""
+    if isinstance(exc, bce.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _range_header(start: int, end: int | None) -> str:
+    if start < 0:
+        raise ValueError(f"range start {start!r} must not be negative")
+    return f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"

@@ -1,0 +1,243 @@
+"""Listings over the standard library's HTTP client, for the process that builds a dataset.
+
+That process forks DataLoader workers later and waits for the listing before the first sample:
+``HttpLister`` imports neither aiohttp nor botocore (slow to import) and starts no runtime a fork
+breaks. Pages are SigV4-signed ``http.client`` requests in worker threads; it serves path-style
+custom endpoints with keys in the config (``usable``), other listings use aioboto3 (docs/design/listing.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import hmac
+import http.client
+import socket
+import ssl
+import threading
+import urllib.parse
+from collections.abc import AsyncGenerator
+from typing import NoReturn
+
+import anyio
+import anyio.to_thread
+
+from ..config import S3Config
+from ..errors import StoreError
+from ..retry import RetryPolicy
+from .error_answers import (
+    certificate_rejected,
+    error_for_answer,
+    failed_mid_request,
+    plain_http_server,
+    unreachable,
+)
+from .list_xml import list_query, parse_list_page
+from .protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, objects_of
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+_SAFE = "-_.~"  # what SigV4 leaves unescaped
+
+
+def usable(config: S3Config) -> bool:
+    """Whether ``HttpLister`` can list for ``config``: a custom endpoint addressed path-style,
+    with keys given (no credential chain to run)."""
+    return (config.endpoint_url is not None and config.path_style
+            and config.access_key_id is not None and config.secret_access_key is not None)
+
+
+def sign_v4(method: str, host: str, path: str, query: dict[str, str], *, access_key: str,
+            secret_key: str, token: str | None, region: str, when: datetime.datetime
+            ) -> dict[str, str]:
+    """The headers of a SigV4-signed S3 request without a body (``path`` already escaped)."""
+    stamp = (f"{when.year:04d}{when.month:02d}{when.day:02d}T"  # strftime costs 3x as much
+             f"{when.hour:02d}{when.minute:02d}{when.second:02d}Z")
+    headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
+    if token:
+        headers["x-amz-security-token"] = token
+    names = sorted(headers)
+    signed = ";".join(names)
+    canonical = "\n".join([
+        method, path, canonical_query(query),
+        "".join(f"{name}:{headers[name].strip()}\n" for name in names), signed, EMPTY_SHA256])
+    scope = f"{stamp[:8]}/{region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope,
+                         hashlib.sha256(canonical.encode()).hexdigest()])
+    signature = hmac.new(_signing_key(secret_key, stamp[:8], region), to_sign.encode(),
+                         hashlib.sha256).hexdigest()
+    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, "
+                                f"SignedHeaders={signed}, Signature={signature}")
+    return headers
+
+
+@functools.lru_cache(maxsize=16)
+def _signing_key(secret_key: str, day: str, region: str) -> bytes:
+    """SigV4's key for one day and region: four HMACs, the same for every request of that day,
+    so derived once (the cache holds a few keys, in this process's memory only)."""
+    key = ("AWS4" + secret_key).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    return key
+
+
+def canonical_query(query: dict[str, str]) -> str:
+    """The query string as SigV4 signs it (and as it is sent): sorted, each part escaped."""
+    return "&".join(f"{urllib.parse.quote(name, safe=_SAFE)}={urllib.parse.quote(value, safe=_SAFE)}"
+                    for name, value in sorted(query.items()))
+
+
+class HttpLister:
+    """``PagedLister`` over ``http.client`` (docs/design/listing.md); besides listing it
+    reads whole objects and ranges (what a listing may need: a shard index)."""
+
+    def __init__(self, config: S3Config, *, max_connections: int = 8,
+                 retry: RetryPolicy | None = None) -> None:
+        if not usable(config):
+            raise ValueError("HttpLister needs a path-style custom endpoint and keys in the config")
+        retry = retry or RetryPolicy()
+        parts = urllib.parse.urlsplit(str(config.endpoint_url))
+        self._endpoint = str(config.endpoint_url)
+        self._https = parts.scheme == "https"
+        self._host, self._port, self._netloc = parts.hostname or "", parts.port, parts.netloc
+        self._base = parts.path.rstrip("/")
+        self._config = config
+        self._timeout = max(retry.connect_timeout, retry.read_timeout)
+        self._context: ssl.SSLContext | None = None
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._limiter = anyio.CapacityLimiter(max(1, max_connections))
+
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return objects_of(self.list_pages(bucket, prefix))
+
+    async def list_pages(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        token: str | None = None,
+        start_after: str | None = None,
+        delimiter: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncGenerator[ListPage, None]:
+        """``ListObjectsV2`` pages, resumed at ``token`` or started after ``start_after``."""
+        while True:
+            query = list_query(prefix, page_size, token, start_after, delimiter)
+            page = await anyio.to_thread.run_sync(self._page, bucket, prefix, query,
+                                                  limiter=self._limiter)
+            yield page
+            if page.token is None:
+                return
+            token = page.token
+
+    def _page(self, bucket: str, prefix: str, query: dict[str, str]) -> ListPage:
+        """One page, in a worker thread."""
+        return parse_list_page(self._call(bucket, prefix, "", query, None, listing=True))
+
+    def _call(self, bucket: str, key: str, path: str, query: dict[str, str],
+              byte_range: str | None, *, listing: bool = False) -> bytes:
+        """One signed GET of ``/bucket`` + ``path`` (already escaped), in a worker thread: the
+        body, or the error that the answer or the connection's failure means."""
+        path = f"{self._base}/{urllib.parse.quote(bucket, safe='')}{path}"
+        config = self._config
+        headers = sign_v4("GET", self._netloc, path, query, access_key=config.access_key_id or "",
+                          secret_key=config.secret_access_key or "", token=config.session_token,
+                          region=config.region, when=datetime.datetime.now(datetime.timezone.utc))
+        if byte_range:
+            headers["Range"] = byte_range
+        target = f"{path}?{canonical_query(query)}" if query else path
+        connection = self._connection()
+        try:
+            connection.request("GET", target, headers=headers)
+            response = connection.getresponse()
+            body = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            connection.close()
+            self._fail(exc, bucket, key, listing)
+        if response.will_close:
+            connection.close()
+        else:
+            with self._lock:
+                self._idle.append(connection)
+        if response.status >= 300:
+            code = body.split(b"<Code>", 1)[-1].split(b"</Code>", 1)[0] if b"<Code>" in body else b""
+            raise error_for_answer(code.decode("utf-8", "replace"), response.status, bucket=bucket,
+                                   key=key, endpoint=self._endpoint, listing=listing)
+        length = response.getheader("Content-Length")
+        if length is not None and length.isdigit() and int(length) != len(body):
+            raise failed_mid_request(bucket, key, f"body of {len(body)} of {length} bytes",
+                                     listing=listing)
+        return body
+
+    def _connection(self) -> http.client.HTTPConnection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self._https and self._context is None:
+                verify = self._config.verify
+                self._context = ssl.create_default_context(
+                    cafile=verify if isinstance(verify, str) else None)
+                if verify is False:  # asked for: no verification
+                    self._context.check_hostname = False
+                    self._context.verify_mode = ssl.CERT_NONE
+        if self._https:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout,
+                                               context=self._context)
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+
+    def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
+        """Raise ``exc`` as one of ours (wording: ``answers``)."""
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            raise certificate_rejected(self._endpoint, bucket, key,
+                                       exc.verify_message or str(exc), listing=listing) from exc
+        if isinstance(exc, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(exc):
+            raise plain_http_server(self._endpoint, bucket, key, listing=listing) from exc
+        if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
+            raise unreachable(self._endpoint, bucket, key, listing=listing,
+                              reason=exc.strerror or str(exc)) from exc
+        raise failed_mid_request(bucket, key, type(exc).__name__, listing=listing) from exc
+
+    async def aclose(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+    # Reads: whole objects and ranges (a shard index found beside the shards); not streams or
+    # conditional reads, which the data path makes through the backends.
+
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
+        return await self._get(bucket, key, None)
+
+    async def get_range(self, bucket: str, key: str, start: int, end: int | None, *,
+                        pin: Pin | None = None) -> bytes:
+        if end is not None and end <= start:
+            return b""
+        return await self._get(bucket, key, f"bytes={start}-{'' if end is None else end - 1}")
+
+    async def _get(self, bucket: str, key: str, byte_range: str | None) -> bytes:
+        path = "/" + urllib.parse.quote(key, safe="/~")
+        return await anyio.to_thread.run_sync(self._call, bucket, key, path, {}, byte_range,
+                                              limiter=self._limiter)
+
+    def _not_here(self, bucket: str, key: str) -> NoReturn:
+        raise StoreError(f"HttpLister lists and reads small objects only (asked for a stream or "
+                         f"a write of s3://{bucket}/{key})", bucket=bucket, key=key)
+
+    async def stream(self, bucket: str, key: str, start: int = 0,
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                     pin: Pin | None = None) -> AsyncGenerator[bytes, None]:
+        self._not_here(bucket, key)
+        yield b""  # pragma: no cover - makes this an async generator
+
+    async def get_if_changed(self, bucket: str, key: str, etag: str, start: int = 0,
+                             end: int | None = None, *, pin: Pin | None = None) -> bytes | None:
+        self._not_here(bucket, key)
+
+    async def put(self, bucket: str, key: str, data: bytes) -> None:
+        self._not_here(bucket, key)
+
+    def __repr__(self) -> str:
+        return f"HttpLister(endpoint={self._endpoint!r})"
+

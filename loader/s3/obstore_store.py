@@ -1,0 +1,588 @@
+"""The fast ``ObjectStore``: obstore (Rust ``object_store`` over reqwest/hyper, signing in Rust).
+
+Why: botocore builds, signs and parses every request in Python; obstore does it natively and
+hands Python one buffer per response, for a fraction of the client CPU per GET. Choose it with
+``store="obstore"`` (extra ``fast``). ``S3Config`` is its only source of settings (never the
+``AWS_*`` environment obstore would read), its own retries are off (``loader.retry`` retries),
+and it does not survive ``fork``: ``open()`` refuses in a child forked after a request.
+How each part is wired, and why: docs/design/obstore.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import AsyncGenerator
+from datetime import timedelta
+from typing import Any
+
+import obstore
+from obstore import exceptions as obe
+from obstore.store import S3Store
+
+from ..checks import check_int
+from ..config import S3Config
+from ..errors import (
+    ConfigError,
+    InvalidRangeError,
+    StoreError,
+    TransientStoreError,
+)
+from ..retry import RetryPolicy
+from ..uri import object_url
+from .credentials import BotocoreCredentialProvider, resolve_credentials
+from .error_answers import (
+    DENIED_CODES,
+    certificate_rejected,
+    error_for_answer,
+    failed_mid_request,
+    no_credentials,
+    plain_http_server,
+    target,
+    unreachable,
+)
+from .protocol import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ListPage,
+    ObjectInfo,
+    Pin,
+    normalize_etag,
+    objects_of,
+)
+
+__all__ = ["ObstoreStore", "forked_after_use", "translate_error"]
+
+
+# S3 error codes that say what happened even when object_store's text carries no status
+_ANSWERED_WITHOUT_STATUS = {"NoSuchBucket", "NoSuchKey", "NotFound", "InvalidRange"} | DENIED_CODES
+_STATUS_RE = re.compile(r"non-2xx status code: (\d{3})|\bstatus: (\d{3})\b")
+_CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
+_KIND_RE = re.compile(r"HttpError \{\s*kind: (\w+)")
+_OS_MESSAGE_RE = re.compile(r'message: "([^"]{1,200})"')
+# rustls's verdict on the server's certificate, e.g. InvalidCertificate(UnknownIssuer) or
+# InvalidCertificate(Other(OtherError(CaUsedAsEndEntity)))
+_CERT_RE = re.compile(r"InvalidCertificate\(\s*(\w+)(?:\(\s*(?:\w+\(\s*)?(\w+))?")
+_CERT_REASONS = {
+    "UnknownIssuer": "signed by a CA that is not trusted",
+    "NotValidForName": "not issued for this host name",
+    "Expired": "expired",
+    "NotValidYet": "not valid yet",
+    "Revoked": "revoked",
+    "BadSignature": "bad signature",
+    "CaUsedAsEndEntity": "a CA certificate used as the server's own certificate",
+}
+# object_store's complaints about a 206 that is not the range it asked for (or a 200 instead)
+_RANGE_NOT_HONOURED_RE = re.compile(
+    r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
+)
+_TO_THE_END = 1 << 62  # a range end past any object: S3 clips it to the object's size
+_PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
+
+# pid of the process whose tokio runtime our requests started (None: no request made yet)
+_runtime_pid: int | None = None
+
+
+def forked_after_use() -> bool:
+    """Whether this process was forked from one in which this backend already made requests.
+
+    obstore's tokio runtime is process-global and its worker threads do not survive ``fork()``:
+    every request in such a child would wait forever. ``ObstoreStore.open()`` refuses then; a
+    caller that wants a fallback (e.g. to aioboto3 in forked DataLoader workers) can ask first.
+    """
+    return _runtime_pid is not None and _runtime_pid != os.getpid()
+
+
+class ObstoreStore:
+    """``ObjectStore`` over obstore's ``S3Store``s; build it with ``await ObstoreStore.open()``."""
+
+    def __init__(self, options: dict[str, Any], *, endpoint: str, custom_endpoint: str | None,
+                 virtual_host: bool, max_connections: int) -> None:
+        self._options = options
+        self._endpoint = endpoint
+        self._custom_endpoint = custom_endpoint
+        self._virtual_host = virtual_host
+        self._max_connections = max_connections
+        self._stores: dict[str, S3Store] = {}
+        self._closed = False
+        self._whole_by_range = True  # False once the server has not honoured a whole-object range
+
+    @classmethod
+    async def open(
+        cls, config: S3Config, *, max_connections: int = 64, retry: RetryPolicy | None = None
+    ) -> ObstoreStore:
+        """Check the settings and prepare the per-bucket stores (no connection is made here)."""
+        if forked_after_use():
+            raise ConfigError(
+                "store='obstore' cannot run in a process forked after obstore was used in its "
+                "parent: obstore's Rust runtime does not survive fork() and every request would "
+                "hang. Start DataLoader workers with multiprocessing_context='spawn' (or "
+                "'forkserver'), or use store='aioboto3' when the main process also iterates"
+            )
+        retry = retry or RetryPolicy()
+        max_connections = max(1, int(max_connections))
+        client_options: dict[str, Any] = {
+            "connect_timeout": timedelta(seconds=retry.connect_timeout),
+            "read_timeout": timedelta(seconds=retry.read_timeout),
+            "timeout": timedelta(seconds=retry.deadline),
+            "pool_max_idle_per_host": str(max_connections),
+        }
+        endpoint = config.endpoint_url
+        if endpoint is not None and endpoint.startswith("http://"):
+            client_options["allow_http"] = True
+        if config.verify is False:
+            client_options["allow_invalid_certificates"] = True
+        elif isinstance(config.verify, str):
+            client_options["root_certificate"] = _read_ca_bundle(config.verify)
+        options: dict[str, Any] = {
+            "region": config.region,
+            "skip_signature": False,
+            "virtual_hosted_style_request": not config.path_style,
+            "client_options": client_options,
+            "retry_config": {"max_retries": 0, "retry_timeout": timedelta(seconds=retry.deadline)},
+        }
+        # Blocking, once per store: files, maybe a credential_process or a metadata request
+        # (bounded by botocore's timeouts); obstore calls the provider from its own threads.
+        options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
+        return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
+                   virtual_host=not config.path_style, max_connections=max_connections)
+
+    def __repr__(self) -> str:
+        return (f"ObstoreStore(endpoint={self._endpoint!r}, buckets={sorted(self._stores)!r}, "
+                f"max_connections={self._max_connections}, closed={self._closed})")
+
+    # ------------------------------------------------------------------------- the protocol
+
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return objects_of(self.list_pages(bucket, prefix))
+
+    async def list_pages(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        token: str | None = None,
+        start_after: str | None = None,
+        delimiter: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> AsyncGenerator[ListPage, None]:
+        """Pages of ``page_size`` keys; the token is the page's last key, and resuming lists
+        from just after it (S3's ``start-after``; object_store has no continuation tokens), as
+        ``start_after`` does.
+
+        With a delimiter, object_store's ``list_with_delimiter`` fetches every page of that one
+        level at once, so it comes back as a single page (it holds the folders, not their keys).
+        """
+        store = self._store(bucket)
+        if delimiter is not None:
+            if delimiter != "/" or (prefix and not prefix.endswith("/")):
+                raise ValueError(f"store='obstore' lists by folder only with delimiter '/' and a "
+                                 f"prefix ending in '/' (got {delimiter!r}, {prefix!r})")
+            try:
+                found = await obstore.list_with_delimiter_async(store, prefix.rstrip("/") or None)
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            objects = [ObjectInfo(meta["path"], int(meta["size"])) for meta in found["objects"]]
+            yield ListPage(objects, [f"{path}/" for path in found["common_prefixes"]], None)
+            return
+        directory, slash, stem = prefix.rpartition("/")
+        skip = len(directory) + len(slash)  # keys listed all begin with "directory/"
+        offset = token or start_after
+        below = _start_after(prefix)  # nearer than start_after when that is below the prefix
+        if offset is None or (below is not None and offset < below):
+            offset = below
+        batches = obstore.list(store, directory or None, offset=offset, chunk_size=page_size)
+        while True:
+            try:
+                batch = await batches.__anext__()
+            except StopAsyncIteration:
+                break
+            except Exception as exc:
+                raise self._translate(exc, bucket, prefix, listing=True) from exc
+            objects = []
+            for meta in batch:
+                key = meta["path"]
+                if key.startswith(prefix):
+                    objects.append(ObjectInfo(key, int(meta["size"]), normalize_etag(meta.get("e_tag"))))
+                elif stem and _past(key, skip, stem):
+                    yield ListPage(objects, [], None)
+                    return
+            if batch:
+                yield ListPage(objects, [], batch[-1]["path"])
+        yield ListPage([], [], None)
+
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
+        _check_key(bucket, key)
+        if pin is not None:  # the response's ETag is needed: get_range_async does not give it
+            return await self._get_plain(bucket, key, pin=pin)
+        if self._whole_by_range:
+            store = self._store(bucket)
+            try:
+                return bytes(await obstore.get_range_async(store, key, start=0, end=_TO_THE_END))
+            except Exception as exc:
+                status = _status_of(exc)
+                if status is None and _RANGE_NOT_HONOURED_RE.search(str(exc)):
+                    self._whole_by_range = False
+                elif status != 416:  # a 416 to a range from byte 0: the object is empty
+                    raise self._translate(exc, bucket, key) from exc
+            finally:
+                del store  # see _get_plain()
+        return await self._get_plain(bucket, key)
+
+    async def _get_plain(
+        self, bucket: str, key: str, options: Any = None,
+        pin: Pin | None = None,
+    ) -> bytes:
+        """The object (or ``options["range"]`` of it) with ``get_async``: two awaits, its length
+        checked, its ETag handed to ``pin`` (which adds ``If-Match`` once it holds one)."""
+        if pin is not None and pin.etag is not None:
+            options = {**(options or {}), "if_match": pin.if_match()}
+        store = self._store(bucket)
+        result = None
+        try:
+            result = await obstore.get_async(store, key, options=options)
+            if pin is not None:
+                pin.observe(result.meta.get("e_tag"), bucket, key)
+            data = await result.bytes_async()
+            start, stop = result.range
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+        finally:
+            # The frame of a cancelled request lives on in its traceback, which the engine's
+            # cancellation leaves in reference cycles: without this, the response (a pooled
+            # connection) and the bucket's store (its pool, every idle connection) stayed open
+            # after a `break` until the garbage collector happened to run.
+            del store, result
+        return _checked(data, stop - start, bucket, key, start)
+
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
+    ) -> bytes:
+        _check_range_args(bucket, key, start, end)
+        if end is not None and end == start:
+            return b""
+        if start == 0 and end is None:
+            return await self.get(bucket, key, pin=pin)
+        if pin is not None:
+            return await self._get_pinned_range(bucket, key, start, end, pin)
+        store = self._store(bucket)
+        try:
+            data = await obstore.get_range_async(
+                store, key, start=start, end=_TO_THE_END if end is None else end
+            )
+        except Exception as exc:
+            if _status_of(exc) == 416:
+                await self._past_the_end(bucket, key, start, end)
+                return b""
+            raise self._translate(exc, bucket, key) from exc
+        finally:
+            del store  # see _get_plain()
+        return bytes(data)
+
+    async def _get_pinned_range(
+        self, bucket: str, key: str, start: int, end: int | None, pin: Pin
+    ) -> bytes:
+        """``get_range`` through ``get_async``, which reports the ETag (one await more)."""
+        byte_range: Any = {"offset": start} if end is None else (start, end)
+        try:
+            return await self._get_plain(bucket, key, {"range": byte_range}, pin)
+        except StoreError as exc:
+            if _status_of(exc.__cause__) == 416:
+                await self._past_the_end(bucket, key, start, end)
+                return b""
+            raise
+
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        _check_range_args(bucket, key, start, end)
+        options: dict[str, Any] = {"if_none_match": f'"{etag}"'}
+        if start or end is not None:
+            options["range"] = {"offset": start} if end is None else (start, end)
+        try:
+            return await self._get_plain(bucket, key, options, pin)
+        except StoreError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, obe.NotModifiedError) or _status_of(cause) == 304:
+                return None
+            raise
+
+    async def stream(
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        check_int("chunk_size", chunk_size, minimum=1)
+        _check_range_args(bucket, key, start, None)
+        store = self._store(bucket)
+        options: Any = {"range": {"offset": start}} if start else None
+        if pin is not None and pin.etag is not None:
+            options = {**(options or {}), "if_match": pin.if_match()}
+        try:
+            result = await obstore.get_async(store, key, options=options)
+            first, stop = result.range
+            if pin is not None:
+                pin.observe(result.meta.get("e_tag"), bucket, key)
+        except StoreError:
+            raise
+        except Exception as exc:
+            if start and _status_of(exc) == 416:
+                await self._past_the_end(bucket, key, start, None)
+                return  # resumed exactly at the end: nothing left to read
+            raise self._translate(exc, bucket, key) from exc
+        finally:
+            del store  # see _get_plain(); the response is released below
+        expected = stop - first
+        received = 0
+        # obstore's min_chunk_size is a minimum: a chunk may exceed it by one network read
+        # (up to ~400 KiB here). Asking for half keeps chunks of 1 MiB within bounds; anything
+        # longer is split below, which copies, so it should stay rare.
+        chunks = result.stream(min_chunk_size=max(1, chunk_size // 2))
+        try:
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    raise self._translate(exc, bucket, key) from exc
+                received += len(chunk)
+                if len(chunk) <= chunk_size:
+                    yield chunk
+                else:
+                    view = memoryview(chunk)
+                    for offset in range(0, len(chunk), chunk_size):
+                        yield bytes(view[offset:offset + chunk_size])
+        finally:
+            del chunks, result  # drops the Rust body, releasing its connection
+        if received != expected:
+            raise TransientStoreError(
+                f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
+                f"{expected - received} short of its Content-Length",
+                bucket=bucket,
+                key=key,
+            )
+
+    async def put(self, bucket: str, key: str, data: bytes) -> None:
+        _check_key(bucket, key)
+        store = self._store(bucket)
+        try:
+            await obstore.put_async(store, key, data, use_multipart=False)
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+
+    async def aclose(self) -> None:
+        """Drop every bucket's store (and with it its connection pool)."""
+        self._closed = True
+        self._stores.clear()
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _store(self, bucket: str) -> S3Store:
+        """The bucket's ``S3Store``, created on first use."""
+        store = self._stores.get(bucket)
+        if store is not None:
+            return store
+        if self._closed:
+            raise RuntimeError("ObstoreStore is closed; a request came after aclose()")
+        options = dict(self._options)
+        endpoint = self._custom_endpoint
+        if endpoint is not None:
+            if self._virtual_host:  # object_store wants the bucket already in the host name
+                scheme, _, host = endpoint.partition("://")
+                endpoint = f"{scheme}://{bucket}.{host}"
+            # both keys: AWS_ENDPOINT_URL_S3 in the environment would win over "endpoint" alone
+            options["endpoint"] = endpoint
+            options["aws_endpoint_url_s3"] = endpoint
+        try:
+            store = S3Store(bucket, **options)
+        except Exception as exc:
+            raise ConfigError(
+                f"store='obstore' rejected the settings for bucket {bucket!r} at {self._endpoint}: "
+                f"{_summary(exc)}"
+            ) from exc
+        global _runtime_pid
+        _runtime_pid = os.getpid()  # requests are about to start obstore's runtime
+        self._stores[bucket] = store
+        return store
+
+    async def _past_the_end(self, bucket: str, key: str, start: int, end: int | None) -> None:
+        """After a 416: return if ``start`` is exactly the object's size (an empty range, as
+        with a slice), else raise ``InvalidRangeError``. Costs a HEAD, on this path only."""
+        try:
+            meta = await obstore.head_async(self._store(bucket), key)
+        except Exception as exc:
+            raise self._translate(exc, bucket, key) from exc
+        size = int(meta["size"])
+        if start == size:
+            return
+        asked = f"from byte {start}" if end is None else f"[{start}, {end})"
+        raise InvalidRangeError(
+            f"s3://{bucket}/{key}: the requested byte range ({asked}) is past the end of the "
+            f"object ({size} bytes)",
+            bucket=bucket, key=key,
+        )
+
+    def _translate(
+        self, exc: BaseException, bucket: str, key: str, *, listing: bool = False
+    ) -> BaseException:
+        return translate_error(exc, bucket=bucket, key=key, endpoint=self._endpoint, listing=listing)
+
+
+def translate_error(
+    exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
+) -> BaseException:
+    """The one place where obstore's errors become ours (same wording as the aioboto3 backend).
+
+    obstore raises ``FileNotFoundError`` (404), ``PermissionDeniedError`` (403),
+    ``UnauthenticatedError`` (401, or no credentials), ``GenericError`` (everything else,
+    including 5xx, 416, refused connections, timeouts and bodies cut short) and ``ValueError``
+    (a key ``object_store`` cannot express as a path). Only the text says which status, S3 error
+    code and reqwest error kind was met, so that is what is read.
+    """
+    if isinstance(exc, (StoreError, ConfigError, asyncio.CancelledError)):
+        return exc
+    text = str(exc)
+    status = _status_of(exc)
+    code_match = _CODE_RE.search(text)
+    code = code_match.group(1) if code_match else ""
+    if status is None and code != "NoSuchBucket":  # the exception's class is all there is
+        if isinstance(exc, (FileNotFoundError, obe.NotFoundError)):
+            status = 404
+        elif isinstance(exc, obe.PermissionDeniedError):
+            status = 403
+        elif isinstance(exc, obe.UnauthenticatedError) and not code:
+            return no_credentials()
+    if status is not None or code in _ANSWERED_WITHOUT_STATUS:
+        return error_for_answer(code, status or 0, bucket=bucket, key=key, endpoint=endpoint,
+                                listing=listing)
+    kind_match = _KIND_RE.search(text)
+    kind = kind_match.group(1) if kind_match else ""
+    cert = _CERT_RE.search(text)
+    if cert is not None:
+        name = cert.group(2) if cert.group(1) == "Other" and cert.group(2) else cert.group(1)
+        name = name.removesuffix("Context")  # rustls 0.23: NotValidForNameContext { .. }
+        return certificate_rejected(endpoint, bucket, key, _CERT_REASONS.get(name, name),
+                                    listing=listing)
+    if "InvalidContentType" in text:  # a TLS handshake answered with plain HTTP
+        return plain_http_server(endpoint, bucket, key, listing=listing)
+    if kind == "Connect":
+        reason = _OS_MESSAGE_RE.search(text)
+        return unreachable(endpoint, bucket, key, listing=listing,
+                           reason=reason.group(1) if reason else None)
+    if kind in ("Timeout", "Interrupted", "Request", "Decode") or "IncompleteBody" in text:
+        return failed_mid_request(bucket, key, _failure(text, kind), listing=listing)
+    what = target(bucket, key, listing=listing)
+    if isinstance(exc, (ValueError, obe.InvalidPathError)) and any(
+        marker in text for marker in _PATH_ERROR_MARKERS
+    ):
+        return StoreError(
+            f"{what}: store='obstore' cannot address this key ({_summary(exc)}); object_store "
+            "rejects keys with empty segments ('//'), '.' or '..' segments, or control "
+            "characters; use store='aioboto3' for such keys",
+            bucket=bucket, key=key,
+        )
+    return StoreError(f"{what}: unexpected {type(exc).__name__}: {_summary(exc)}",
+                      bucket=bucket, key=key)
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def _status_of(exc: BaseException | None) -> int | None:
+    """The HTTP status a response error carries in its text, if any."""
+    match = _STATUS_RE.search(str(exc))
+    if match is None:
+        return None
+    return int(match.group(1) or match.group(2))
+
+
+def _failure(text: str, kind: str) -> str:
+    """A few words on how a request failed, for the message."""
+    if "IncompleteBody" in text:
+        return "the body ended before its Content-Length"
+    if "TimedOut" in text or kind == "Timeout":
+        return "timed out"
+    if "ConnectionReset" in text:
+        return "connection reset"
+    if "IncompleteMessage" in text:
+        return "connection closed before a response"
+    return kind or "body error"
+
+
+def _summary(exc: BaseException, limit: int = 300) -> str:
+    """obstore's message without its debug dump (which repeats the whole response)."""
+    text = str(exc).split("\n\nDebug source", 1)[0].strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _start_after(prefix: str) -> str | None:
+    """A ``start-after`` key below every key that starts with ``prefix`` and close to it.
+
+    The last character is decremented and ``~`` appended (``shard-9`` -> ``shard-8~``), so
+    the listing skips the siblings before the prefix. Only plain characters are used, since
+    object_store refuses control characters and empty segments in the offset too.
+    """
+    if not prefix or prefix.endswith("/"):
+        return None
+    head, last = prefix[:-1], prefix[-1]
+    lower = chr(ord(last) - 1) if ord(last) > 0 else ""
+    if lower and lower.isascii() and (lower.isalnum() or lower in "-_.+=,@~"):
+        return head + lower + "~"
+    head = head.rstrip("/")
+    return head or None
+
+
+def _past(key: str, skip: int, stem: str) -> bool:
+    """Whether a listed key that does not match shows that no later key can.
+
+    Compared by the key's first path segment below the listed directory, not by the whole key:
+    then it holds both for S3's byte order and for servers that list directory by directory
+    (SeaweedFS puts ``many/0`` before ``many-x/1``, which a whole-key comparison would misread).
+    """
+    return key[skip:].partition("/")[0] > stem
+
+
+def _check_key(bucket: str, key: str) -> None:
+    """Refuse keys that object_store would silently rewrite (it drops a leading or trailing '/',
+    so ``/a`` would read the object ``a``). Keys it cannot parse at all fail in the request."""
+    if key.startswith("/") or key.endswith("/"):
+        raise StoreError(
+            f"s3://{bucket}/{key}: store='obstore' cannot address this key (object_store drops a "
+            "leading or trailing '/', which would name another object); use store='aioboto3' for "
+            "such keys",
+            bucket=bucket, key=key,
+        )
+
+
+def _check_range_args(bucket: str, key: str, start: int, end: int | None) -> None:
+    _check_key(bucket, key)
+    if start < 0 or (end is not None and end < start):
+        raise InvalidRangeError(
+            f"s3://{bucket}/{key}: byte range [{start}, {end}) is not a valid half-open range",
+            bucket=bucket, key=key,
+        )
+
+
+def _checked(data: Any, expected: int, bucket: str, key: str, start: int) -> bytes:
+    """``data`` as ``bytes`` (one copy), if it is as long as the response said."""
+    if len(data) != expected:
+        raise TransientStoreError(
+            f"{object_url(bucket, key)}: body ended after {start + len(data)} bytes, "
+            f"{expected - len(data)} short of its Content-Length",
+            bucket=bucket, key=key,
+        )
+    return bytes(data)
+
+
+def _read_ca_bundle(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"AWS_CA_BUNDLE / S3Config(verify={path!r}) cannot be read as a PEM file: {exc}"
+        ) from exc

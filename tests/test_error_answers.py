@@ -1,0 +1,107 @@
+"""``loader.s3.error_answers``: one S3 error response, one error class, one wording for all backends."""
+
+from __future__ import annotations
+
+import pytest
+
+from loader.errors import (
+    AccessDeniedError,
+    EndpointUnreachableError,
+    InvalidRangeError,
+    NoSuchBucketError,
+    NoSuchKeyError,
+    StoreError,
+    TransientStoreError,
+)
+from loader.s3.error_answers import error_for_answer, failed_mid_request, target, unreachable
+
+END = "http://127.0.0.1:9000"
+
+
+@pytest.mark.parametrize(("code", "status", "kind"), [
+    ("NoSuchBucket", 404, NoSuchBucketError),
+    ("NoSuchKey", 404, NoSuchKeyError),
+    ("", 404, NoSuchKeyError),
+    ("AccessDenied", 403, AccessDeniedError),
+    ("", 401, AccessDeniedError),
+    ("SignatureDoesNotMatch", 403, AccessDeniedError),
+    ("InvalidRange", 416, InvalidRangeError),
+    ("SlowDown", 503, TransientStoreError),
+    ("", 500, TransientStoreError),
+    ("", 429, TransientStoreError),
+    ("RequestTimeout", 400, TransientStoreError),
+    ("MalformedXML", 400, StoreError),
+])
+def test_each_answer_gets_its_error_class(code, status, kind):
+    error = error_for_answer(code, status, bucket="b", key="k/1", endpoint=END)
+    assert type(error) is kind
+    assert (error.bucket, error.key) == ("b", "k/1")
+    assert "b" in str(error) and (kind is NoSuchBucketError or "k/1" in str(error))
+
+
+def test_messages_give_advice():
+    denied = error_for_answer("AccessDenied", 403, bucket="b", key="k", endpoint=END)
+    assert "check AWS_ACCESS_KEY_ID" in str(denied) and END in str(denied)
+    missing = error_for_answer("NoSuchBucket", 404, bucket="b", key="k", endpoint=END)
+    assert "create it or fix the URI" in str(missing)
+    other = error_for_answer("", 400, bucket="b", key="k", endpoint=END)
+    assert str(other) == "s3://b/k: the server answered 400 (HTTP 400)"
+
+
+def test_connection_failures_name_the_target_and_are_transient():
+    refused = unreachable(END, "b", "p/", listing=True, reason="Connection refused")
+    assert isinstance(refused, TransientStoreError) and isinstance(refused, EndpointUnreachableError)
+    assert str(refused) == (f"cannot connect to {END} for s3://b/p/ (listing) (Connection refused); "
+                            "is the server running and is AWS_ENDPOINT_URL right?")
+    cut = failed_mid_request("b", "k", "body ended early")
+    assert isinstance(cut, TransientStoreError) and (cut.bucket, cut.key) == ("b", "k")
+    assert target("b", "k") == "s3://b/k"
+
+
+HTTPS = "https://127.0.0.1:9443"
+RUSTLS = ("Generic S3 error: Error performing GET https://127.0.0.1:9443/b/k - HTTP error: error "
+          "sending request\n\nDebug source:\n HttpError {{\n kind: Connect,\n source: reqwest::Error "
+          "{{ Custom {{ kind: InvalidData, error: {} }} }} }}")
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("InvalidCertificate(\n UnknownIssuer,\n )", "signed by a CA that is not trusted"),
+    ("InvalidCertificate(\n NotValidForNameContext {\n expected: DnsName(\"x\") } )",
+     "not issued for this host name"),
+    ("InvalidCertificate(\n Other(\n OtherError(\n CaUsedAsEndEntity,\n ),\n ),\n )",
+     "a CA certificate used as the server's own certificate"),
+])
+def test_obstore_certificate_verdicts_are_worded(text, reason):
+    from obstore.exceptions import GenericError
+
+    from loader.errors import TLSError
+    from loader.s3.obstore_store import translate_error
+
+    error = translate_error(GenericError(RUSTLS.format(text)), bucket="b", key="k", endpoint=HTTPS)
+    assert type(error) is TLSError and not isinstance(error, TransientStoreError)
+    assert f"the TLS certificate of {HTTPS} did not verify ({reason})" in str(error)
+    assert "AWS_CA_BUNDLE" in str(error)
+
+
+def test_both_backends_say_an_https_endpoint_speaks_plain_http():
+    import ssl
+
+    from botocore.exceptions import SSLError
+    from obstore.exceptions import GenericError
+
+    from loader.errors import TLSError
+    from loader.s3 import aioboto3_store, obstore_store
+
+    openssl = SSLError(endpoint_url=f"{HTTPS}/b/k",
+                       error="[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)")
+    rustls = GenericError(RUSTLS.format("InvalidMessage(\n InvalidContentType,\n )"))
+    for error in (aioboto3_store.translate_error(openssl, bucket="b", key="k", endpoint=HTTPS),
+                  obstore_store.translate_error(rustls, bucket="b", key="k", endpoint=HTTPS)):
+        assert type(error) is TLSError
+        assert str(error) == (f"{HTTPS} speaks plain http, not TLS (asked for s3://b/k); use "
+                              "http://127.0.0.1:9443 as AWS_ENDPOINT_URL, or enable TLS on the server")
+    verify = aioboto3_store.translate_error(
+        ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify "
+                                        "failed: self-signed certificate (_ssl.c:1006)"),
+        bucket="b", key="k", endpoint=HTTPS)
+    assert type(verify) is TLSError and "did not verify (self-signed certificate)" in str(verify)
