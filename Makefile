@@ -4,10 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
-EXTRAS := fast,test,stateful,devserver,image,zstd
+EXTRAS := fast,test,stateful,devserver,image,zstd,docs
 COMPOSE := docker compose -f docker/docker-compose.yml --env-file docker/minio.env
 
-.PHONY: install install-bench lint mutation test test-all unit-test integration-test demo bench bench-listing minio-up minio-down clean
+.PHONY: install install-bench lint docs mutation test test-all unit-test integration-test demo bench bench-listing minio-up minio-down clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ $(BENCH_STAMP): $(STAMP)
 lint: install
 	$(BIN)/ruff check loader tests integration bench conftest.py
 	$(BIN)/mypy
+
+# The documentation site (mkdocs + mkdocstrings) in site/; `make test` builds it strictly too
+# (tests/test_docs.py) and runs every example of the README and the guides
+# (integration/test_docs_examples.py). `$(BIN)/mkdocs serve` to read it while writing.
+docs: install
+	$(BIN)/mkdocs build --strict
 
 # Two processes (pytest-xdist): much of the suite waits on servers, subprocesses and spawned
 # workers, which a second process overlaps. Each worker starts its own S3 server (tests restart

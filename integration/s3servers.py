@@ -6,12 +6,15 @@ plain import finds depends on the order pytest was given its folders."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import itertools
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import time
 import uuid
 import warnings
@@ -39,6 +42,10 @@ S3_VARS = ENDPOINT_VARS + (
 )
 _LOCAL_DOCKER_SCHEMES = ("unix", "npipe")
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+MOTO_START_TIMEOUT = 60.0
+SERVERS_VAR = "LOADER_TEST_SERVERS"
+# The names LOADER_TEST_SERVERS takes, and the kind of S3Server each one starts.
+KINDS = {"seaweedfs": "seaweedfs-embedded", "moto": "moto", "minio": "minio-testcontainers", "env": "env"}
 _bucket_numbers = itertools.count()
 
 
@@ -60,6 +67,7 @@ class S3Server:
         self.description = description
         self.devserver = devserver  # the loader.tools.devserver.DevServer when kind == "seaweedfs-embedded"
         self.container = container  # the docker-py container when kind == "minio-testcontainers"
+        self.name = next(name for name, known in KINDS.items() if known == kind)  # as in test ids
         self.minio = minio_client(config)
         self.created_buckets: list[str] = []
 
@@ -126,6 +134,33 @@ class S3Server:
 
 
 # ---------------------------------------------------------------- choosing the server
+
+
+@functools.lru_cache(maxsize=1)
+def chosen_servers() -> tuple[str, ...]:
+    """The servers of this session, by name (``KINDS``), the first one for the whole suite and
+    every one for the server-sensitive tests (marker ``server_sensitive``): ``$LOADER_TEST_SERVERS``
+    (e.g. ``seaweedfs,moto``, ``minio``, ``env``), else the automatic choice (``choose_server``)
+    followed by moto."""
+    text = os.environ.get(SERVERS_VAR, "").strip()
+    if not text:
+        first = next(name for name, kind in KINDS.items() if kind == choose_server().kind)
+        return (first,) if first == "moto" else (first, "moto")
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in KINDS]
+    if unknown or not names:
+        raise pytest.UsageError(f"{SERVERS_VAR}={text!r}: use a comma-separated list of {sorted(KINDS)}, "
+                                "e.g. 'seaweedfs,moto'; the first runs the whole suite")
+    return names
+
+
+def servers_headline() -> str:
+    """The header line: which servers run what, and why."""
+    names = chosen_servers()
+    why = (f"from ${SERVERS_VAR}" if os.environ.get(SERVERS_VAR, "").strip()
+           else f"{choose_server().headline}; set ${SERVERS_VAR} to choose")
+    return (f"S3 servers: {names[0]} for every test, {', '.join(names)} for the server-sensitive "
+            f"tests ({why})")
 
 
 @functools.lru_cache(maxsize=1)
@@ -281,3 +316,85 @@ def embedded_server() -> Iterator[S3Server]:
     with DevServer() as server:
         description = f"embedded SeaweedFS at {server.endpoint_url} (started in {server.start_seconds:.1f} s)"
         yield S3Server("seaweedfs-embedded", server.config, description, devserver=server)
+
+
+@contextlib.contextmanager
+def moto_server(timeout: float = MOTO_START_TIMEOUT, *, certfile: str | None = None,
+                keyfile: str | None = None, cafile: str | None = None) -> Iterator[S3Server]:
+    """moto's S3 server (``moto[server]``: AWS's semantics, in memory) in a child process on
+    127.0.0.1, so that its Python does not share this process's interpreter lock (or patch the
+    botocore of the tests). Any credentials are accepted; AWS's bucket rules apply. Its log (a
+    line per request) goes to a temporary file: a pipe nobody reads fills and stalls the server.
+    ``certfile``/``keyfile``: serve https with them instead, ``cafile`` being what clients trust."""
+    import tempfile
+
+    port = free_port()
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moto_main.py")  # two bugs patched
+    command = [sys.executable, launcher, "-H", "127.0.0.1", "-p", str(port)]
+    if certfile is not None and keyfile is not None:
+        command += ["--ssl-cert", certfile, "--ssl-key", keyfile]
+    scheme = "http" if certfile is None else "https"
+    config = S3Config(endpoint_url=f"{scheme}://127.0.0.1:{port}", verify=cafile or True,
+                      access_key_id="it" + secrets.token_hex(8), secret_access_key=secrets.token_urlsafe(24),
+                      region="us-east-1", addressing_style="path")
+    with tempfile.TemporaryFile() as log:
+        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_MOTO_SETUP_CALLS)}
+        for name in S3_VARS:
+            env.pop(name, None)
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+        try:
+            started = time.monotonic()
+            while not _listening(port):
+                if process.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"moto's server exited with {process.returncode} "
+                                       "(pip install 'moto[server]'): "
+                                       f"{_one_line(Exception(log.read().decode(errors='replace')))}")
+                if time.monotonic() - started > timeout:
+                    raise TimeoutError(f"moto's server did not listen on port {port} within {timeout:.0f} s")
+                time.sleep(0.05)
+            config = _moto_user(config)
+            server = S3Server("moto", config, f"moto {_moto_version()} at {config.endpoint_url} "
+                              f"(started in {time.monotonic() - started:.1f} s)")
+            try:
+                yield server
+            finally:
+                server.close()
+        finally:
+            process.kill()  # it keeps nothing worth a clean stop, which took ~5 s under load
+            process.wait()
+
+
+_MOTO_SETUP_CALLS = 3
+
+
+def _moto_user(config: S3Config) -> S3Config:
+    """Create a moto IAM user allowed everything on S3 (``_MOTO_SETUP_CALLS`` requests, before
+    moto starts checking signatures) and return ``config`` with its keys."""
+    import json
+
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=config.endpoint_url, region_name=config.region,
+                       aws_access_key_id="setup", aws_secret_access_key="setup", verify=config.verify)
+    try:
+        iam.create_user(UserName="loader-tests")
+        policy = {"Version": "2012-10-17",
+                  "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="loader-tests", PolicyName="s3", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="loader-tests")["AccessKey"]
+    finally:
+        iam.close()
+    return dataclasses.replace(config, access_key_id=key["AccessKeyId"],
+                               secret_access_key=key["SecretAccessKey"])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _moto_version() -> str:
+    from importlib.metadata import version
+
+    return version("moto")

@@ -59,6 +59,7 @@ async def read_all(store, bucket, key, start=0, chunk_size=256 * 1024):
     return b"".join([chunk async for chunk in store.stream(bucket, key, start, chunk_size)])
 
 
+@pytest.mark.server_sensitive
 def test_direct_gets_are_used_for_path_style_endpoints(s3_server):
     async def check():
         async with opened(s3_server.config, True) as direct, opened(s3_server.config, False) as boto:
@@ -66,6 +67,7 @@ def test_direct_gets_are_used_for_path_style_endpoints(s3_server):
     anyio.run(check)
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "botocore"])
 async def test_every_read_returns_what_was_written(s3_server, objects, direct):
     bucket, items = objects
@@ -81,6 +83,7 @@ async def test_every_read_returns_what_was_written(s3_server, objects, direct):
                 assert await read_all(store, bucket, "big.bin", start, chunk) == big[start:]
 
 
+@pytest.mark.server_sensitive
 async def test_a_stream_closed_early_returns_its_connection(s3_server, objects):
     bucket, items = objects
     with anyio.fail_after(DEADLINE):
@@ -107,6 +110,7 @@ async def errors_of(config: S3Config, direct: bool, bucket: str) -> list[tuple[t
     return seen
 
 
+@pytest.mark.server_sensitive
 async def test_errors_are_the_same_on_both_paths(s3_server, objects):
     bucket, _ = objects
     with anyio.fail_after(DEADLINE):
@@ -117,6 +121,7 @@ async def test_errors_are_the_same_on_both_paths(s3_server, objects):
         "NoSuchKeyError", "NoSuchKeyError", "NoSuchKeyError", "NoSuchBucketError", "InvalidRangeError"]
 
 
+@pytest.mark.server_sensitive
 async def test_wrong_secret_is_denied_the_same_way_without_showing_it(s3_server, objects):
     bucket, _ = objects
     wrong = "wrong-secret-" + "q" * 24

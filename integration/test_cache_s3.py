@@ -138,6 +138,7 @@ def jpegs(s3_server):
     return bucket, jpeg_dataset(s3_server.minio, bucket, "train/", N, seed=7)
 
 
+@pytest.mark.server_sensitive
 def test_per_object_epochs_after_the_first_send_no_get(s3_server, jpegs, tmp_path):
     bucket, expected = jpegs
     setup = Setup(s3_server, tmp_path, 64 << 20)

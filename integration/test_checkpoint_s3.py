@@ -166,6 +166,7 @@ def big_state(n: int = 8) -> dict:
     return {f"w{i}": torch.randn(1_250_000, generator=g) for i in range(n)}
 
 
+@pytest.mark.server_sensitive
 def test_refused_part_aborts_the_upload(s3_server):
     bucket = s3_server.new_bucket("ckpt")
     uri = f"s3://{bucket}/run/refused.pt"
@@ -184,6 +185,7 @@ def test_refused_part_aborts_the_upload(s3_server):
     assert_nothing_left(s3_server, bucket, "run/refused.pt")
 
 
+@pytest.mark.server_sensitive
 def test_exception_inside_torch_save_midway_aborts(s3_server, monkeypatch):
     """The file object raising after ~12 MB (parts already up), as a failing disk or a
     serialization bug inside torch.save would."""
@@ -208,6 +210,7 @@ def test_exception_inside_torch_save_midway_aborts(s3_server, monkeypatch):
     assert_nothing_left(s3_server, bucket, "run/broken.pt")
 
 
+@pytest.mark.server_sensitive
 def test_keyboard_interrupt_midway_aborts(s3_server, sigint_raises):
     """A real SIGINT to the main thread while part 3 uploads."""
     assert threading.current_thread() is threading.main_thread()
@@ -230,6 +233,7 @@ def test_keyboard_interrupt_midway_aborts(s3_server, sigint_raises):
 # ---------------------------------------------------------------------------- small things
 
 
+@pytest.mark.server_sensitive
 def test_small_checkpoint_obstore_name_and_missing_objects(s3_server, s3_env):
     bucket = s3_server.new_bucket("ckpt")
     uri = f"s3://{bucket}/small.pt"
@@ -250,6 +254,7 @@ def test_small_checkpoint_obstore_name_and_missing_objects(s3_server, s3_env):
     assert "s3://no-such-bucket-here/x.pt" in str(info.value)
 
 
+@pytest.mark.server_sensitive
 def test_multipart_methods_of_the_store(s3_server):
     """The ``MultipartStore`` methods of ``Aioboto3Store`` on their own."""
     bucket = s3_server.new_bucket("ckpt")

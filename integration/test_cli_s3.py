@@ -98,7 +98,7 @@ def test_shard_makes_shards_whose_samples_are_the_objects(s3_server, source):
                       "--concurrency", "4", "--progress")
     assert_ok(proc)
     assert f"packed 2,000 objects ({N_SAMPLES:,} samples" in proc.stdout
-    assert "read_index_counts" in proc.stdout
+    assert f"from_shards({dst!r})" in proc.stdout and "sample_counts" not in proc.stdout  # finds the index
     assert "shard" in proc.stderr and "objects" in proc.stderr  # the progress bar
 
     listed = tar_keys(s3_server, bucket, "shards/")
@@ -269,14 +269,26 @@ def test_user_errors_are_one_line(s3_server, source):
     bucket, _ = source
     missing = run_loader(s3_server, "ls", "s3://no-such-bucket-cli/x/")
     assert_one_line_error(missing, "no-such-bucket-cli", "does not exist")
-    empty = run_loader(s3_server, "ls", f"s3://{bucket}/nothing-here/")
-    assert_one_line_error(empty, "no objects")
+    typo = run_loader(s3_server, "ls", f"s3://{bucket}/nothing-here/", "--save", "keys.snapshot")
+    assert_one_line_error(typo, "no objects")  # a snapshot of nothing is refused
     denied = run_loader(s3_server, "shard", f"s3://{bucket}/train/", f"s3://{bucket}/x/",
                         AWS_SECRET_ACCESS_KEY="wrong-secret")
     assert_one_line_error(denied, "access denied")
     assert "wrong-secret" not in denied.stderr
     no_dst = run_loader(s3_server, "shard", f"s3://{bucket}/train/", "s3://no-such-bucket-cli/x/")
     assert_one_line_error(no_dst, "no-such-bucket-cli", "does not exist")
+
+
+def test_ls_of_nothing_says_so_and_succeeds(s3_server, source):
+    """A new bucket is empty until the first upload: `ls` answers that (rc 0), not an error."""
+    bucket, _ = source
+    empty_bucket = s3_server.new_bucket("empty")
+    whole = run_loader(s3_server, "ls", f"s3://{empty_bucket}/")
+    assert_ok(whole)
+    assert "0 objects, the bucket is empty" in whole.stdout
+    typo = run_loader(s3_server, "ls", f"s3://{bucket}/nothing-here/")
+    assert_ok(typo)
+    assert "0 objects under this prefix" in typo.stdout and "case-sensitive" in typo.stdout
 
 
 @pytest.mark.parametrize("compression", [None, "gzip", "zstd"])

@@ -1,4 +1,4 @@
-"""End to end on the real server, one test per feature the README shows that no other test drives
+"""End to end on the real server, one test per feature the docs show that no other test drives
 through a DataLoader: shard lists, ``LOADER_STORE``, ``resume_from_batches``, ``ordered=False``,
 ``pad_policy="drop"`` across ranks, ``log_stats``, ``cache_dir=`` and ``loader shard --shuffle``."""
 
@@ -63,7 +63,7 @@ def test_loader_store_picks_the_backend(s3_server, s3_env, objects, monkeypatch)
     monkeypatch.setenv("LOADER_STORE", "obstore")
     ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/")
     assert ds.options.store == "obstore"
-    # obstore's runtime does not survive fork: spawned workers, as the README advises
+    # obstore's runtime does not survive fork: spawned workers, as the docs advise
     loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="spawn", timeout=TIMEOUT,
                         collate_fn=key_batch)
     got = [key for batch in loader for key in batch]

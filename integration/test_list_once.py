@@ -197,6 +197,7 @@ def test_no_shared_file_outlives_the_job(matrix):
     assert matrix["left"] == set()
 
 
+@pytest.mark.server_sensitive
 def test_a_single_process_and_its_forked_workers_list_once(s3_server):
     """No group at all: the workers list once between them, later epochs' workers and the
     process itself (``set_epoch``, ``len``) map their file."""

@@ -102,6 +102,7 @@ def keyspace(s3_server):
     return bucket, sorted(keys)
 
 
+@pytest.mark.server_sensitive  # listing order, StartAfter, pages: servers differ
 @pytest.mark.parametrize("store", LISTERS)
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_a_listing_through_resets_and_slowdowns_lists_every_key_once(s3_server, keyspace, store,
@@ -118,6 +119,8 @@ def test_a_listing_through_resets_and_slowdowns_lists_every_key_once(s3_server, 
     assert counts["reset"] >= 1 and counts["slowdown"] >= 1, counts
 
 
+# Not server-sensitive: three spawned ranks cost ~50 s a server; the list-once counting runs on
+# every server in test_list_once.py (one process and its forked workers).
 def test_a_three_rank_job_makes_the_list_requests_of_one_listing(s3_server):
     bucket = s3_server.new_bucket("list3")
     keys = folder_keys("shared/", 4, 300) + folder_keys("alone/", 4, 300)
@@ -172,6 +175,7 @@ def tricky(s3_server):
     return bucket, sorted(keys)
 
 
+@pytest.mark.server_sensitive  # listing order, StartAfter, pages: servers differ
 @pytest.mark.parametrize("store", LISTERS)
 @pytest.mark.parametrize("prefix", ["t/", "t/m"])
 def test_key_ranges_in_parallel_list_exactly_the_keys_in_any_order_the_server_lists(
@@ -198,6 +202,7 @@ def test_key_ranges_in_parallel_list_exactly_the_keys_in_any_order_the_server_li
     assert requests <= 4 * (len(expected) / 20) + counts["reset"] + counts["slowdown"]
 
 
+@pytest.mark.server_sensitive  # listing order, StartAfter, pages: servers differ
 def test_the_standard_library_lister_names_what_went_wrong(s3_server):
     from loader.errors import EndpointUnreachableError, NoSuchBucketError
 
@@ -219,6 +224,7 @@ def test_the_standard_library_lister_names_what_went_wrong(s3_server):
         asyncio.run(listing(dataclasses.replace(s3_server.config, endpoint_url=closed), "b"))
 
 
+@pytest.mark.server_sensitive  # listing order, StartAfter, pages: servers differ
 def test_the_standard_library_lister_reads_small_objects_and_ranges(s3_server):
     import io
 

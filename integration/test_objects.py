@@ -154,6 +154,7 @@ def test_missing_credentials(s3_server, monkeypatch):
                "no credentials for endpoint.*AWS_ACCESS_KEY_ID")
 
 
+@pytest.mark.server_sensitive
 def test_bucket_that_does_not_exist(s3_server):
     fails_fast(lambda: AsyncS3Dataset.from_prefix("s3://no-such-bucket-here/train/", config=s3_server.config),
                NoSuchBucketError, "bucket 'no-such-bucket-here' does not exist",

@@ -7,6 +7,7 @@ oracle: what obstore lists and reads must be what botocore lists and reads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import multiprocessing
 import os
@@ -289,6 +290,28 @@ async def test_wrong_secret_is_access_denied_without_the_secret(server, probe):
                 text = str(info.value) + repr(info.value) + repr(store)
                 assert wrong not in text and server.config.secret_access_key not in text
                 assert isinstance(info.value, PermissionError)
+
+
+@pytest.mark.server_sensitive
+async def test_s3_errors_read_the_same_on_each_server(s3_server):
+    """Missing key and bucket, a range past the end, a wrong secret: servers word and code these
+    answers differently (and obstore hands them over as text); the loader's errors must not."""
+    bucket = s3_server.new_bucket("obs-errors")
+    wrong = dataclasses.replace(s3_server.config, secret_access_key="wrong-secret-" + "z" * 20)
+    with anyio.fail_after(DEADLINE):
+        async with opened(s3_server.config) as store:
+            await store.put(bucket, "ten", b"0123456789")
+            with pytest.raises(NoSuchKeyError, match=rf"no object 'nope/k' in bucket '{bucket}'") as info:
+                await store.get(bucket, "nope/k")
+            assert (info.value.bucket, info.value.key) == (bucket, "nope/k")
+            with pytest.raises(NoSuchBucketError, match="bucket 'no-such-bucket' does not exist"):
+                await store.get("no-such-bucket", "k")
+            with pytest.raises(InvalidRangeError, match=r"past the end of the object \(10 bytes\)"):
+                await store.get_range(bucket, "ten", 11, 20)
+        async with opened(wrong) as store:
+            with pytest.raises(AccessDeniedError, match="credentials were rejected") as denied:
+                await store.get(bucket, "ten")
+            assert "wrong-secret" not in str(denied.value) + repr(store)
 
 
 async def test_unreachable_endpoint_fails_fast(server):

@@ -69,7 +69,7 @@ def test_grouped_stems_exactly_once(s3_server, bucket, num_workers):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_class_folders_exactly_once_in_collated_batches(s3_server, bucket, num_workers):
-    """The README's plain ``DataLoader(ds, batch_size=...)``: default collate, labels as a tensor."""
+    """The docs' plain ``DataLoader(ds, batch_size=...)``: default collate, labels as a tensor."""
     name, digests = bucket
     ds = AsyncS3Dataset.from_prefix(f"s3://{name}/train/", label_from="parent", shuffle=True,
                                     config=s3_server.config)

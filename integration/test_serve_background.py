@@ -1,4 +1,4 @@
-"""``loader serve --background`` in a shell, as the README shows it: ``eval "$(...)"`` returns as
+"""``loader serve --background`` in a shell, as the docs show it: ``eval "$(...)"`` returns as
 soon as the server is ready, the exports point at a server that answers, ``serve --stop`` ends it.
 """
 
@@ -100,7 +100,7 @@ def test_a_server_that_cannot_start_fails_the_eval_with_its_error(tmp_path, shel
         port = taken.getsockname()[1]
         pidfile = tmp_path / "s3.pid"
         # eval "$(...)" alone would hide the status (eval of nothing succeeds): scripts that must
-        # stop on failure assign first, as the README shows
+        # stop on failure assign first, as the docs show
         proc = subprocess.run(
             ["bash", "-c", (f'exports="$("$PYTHON" -m loader serve --background --pidfile {pidfile} '
                             f'--port {port})" && eval "$exports"')],

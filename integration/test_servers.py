@@ -17,10 +17,15 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import psutil
 import pytest
+import yaml
 from botocore.exceptions import ClientError
+from hypothesis import given
+from hypothesis import strategies as st
+from moto_main import canonical_query
 
 from loader.config import S3Config
 from loader.errors import ConfigError
@@ -28,7 +33,7 @@ from loader.tools import cli
 from loader.tools.devserver import DevServer, find_weed
 
 from datasets import jpeg_dataset, make_jpeg, sha256
-from s3servers import S3_VARS, restart_container
+from s3servers import S3_VARS, SERVERS_VAR, choose_server, chosen_servers, restart_container
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -370,3 +375,52 @@ def test_restart_container_stops_waits_starts_and_waits_until_ready(kill):
 def test_restart_container_that_never_answers_is_a_timeout_naming_it():
     with pytest.raises(TimeoutError, match="fake-minio did not answer"):
         restart_container(_FakeContainer(), downtime=0, kill=True, ready=lambda: False, timeout=0.5)
+
+
+# ---------------------------------------------------------------- which servers a session uses
+
+
+@pytest.fixture
+def servers_from(monkeypatch):
+    """``chosen_servers()`` for a given ``$LOADER_TEST_SERVERS`` (its cache cleared around it)."""
+    def choose(value: str | None) -> tuple[str, ...]:
+        if value is None:
+            monkeypatch.delenv(SERVERS_VAR, raising=False)
+        else:
+            monkeypatch.setenv(SERVERS_VAR, value)
+        chosen_servers.cache_clear()
+        return chosen_servers()
+
+    yield choose
+    monkeypatch.undo()  # before the cache forgets, so nothing caches this test's choice
+    chosen_servers.cache_clear()
+
+
+def test_loader_test_servers_lists_the_servers_first_one_first(servers_from):
+    assert servers_from("seaweedfs,moto") == ("seaweedfs", "moto")
+    assert servers_from(" moto , seaweedfs,moto") == ("moto", "seaweedfs")
+    assert servers_from("env") == ("env",)
+    with pytest.raises(pytest.UsageError, match=r"LOADER_TEST_SERVERS='seaweedfs,aws'.*'minio'"):
+        servers_from("seaweedfs,aws")
+
+
+def test_without_loader_test_servers_the_automatic_choice_comes_first_then_moto(servers_from):
+    first = {"seaweedfs-embedded": "seaweedfs", "minio-testcontainers": "minio", "env": "env"}
+    assert servers_from(None) == (first[choose_server().kind], "moto")
+
+
+@given(st.text(min_size=0, max_size=20), st.text(min_size=0, max_size=20))
+def test_moto_checks_signatures_on_the_query_as_sigv4_canonicalises_it(name, value):
+    """However a client percent-encodes a parameter (obstore: ``~`` as ``%7E``), moto signs
+    the same canonical query that AWS does: unreserved characters plain, the rest encoded."""
+    encoded = {safe: f"http://h/b?list-type=2&{quote(name, safe=safe)}={quote(value, safe=safe)}"
+               for safe in ("", "-_.~")}
+    assert canonical_query(encoded[""]) == canonical_query(encoded["-_.~"]) == encoded["-_.~"]
+
+
+def test_the_ci_workflow_parses_and_runs_minio_and_moto():
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "ci.yml").read_text(encoding="utf-8"))
+    steps = workflow["jobs"]["test"]["steps"]
+    make_test = next(step for step in steps if step.get("run", "").startswith("make test"))
+    assert make_test["env"][SERVERS_VAR] == "minio,moto"
+    assert "S3 server used: moto" in make_test["run"]

@@ -170,6 +170,7 @@ def test_foreign_shards_indexed_then_read_by_three_spawned_ranks(s3_server, fore
     assert set().union(*(r["keys"] for r in per_epoch)) <= set(wds_keys)
 
 
+@pytest.mark.server_sensitive
 def test_a_shard_rewritten_after_indexing_is_named_and_never_counted_stale(s3_server, tmp_path):
     bucket = s3_server.new_bucket("stale")
     shards = {f"s/x-{i}.tar": {f"s{i}/{n:03d}": {"bin": b"%d" % n * 30} for n in range(20 + i)}

@@ -34,6 +34,7 @@ def assert_exactly_once(got, expected):
     assert dict(got) == expected
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("num_workers", [0, 2, 4])
 def test_every_sample_exactly_once(s3_server, shards, num_workers):
     bucket, expected, _ = shards
@@ -45,6 +46,7 @@ def test_every_sample_exactly_once(s3_server, shards, num_workers):
     assert_exactly_once(digests(dataset, **options), expected)
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_prefix_form_reads_large_shards_as_ranged_parts(s3_server, shards):
     bucket, expected, _ = shards
@@ -115,6 +117,7 @@ def test_slow_consumer_keeps_buffered_bytes_within_the_budget(s3_server):
     assert sorted(seen) == sorted(expected)
 
 
+@pytest.mark.server_sensitive
 def test_truncated_garbage_and_empty_shards(s3_server):
     bucket = s3_server.new_bucket()
     good = pack({f"ok/{i:04d}": {"bin": bytes([i]) * 500} for i in range(20)})
@@ -149,6 +152,7 @@ def test_truncated_garbage_and_empty_shards(s3_server):
         read(url, on_error="warn")
 
 
+@pytest.mark.server_sensitive
 def test_missing_shard_names_the_key(s3_server, shards):
     bucket, _, _ = shards
     with pytest.raises(NoSuchKeyError, match=r"no object .train/shard-009[89]\.tar. in bucket"):

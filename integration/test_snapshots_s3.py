@@ -38,6 +38,7 @@ def saved_snapshot(s3_server, bucket: str, path: Path) -> subprocess.CompletedPr
                           cwd=REPO, timeout=120)
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("store", BACKENDS)
 def test_a_saved_listing_reads_back_without_a_list_and_changes_are_errors(s3_server, tmp_path, store):
     bucket = s3_server.new_bucket("snap")

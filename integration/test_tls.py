@@ -25,7 +25,7 @@ from loader.s3 import open_store
 from loader.tools.devserver import DevServer
 
 from datasets import jpeg_dataset
-from s3servers import S3_VARS, minio_client
+from s3servers import S3_VARS, minio_client, moto_server
 
 BACKENDS = ["aioboto3", "obstore"]
 QUICK = RetryPolicy(max_attempts=2, base_delay=0.01, connect_timeout=5, read_timeout=10)
@@ -173,3 +173,29 @@ def test_a_ca_certificate_served_as_the_server_certificate_is_refused_with_advic
     with (DevServer(buckets=["tls-ca"], certfile=cert, keyfile=key, cafile=cert) as server,
           pytest.raises(TLSError, match=r"did not verify .*not the CA certificate itself")):
         read_one(server.config, store, bucket="tls-ca")
+
+
+@pytest.fixture(scope="module")
+def moto_https(pki):
+    """moto's S3 server (AWS's semantics) on https with the test CA's certificate, 20 objects."""
+    with moto_server(certfile=pki["cert"], keyfile=pki["key"], cafile=pki["ca"]) as server:
+        bucket = server.new_bucket("tls")
+        keys = jpeg_dataset(server.minio, bucket, "train/", 20, seed=12)
+        yield server, bucket, {key.rsplit(".", 1)[0] for key in keys}
+
+
+@pytest.mark.server_sensitive
+@pytest.mark.parametrize("store", BACKENDS)
+def test_moto_over_https_reads_every_object_and_refuses_an_untrusted_ca(
+        moto_https, pki, monkeypatch, store):
+    """The same CA bundle from the environment, against moto's https (werkzeug's TLS, not Go's)."""
+    server, bucket, expected = moto_https
+    for name in S3_VARS + ("AWS_CA_BUNDLE",):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    dataset = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", store=store)
+    assert sorted(keys_of(DataLoader(dataset, batch_size=8, collate_fn=collate))) == sorted(expected)
+    config = dataclasses.replace(server.config, verify=pki["other"])
+    with pytest.raises(TLSError, match=r"did not verify"):
+        read_one(config, store, bucket=bucket)

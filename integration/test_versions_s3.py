@@ -132,6 +132,7 @@ def big_shards():
 # --------------------------------------------------------------------------- ranged parts
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_shards, backend):
     """The original reproduction: part_size=2 MiB, parts_inflight=2, overwritten mid-read."""
@@ -156,6 +157,7 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
     assert len(again) == 40 and versions_of(again) == {2}
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("backend", ["aioboto3", "obstore"])
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shard_replaced_between_listing_and_reading_is_read_in_its_new_version(s3_server, backend):
@@ -179,6 +181,7 @@ def proxied(s3_server, plan: FaultPlan) -> FaultProxy:
         pytest.skip(f"the fault proxy needs a loopback http server: {exc}")
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("overwrite", [True, False], ids=["overwritten", "unchanged"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stream_cut_by_the_proxy_resumes_only_on_the_same_version(s3_server, backend, overwrite):
@@ -218,6 +221,7 @@ def state(seed: int) -> dict:
     return {f"layer{i}": torch.randn(1 << 18, generator=generator) for i in range(8)}  # 8 MiB
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_checkpoint_overwritten_during_a_parallel_load_fails_naming_it(s3_server, backend):
     bucket = s3_server.new_bucket()
@@ -240,6 +244,7 @@ def objects(n: int, version: int) -> dict[str, bytes]:
             for i in range(n)}
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("backend", ["aioboto3", "obstore"])
 def test_cache_gives_fresh_bytes_after_an_overwrite_between_epochs(s3_server, tmp_path, backend):
     bucket = s3_server.new_bucket()
@@ -260,6 +265,7 @@ def test_cache_gives_fresh_bytes_after_an_overwrite_between_epochs(s3_server, tm
     assert versions_of(second) == {1, 2} and second.stats()["requests"] == 0
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.parametrize("backend", ["aioboto3", "obstore"])
 def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, tmp_path, backend):
     bucket = s3_server.new_bucket()
@@ -276,6 +282,7 @@ def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, 
     assert again.stats()["requests"] == 8 + 1  # 8 answered 304 (no body), one refetch
 
 
+@pytest.mark.server_sensitive
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shards_from_the_cache_are_refetched_when_overwritten(s3_server, tmp_path):
     bucket = s3_server.new_bucket()

@@ -1,14 +1,26 @@
-"""A local S3 server for users' own tests: ``DevServer`` (embedded SeaweedFS, extra ``devserver``).
+"""What users need to test their own training code against the loader (see docs/testing.md):
 
-    from loader.testing import DevServer
-    with DevServer(buckets=["train"]) as server:
-        ds = AsyncS3Dataset.from_prefix("s3://train/", config=server.config)
+* ``MemoryStore``: an in-memory object store with injectable latency and faults, and counters of
+  what it was asked; a dataset or a checkpoint takes it as ``store=``, no server involved::
 
-The stable home of the names below; the implementation lives in ``loader.tools.devserver``.
+      from loader.testing import MemoryStore
+      store = MemoryStore.with_objects("train", {"a/0.bin": b"x"}, latency=0.005)
+      ds = AsyncS3Dataset.from_prefix("s3://train/a/", store=store)
+
+* ``DevServer``: a real local S3 server (embedded SeaweedFS, extra ``devserver``; implemented in
+  ``loader.tools.devserver``)::
+
+      from loader.testing import DevServer
+      with DevServer(buckets=["train"]) as server:
+          ds = AsyncS3Dataset.from_prefix("s3://train/", config=server.config)
+
+The stable home of these names: ``MemoryStore`` lives in ``loader.s3.memory_store`` (its
+docstring has every option and counter), ``DevServer`` in ``loader.tools.devserver``.
 """
 
 from __future__ import annotations
 
+from .s3.memory_store import MemoryStore, MultipartUpload
 from .tools.devserver import DevServer, DevServerError
 
-__all__ = ["DevServer", "DevServerError"]
+__all__ = ["DevServer", "DevServerError", "MemoryStore", "MultipartUpload"]

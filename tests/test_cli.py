@@ -123,9 +123,10 @@ def test_subcommand_help_explains_itself(command):
 
 def test_shard_help_says_how_to_read_the_result_and_hides_test_flags():
     text = run_cli("shard", "--help").stdout
-    for needle in ("--target-size", "256MB", "1GiB", "index.json", "read_index_counts", "resume"):
+    for needle in ("--target-size", "256MB", "1GiB", "index.json", "from_shards(", "by itself", "resume"):
         assert needle.lower() in text.lower(), needle
     assert "--stop-after" not in text and "--part-size" not in text
+    assert "sample_counts" not in text  # from_shards finds the index itself
 
 
 def test_no_command_prints_help_and_fails_as_usage():

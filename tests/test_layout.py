@@ -240,7 +240,7 @@ def test_the_dev_server_has_a_stable_home_for_users_tests():
 
     assert loader.testing.DevServer is loader.tools.devserver.DevServer
     assert loader.testing.DevServerError is loader.tools.devserver.DevServerError
-    assert set(loader.testing.__all__) == {"DevServer", "DevServerError"}
+    assert set(loader.testing.__all__) == {"DevServer", "DevServerError", "MemoryStore", "MultipartUpload"}
 
 
 def _mentioned_py_files(text: str) -> set[str]:

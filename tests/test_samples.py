@@ -68,7 +68,7 @@ def test_the_parts_of_a_sample_are_fetched_concurrently():
 
 
 def test_default_collate_batches_grouped_samples():
-    """The README's plain ``DataLoader(ds, batch_size=...)`` needs every sample to have the same
+    """The docs' plain ``DataLoader(ds, batch_size=...)`` needs every sample to have the same
     fields: grouping gives that (one object per sample gave ``KeyError: 'jpg'``)."""
     fake = store(stems(10))
     ds = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/imgs/", store=reusable(fake))

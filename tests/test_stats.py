@@ -150,6 +150,8 @@ def test_report_advises_by_the_largest_share():
     no_steps = {k: v for k, v in base.items() if not k.startswith(("step", "data_wait", "first"))}
     text = report({**no_steps, **split})
     assert "ds.timed(loader)" in text and "training waited" not in text
+    lines = text.splitlines()  # the advice points at the split, which comes before it
+    assert "split above" in lines[-1] and any(line.startswith("loader processes") for line in lines[:-1])
 
 
 def test_start_up_is_kept_apart_from_the_steady_state():

@@ -151,7 +151,19 @@ class AsyncS3Dataset(IterableDataset):
     def from_shards(cls, shards: str | Iterable[str], **options: Unpack[ShardKwargs]) -> AsyncS3Dataset:
         """Tar shards: a brace pattern, a list of URIs/patterns, or a prefix (every ``.tar``,
         ``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst`` under it; compressed ones are decompressed
-        as they stream). Shard options: see ``ShardOptions``; ``sample_counts={url: n}``.
+        as they stream). Besides the keywords of ``LoaderOptions``:
+
+        - ``shards_inflight`` (4): shards streamed at once per process, their samples interleaved.
+        - ``shuffle_buffer`` (1000 with ``shuffle=True``; 0 = off): samples mixed after reading;
+          ``shuffle_bytes`` bounds it in bytes too (``memory_budget`` sets it).
+        - ``part_size`` (16 MiB), ``parts_inflight`` (4): a shard of known size above two parts
+          is read as ranged GETs of ``part_size``, ``parts_inflight`` at a time;
+          ``chunk_size`` (1 MiB): the piece a streamed shard is read in.
+        - ``sample_counts={url: n}``, ``index=URI``: the shards' sample counts, when they are not
+          in the ``index.json`` beside the shards (found by itself).
+        - ``samples_per_epoch``: exactly this many samples per rank and epoch, cycling through the
+          shards (no counts needed); ``uneven_ranks``: accept ranks of unequal length when the
+          counts are unknown.
         """
         rest: dict[str, Any] = budget_options(options, "shards")
         names = {field.name for field in dataclasses.fields(ShardOptions)}

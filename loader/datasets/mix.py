@@ -223,10 +223,13 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
     ``samples_per_epoch``: the epoch's length (default: the longest in which no source repeats a
     sample, ``min(size / weight)`` over the sources). ``sampling`` (one value or per name):
     ``"continue"`` reads each source as one stream of shuffled passes across epochs, so every
-    sample comes before any repeats; ``"epoch"`` starts each epoch on a fresh pass. Every sample
-    carries ``"__source__"``. Each source keeps its ``transform``, ``shuffle``, ``on_error`` and
-    shard options; how to load (``max_inflight``, ``memory_budget``, ``batch_size``, ranks, store
-    and endpoint) is the mix's, given here as keywords.
+    sample comes before any repeats, though an epoch that spans the end of one pass and the start
+    of the next can hold a sample of that source twice; ``"epoch"`` starts each epoch on a fresh
+    pass. A weight of 0 gives no samples, but the source is still listed: it must exist and hold
+    samples (leave it out of ``datasets`` instead). Every sample carries ``"__source__"``. Each
+    source keeps its ``transform``, ``shuffle``, ``on_error`` and shard options; how to load
+    (``max_inflight``, ``memory_budget``, ``batch_size``, ranks, store and endpoint) is the
+    mix's, given here as keywords.
     """
     from .iterable import AsyncS3Dataset
 

@@ -41,7 +41,35 @@ MIN_MEMORY_BUDGET = 8 << 20
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderOptions:
-    """Everything about *how* to load, shared by both modes; validated at construction."""
+    """Everything about *how* to load, shared by both modes; validated at construction.
+
+    Every dataset constructor takes these as keywords (errors name the keyword and its value):
+
+    - ``shuffle``, ``seed``: a new order per epoch from ``(seed, epoch)``, the same on every rank
+      (no seed: the fixed default 0, so ranks still agree).
+    - ``max_inflight`` (64): requests in flight per iterating process (per-object mode; shards
+      have ``shards_inflight``).
+    - ``memory_budget``: bytes per iterating process for everything the loader holds; derives the
+      queue, bodies in flight, shard parts and shuffle buffer (the two below included).
+    - ``queue_bytes`` (256 MiB), ``queue_items`` (1024): fetched samples not yet consumed; a
+      slow consumer pauses fetching.
+    - ``ordered`` (True): deliver in the planned order; False: as completed.
+    - ``transform``: ``dict -> anything``; its errors name the object and keep the cause.
+    - ``on_error`` (``"raise"``): a bad sample raises, ``"skip"`` drops it, ``"warn"`` drops it
+      with a warning.
+    - ``batch_size``: the DataLoader's batch size, given to the dataset too: whole batches per
+      worker in turn, and an exact resume on any number of ranks.
+    - ``rank``, ``world_size``: the distributed position (default: the process group, else
+      ``RANK``/``WORLD_SIZE``); ``pad_policy`` (``"pad"``): equal ranks by repeating a few
+      samples, or ``"drop"`` them.
+    - ``config``: an ``S3Config`` (default: from the environment); ``store``: ``"aioboto3"``
+      (default, or ``$LOADER_STORE``), ``"obstore"``, or an async store factory; ``retry``: a
+      ``RetryPolicy``; ``listing``: a ``ListOptions``.
+    - ``cache_dir``, ``cache_limit``, ``cache_validate`` (``"listing"``): the disk cache, its
+      size in bytes, and when an entry may still answer (``"listing"``, ``"always"``,
+      ``"never"``).
+    - ``log_stats``: log one line of statistics per worker at the end of each pass.
+    """
 
     shuffle: bool = False
     seed: int | None = None

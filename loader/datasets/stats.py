@@ -210,7 +210,7 @@ def _advice(stats: dict[str, Any], parts: dict[str, float], inflight_limit: int 
             return ("these steps were all start-up (a first batch from each worker): time an epoch "
                     "of more steps to see whether loading keeps up")
         return ("iterate `for batch in ds.timed(loader):` to measure how long training waits for "
-                "data; the split below it says where the loader's time goes")
+                "data; until then, the split above says where the loader's own time goes")
     if share < WAIT_WORTH_FIXING:
         return f"data loading keeps up: training waits for it only {share:.0%} of its time"
     worst = max(parts, key=lambda name: parts[name])

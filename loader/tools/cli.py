@@ -179,9 +179,8 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
             "  loader shard s3://data/train/ s3://data/shuffled/ --target-size 1GiB --shuffle --seed 7\n"
             "\nthen read them with:\n"
             "  from loader import AsyncS3Dataset\n"
-            "  from loader import read_index_counts\n"
-            "  ds = AsyncS3Dataset.from_shards(\"s3://data/train-shards/\", shuffle=True,\n"
-            "         sample_counts=read_index_counts(\"s3://data/train-shards/index.json\"))\n"
+            "  ds = AsyncS3Dataset.from_shards(\"s3://data/train-shards/\", shuffle=True)\n"
+            "(it finds DST_PREFIX/index.json by itself: every rank then reads as many samples)\n"
             "\nsizes: 256MB = 256*10^6 bytes, 1GiB = 2^30, 500k = 500*10^3."
         ),
         formatter_class=_Formatter,
@@ -249,9 +248,8 @@ def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         return EXIT_INTERRUPTED
     for line in summary_lines(report):
         print(line, file=out)
-    print(f"read them with: AsyncS3Dataset.from_shards({report.destination!r}, "
-          f"sample_counts=read_index_counts({report.index_url!r}))  "
-          "# from loader import read_index_counts", file=out)
+    print(f"read them with: AsyncS3Dataset.from_shards({report.destination!r})  "
+          f"# finds {report.index_url} by itself", file=out)
     return EXIT_OK
 
 

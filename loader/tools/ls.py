@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import IO, NamedTuple
 
 from ..config import S3Config
+from ..errors import EmptyDatasetError
 from ..formats.compression import is_shard_name
 from ..formats.grouping import split_key
 from ..formats.packing import PROGRESS_NAME
@@ -133,10 +134,27 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
     return lines
 
 
+def empty_listing(uri: str) -> str:
+    """What ``loader ls`` says about a prefix with nothing under it."""
+    bucket, prefix = parse_s3_uri(uri)
+    if not prefix:
+        return (f"{uri}: 0 objects, the bucket is empty; upload objects into it "
+                f"(e.g. `aws s3 cp --recursive DIR s3://{bucket}/`), then list it again")
+    return (f"{uri}: 0 objects under this prefix; check it (it is case-sensitive and matches from "
+            f"the start of the key, see `loader ls s3://{bucket}/`) and that the upload finished")
+
+
 def run_ls(args: argparse.Namespace, out: IO[str]) -> int:
     """``loader ls [--save PATH] URI``: the summary; ``--save``: the listing snapshot too."""
     save = getattr(args, "save", None)
-    objects = list_uri(args.uri, save=save)
+    try:
+        objects = list_uri(args.uri, save=save)
+    except EmptyDatasetError:
+        if save:  # a snapshot of nothing would only fail later, in from_manifest
+            raise
+        # an empty listing is an answer, not a failure: a new bucket is empty until the first upload
+        print(empty_listing(args.uri), file=out)
+        return 0
     for line in summarize_listing(args.uri, objects):
         print(line, file=out)
     if save:
