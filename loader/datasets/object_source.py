@@ -135,7 +135,8 @@ class ObjectSource:
     def stream(self, slot: Slot, progress: Progress, run: Run) -> Generator[Tagged, None, None]:
         assert isinstance(progress, ObjectProgress)
         index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
-        done = progress.delivered
+        # what a resume skips, copied: the engine's thread reads it while this one adds to the original
+        done = Watermark.from_state(progress.delivered.to_state())
         # One job at a time, as the engine asks: the plan is computed as it is read (partition)
         jobs = (sample_job(index, bucket, pos, tag, on_error)
                 for tag, pos in enumerate(self.plan(slot)) if tag not in done)
