@@ -11,6 +11,20 @@ from loader.testing import MultipartUpload
 __all__ = ["FakeStore", "MultipartUpload", "payloads", "reusable"]
 
 
+class SharedFake:
+    """A picklable async store factory (``reusable`` is a closure): hands out its ``FakeStore``.
+
+    After pickling into a spawned worker it hands out that worker's copy of the store.
+    """
+
+    def __init__(self, fake: FakeStore) -> None:
+        self.fake = fake
+
+    async def __call__(self) -> FakeStore:
+        self.fake.closed = False
+        return self.fake
+
+
 def reusable(fake: FakeStore):
     """An async store factory that hands out ``fake`` to every engine (re-opened each time)."""
 

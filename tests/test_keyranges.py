@@ -13,11 +13,13 @@ from hypothesis import strategies as st
 
 from loader.errors import TransientStoreError
 from loader.listing.keylist import ListOptions, list_all
-from loader.listing.keyspace import KeySpace, past, plain
+from loader.listing.keyspace import KeySpace, plain
 from loader.retry import RetryPolicy
+from loader.s3.listing_order import SERVERS
 
 from fakes import FakeStore
 
+past = SERVERS.past  # the rule where a range may end, on every server
 FAST = RetryPolicy(base_delay=0.0, max_delay=0.0, max_attempts=50)
 # characters just below and above '/' (0x2F), digits, letters, one above ASCII and one far above
 CHARS = " !-./0129:AZaz~\u00e4\u4e2d"
@@ -120,3 +122,30 @@ def test_a_server_listing_out_of_byte_order_ends_the_splitting_and_the_listing_e
         store = FakeStore.with_objects("b", objects, page_size=1, order="directories")
         assert list(anyio.run(listing, store, parallel)) == sorted(key for key in objects if key.startswith("a"))
         assert store.list_requests <= 4 * len(objects), store.list_requests
+
+
+@given(st.lists(keys, min_size=1, max_size=30), st.text("ab-/", min_size=1, max_size=4))
+def test_a_key_beyond_the_stem_ends_a_directory_listing_in_both_orders(listed, stem):
+    """obstore's lister lists a directory and stops at the first key that shows no later one
+    can start with the stem (a key that does not start with it, asked about as obstore's lister
+    asks); that must hold whether the server sorts by bytes or by directory."""
+    stem = stem.strip("/") or "a"
+    for order in (sorted, lambda ks: sorted(ks, key=directory_order)):
+        seen = order(set(listed))
+        for i, key in enumerate(seen):
+            if not key.startswith(stem) and SERVERS.beyond_stem(key, 0, stem):
+                assert not any(later.startswith(stem) for later in seen[i + 1:]), (seen, key)
+
+
+def test_only_the_listing_order_module_knows_that_servers_order_listings_differently():
+    """The SeaweedFS quirk is one capability (``s3/listing_order.py``) that the listers consult,
+    not comparisons spread over the range lister, the key space and a backend."""
+    from pathlib import Path
+
+    import loader
+
+    root = Path(loader.__file__).parent
+    for path in ("listing/ranges.py", "listing/keyspace.py", "s3/obstore_store.py"):
+        code = (root / path).read_text(encoding="utf-8")
+        assert 'split("/") >' not in code and 'partition("/")[0] >' not in code, path
+    assert "SERVERS" in (root / "listing" / "ranges.py").read_text(encoding="utf-8")

@@ -20,25 +20,11 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from loader import AccessDeniedError, ConfigError, LoaderOptions, NoSuchKeyError, SampleError
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
 
-from fakes import FakeStore, payloads, reusable
+from fakes import FakeStore, SharedFake, payloads, reusable
 from waiting import wait_until
 
 BUCKET = "bucket"
 LATENCY = 0.01
-
-
-class SharedFake:
-    """A picklable async store factory (``reusable`` is a closure): hands out its ``FakeStore``.
-
-    After pickling into a spawned worker it hands out that worker's copy of the store.
-    """
-
-    def __init__(self, fake: FakeStore) -> None:
-        self.fake = fake
-
-    async def __call__(self) -> FakeStore:
-        self.fake.closed = False
-        return self.fake
 
 
 def dataset(n=100, latency=LATENCY, picklable=False, **options):
@@ -276,11 +262,19 @@ def test_from_prefix_lists_once_for_len_batches_and_pickling(closing):
     assert fake.list_requests == lists, "the listing happens once, in the process that pickles"
 
 
-def test_pickling_before_len_lists_in_the_parent():
+def test_pickling_to_start_a_worker_before_len_lists_in_the_parent():
+    from multiprocessing.context import set_spawning_popen
+
     objects = payloads(12)
     fake = FakeStore.with_objects(BUCKET, objects)
     ds = AsyncS3MapDataset.from_prefix(f"s3://{BUCKET}/train/", store=SharedFake(fake))
-    state = pickle.dumps(ds)
+    pickle.dumps(ds)
+    assert fake.list_requests == 0, "pickling that starts no process lists nothing"
+    set_spawning_popen(object())  # as multiprocessing does while it starts a spawned worker
+    try:
+        state = pickle.dumps(ds)
+    finally:
+        set_spawning_popen(None)
     assert fake.list_requests == 1 and ds.source._keys is not None
     copy = pickle.loads(state)
     assert copy.source._keys == ds.source._keys
@@ -485,7 +479,7 @@ def test_fork_after_use_in_the_parent_does_not_hang(closing):
 
 SCRIPT = textwrap.dedent("""
     import os, sys, threading
-    from fakes import FakeStore, payloads, reusable
+    from fakes import FakeStore, SharedFake, payloads, reusable
     from test_mapdataset import SharedFake
     from loader.datasets.mapped import AsyncS3MapDataset
     objects = payloads(50)

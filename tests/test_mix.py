@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError, mix
-from loader.datasets.mix_order import Interleave, apportion
+from loader.datasets.mix_order import DrawOrder, apportion
 from loader.engine import fetch
 
 from fakes import FakeStore, payloads, reusable
@@ -212,7 +212,7 @@ def test_unindexed_shards_in_a_mix_say_how_to_count_them():
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=6).filter(any))
 def test_interleave_prefixes_hold_every_share_within_tijdemans_bound(counts):
-    order = [s for s, _ in Interleave(counts).walk()]
+    order = [s for s, _ in DrawOrder(counts).walk()]
     total = len(order)
     assert total == sum(counts)
     active = len([n for n in counts if n])
@@ -234,7 +234,7 @@ def test_interleave_prefixes_hold_every_share_within_tijdemans_bound(counts):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=5).filter(any), st.data())
 def test_interleave_locate_agrees_with_the_walk(counts, data):
-    interleave = Interleave(counts)
+    interleave = DrawOrder(counts)
     walk = list(interleave.walk())
     positions = data.draw(st.lists(st.integers(0, len(walk) - 1), max_size=20))
     assert interleave.locate(positions) == [walk[p] for p in positions]

@@ -188,3 +188,87 @@ def test_a_process_lists_just_before_it_forks_so_forked_workers_inherit_the_keys
     child.start()
     child.join()
     assert fake.list_requests == 6, "listed once, not at every fork"
+
+
+def _dead_endpoint_store():
+    from loader.s3.error_answers import unreachable
+
+    from fakes import FakeStore, payloads
+
+    dead = unreachable("http://127.0.0.1:9", "bucket", "train/", listing=True, reason="refused")
+    return FakeStore.with_objects("bucket", payloads(7), list_fail={"train/": dead})
+
+
+def test_a_listing_that_fails_before_a_fork_is_raised_in_the_forked_workers_not_listed_again(caplog):
+    """A fork hook cannot raise: its failure is a warning here, and each forked child raises
+    that very error at once instead of listing again (against a dead endpoint, every worker
+    would wait as long as the parent did)."""
+    import multiprocessing
+
+    from loader import AsyncS3Dataset, EndpointUnreachableError, RetryPolicy
+
+    from fakes import reusable
+
+    fake = _dead_endpoint_store()
+    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake),
+                                    retry=RetryPolicy(max_attempts=2, base_delay=0.001))
+
+    def child() -> None:
+        before = fake.list_requests
+        try:
+            ds.keys()
+        except EndpointUnreachableError as exc:
+            os._exit(0 if fake.list_requests == before and "127.0.0.1:9" in str(exc) else 2)
+        os._exit(1)
+
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        process = multiprocessing.get_context("fork").Process(target=child)
+        process.start()
+        process.join()
+    assert process.exitcode == 0, "the child raised the parent's error without a LIST of its own"
+    assert fake.list_requests == 2, "the parent tried, with its retries, once"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("cannot connect to http://127.0.0.1:9" in m and "none lists again" in m for m in warned)
+    with pytest.raises(EndpointUnreachableError, match="127.0.0.1:9"):
+        ds.keys()  # the parent itself may try again, and meets the same answer
+    assert fake.list_requests == 4
+
+
+def test_a_dataloader_over_a_dead_endpoint_fails_with_the_listings_error():
+    """What a user sees: the listing's own error, naming the endpoint and the fix, from the
+    first batch; the workers the DataLoader forked did not list again."""
+    from torch.utils.data import DataLoader
+
+    from loader import AsyncS3Dataset, EndpointUnreachableError, RetryPolicy
+
+    from fakes import reusable
+
+    fake = _dead_endpoint_store()
+    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake),
+                                    retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(EndpointUnreachableError, match=r"127\.0\.0\.1:9.*AWS_ENDPOINT_URL") as info:
+        next(iter(DataLoader(ds, batch_size=None, num_workers=2)))
+    assert "no worker listed again" in str(info.value) and fake.list_requests == 1
+
+
+def test_pickling_a_dataset_lists_nothing_unless_it_starts_a_process():
+    """``pickle.dumps(ds)`` does no I/O (a dead endpoint cannot make it hang); pickling that
+    starts a spawned or forkserver worker is where a rank lists for such workers."""
+    from multiprocessing.context import set_spawning_popen
+
+    from loader import AsyncS3Dataset, AsyncS3MapDataset
+
+    from fakes import FakeStore, SharedFake, payloads
+
+    fake = FakeStore.with_objects("bucket", payloads(7), page_size=3)
+    objects = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=SharedFake(fake))
+    mapped = AsyncS3MapDataset.from_prefix("s3://bucket/train/", store=SharedFake(fake))
+    pickle.dumps(objects), pickle.dumps(mapped)
+    assert fake.list_requests == 0 and objects.source._keys is None and mapped.source._keys is None
+    set_spawning_popen(object())  # as multiprocessing does while it starts a spawned worker
+    try:
+        objects.__getstate__(), mapped.__getstate__()  # what multiprocessing's pickler calls
+    finally:
+        set_spawning_popen(None)
+    assert fake.list_requests == 6, "one listing each, in the process that starts the worker"
+    assert len(objects.source._keys) == len(mapped.source._keys) == 7

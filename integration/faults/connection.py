@@ -107,7 +107,7 @@ class Connection:
     async def _exchange(self, request: Head) -> bool:
         """Answer one request; True when the client connection stays open for the next one."""
         method, target = request.start[0], request.start[1]
-        plan, decision = self.proxy._decide(method, target)
+        plan, decision = self.proxy._decide(method, target, request.headers)
         try:
             framing = request.body_framing()
         except BadMessage as exc:

@@ -66,6 +66,7 @@ class FaultProxy:
         self._decider = FaultDecider(plan)
         self._counts: collections.Counter[str] = collections.Counter()
         self._decisions: collections.deque[tuple[str, str, str | None]] = collections.deque(maxlen=history)
+        self._heads: collections.deque[dict[str, list[str]]] = collections.deque(maxlen=history)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
@@ -101,11 +102,19 @@ class FaultProxy:
         with self._lock:
             return list(self._decisions)
 
+    @property
+    def headers(self) -> list[dict[str, list[str]]]:
+        """The headers of each request as it reached the proxy (lower-case names), in the order
+        of ``decisions`` (a snapshot): what a server behind it received."""
+        with self._lock:
+            return list(self._heads)
+
     def reset_counts(self) -> None:
         """Forget counts and decisions (not the random sequence; use ``set_plan`` for that)."""
         with self._lock:
             self._counts.clear()
             self._decisions.clear()
+            self._heads.clear()
 
     @property
     def port(self) -> int:
@@ -232,7 +241,8 @@ class FaultProxy:
             self._connections.discard(connection)
             self._tasks.discard(task)
 
-    def _decide(self, method: str, target: str) -> tuple[FaultPlan, Decision]:
+    def _decide(self, method: str, target: str,
+                headers: dict[str, list[str]] | None = None) -> tuple[FaultPlan, Decision]:
         with self._lock:
             decider = self._decider
             decision = decider.decide(method, target)
@@ -242,6 +252,7 @@ class FaultProxy:
             if decision.kind is not None:
                 self._counts[decision.kind] += 1
             self._decisions.append((method, target, decision.kind))
+            self._heads.append(dict(headers or {}))
             return decider.plan, decision
 
     def _count(self, key: str) -> None:

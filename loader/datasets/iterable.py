@@ -252,10 +252,11 @@ class AsyncS3Dataset(IterableDataset):
         return partition.rank_length(count, world_size, self.options.pad_policy)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickled into spawned workers: list here, once, rather than in every worker.
-        self.resolve()
+        starting = get_spawning_popen() is not None
+        if starting:  # pickled to start a process (a spawned DataLoader worker, most often):
+            self.resolve()  # list here, once, rather than in every worker; other pickling lists nothing
         state = self.__dict__.copy()
-        if get_spawning_popen() is not None and self.options.world_size is None:
+        if starting and self.options.world_size is None:
             # Starting a process (a spawn or forkserver DataLoader worker, most often): it will
             # not inherit this process's group, so tell it the rank (see topology.world).
             state["_launch"] = topology.observe()

@@ -18,6 +18,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import anyio
@@ -219,9 +220,11 @@ class AsyncS3MapDataset(Dataset):
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickled into spawned workers: list here, once, rather than in every worker; the
-        # client (a thread, a loop, open connections) belongs to this process alone.
-        self.samples()
+        # Pickled to start a process (a spawned DataLoader worker, most often): list here, once,
+        # rather than in every worker; other pickling lists nothing. The client (a thread, a
+        # loop, open connections) belongs to this process alone.
+        if get_spawning_popen() is not None:
+            self.samples()
         state = self.__dict__.copy()
         for name in ("_client", "_closer", "_lock"):
             del state[name]

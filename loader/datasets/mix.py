@@ -1,8 +1,8 @@
 """Mixing data sets by weight: ``mix({"web": a, "curated": b}, weights={...})``.
 
 A ``MixSource`` is a source over sources. Each epoch it gives every source its share of the
-epoch (``interleave.apportion``) and orders the shares by the chairman assignment
-(``interleave.Interleave``); the result is one sequence that ``AsyncS3Dataset`` deals, resumes
+epoch (``mix_order.apportion``) and orders the shares by the chairman assignment
+(``mix_order.DrawOrder``); the result is one sequence that ``AsyncS3Dataset`` deals, resumes
 and counts like any other, the same on any number of ranks and workers. A source is read as an
 endless stream of passes, each in a fresh order from ``(seed, source name, pass)``; an epoch
 takes the next stretch of it (``"continue"``: every sample is seen before any repeats, across
@@ -26,7 +26,7 @@ from ..listing.versions import Versions, first_known
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from . import partition
-from .mix_order import Interleave, apportion
+from .mix_order import DrawOrder, apportion
 from .object_source import ObjectProgress
 from .options import LoaderKwargs, LoaderOptions
 from .progress import Watermark
@@ -122,12 +122,12 @@ class MixSource:
         shares, sizes = self.shares(), self.sizes()
         total = sum(shares)
         positions = slot.positions
-        if positions is None:  # the interleave is the order: deal it as is, strided like samples
+        if positions is None:  # the draw order is the order: deal it as is, strided like samples
             positions = partition.partition(total, seed=slot.seed, epoch=slot.epoch, shuffle=False,
                                             rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
                                             num_workers=slot.num_workers, policy=slot.policy)
         todo = [(tag, q) for tag, q in enumerate(positions) if tag not in progress.delivered]
-        located = Interleave(shares).locate([q for _, q in todo])
+        located = DrawOrder(shares).locate([q for _, q in todo])
         groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (source, pass) -> [(tag, position)]
         for (tag, _), (s, k) in zip(todo, located):
             part = self.parts[s]

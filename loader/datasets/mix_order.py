@@ -1,7 +1,7 @@
 """Pure arithmetic of a weighted mix: how many samples each source gives an epoch, and in which order.
 
 ``apportion`` splits an epoch of ``N`` samples by weight (largest remainders, exact integers).
-``Interleave`` orders them by Tijdeman's chairman assignment (each step, among the sources at
+``DrawOrder`` orders them by Tijdeman's chairman assignment (each step, among the sources at
 least ``1/(2S-2)`` behind their share, the one whose next sample is due first): every prefix of
 the epoch holds each source's share to within ``1 - 1/(2S-2)`` < 1 sample for ``S`` sources, so
 any window holds it to within two, and within one with two sources. Integer arithmetic
@@ -34,7 +34,7 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return counts
 
 
-class Interleave:
+class DrawOrder:
     """The order of one epoch's samples over sources with ``counts[s]`` samples each: position
     ``q`` of the epoch is the ``k``-th sample of source ``s``."""
 

@@ -14,7 +14,7 @@ from ..decode import apply_transform
 from ..engine.fetch import Delivery
 from ..listing.inputs import check_keys, list_keys
 from ..listing.keylist import KeyList
-from ..listing.sharing import ticket, track
+from ..listing.sharing import raise_if_failed_before_fork, ticket, track
 from ..listing.snapshots import Snapshot
 from ..listing.versions import Versions, listed_versions
 from . import partition
@@ -71,6 +71,7 @@ class ObjectSource:
         """Every object key, listing the prefix now if not done yet (once)."""
         if self._keys is None:
             assert self.prefix is not None  # the constructor takes keys or a prefix
+            raise_if_failed_before_fork(self)
             self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
                                    retry=self.options.retry, options=self.options.listing,
                                    ticket=self._listing_ticket, snapshot=self._snapshot)

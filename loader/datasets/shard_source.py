@@ -30,7 +30,7 @@ from ..formats.shards import (
     shard_job,
 )
 from ..listing.inputs import resolve_shards, shard_specs
-from ..listing.sharing import ticket, track
+from ..listing.sharing import raise_if_failed_before_fork, ticket, track
 from ..listing.versions import Versions, versions_of
 from ..shard_index.counts import (
     Counts,
@@ -139,6 +139,7 @@ class ShardSource:
 
     def _listed(self) -> list[ShardRef]:
         if self._shards is None:
+            raise_if_failed_before_fork(self)
             self._shards = resolve_shards(self._specs, factory=self.options.listing_factory(),
                                           retry=self.options.retry, options=self.options.listing,
                                           ticket=self._listing_ticket)

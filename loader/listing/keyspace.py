@@ -1,24 +1,15 @@
-"""Key ranges for listing one prefix in parallel: when a range is finished, where to split one.
+"""Key ranges for listing one prefix in parallel: where to split one.
 
-S3 lists in byte order, SeaweedFS directory by directory, and ``StartAfter`` differs with them;
-``past(key, hi)`` holds in both orders, so a range may stop there and no key is missed wherever
-its bounds fall. ``KeySpace`` guesses split points from the keys seen: a bad guess costs a short
-page, never a key. Why this is exact on both kinds of server: docs/design/listing.md.
+``KeySpace`` guesses split points from the keys seen: a bad guess costs a short page, never a
+key. Where a range ends, and which split points a server's order allows, is the server's
+capability (``s3.listing_order``); why this is exact: docs/design/listing.md.
 """
-
 from __future__ import annotations
 
 import bisect
 import os
 
 DEPTH = 64  # characters after the prefix that positions resolve
-
-
-def past(key: str, bound: str) -> bool:
-    """Whether ``key`` lies after ``bound`` in byte order and in directory order, and not under
-    ``bound + "/"`` (docs/design/listing.md)."""
-    return (key > bound and key.split("/") > bound.split("/")
-            and not key.startswith(bound + "/"))
 
 
 def plain(key: str) -> bool:

@@ -17,8 +17,9 @@ import anyio
 import anyio.abc
 
 from ..retry import RetryPolicy, call_with_retries
+from ..s3.listing_order import SERVERS, ListingOrder
 from ..s3.protocol import ListPage, ObjectInfo, PagedLister
-from .keyspace import KeySpace, past
+from .keyspace import KeySpace
 
 RAMP_PAGES = 2  # pages listed one after the other before any range is split
 MIN_SPLIT_PAGES = 3  # a range estimated to hold fewer pages than this is left whole
@@ -39,16 +40,18 @@ class KeyRange:
     keys: int = 0
     pages: int = 0
     done: bool = False
-    byte_order: bool = True  # every page so far in byte order: split points can be guessed
+    splittable: bool = True  # not wrapped back over another range (``ListingOrder.wrapped``)
 
 
 class RangeLister:
     """Lists ``s3://bucket/prefix`` with up to ``parallel`` ranges at once; ``run()`` returns
-    when every range is done, or raises the first range's failure."""
+    when every range is done, or raises the first range's failure. ``order``: how servers
+    list, the one place their quirk is known (``s3.listing_order``)."""
 
     def __init__(self, store: PagedLister, bucket: str, prefix: str, retry: RetryPolicy,
-                 page_size: int, parallel: int, sink: Callable[[list[ObjectInfo]], None]) -> None:
-        self.store, self.bucket, self.prefix = store, bucket, prefix
+                 page_size: int, parallel: int, sink: Callable[[list[ObjectInfo]], None],
+                 order: ListingOrder = SERVERS) -> None:
+        self.store, self.bucket, self.prefix, self.order = store, bucket, prefix, order
         self.retry, self.page_size, self.parallel, self.sink = retry, page_size, parallel, sink
         self.pending: list[KeyRange] = [KeyRange(None, None)]
         self.active: list[KeyRange] = []
@@ -125,8 +128,8 @@ class RangeLister:
 
     def _take(self, part: KeyRange, page: ListPage) -> None:
         objects = page.objects
-        if objects and part.byte_order:
-            self._check_order(part, objects)
+        if objects and part.last is None and part.splittable:
+            part.splittable = not self.order.wrapped(part.start_after, objects[0].key)
         if objects:
             if part.first is None:
                 part.first = objects[0].key
@@ -136,7 +139,7 @@ class RangeLister:
                 (objects[0].key, objects[-1].key))
             hi = part.hi
             if hi is not None and max(info.key for info in objects) > hi:
-                kept = [info for info in objects if not past(info.key, hi)]
+                kept = [info for info in objects if not self.order.past(info.key, hi)]
                 if len(kept) < len(objects):
                     objects, part.done = kept, True
         if part.pages == 0 and part.done and not objects:
@@ -150,14 +153,6 @@ class RangeLister:
         self.sink(objects)
         self._measure()
         self._notify()
-
-    def _check_order(self, part: KeyRange, objects: list[ObjectInfo]) -> None:
-        """A piece whose first key is not after its ``StartAfter`` in byte order is never split
-        again. SeaweedFS lists directory by directory (``a-b`` after ``a/c``) while split points
-        are guessed in byte order: such a piece wrapped back over keys another range holds, and
-        splitting it again can wrap again, split after split. It still lists exactly."""
-        if part.start_after is not None and part.last is None and objects[0].key <= part.start_after:
-            part.byte_order = False
 
     def _measure(self) -> None:
         """Double ``limit`` while each doubling lists faster, by ``GAIN`` at least; settle
@@ -201,10 +196,9 @@ class RangeLister:
         """The key space of what has been seen; when the alphabet grew, the finished ranges'
         widths are measured again in the new one."""
         space = self._space
-        if space is None or len(space.chars) != len(self._chars) or len(
-                space.folder_ends) != len(self._folder_ends):
-            space = self._space = KeySpace(self.prefix, "".join(self._chars),
-                                           frozenset(self._folder_ends))
+        folders = self._folder_ends if self.order.avoids_folder_names() else set()  # only grows
+        if space is None or len(space.chars) != len(self._chars) or len(space.folder_ends) != len(folders):
+            space = self._space = KeySpace(self.prefix, "".join(self._chars), frozenset(folders))
             self._covered = [sum(part.keys for part in self._finished_ranges),
                              sum(self._width(space, part) for part in self._finished_ranges)]
         return space
@@ -228,7 +222,7 @@ class RangeLister:
         if self.misses > self.pages * MAX_MISSES:
             return None  # guesses keep landing in empty key space: wait for more pages
         candidates = [part for part in self.active
-                      if part.pages and not part.done and part.last is not None and part.byte_order]
+                      if part.pages and not part.done and part.last is not None and part.splittable]
         if not candidates:
             return None
         space = self._current_space()

@@ -1,14 +1,19 @@
 """One listing per job, one copy of it per machine, however ranks and DataLoader workers start.
 
-A rank lists (or receives) its key list before its DataLoader starts workers: just before it
-forks them (``track``), when it pickles the dataset for spawned ones, or in ``__iter__`` without
-workers. In a ``torch.distributed`` job rank 0 lists; one process per other machine fetches the
-result once through the job's ``TCPStore``; every process of a machine maps the one file
-``stores.nodeshare`` keeps. Listings are named by target and the dataset's ``ticket`` (so ranks
-must build datasets in the same order) under a job id the store hands out. A plain process lists
-in memory (its forked workers share the pages). Why and how: ``docs/design/listing-once-per-job.md``.
-"""
+Where the listing happens, the one documented point (docs/design/listing-once-per-job.md): a
+rank lists (or receives) its key list before its DataLoader starts workers, at the first of
+``resolve``/``set_epoch``/``len``/``__iter__`` in the rank's own process, just before it forks
+workers (``track``: an ``os.register_at_fork`` hook), or when it pickles the dataset to start a
+spawned or forkserver worker. Pickling for anything else lists nothing. A listing that fails in
+the fork hook cannot raise there: it is logged as a warning, and each forked worker raises that
+very error at once (``raise_if_failed_before_fork``) instead of listing again.
 
+In a ``torch.distributed`` job rank 0 lists; one process per other machine fetches the result
+once through the job's ``TCPStore``; every process of a machine maps the one file
+``listing.nodeshare`` keeps. Listings are named by target and the dataset's ``ticket`` (so
+ranks must build datasets in the same order) under a job id the store hands out. A plain process
+lists in memory (its forked workers share the pages).
+"""
 from __future__ import annotations
 
 import collections
@@ -134,7 +139,8 @@ _hooked_in: int | None = None
 def track(dataset: Any) -> None:
     """List ``dataset``'s keys (if still needed) just before this process forks, so forked
     DataLoader workers inherit them: the one point where a rank's own process runs before its
-    workers do. Registered on first use, not at import."""
+    workers do. Registered on first use, not at import. A failure there reaches the user
+    through the workers (``raise_if_failed_before_fork``)."""
     global _hooked_in
     _pending.add(dataset)
     if _hooked_in != os.getpid():
@@ -146,12 +152,33 @@ def _before_fork() -> None:
     if topology.in_worker():
         return
     for dataset in list(_pending):
+        _pending.discard(dataset)  # one try per dataset, not one per worker forked
         try:
             resolve = getattr(dataset, "resolve", None)
             resolve() if resolve is not None else dataset.samples()
-        except Exception as exc:  # noqa: BLE001 - the workers meet it again and raise it there
-            log.debug("listing %r before a fork failed (%s); the workers list", dataset, exc)
-        _pending.discard(dataset)
+        except Exception as exc:  # noqa: BLE001 - a fork hook cannot raise: the workers will
+            _failed[dataset] = (os.getpid(), exc)
+            if _FAILED_NOTE not in getattr(exc, "__notes__", ()):
+                exc.add_note(_FAILED_NOTE)
+            log.warning("listing before the DataLoader forked its workers failed, so each worker "
+                        "raises this error (none lists again): %s", exc)
+        else:
+            _failed.pop(dataset, None)
+
+
+_FAILED_NOTE = ("(raised by the listing this process ran just before the DataLoader forked its "
+                "workers; no worker listed again)")
+# what failed in the fork hook, with the pid of the process that tried: its forked children raise it
+_failed: weakref.WeakKeyDictionary[Any, tuple[int, BaseException]] = weakref.WeakKeyDictionary()
+
+
+def raise_if_failed_before_fork(dataset: Any) -> None:
+    """In a process forked after ``dataset``'s listing failed in its parent's fork hook: raise
+    that error now, rather than list again (against a dead endpoint, every worker would wait as
+    long as the parent did). The parent itself may try again (``resolve``)."""
+    failed = _failed.get(dataset)
+    if failed is not None and failed[0] != os.getpid():
+        raise failed[1]
 
 
 def _in_job(job: Job, name: str, target: str, anchor: int, produce: Callable[[], KeyList]) -> KeyList:

@@ -4,7 +4,7 @@ One client per engine, made inside its loop (on first use), pool sized to its co
 and listings to path-style custom endpoints skip botocore's request pipeline (``aiohttp_direct``);
 botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
 rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
-``answers`` (docs/design/stores.md).
+``error_answers`` (docs/design/stores.md).
 """
 
 from __future__ import annotations
@@ -271,31 +271,27 @@ class Aioboto3Store:
         return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
 
     async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
-        return await self._read(bucket, key, None, pin)
+        return _sent(await self._read(bucket, key, None, pin))
 
     async def get_range(
         self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
         if end is not None and end <= start:
             return b""
-        return await self._read(bucket, key, _range_header(start, end), pin)
+        return _sent(await self._read(bucket, key, _range_header(start, end), pin))
 
     async def get_if_changed(
         self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
         pin: Pin | None = None,
     ) -> bytes | None:
         byte_range = None if start == 0 and end is None else _range_header(start, end)
-        try:
-            return await self._read(bucket, key, byte_range, pin, {"If-None-Match": f'"{etag}"'})
-        except StoreError as exc:
-            if _error_code(exc.__cause__) in _NOT_MODIFIED:
-                return None
-            raise
+        return await self._read(bucket, key, byte_range, pin, {"If-None-Match": f'"{etag}"'})
 
     async def _read(
         self, bucket: str, key: str, byte_range: str | None, pin: Pin | None,
         conditions: dict[str, str] | None = None,
-    ) -> bytes:
+    ) -> bytes | None:
+        """The bytes, or None where ``If-None-Match`` was answered 304 Not Modified."""
         if pin is not None and pin.etag is not None:
             conditions = {**(conditions or {}), "If-Match": f'"{pin.etag}"'}
         if self._getter is not None:
@@ -303,7 +299,7 @@ class Aioboto3Store:
                 data, etag = await self._getter.get(bucket, key, byte_range, conditions)
             except Exception as exc:
                 raise self._translate(exc, bucket, key) from exc
-            if pin is not None:
+            if pin is not None and data is not None:
                 pin.observe(etag, bucket, key)
             return data
         kwargs = {"Bucket": bucket, "Key": key}
@@ -319,6 +315,8 @@ class Aioboto3Store:
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
                 data = await body.read()  # verifies Content-Length: short bodies raise
         except Exception as exc:
+            if conditions and "If-None-Match" in conditions and _error_code(exc) in _NOT_MODIFIED:
+                return None
             raise self._translate(exc, bucket, key) from exc
         if pin is not None:
             pin.observe(response.get("ETag"), bucket, key)
@@ -483,7 +481,7 @@ class Aioboto3Store:
 def translate_error(
     exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> BaseException:
-    """The one place where aiobotocore's and aiohttp's errors become ours (wording: ``answers``)."""
+    """The one place where aiobotocore's and aiohttp's errors become ours (wording: ``error_answers``)."""
     if isinstance(exc, (StoreError, asyncio.CancelledError)):
         return exc
     if isinstance(exc, bce.ClientError):
@@ -586,6 +584,13 @@ def _error_code(exc: BaseException | None) -> str:
     if isinstance(exc, bce.ClientError):
         return str(exc.response.get("Error", {}).get("Code", ""))
     return ""
+
+
+def _sent(data: bytes | None) -> bytes:
+    """A read's bytes: only a read with ``If-None-Match`` can come back without any."""
+    if data is None:
+        raise StoreError("a 304 Not Modified answer to a read that sent no If-None-Match")
+    return data
 
 
 def _range_header(start: int, end: int | None) -> str:

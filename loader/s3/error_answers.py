@@ -35,6 +35,14 @@ def target(bucket: str, key: str, *, listing: bool = False) -> str:
     return f"s3://{bucket}/{key}" + (" (listing)" if listing else "")
 
 
+def answer_code(body: bytes) -> str:
+    """The ``<Code>`` of an S3 error body (``""`` if it has none), for the transports that read
+    answers themselves; botocore and obstore find it in their own exceptions."""
+    if b"<Code>" not in body:
+        return ""
+    return body.split(b"<Code>", 1)[1].split(b"</Code>", 1)[0].decode("utf-8", "replace")
+
+
 def error_for_answer(
     code: str, status: int, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> StoreError:

@@ -9,9 +9,6 @@ custom endpoints with keys in the config (``usable``), other listings use aiobot
 from __future__ import annotations
 
 import datetime
-import functools
-import hashlib
-import hmac
 import http.client
 import socket
 import ssl
@@ -27,6 +24,7 @@ from ..config import S3Config
 from ..errors import StoreError
 from ..retry import RetryPolicy
 from .error_answers import (
+    answer_code,
     certificate_rejected,
     error_for_answer,
     failed_mid_request,
@@ -35,9 +33,7 @@ from .error_answers import (
 )
 from .list_xml import list_query, parse_list_page
 from .protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, objects_of
-
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-_SAFE = "-_.~"  # what SigV4 leaves unescaped
+from .signing import canonical_query, host_header, sign_v4
 
 
 def usable(config: S3Config) -> bool:
@@ -45,46 +41,6 @@ def usable(config: S3Config) -> bool:
     with keys given (no credential chain to run)."""
     return (config.endpoint_url is not None and config.path_style
             and config.access_key_id is not None and config.secret_access_key is not None)
-
-
-def sign_v4(method: str, host: str, path: str, query: dict[str, str], *, access_key: str,
-            secret_key: str, token: str | None, region: str, when: datetime.datetime
-            ) -> dict[str, str]:
-    """The headers of a SigV4-signed S3 request without a body (``path`` already escaped)."""
-    stamp = (f"{when.year:04d}{when.month:02d}{when.day:02d}T"  # strftime costs 3x as much
-             f"{when.hour:02d}{when.minute:02d}{when.second:02d}Z")
-    headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
-    if token:
-        headers["x-amz-security-token"] = token
-    names = sorted(headers)
-    signed = ";".join(names)
-    canonical = "\n".join([
-        method, path, canonical_query(query),
-        "".join(f"{name}:{headers[name].strip()}\n" for name in names), signed, EMPTY_SHA256])
-    scope = f"{stamp[:8]}/{region}/s3/aws4_request"
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope,
-                         hashlib.sha256(canonical.encode()).hexdigest()])
-    signature = hmac.new(_signing_key(secret_key, stamp[:8], region), to_sign.encode(),
-                         hashlib.sha256).hexdigest()
-    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, "
-                                f"SignedHeaders={signed}, Signature={signature}")
-    return headers
-
-
-@functools.lru_cache(maxsize=16)
-def _signing_key(secret_key: str, day: str, region: str) -> bytes:
-    """SigV4's key for one day and region: four HMACs, the same for every request of that day,
-    so derived once (the cache holds a few keys, in this process's memory only)."""
-    key = ("AWS4" + secret_key).encode()
-    for part in (day, region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    return key
-
-
-def canonical_query(query: dict[str, str]) -> str:
-    """The query string as SigV4 signs it (and as it is sent): sorted, each part escaped."""
-    return "&".join(f"{urllib.parse.quote(name, safe=_SAFE)}={urllib.parse.quote(value, safe=_SAFE)}"
-                    for name, value in sorted(query.items()))
 
 
 class HttpLister:
@@ -99,7 +55,8 @@ class HttpLister:
         parts = urllib.parse.urlsplit(str(config.endpoint_url))
         self._endpoint = str(config.endpoint_url)
         self._https = parts.scheme == "https"
-        self._host, self._port, self._netloc = parts.hostname or "", parts.port, parts.netloc
+        self._host, self._port = parts.hostname or "", parts.port
+        self._host_header = host_header(self._endpoint)
         self._base = parts.path.rstrip("/")
         self._config = config
         self._timeout = max(retry.connect_timeout, retry.read_timeout)
@@ -139,14 +96,8 @@ class HttpLister:
               byte_range: str | None, *, listing: bool = False) -> bytes:
         """One signed GET of ``/bucket`` + ``path`` (already escaped), in a worker thread: the
         body, or the error that the answer or the connection's failure means."""
-        path = f"{self._base}/{urllib.parse.quote(bucket, safe='')}{path}"
-        config = self._config
-        headers = sign_v4("GET", self._netloc, path, query, access_key=config.access_key_id or "",
-                          secret_key=config.secret_access_key or "", token=config.session_token,
-                          region=config.region, when=datetime.datetime.now(datetime.timezone.utc))
-        if byte_range:
-            headers["Range"] = byte_range
-        target = f"{path}?{canonical_query(query)}" if query else path
+        target, headers = self.request(bucket, path, query, byte_range,
+                                       datetime.datetime.now(datetime.timezone.utc))
         connection = self._connection()
         try:
             connection.request("GET", target, headers=headers)
@@ -161,14 +112,28 @@ class HttpLister:
             with self._lock:
                 self._idle.append(connection)
         if response.status >= 300:
-            code = body.split(b"<Code>", 1)[-1].split(b"</Code>", 1)[0] if b"<Code>" in body else b""
-            raise error_for_answer(code.decode("utf-8", "replace"), response.status, bucket=bucket,
-                                   key=key, endpoint=self._endpoint, listing=listing)
+            raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
+                                   endpoint=self._endpoint, listing=listing)
         length = response.getheader("Content-Length")
         if length is not None and length.isdigit() and int(length) != len(body):
             raise failed_mid_request(bucket, key, f"body of {len(body)} of {length} bytes",
                                      listing=listing)
         return body
+
+    def request(self, bucket: str, path: str, query: dict[str, str], byte_range: str | None,
+                when: datetime.datetime) -> tuple[str, dict[str, str]]:
+        """The target and the headers of a GET of ``/bucket`` + ``path`` (already escaped), every
+        header signed: ``Range`` and the ``Accept-Encoding`` that ``http.client`` would add
+        unsigned (tests/test_signing.py holds this to botocore's signature)."""
+        path = f"{self._base}/{urllib.parse.quote(bucket, safe='')}{path}"
+        extra = {"accept-encoding": "identity"}
+        if byte_range:
+            extra["range"] = byte_range
+        config = self._config
+        headers = sign_v4("GET", self._host_header, path, query, access_key=config.access_key_id or "",
+                          secret_key=config.secret_access_key or "", token=config.session_token,
+                          region=config.region, when=when, headers=extra)
+        return (f"{path}?{canonical_query(query)}" if query else path), headers
 
     def _connection(self) -> http.client.HTTPConnection:
         with self._lock:
@@ -187,7 +152,7 @@ class HttpLister:
         return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
 
     def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
-        """Raise ``exc`` as one of ours (wording: ``answers``)."""
+        """Raise ``exc`` as one of ours (wording: ``error_answers``)."""
         if isinstance(exc, ssl.SSLCertVerificationError):
             raise certificate_rejected(self._endpoint, bucket, key,
                                        exc.verify_message or str(exc), listing=listing) from exc

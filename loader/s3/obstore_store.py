@@ -42,6 +42,7 @@ from .error_answers import (
     target,
     unreachable,
 )
+from .listing_order import SERVERS
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -205,7 +206,7 @@ class ObstoreStore:
                 key = meta["path"]
                 if key.startswith(prefix):
                     objects.append(ObjectInfo(key, int(meta["size"]), normalize_etag(meta.get("e_tag"))))
-                elif stem and _past(key, skip, stem):
+                elif stem and SERVERS.beyond_stem(key, skip, stem):
                     yield ListPage(objects, [], None)
                     return
             if batch:
@@ -534,16 +535,6 @@ def _start_after(prefix: str) -> str | None:
         return head + lower + "~"
     head = head.rstrip("/")
     return head or None
-
-
-def _past(key: str, skip: int, stem: str) -> bool:
-    """Whether a listed key that does not match shows that no later key can.
-
-    Compared by the key's first path segment below the listed directory, not by the whole key:
-    then it holds both for S3's byte order and for servers that list directory by directory
-    (SeaweedFS puts ``many/0`` before ``many-x/1``, which a whole-key comparison would misread).
-    """
-    return key[skip:].partition("/")[0] > stem
 
 
 def _check_key(bucket: str, key: str) -> None:
