@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from datasets import make_jpeg, upload_objects
@@ -28,8 +30,10 @@ BUCKET = "bucket"  # the name the pages use: `s3://bucket/...` runs exactly as w
 
 def starting_data() -> dict[str, bytes]:
     """What every page may read: ``train/`` (64 JPEGs, each with a ``.cls`` class id),
-    ``images/{cat,dog}/`` (class folders, 20 JPEGs each) and ``wds/train-{0000..0003}.tar``
-    (four tar shards of 16 samples that another tool wrote, with no index)."""
+    ``images/{cat,dog}/`` (class folders, 20 JPEGs each), ``wds/train-{0000..0003}.tar``
+    (four tar shards of 16 samples that another tool wrote, with no index) and
+    ``parquet/train-{00000..00001}-of-00002.parquet`` (40 rows in row groups of 10: a Hub-style
+    image column and a label)."""
     items: dict[str, bytes] = {}
     for i in range(64):
         items[f"train/{i:06d}.jpg"] = make_jpeg(i)
@@ -41,6 +45,13 @@ def starting_data() -> dict[str, bytes]:
         samples = {f"s{shard * 16 + i:04d}": {"jpg": make_jpeg(5000 + shard * 16 + i),
                                                  "cls": str(i % 10).encode()} for i in range(16)}
         items[f"wds/train-{shard:04d}.tar"] = pack(samples)
+    for part in range(2):  # as the Hub publishes images: a struct column of bytes and path, and a label
+        rows = range(part * 20, part * 20 + 20)
+        table = pa.table({"image": [{"bytes": make_jpeg(7000 + i), "path": f"{i:05d}.jpg"} for i in rows],
+                          "label": pa.array([i % 10 for i in rows], pa.int64())})
+        out = io.BytesIO()
+        pq.write_table(table, out, row_group_size=10)
+        items[f"parquet/train-{part:05d}-of-00002.parquet"] = out.getvalue()
     return items
 
 
@@ -134,8 +145,10 @@ def test_page_examples_run_as_written(page: Path, page_bucket: Path):
 
 
 def test_starting_data_is_what_the_pages_say():
-    """The data the pages describe: 64 + 40 objects and four shards of 16 samples."""
+    """The data the pages describe: 64 + 40 objects, four shards of 16 samples, 40 Parquet rows."""
     data = starting_data()
     assert sum(key.startswith("train/") for key in data) == 128
     assert sum(key.startswith("images/") for key in data) == 40
     assert io.BytesIO(data["wds/train-0000.tar"]).read(512)[257:262] == b"ustar"
+    assert sum(pq.read_metadata(io.BytesIO(body)).num_rows for key, body in data.items()
+               if key.startswith("parquet/")) == 40

@@ -32,7 +32,7 @@ _PUBLIC = {
     **{name: "loader.errors" for name in (
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
-        "NoSuchKeyError", "ObjectChangedError", "SampleError", "ShardFormatError", "StoreError",
+        "NoSuchKeyError", "ObjectChangedError", "ParquetFormatError", "SampleError", "ShardFormatError", "StoreError",
         "TLSError", "TransientStoreError",
     )},
 }
@@ -64,6 +64,7 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "NoSuchBucketError",
     "NoSuchKeyError",
     "ObjectChangedError",
+    "ParquetFormatError",
     "RetryPolicy",
     "S3Config",
     "SampleError",
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
         NoSuchBucketError,
         NoSuchKeyError,
         ObjectChangedError,
+        ParquetFormatError,
         SampleError,
         ShardFormatError,
         StoreError,

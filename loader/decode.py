@@ -374,6 +374,20 @@ def decode_sample(sample: dict[str, Any], size: Sequence[int] | None = None, *,
                   mode: str = "RGB") -> dict[str, Any]:
     """A transform that decodes every field it knows and leaves the rest as bytes; images are
     resized to ``size=(H, W)`` when given: ``transform=functools.partial(decode_sample,
-    size=(224, 224))``."""
-    return {key: value if key.startswith("__") else decode_field(key, value, size, mode=mode)
-            for key, value in sample.items()}
+    size=(224, 224))``. A Hugging Face image column's value (``{"bytes": ..., "path": ...}``, as
+    ``from_parquet`` gives it) is decoded as an image; other values that are not bytes stay."""
+    out: dict[str, Any] = {}
+    for key, value in sample.items():
+        if key.startswith("__") or not isinstance(value, (bytes, bytearray, dict)):
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = decode_image(value["bytes"], size, mode=mode) if is_hub_image(value) else value
+        else:
+            out[key] = decode_field(key, bytes(value), size, mode=mode)
+    return out
+
+
+def is_hub_image(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face ``Image`` feature's value as Parquet stores it."""
+    return (isinstance(value, dict) and set(value) <= {"bytes", "path"}
+            and isinstance(value.get("bytes"), (bytes, bytearray)))

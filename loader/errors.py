@@ -14,6 +14,7 @@
     │   └── ObjectChangedError                   replaced during a read; never retried or spliced
     ├── EmptyDatasetError (ValueError)           a prefix or manifest with nothing in it
     ├── ShardFormatError (ValueError)            a tar shard truncated, corrupt or not a tar
+    │   └── ParquetFormatError                   a Parquet file whose footer or pages do not decode
     └── SampleError                              a sample failed after fetching (``transform``)
 
 Backend errors are translated into these in one place per backend (``loader/s3/*``) with
@@ -125,6 +126,11 @@ class ShardFormatError(LoaderError, ValueError):
 
 def _rebuild_shard_error(cls, message, url, offset):
     return cls(message, url=url, offset=offset)
+
+
+class ParquetFormatError(ShardFormatError):
+    """A Parquet file whose footer is corrupt or truncated, or whose pages do not decode; names the
+    file (and the row group). A kind of shard error, so ``on_error`` treats a row group as a shard."""
 
 
 class SampleError(LoaderError):

@@ -33,7 +33,7 @@ from ..uri import parse_s3_uri
 from . import partition
 from .object_samples import LabelFrom, SampleIndex, Skipped, skippable
 from .object_source import ObjectSource
-from .options import LoaderKwargs, LoaderOptions, ShardKwargs, budget_options
+from .options import LoaderKwargs, LoaderOptions, ParquetKwargs, ShardKwargs, budget_options
 from .protocol import Progress, Slot, Source
 from .shard_source import ShardSource
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
@@ -52,7 +52,9 @@ class AsyncS3Dataset(IterableDataset):
       objects sharing a stem (``a/1.jpg``, ``a/1.cls``) form one sample, ``max_inflight``
       samples fetched at a time; ``label_from="parent"`` adds the class index as ``"cls"``;
     * ``from_shards("s3://b/train-{0000..0127}.tar")``: WebDataset tar shards streamed and
-      parsed on the fly, ``shards_inflight`` at a time, mixed by a shuffle buffer.
+      parsed on the fly, ``shards_inflight`` at a time, mixed by a shuffle buffer;
+    * ``from_parquet("s3://b/data/", columns=[...])``: rows of Parquet files, row group by row
+      group, only the selected columns fetched.
 
     Samples are dicts in the WebDataset convention (``__key__``, ``__url__``, extension → bytes),
     passed through ``transform``. Call ``set_epoch(e)`` before each epoch: with ``shuffle=True``
@@ -171,6 +173,26 @@ class AsyncS3Dataset(IterableDataset):
         counts = rest.pop("sample_counts", None)
         loader_options = LoaderOptions(**rest)
         return cls(ShardSource(shards, loader_options, shard_options=shard_options, sample_counts=counts),
+                   options=loader_options)
+
+    @classmethod
+    def from_parquet(cls, files: str | Iterable[str], columns: Sequence[str] | None = None,
+                     **options: Unpack[ParquetKwargs]) -> AsyncS3Dataset:
+        """Rows of Parquet files: a brace pattern, a list of URIs/patterns, or a prefix (every
+        ``.parquet`` under it). Each row is a sample: ``__key__`` (the file's key less
+        ``.parquet``, ``/``, the row's number in the file), ``__url__`` and the ``columns``
+        selected (None: all), as pyarrow gives them (binary as bytes, structs as dicts).
+
+        The footers are read once, before workers start; their row counts split every epoch
+        exactly, by row group (dealt, shuffled and resumed as shards are: ``row_groups_inflight``,
+        ``shuffle_buffer``, ``samples_per_epoch``, ``part_size``, ``parts_inflight``). Only the
+        selected columns' chunks are fetched. Needs the ``parquet`` extra (pyarrow).
+        """
+        from .parquet_source import ParquetSource, parquet_options
+
+        shard_options, rest = parquet_options(options)
+        loader_options = LoaderOptions(**rest)
+        return cls(ParquetSource(files, loader_options, columns=columns, shard_options=shard_options),
                    options=loader_options)
 
     # ----------------------------------------------------------------------- what is read

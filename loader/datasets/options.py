@@ -259,6 +259,17 @@ class ShardKwargs(LoaderKwargs, total=False):
     sample_counts: Mapping[str, int] | None
 
 
+class ParquetKwargs(LoaderKwargs, total=False):
+    """``from_parquet`` also takes how row groups are read and dealt (``datasets.parquet_source``)."""
+
+    row_groups_inflight: int
+    shuffle_buffer: int
+    part_size: int
+    parts_inflight: int
+    shuffle_bytes: int | None
+    samples_per_epoch: int | None
+
+
 # ------------------------------------------------------------------------ one memory budget
 #
 # ``memory_budget`` is bytes per iterating process (each DataLoader worker has its own). It is

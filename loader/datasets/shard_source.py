@@ -12,12 +12,12 @@ import dataclasses
 import itertools
 import logging
 import random
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Container, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 from ..checks import check_int
 from ..decode import apply_transform
-from ..engine.fetch import Delivery, Job, JobContext
+from ..engine.fetch import Delivery, EngineLimits, Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.shards import (
     END,
@@ -110,6 +110,7 @@ class ShardSource:
     """Tar shards (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst``) of one or more buckets."""
 
     kind = "shards"
+    unit_name = "shards"  # what ``size()`` counts, in messages
 
     def __init__(self, shards: str | Iterable[str], options: LoaderOptions, *,
                  shard_options: ShardOptions | None = None,
@@ -177,6 +178,10 @@ class ShardSource:
         counts = self.counts()
         return None if counts is None else counts.complete(self.shards())
 
+    def unit_counts(self) -> list[int] | None:
+        """Samples per unit read (a shard here), in the order ``size()`` counts them."""
+        return self.shard_counts()
+
     def _command(self) -> str:
         return index_command(self._given, self._listed())
 
@@ -189,7 +194,7 @@ class ShardSource:
         return len(self.shards())
 
     def count(self) -> int | None:
-        counts = self.shard_counts()
+        counts = self.unit_counts()
         return None if counts is None else sum(counts)
 
     def fixed_rank_length(self) -> int | None:
@@ -208,7 +213,7 @@ class ShardSource:
 
     def assignments(self, slot: Slot) -> list[ShardAssignment]:
         """Which shards ``slot`` reads, and which samples of each, in reading order."""
-        counts = self.shard_counts()
+        counts = self.unit_counts()
         if slot.positions is not None:  # blocks of the epoch's order (see partition)
             if counts is None:
                 raise ConfigError(f"batch_size= in shard mode deals samples: {self.missing_count()}")
@@ -219,7 +224,7 @@ class ShardSource:
         if slot.world_size > 1 and not self.shard_options.uneven_ranks:
             raise ConfigError(f"{slot.world_size} ranks read {len(self.shards())} tar shards, but "
                               + self.missing_count())
-        shards = len(self.shards())
+        shards = self.size()
         _, slots = partition.slot_of(slot.rank, slot.world_size, slot.worker, slot.num_workers)
         if partition.needs_sample_split(shards, slots):
             _warn_sample_split(shards, slots)
@@ -230,13 +235,9 @@ class ShardSource:
         if self.shard_options.samples_per_epoch is not None:
             yield from self._cycle(slot, progress, run, self.shard_options.samples_per_epoch)
             return
-        shards, options = self.shards(), self.shard_options
-        counts = self.counts()
-        offsets = {} if counts is None else counts.offsets
+        options = self.shard_options
         jobs = [
-            shard_job(shards[a.shard], position, a, options, skip=progress.shard(position),
-                      on_error=self.options.on_error, offsets=offsets.get(shards[a.shard].url),
-                      expect=None if counts is None else counts.expect(shards[a.shard]))
+            self.job(a, position, skip=progress.shard(position))
             for position, a in enumerate(self.assignments(slot))
             if not shard_complete(a, progress.shard_samples.get(position), progress.shard(position))
         ]
@@ -245,7 +246,7 @@ class ShardSource:
             delivery: Delivery = "ordered"  # blocks in order: shards read ahead, delivered in turn
         else:
             delivery = "interleave" if self.options.ordered else "completed"
-        limits = self.options.limits(delivery, max_inflight=options.shards_inflight)
+        limits = self.limits(delivery)
         size = options.buffer_size if self.options.shuffle and not blocks else 0  # keeps blocks whole
         with contextlib.closing(progress.count_ends(run(jobs, limits))) as stream:
             yield from shuffled(stream, size, slot_rng(slot), max_bytes=options.shuffle_bytes,
@@ -263,8 +264,8 @@ class ShardSource:
                                     batch_size=self.options.batch_size) - progress.delivered()
         if left <= 0:
             return
-        shards, options, counts = self.shards(), self.shard_options, self.counts()
-        plan = cycling.cycle(len(shards), seed=cycling.pass_seed(slot.seed, slot.epoch, slot.seen),
+        options = self.shard_options
+        plan = cycling.cycle(self.size(), seed=cycling.pass_seed(slot.seed, slot.epoch, slot.seen),
                              shuffle=slot.shuffle, rank=slot.rank, world_size=slot.world_size,
                              worker=slot.worker, num_workers=slot.num_workers)
         # The jobs are made in the engine's thread as it needs them: give them a copy of what a
@@ -281,11 +282,9 @@ class ShardSource:
                 done = delivered.get(position, Watermark())
                 earlier = earlier or len(done) > 0
                 if not shard_complete(a, ended.get(position), done):
-                    shard = shards[a.shard]
-                    yield shard_job(shard, position, a, options, skip=done, on_error=self.options.on_error,
-                                    expect=None if counts is None else counts.expect(shard))
+                    yield self.job(a, position, skip=done, offsets=False)
 
-        limits = self.options.limits("ordered", max_inflight=options.shards_inflight)
+        limits = self.limits("ordered")
 
         def samples() -> Generator[tuple[Tag, Any] | None, None, None]:
             found = 0  # samples of this pass
@@ -298,7 +297,7 @@ class ShardSource:
                                                      slot.num_workers)
                         raise EmptyDatasetError(
                             f"rank {slot.rank} worker {slot.worker} read a whole pass over its shards "
-                            f"without finding a sample ({len(shards)} shards for {slots} rank x worker "
+                            f"without finding a sample ({self.size()} {self.unit_name} for {slots} rank x worker "
                             "slots): samples_per_epoch needs samples in every slot's share; use more "
                             "shards or fewer workers")
                     found = 0
@@ -326,15 +325,32 @@ class ShardSource:
         if slot.positions is None:
             raise ValueError("reads() needs the slot's positions")
         assignments = self.assignments(slot)  # raises without counts
-        shards, counts, known = self.shards(), self.shard_counts(), self.counts()
-        assert counts is not None and known is not None
-        options = self.shard_options
-        reserve = shard_read_bytes(options.parts_inflight, options.part_size)  # parts, or chunks and a member
-        return [Read(shard_job(shards[a.shard], position, a, options,
-                               on_error=self.options.on_error, offsets=known.offsets.get(shards[a.shard].url),
-                               expect=known.expect(shards[a.shard])),
-                     a.wanted(counts[a.shard]), _is_sample, reserve)
+        counts = self.unit_counts()
+        assert counts is not None
+        return [Read(self.job(a, position), a.wanted(counts[a.shard]), _is_sample, self.reserve(a))
                 for position, a in enumerate(assignments)]
+
+    # ------------------------------------------------------------------ how one shard is read
+    # (a source of other units dealt like shards, such as Parquet row groups, overrides these)
+
+    def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
+            offsets: bool = True) -> Job:
+        """The engine job that reads ``assignment``'s samples as plan position ``position``,
+        less ``skip``; ``offsets``: ranged reads from the index's offsets where they apply."""
+        shard, counts = self.shards()[assignment.shard], self.counts()
+        return shard_job(shard, position, assignment, self.shard_options, skip=skip,
+                         on_error=self.options.on_error,
+                         offsets=counts.offsets.get(shard.url) if offsets and counts is not None else None,
+                         expect=None if counts is None else counts.expect(shard))
+
+    def reserve(self, assignment: ShardAssignment) -> int:
+        """Bytes one read holds while it runs (a mix's budget counts them)."""
+        options = self.shard_options
+        return shard_read_bytes(options.parts_inflight, options.part_size)  # parts, or chunks and a member
+
+    def limits(self, delivery: Delivery) -> EngineLimits:
+        """The engine's limits for this source's reads."""
+        return self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight)
 
     def transform(self, sample: dict[str, Any]) -> Any:
         return apply_transform(self.options.transform, sample)

@@ -1,0 +1,205 @@
+"""``python -m bench.parquet``: a Parquet data set of photo JPEGs in a Hub-style image column, read
+through the embedded server by this project, by ``pyarrow.dataset`` over pyarrow's own
+``S3FileSystem``, and by Hugging Face ``datasets`` streaming the same files, in one run.
+
+Data: ``--rows`` distinct photo-like JPEGs (``loader.tools.demo.photo_jpeg``, ~50 KiB; ``--distinct``
+of them drawn, each row's copy made distinct by its number appended after the JPEG's end, which
+decoders ignore) in ``--files`` Parquet files with row groups of ``--row-group`` rows (the Hub's
+image data sets use 100), columns ``image: struct<bytes: binary, path: string>`` and ``label``.
+Every loader hands the training loop one Python dict per row with the image's bytes (no decode),
+through ``DataLoader(batch_size=32, num_workers=0)``. Rounds alternate the loaders; the table gives
+medians of samples/s and of the time from building the dataset to its first sample.
+CPU per row (this process, the server process) says where the time goes on a machine where the
+server and the client share two cores. Writes ``bench/results/parquet-<date>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+from torch.utils.data import DataLoader, IterableDataset
+
+from loader import AsyncS3Dataset
+from loader.tools.demo import photo_jpeg
+from loader.tools.devserver import DevServer
+
+BUCKET = "parquetbench"
+PREFIX = "data/"
+RESULTS = Path(__file__).resolve().parent / "results"
+COLUMNS = ["image", "label"]
+
+
+def make_files(rows: int, files: int, row_group: int, distinct: int) -> dict[str, bytes]:
+    """``files`` Parquet files of ``rows`` rows in all, written by pyarrow as the Hub's are."""
+    base = [photo_jpeg(i) for i in range(distinct)]
+    per = -(-rows // files)
+    out: dict[str, bytes] = {}
+    for number in range(files):
+        first, last = number * per, min(rows, (number + 1) * per)
+        images = [{"bytes": base[i % distinct] + i.to_bytes(8, "little"), "path": f"{i:07d}.jpg"}
+                  for i in range(first, last)]
+        table = pa.table({"image": images, "label": pa.array([i % 1000 for i in range(first, last)], pa.int64())})
+        sink = io.BytesIO()
+        pq.write_table(table, sink, row_group_size=row_group)
+        out[f"{PREFIX}train-{number:05d}-of-{files:05d}.parquet"] = sink.getvalue()
+    return out
+
+
+class Rows(IterableDataset):
+    """An iterable of rows made by ``make_rows()`` when iterated (a peer, for the DataLoader)."""
+
+    def __init__(self, make_rows: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self.make_rows = make_rows
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.make_rows())
+
+
+def ours(server: DevServer) -> IterableDataset:
+    return AsyncS3Dataset.from_parquet(f"s3://{BUCKET}/{PREFIX}", columns=COLUMNS, config=server.config)
+
+
+def pyarrow_dataset(server: DevServer) -> IterableDataset:
+    import pyarrow.dataset as pads
+    from pyarrow import fs
+
+    config = server.config
+    endpoint = server.endpoint_url.split("://", 1)[1]
+
+    def rows() -> Iterator[dict[str, Any]]:
+        s3 = fs.S3FileSystem(access_key=config.access_key_id, secret_key=config.secret_access_key,
+                             endpoint_override=endpoint, scheme="http", region=config.region,
+                             force_virtual_addressing=False)
+        dataset = pads.dataset(f"{BUCKET}/{PREFIX}", format="parquet", filesystem=s3)
+        for batch in dataset.to_batches(columns=COLUMNS):
+            yield from batch.to_pylist()
+
+    return Rows(rows)
+
+
+def hf_datasets(server: DevServer) -> IterableDataset:
+    from datasets import load_dataset
+
+    config = server.config
+    options = {"key": config.access_key_id, "secret": config.secret_access_key,
+               "client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": config.region}}
+
+    def rows() -> Iterable[dict[str, Any]]:
+        stream = load_dataset("parquet", data_files={"train": f"s3://{BUCKET}/{PREFIX}*.parquet"}, split="train",
+                              streaming=True, storage_options=options)
+        return stream.select_columns(COLUMNS)
+
+    return Rows(rows)
+
+
+LOADERS: dict[str, Callable[[DevServer], IterableDataset]] = {
+    "this project (`from_parquet`)": ours,
+    "`pyarrow.dataset` + `S3FileSystem`": pyarrow_dataset,
+    "Hugging Face `datasets` streaming": hf_datasets,
+}
+
+
+def first_image(batch: list[dict[str, Any]]) -> int:
+    assert isinstance(batch[0]["image"]["bytes"], bytes)
+    return len(batch)
+
+
+def cpu_seconds(process: psutil.Process | None = None) -> float:
+    """CPU seconds of ``process`` (None: this one, its threads included)."""
+    times = (process or psutil.Process()).cpu_times()
+    return times.user + times.system
+
+
+def run_once(make: Callable[[DevServer], IterableDataset], server: DevServer,
+             rows: int) -> tuple[float, float, float, float]:
+    """(samples/s over the epoch, seconds from building the dataset to its first sample, client and
+    server CPU microseconds per row)."""
+    weed = psutil.Process(server.pid)
+    client_cpu, server_cpu = cpu_seconds(), cpu_seconds(weed)
+    started = time.perf_counter()
+    loader = DataLoader(make(server), batch_size=32, num_workers=0, collate_fn=first_image)
+    got, first = 0, None
+    for size in loader:
+        if first is None:
+            first = time.perf_counter() - started
+        got += size
+    took = time.perf_counter() - started
+    assert got == rows, f"read {got} rows, not {rows}"
+    assert first is not None
+    return (rows / took, first, (cpu_seconds() - client_cpu) / rows * 1e6,
+            (cpu_seconds(weed) - server_cpu) / rows * 1e6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.parquet", description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=20000, help="rows, one JPEG each (default 20000, ~1 GB)")
+    p.add_argument("--files", type=int, default=4)
+    p.add_argument("--row-group", type=int, default=100)
+    p.add_argument("--distinct", type=int, default=500, help="distinct photos drawn (default 500)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", nargs="*", default=None, help="names of loaders to run (default all)")
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as root, DevServer(data_dir=root, buckets=[BUCKET]) as server:
+        began = time.perf_counter()
+        files = make_files(args.rows, args.files, args.row_group, args.distinct)
+        total = sum(map(len, files.values()))
+        client = server.client()
+        for key, body in files.items():
+            client.put_object(Bucket=BUCKET, Key=key, Body=body)
+        del files
+        print(f"{args.rows} rows, {total / 1e6:,.0f} MB in {args.files} files, ready in "
+              f"{time.perf_counter() - began:.0f} s")
+        loaders = {name: make for name, make in LOADERS.items()
+                   if args.only is None or any(word in name for word in args.only)}
+        measured: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in loaders}
+        for number in range(args.rounds + 1):  # round 0 warms the server and the page cache
+            for name, make in loaders.items():
+                rate, first, client, weed = run_once(make, server, args.rows)
+                print(f"round {number}: {name}: {rate:,.0f} samples/s, first sample {first:.2f} s, CPU per row "
+                      f"{client:.0f} us here, {weed:.0f} us in the server" + (" (warm-up)" if not number else ""))
+                if number:
+                    measured[name].append((rate, first, client, weed))
+
+    def median(name: str, column: int) -> float:
+        return statistics.median(run[column] for run in measured[name])
+
+    base = median(next(iter(loaders)), 0)
+    lines = [f"| loader | samples/s (median of {args.rounds}) | MB/s | first sample, s | client CPU per row, us "
+             "| server CPU per row, us | this project's speed-up |", "|---|---|---|---|---|---|---|"]
+    for name in loaders:
+        rate = median(name, 0)
+        lines.append(f"| {name} | {rate:,.0f} | {rate * total / args.rows / 1e6:,.0f} | {median(name, 1):.2f} | "
+                     f"{median(name, 2):.0f} | {median(name, 3):.0f} | {base / rate:.2f}x |")
+    table = "\n".join(lines) + "\n"
+    print()
+    print(table)
+    stamp = datetime.date.today().isoformat()
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"parquet-{stamp}.md"
+    out.write_text(
+        f"# Parquet, {stamp}\n\n`python -m bench.parquet --rows {args.rows} --files {args.files} --row-group "
+        f"{args.row_group} --rounds {args.rounds}`: {args.rows} photo JPEGs ({total / 1e6:,.0f} MB) in a "
+        f"Hub-style image column (`struct<bytes, path>`) plus a label, {args.files} files written by pyarrow "
+        f"with row groups of {args.row_group} rows, embedded SeaweedFS on 127.0.0.1, rows as Python dicts "
+        "with the image bytes (no decode), `DataLoader(batch_size=32, num_workers=0)`, loaders alternating "
+        "round by round after a warm-up round; CPU per row is this process's (its threads included) and the "
+        "server's. The machine (2 cores) was shared with other work: compare "
+        f"the ratios, not the absolute numbers.\n\n{table}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Parquet data sets against the real server: row groups split exactly across 3 ranks x 2
+spawned DataLoader workers and resumed on 2 ranks x 3; Parquet mixed with objects and shards;
+a file written by DuckDB read as the same file written by pyarrow; images decoded from a Hub-style
+image column; and the bad inputs (a missing column, a corrupt or truncated footer, a file with
+zero rows, a file overwritten after its footer was read)."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import socket
+from pathlib import Path
+
+import duckdb
+import parquet_worker
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch.multiprocessing as mp
+from PIL import Image
+
+from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, decode_sample
+
+from datasets import jpeg_dataset
+from shardsets import upload_shards
+
+ROWS = (40, 0, 33, 19)  # rows of the pyarrow-written files; the second holds none
+
+
+def jpeg(number: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (12 + number % 5, 10), (number * 7 % 256, 40, 90)).save(out, format="JPEG")
+    return out.getvalue()
+
+
+def table(rows: int, file: int) -> pa.Table:
+    return pa.table({
+        "image": [{"bytes": jpeg(file * 100 + i), "path": f"{file}-{i}.jpg"} for i in range(rows)],
+        "label": pa.array([(file + i) % 7 for i in range(rows)], pa.int64()),
+        "tag": pa.array([f"t{i % 3}" for i in range(rows)]).dictionary_encode(),
+        "tokens": [list(range(i % 4)) for i in range(rows)],
+    })
+
+
+def put(minio, bucket: str, key: str, body: bytes) -> None:
+    minio.put_object(bucket, key, io.BytesIO(body), len(body))
+
+
+def arrow_bytes(data: pa.Table, **options) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(data, out, **options)
+    return out.getvalue()
+
+
+def duckdb_bytes(data: pa.Table, path: Path) -> bytes:
+    connection = duckdb.connect()
+    connection.register("rows", data)
+    connection.execute(f"COPY (SELECT * FROM rows) TO '{path}' (FORMAT parquet, ROW_GROUP_SIZE 2048)")
+    connection.close()
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def spec(s3_server, tmp_path_factory):
+    minio = s3_server.minio
+    bucket = s3_server.new_bucket("parquet")
+    for number, rows in enumerate(ROWS):
+        put(minio, bucket, f"pq/part-{number}.parquet", arrow_bytes(table(rows, number), row_group_size=6))
+    many = table(5000, 9)
+    put(minio, bucket, "arrow/rows.parquet", arrow_bytes(many, row_group_size=2048))
+    put(minio, bucket, "duck/rows.parquet", duckdb_bytes(many, tmp_path_factory.mktemp("duck") / "rows.parquet"))
+    jpeg_dataset(minio, bucket, "web/", 30, seed=3)
+    _, counts = upload_shards(minio, bucket, "shards/s-", [7, 7, 7], payload=100)
+    return {"bucket": bucket, "parquet": f"s3://{bucket}/pq/", "web": f"s3://{bucket}/web/",
+            "shards": f"s3://{bucket}/shards/", "counts": counts, "samples": 48, "mix": False}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(spec, env, out: Path, world: int, workers: int, steps=None, resume=None) -> list[dict]:
+    plan = {"spec": spec, "env": env, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out),
+            "workers": workers, "steps": steps, "resume": resume}
+    mp.spawn(parquet_worker.spawned, args=(world, plan), nprocs=world, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def global_order(ranks: list[dict]) -> list[tuple[str, str]]:
+    steps = max(len(r["batches"]) for r in ranks)
+    return [tuple(s) for step in range(steps) for r in ranks if step < len(r["batches"])
+            for s in r["batches"][step]]
+
+
+def single_process_order(spec, config) -> list[tuple[str, str]]:
+    whole = parquet_worker.build(spec, config)
+    whole.set_epoch(parquet_worker.EPOCH)
+    return [(s.get("__source__", "rows"), s["__key__"]) for s in whole]
+
+
+def test_rows_split_on_three_ranks_then_resumed_on_two(spec, s3_server, s3_env, tmp_path):
+    expected = single_process_order(spec, s3_server.config)
+    assert sorted(key for _, key in expected) == sorted(f"pq/part-{f}/{i}" for f, n in enumerate(ROWS)
+                                                        for i in range(n))
+    head = launch(spec, s3_server.env, tmp_path / "head", world=3, workers=2, steps=2)
+    assert [len(r["batches"]) for r in head] == [2, 2, 2]
+    seen = head[0]["seen"]
+    assert seen == 2 * 3 * parquet_worker.BATCH
+    tail = launch(spec, s3_server.env, tmp_path / "tail", world=2, workers=3, resume=seen)
+    lengths = [sum(len(b) for b in r["batches"]) for r in tail]
+    assert lengths == [r["length"] for r in tail] and len(set(lengths)) == 1, "equal ranks"
+    got = global_order(head) + global_order(tail)
+    assert got[:len(expected)] == expected, "the resumed job reads the rest of the single-process order"
+    assert len(got) - len(expected) < 2, "at most one padded sample"
+
+
+def test_parquet_mixed_with_objects_and_shards(spec, s3_server):
+    mixed = dict(spec, mix=True)
+    got = single_process_order(mixed, s3_server.config)
+    assert len(got) == spec["samples"]
+    assert collections.Counter(name for name, _ in got) == {"rows": 24, "web": 14, "shards": 10}
+    assert len(set(got)) == len(got)
+    again = parquet_worker.build(mixed, s3_server.config)
+    again.set_epoch(parquet_worker.EPOCH)
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(again, batch_size=parquet_worker.BATCH, num_workers=2, collate_fn=parquet_worker.keys)
+    assert [tuple(s) for batch in loader for s in batch] == got
+
+
+def test_a_duckdb_file_reads_as_the_same_pyarrow_file(spec, s3_server):
+    def rows(prefix: str) -> dict[str, dict]:
+        ds = AsyncS3Dataset.from_parquet(f"s3://{spec['bucket']}/{prefix}/rows.parquet", config=s3_server.config)
+        return {s["__key__"].rsplit("/", 1)[1]: {k: v for k, v in s.items() if not k.startswith("__")} for s in ds}
+
+    arrow, duck = rows("arrow"), rows("duck")
+    assert len(arrow) == 5000 and arrow == duck
+    assert arrow["7"]["tokens"] == [0, 1, 2] and arrow["7"]["tag"] == "t1"
+
+
+def test_a_hub_image_column_feeds_decode_sample(spec, s3_server):
+    ds = AsyncS3Dataset.from_parquet(spec["parquet"] + "part-{2..3}.parquet", columns=["image", "label"],
+                                     config=s3_server.config, transform=decode_sample)
+    samples = list(ds)
+    assert len(samples) == ROWS[2] + ROWS[3]
+    assert all(s["image"].shape[0] == 3 and s["image"].shape[1] == 10 for s in samples)
+
+
+def test_bad_inputs_name_the_file(spec, s3_server):
+    bucket, config, minio = spec["bucket"], s3_server.config, s3_server.minio
+    with pytest.raises(ConfigError, match=rf"s3://{bucket}/pq/part-0.parquet has no column 'caption'"):
+        AsyncS3Dataset.from_parquet(spec["parquet"], columns=["image", "caption"], config=config).resolve()
+    good = arrow_bytes(table(10, 1))
+    put(minio, bucket, "bad/corrupt.parquet", good[:-24] + b"\x07" * 20 + good[-4:])
+    with pytest.raises(ParquetFormatError, match=rf"s3://{bucket}/bad/corrupt.parquet"):
+        AsyncS3Dataset.from_parquet(f"s3://{bucket}/bad/", config=config).resolve()
+    put(minio, bucket, "bad/corrupt.parquet", good[: len(good) // 2])
+    with pytest.raises(ParquetFormatError, match=rf"s3://{bucket}/bad/corrupt.parquet .*magic"):
+        AsyncS3Dataset.from_parquet(f"s3://{bucket}/bad/", config=config).resolve()
+    put(minio, bucket, "empty/none.parquet", arrow_bytes(table(0, 0)))
+    with pytest.raises(EmptyDatasetError, match="hold no rows"):
+        AsyncS3Dataset.from_parquet(f"s3://{bucket}/empty/", config=config).resolve()
+
+
+@pytest.mark.server_sensitive
+def test_a_file_overwritten_after_its_footer_was_read(s3_server):
+    """Footers by ranged GET of the tail, row groups by ranged GETs pinned with If-Match: the
+    reads and the 412 of an overwritten file, on every server."""
+    bucket, minio = s3_server.new_bucket("pqchange"), s3_server.minio
+    put(minio, bucket, "changing/rows.parquet", arrow_bytes(table(12, 4), row_group_size=6))
+    ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/changing/", config=s3_server.config)
+    assert [s["label"] for s in ds] == [(4 + i) % 7 for i in range(12)]
+    ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/changing/", config=s3_server.config)
+    ds.resolve()
+    put(minio, bucket, "changing/rows.parquet", arrow_bytes(table(12, 5), row_group_size=6))
+    with pytest.raises(ObjectChangedError, match="changing/rows.parquet was overwritten after its footer was read"):
+        list(ds)

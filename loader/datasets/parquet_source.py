@@ -1,0 +1,288 @@
+"""``ParquetSource``: rows of Parquet files, read row group by row group straight from S3.
+
+The files come from brace patterns, URI lists or prefixes (every ``.parquet`` under them),
+listed once. Their footers are then read once (one ranged GET of each file's tail), in the
+process that builds the dataset before any DataLoader worker starts, and travel with the
+dataset into the workers. The footers' row counts make every row group a unit whose sample
+count is known, so a row group is dealt, shuffled, cycled, resumed and mixed exactly as a tar
+shard with a known count is: this source is a ``ShardSource`` whose units are row groups and
+whose reads are ``formats.parquet.row_group_job``.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+from collections.abc import Container, Iterable, Mapping, Sequence
+from typing import Any
+
+from ..engine.fetch import Delivery, EngineLimits, Job
+from ..errors import ConfigError, EmptyDatasetError, NoSuchKeyError
+from ..formats.parquet import (
+    PARQUET_SUFFIX,
+    Footer,
+    ParquetRef,
+    RowGroupPlan,
+    RowGroupRead,
+    coalesce,
+    parse_footer,
+    plan_row_groups,
+    pyarrow_parquet,
+    read_footer,
+    row_group_job,
+    run_all,
+)
+from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
+from ..listing.inputs import list_prefix
+from ..listing.keylist import ListOptions
+from ..listing.sharing import ticket, track
+from ..listing.versions import Versions, versions_of
+from ..retry import RetryPolicy
+from ..s3 import ObjectStore, StoreFactory
+from ..s3.blocking import run_async, with_store
+from ..uri import expand_braces, parse_s3_uri
+from .options import LoaderOptions
+from .shard_source import ShardSource
+
+FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
+# Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
+# pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
+DEFAULT_UNIT_BYTES = 32 << 20
+
+
+def parquet_specs(spec: str | Iterable[str]) -> list[str]:
+    """Brace patterns expanded: URIs of files (ending in ``.parquet``) or of prefixes."""
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    if not specs:
+        raise EmptyDatasetError("the Parquet file list is empty")
+    out: list[str] = []
+    for item in specs:
+        if not isinstance(item, str):
+            raise ConfigError(f"Parquet file {item!r} is not an s3:// URI string")
+        out.extend(expand_braces(item))
+    for uri in out:
+        parse_s3_uri(uri)  # fail now, with the URI named
+    return out
+
+
+def resolve_files(specs: Sequence[str], *, factory: StoreFactory, retry: RetryPolicy,
+                  options: ListOptions, ticket: int) -> list[ParquetRef]:
+    """The files ``specs`` name, each with its size and ETag from a listing: a prefix is listed
+    for its ``.parquet`` objects; a file's folder is listed once for all files named in it."""
+    files: list[ParquetRef] = []
+    folders: dict[tuple[str, str], dict[str, tuple[int, str | None]]] = {}
+    for uri in specs:
+        bucket, key = parse_s3_uri(uri)
+        if key.endswith(PARQUET_SUFFIX):
+            folder = posixpath.dirname(key)
+            folder = folder + "/" if folder else ""
+            if (bucket, folder) not in folders:
+                found = list_prefix(f"s3://{bucket}/{folder}", factory=factory, retry=retry,
+                                    suffix=PARQUET_SUFFIX, options=options, ticket=ticket)
+                folders[(bucket, folder)] = {info.key: (info.size, info.etag) for info in found.infos()}
+            listed = folders[(bucket, folder)].get(key)
+            if listed is None:
+                raise NoSuchKeyError(f"s3://{bucket}/{key} does not exist (the listing of "
+                                     f"s3://{bucket}/{folder} has no such key)", bucket=bucket, key=key)
+            files.append(ParquetRef(bucket, key, *listed))
+        else:
+            found = list_prefix(uri, factory=factory, retry=retry, suffix=PARQUET_SUFFIX,
+                                options=options, ticket=ticket)
+            files.extend(ParquetRef(bucket, info.key, info.size, info.etag) for info in found.infos())
+    return files
+
+
+def read_footers(files: Sequence[ParquetRef], factory: StoreFactory, retry: RetryPolicy) -> list[Footer]:
+    """Every file's footer, ``FOOTERS_INFLIGHT`` ranged GETs at a time, on a short-lived loop."""
+
+    async def use(store: ObjectStore) -> list[Footer]:
+        out: list[Footer | None] = [None] * len(files)
+
+        async def one(number: int) -> None:
+            out[number] = await read_footer(store, files[number], retry)
+
+        await run_all([functools.partial(one, number) for number in range(len(files))], FOOTERS_INFLIGHT)
+        return [footer for footer in out if footer is not None]
+
+    return run_async(functools.partial(with_store, factory, use))
+
+
+class ParquetSource(ShardSource):
+    """Rows of Parquet files, ``columns`` selected (None: all), dealt by row group."""
+
+    kind = "parquet"
+    unit_name = "row groups"
+
+    def __init__(self, files: str | Iterable[str], options: LoaderOptions, *,
+                 columns: Sequence[str] | None = None,
+                 shard_options: ShardOptions | None = None) -> None:
+        # Not ShardSource.__init__: no tar index or sample counts; what its methods use is set here.
+        pyarrow_parquet()  # a missing extra fails here, not in a worker
+        self.options = options
+        self.shard_options = shard_options or ShardOptions()
+        if columns is not None:
+            if isinstance(columns, str) or not all(isinstance(c, str) and c for c in columns):
+                raise ConfigError(f"columns={columns!r} must be a list of column names")
+            columns = tuple(columns)
+            if not columns:
+                raise ConfigError("columns=[] selects nothing; give column names, or None for all")
+        self.columns: tuple[str, ...] | None = columns
+        self._given: str | list[str] = files if isinstance(files, str) else list(files)
+        self._specs = parquet_specs(self._given)
+        self._listing_ticket = ticket(repr(("parquet", self._specs)))
+        self._files: list[ParquetRef] | None = None
+        self._footers: list[Footer] | None = None
+        self._plans: list[RowGroupPlan] | None = None
+        self._metas: dict[int, Any] = {}  # parsed footers, per process (not pickled)
+        if options.batch_size is not None and self.shard_options.shuffle_buffer:
+            raise ConfigError(f"shuffle_buffer={self.shard_options.shuffle_buffer!r} cannot be used with "
+                              "batch_size=: blocks of the epoch's order are read in order; drop "
+                              "shuffle_buffer= (the row-group order is still shuffled every epoch)")
+        if self.shard_options.samples_per_epoch is not None and not options.ordered:
+            raise ConfigError("samples_per_epoch= reads its passes in order, so ordered=False cannot "
+                              "apply; drop it")
+        track(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_metas"] = {}  # pyarrow's metadata objects are parsed again from the footer bytes
+        return state
+
+    # ------------------------------------------------------------------ what is read
+
+    def files(self) -> list[ParquetRef]:
+        """The Parquet files, listed now if not yet."""
+        self.plans()
+        assert self._files is not None
+        return self._files
+
+    def plans(self) -> list[RowGroupPlan]:
+        """Every row group holding rows, in file order: list, read the footers, plan (once)."""
+        if self._plans is None:
+            files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.retry,
+                                  options=self.options.listing, ticket=self._listing_ticket)
+            footers = read_footers(files, self.options.listing_factory(), self.options.retry)
+            plans: list[RowGroupPlan] = []
+            for number, (ref, footer) in enumerate(zip(files, footers)):
+                meta = self._metas[number] = parse_footer(ref, footer)
+                plans.extend(coalesce([plan for plan in plan_row_groups(ref, number, meta, footer, self.columns)
+                                       if plan.rows], self.shard_options.part_size, self._unit_need()))
+            if not plans:
+                raise EmptyDatasetError(f"{len(files)} Parquet file(s) under {self._specs[:2]} hold no rows")
+            self._check_budget(files, plans)
+            self._files, self._footers, self._plans = files, footers, plans
+        return self._plans
+
+    def _check_budget(self, files: Sequence[ParquetRef], plans: Sequence[RowGroupPlan]) -> None:
+        """A row group that needs more than the budget leaves for reads cannot be read within it:
+        say which, what it needs, and what would help."""
+        reads = self.read_bytes()
+        if reads is None:
+            return
+        largest = max(plans, key=lambda plan: plan.need)
+        if largest.need > reads:
+            raise ConfigError(
+                f"{largest.name} of {files[largest.file].url} needs {largest.need} bytes to read "
+                f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, fetched "
+                f"whole because pyarrow decodes a row group's columns side by side, plus a decoded batch), "
+                f"more than memory_budget={self.options.memory_budget} leaves for reads ({reads} bytes); "
+                "raise memory_budget, select fewer columns, or write smaller row groups")
+
+    def _unit_need(self) -> int | None:
+        """What a unit of several row groups may need: its share of ``read_bytes()``, so that
+        ``row_groups_inflight`` units fit in the budget at once (None: no budget)."""
+        reads = self.read_bytes()
+        return None if reads is None else reads // self.shard_options.shards_inflight
+
+    def read_bytes(self) -> int | None:
+        """What ``memory_budget`` leaves for row groups being read (None: no budget)."""
+        budget = self.options.memory_budget
+        if budget is None:
+            return None
+        shuffle = (self.shard_options.shuffle_bytes or 0) if self.options.shuffle else 0
+        return budget - self.options.queue_bytes - shuffle
+
+    def meta(self, number: int) -> Any:
+        """File ``number``'s parsed footer (parsed once per process)."""
+        meta = self._metas.get(number)
+        if meta is None:
+            assert self._files is not None and self._footers is not None
+            meta = self._metas[number] = parse_footer(self._files[number], self._footers[number])
+        return meta
+
+    def shards(self) -> list[ShardRef]:
+        """The Parquet files (as ``ShardRef``s: bucket, key, size, ETag)."""
+        return [ShardRef(*ref) for ref in self.files()]
+
+    def shard_counts(self) -> list[int]:
+        """Rows per file, in ``shards()`` order."""
+        rows = [0] * len(self.files())
+        for plan in self.plans():
+            rows[plan.file] += plan.rows
+        return rows
+
+    def unit_counts(self) -> list[int]:
+        return [plan.rows for plan in self.plans()]
+
+    def counts(self) -> None:
+        return None  # no tar index: the footers give the counts
+
+    # ------------------------------------------------------------------ the Source protocol
+
+    def resolve(self) -> None:
+        self.plans()
+
+    def size(self) -> int:
+        return len(self.plans())
+
+    def count(self) -> int:
+        return sum(self.unit_counts())
+
+    def missing_count(self) -> str:
+        return ""
+
+    def skipped(self, url: str, key: str | None) -> str:
+        return f"row {key!r} of {url}, going on with the rest of the row group"
+
+    def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
+            offsets: bool = True) -> Job:
+        plan = self.plans()[assignment.shard]
+        options = self.shard_options
+        read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns, options.part_size,
+                            options.parts_inflight)
+        return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error)
+
+    def reserve(self, assignment: ShardAssignment) -> int:
+        return self.plans()[assignment.shard].need
+
+    def limits(self, delivery: Delivery) -> EngineLimits:
+        return self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight,
+                                   inflight_bytes=self.read_bytes())
+
+    def versions(self) -> Versions | None:
+        return versions_of(self.shards())
+
+    def describe(self) -> str:
+        if self._plans is not None and self._files is not None:
+            return f"{len(self._plans)} row groups in {len(self._files)} Parquet files"
+        return f"Parquet files {self._specs[:2]}"
+
+
+def parquet_options(options: Mapping[str, Any]) -> tuple[ShardOptions, dict[str, Any]]:
+    """``from_parquet``'s keywords split into how row groups are read and dealt (``ShardOptions``:
+    ``row_groups_inflight`` is its ``shards_inflight``; ``part_size``: 32 MiB unless given) and the
+    rest; ``memory_budget`` gives the queue a quarter and the shuffle buffer a quarter, and row
+    groups being read the rest."""
+    rest = dict(options)
+    budget = rest.get("memory_budget")
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        rest.setdefault("queue_bytes", budget // 4)
+        if rest.get("shuffle"):
+            rest.setdefault("shuffle_bytes", budget // 4)
+    rest.setdefault("part_size", DEFAULT_UNIT_BYTES)
+    if "row_groups_inflight" in rest:
+        rest["shards_inflight"] = rest.pop("row_groups_inflight")
+    known = ("shards_inflight", "shuffle_buffer", "part_size", "parts_inflight", "shuffle_bytes",
+             "samples_per_epoch")
+    shard_options = ShardOptions(**{name: rest.pop(name) for name in known if name in rest})
+    return shard_options, rest

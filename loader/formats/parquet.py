@@ -1,0 +1,436 @@
+"""Parquet files as a source of samples: footers, row-group plans, and rows decoded by pyarrow.
+
+A Parquet file carries its own index: its footer (the file's last bytes) gives the row count of
+every row group and where each column chunk lies. So a data set of Parquet files needs no index
+of ours: one ranged GET of each file's tail gives its footer (``read_footer``), the footers give
+exact row counts for an exact split, and a row group is read by fetching only the selected
+columns' chunks (``row_group_job``: ranged GETs in parallel, each pinned to the listed ETag).
+
+Nothing here parses Parquet: pyarrow decodes the footer and the pages. It reads them from a
+``SparseFile``, a file of the object's size that holds only the byte ranges fetched (the
+selected column chunks); pyarrow is asked not to coalesce reads across the gaps.
+
+Memory: a row group being read holds the compressed bytes of its selected column chunks (all
+of them: pyarrow decodes a row group's columns side by side), plus one decoded batch of rows
+(``BATCH_ROWS``); ``RowGroupPlan.need`` is that number, which the engine's budget reserves.
+Page-level streaming (fetching a column chunk's pages as they are decoded) is not done.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import warnings
+from collections.abc import Awaitable, Callable, Container, Generator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import anyio
+import anyio.to_thread
+
+from ..engine.fetch import Job, JobContext
+from ..errors import ConfigError, ObjectChangedError, ParquetFormatError
+from ..retry import RetryPolicy, call_with_retries
+from ..s3 import ObjectStore
+from ..s3.protocol import Pin
+from ..uri import object_url
+from .shards import END, ShardAssignment, ShardEnd
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+PARQUET_SUFFIX = ".parquet"
+DEFAULT_TAIL = 64 << 10  # bytes of a file's tail read at once: its footer, unless the footer is larger
+MAGIC = b"PAR1"
+BATCH_ROWS = 64  # rows decoded at a time: bounds the decoded bytes a row group holds
+# Arrow reads up to 100 bytes past a column chunk's end for files of old parquet-mr writers
+# (its ``kMaxDictHeaderSize`` padding); fetching them too keeps such files readable.
+CHUNK_SLACK = 100
+
+
+def pyarrow_parquet() -> Any:
+    """``pyarrow.parquet``, or a ConfigError saying how to install it (the ``parquet`` extra)."""
+    try:
+        import pyarrow.parquet
+    except ImportError as exc:
+        raise ConfigError("reading Parquet needs pyarrow: pip install 's3stream-loader[parquet]'") from exc
+    return pyarrow.parquet
+
+
+class ParquetRef(NamedTuple):
+    """One Parquet file: where it is, its size and the ETag its listing gave (reads pin it)."""
+
+    bucket: str
+    key: str
+    size: int
+    etag: str | None = None
+
+    @property
+    def url(self) -> str:
+        return object_url(self.bucket, self.key)
+
+    @property
+    def stem(self) -> str:
+        """The key less its ``.parquet`` suffix: the first part of every row's ``__key__``."""
+        return self.key[: -len(PARQUET_SUFFIX)] if self.key.endswith(PARQUET_SUFFIX) else self.key
+
+
+class Footer(NamedTuple):
+    """A file's footer as fetched: where it starts in the file, and its bytes (the Thrift
+    metadata, its 4-byte length and the closing magic)."""
+
+    start: int
+    data: bytes
+
+
+class RowGroupPlan(NamedTuple):
+    """Row groups to read as one unit: file ``file`` (an index into the source's files), its
+    consecutive row groups ``groups``, ``rows`` rows in all, the first of which is row ``first`` of
+    the file; ``ranges``: the merged byte ranges of the selected columns' chunks; ``decoded``:
+    those columns' bytes once decompressed (the footer says), for the memory a batch needs."""
+
+    file: int
+    groups: tuple[int, ...]
+    rows: int
+    first: int
+    ranges: tuple[tuple[int, int], ...]
+    decoded: int
+
+    @property
+    def name(self) -> str:
+        """``row group 3`` or ``row groups 3-5``, for messages."""
+        first, last = self.groups[0], self.groups[-1]
+        return f"row group {first}" if first == last else f"row groups {first}-{last}"
+
+    @property
+    def fetched(self) -> int:
+        """Bytes fetched for this row group (its selected column chunks)."""
+        return sum(end - start for start, end in self.ranges)
+
+    @property
+    def need(self) -> int:
+        """Bytes held while this row group is read: its fetched column chunks, and one decoded
+        batch twice over (the Arrow arrays and the Python rows made of them)."""
+        batch = 0 if self.rows == 0 else -(-self.decoded * min(self.rows, BATCH_ROWS) // self.rows)
+        return self.fetched + 2 * batch
+
+
+# ----------------------------------------------------------------------------- footers
+
+
+async def run_all(calls: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
+    """Run ``calls``, ``limit`` at a time; the first to fail cancels the others and its error
+    is raised as it is (a task group would wrap it in an exception group)."""
+    errors: list[Exception] = []
+    limiter = anyio.CapacityLimiter(limit)
+    async with anyio.create_task_group() as group:
+
+        async def one(call: Callable[[], Awaitable[None]]) -> None:
+            async with limiter:
+                try:
+                    await call()
+                except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
+                    errors.append(exc)
+                    group.cancel_scope.cancel()
+
+        for call in calls:
+            group.start_soon(one, call)
+    if errors:
+        raise errors[0]
+
+
+async def read_footer(store: ObjectStore, ref: ParquetRef, retry: RetryPolicy,
+                      tail: int = DEFAULT_TAIL) -> Footer:
+    """The footer of ``ref``: one ranged GET of its last ``tail`` bytes, and a second one only
+    when the footer is longer. Both pinned to the listed ETag. The last 8 bytes are the
+    footer's length and the magic ``PAR1`` (the one thing read here by hand: where the
+    footer starts; pyarrow parses it)."""
+    if ref.size < 12:
+        raise ParquetFormatError(f"{ref.url} is {ref.size} bytes, too short for a Parquet file "
+                                 "(not Parquet, or truncated)", url=ref.url)
+    pin = Pin(ref.etag)
+
+    async def get(start: int, end: int) -> bytes:
+        return await call_with_retries(lambda: store.get_range(ref.bucket, ref.key, start, end, pin=pin),
+                                       retry)
+
+    begin = max(0, ref.size - tail)
+    data = await get(begin, ref.size)
+    if len(data) != ref.size - begin or data[-4:] != MAGIC:
+        raise ParquetFormatError(f"{ref.url} does not end in the Parquet magic {MAGIC!r}: not a Parquet "
+                                 "file, or a truncated one (its footer is missing)", url=ref.url)
+    length = int.from_bytes(data[-8:-4], "little")
+    start = ref.size - 8 - length
+    if start < 4:
+        raise ParquetFormatError(f"{ref.url}: its footer claims {length} bytes, more than the file holds "
+                                 f"({ref.size} bytes): the footer is corrupt or the file truncated",
+                                 url=ref.url)
+    if start < begin:
+        data = await get(start, begin) + data
+        begin = start
+    return Footer(start, data[start - begin:])
+
+
+def parse_footer(ref: ParquetRef, footer: Footer) -> pq.FileMetaData:
+    """pyarrow's ``FileMetaData`` of a fetched footer; a ParquetFormatError naming the file when
+    it does not decode."""
+    parquet = pyarrow_parquet()
+    import pyarrow as pa
+
+    try:
+        # The footer alone behind the leading magic: a file pyarrow parses the metadata of
+        # (offsets in it stay those of the real file).
+        return parquet.ParquetFile(pa.BufferReader(MAGIC + footer.data)).metadata
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ParquetFormatError(f"{ref.url}: its Parquet footer does not decode ({exc}); the file is "
+                                 "corrupt or truncated", url=ref.url) from exc
+
+
+def top_level_names(meta: pq.FileMetaData) -> list[str]:
+    """The columns a user selects: the schema's top-level fields."""
+    return list(meta.schema.to_arrow_schema().names)
+
+
+def plan_row_groups(ref: ParquetRef, file: int, meta: pq.FileMetaData, footer: Footer,
+                    columns: Sequence[str] | None) -> list[RowGroupPlan]:
+    """Every row group of one file, with the byte ranges of the ``columns`` selected (None: all).
+
+    A column that the file does not have is a ConfigError naming the file and the column."""
+    names = top_level_names(meta)
+    if columns is not None:
+        missing = [name for name in columns if name not in names]
+        if missing:
+            raise ConfigError(f"{ref.url} has no column {missing[0]!r} (columns=... asked for "
+                              f"{list(columns)!r}; the file's columns are {names!r})")
+    wanted = set(names if columns is None else columns)
+    plans: list[RowGroupPlan] = []
+    first = 0
+    for group in range(meta.num_row_groups):
+        row_group = meta.row_group(group)
+        spans: list[tuple[int, int]] = []
+        decoded = 0
+        for number in range(row_group.num_columns):
+            chunk = row_group.column(number)
+            if chunk.path_in_schema.split(".", 1)[0] not in wanted:
+                continue
+            start = chunk.data_page_offset
+            dictionary = chunk.dictionary_page_offset
+            if chunk.has_dictionary_page and dictionary is not None and 0 < dictionary < start:
+                start = dictionary
+            end = min(start + chunk.total_compressed_size + CHUNK_SLACK, footer.start)
+            if not 0 <= start < end:
+                raise ParquetFormatError(f"{ref.url}: row group {group} column {chunk.path_in_schema!r} "
+                                         f"lies at bytes {start}..{end}, outside the file: its footer "
+                                         "is corrupt", url=ref.url)
+            spans.append((start, end))
+            decoded += chunk.total_uncompressed_size
+        plans.append(RowGroupPlan(file, (group,), row_group.num_rows, first, merge_ranges(spans), decoded))
+        first += row_group.num_rows
+    return plans
+
+
+def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = None) -> list[RowGroupPlan]:
+    """Consecutive row groups of one file joined into units of at most ``limit`` fetched bytes
+    that need at most ``max_need`` bytes to read (a row group larger than that stays alone): one
+    ranged GET reads several small row groups.
+
+    Why: a server's cost is mostly per request (SeaweedFS spends ~20 ms of CPU on a ranged GET of
+    a 96 MiB object whatever its length, measured), and the Hub writes image data sets in row
+    groups of 100 rows (~5 MB). Units of several row groups shuffle coarser; the split stays exact."""
+    out: list[RowGroupPlan] = []
+    for plan in plans:
+        last = out[-1] if out else None
+        if (last is not None and last.file == plan.file and last.groups[-1] + 1 == plan.groups[0]
+                and last.first + last.rows == plan.first and last.fetched + plan.fetched <= limit):
+            joined = RowGroupPlan(plan.file, last.groups + plan.groups, last.rows + plan.rows, last.first,
+                                  merge_ranges(last.ranges + plan.ranges), last.decoded + plan.decoded)
+            if max_need is None or joined.need <= max_need:
+                out[-1] = joined
+                continue
+            out.append(plan)
+        else:
+            out.append(plan)
+    return out
+
+
+def merge_ranges(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Half-open byte ranges, sorted, with overlapping or touching ones joined."""
+    out: list[list[int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return tuple((start, end) for start, end in out)
+
+
+def split_ranges(ranges: Sequence[tuple[int, int]], part_size: int) -> list[tuple[int, int]]:
+    """Each range cut into parts of at most ``part_size`` bytes: one ranged GET each."""
+    return [(at, min(at + part_size, end)) for start, end in ranges for at in range(start, end, part_size)]
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+class SparseFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only ``pieces`` (``(offset, bytes)``, not
+    overlapping) are present: what pyarrow reads a row group or a footer from. Reading a byte
+    that was not fetched is an OSError naming the file (a planning mistake, never silent)."""
+
+    def __init__(self, url: str, size: int, pieces: Sequence[tuple[int, bytes]]) -> None:
+        super().__init__()
+        self.url = url
+        self._size = size
+        self._pieces = sorted(pieces, key=lambda piece: piece[0])
+        self._starts = [offset for offset, _ in self._pieces]
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._at + size)
+        if end <= self._at:
+            return b""
+        import bisect
+
+        place = bisect.bisect_right(self._starts, self._at) - 1
+        if place >= 0:
+            offset, data = self._pieces[place]
+            if self._at - offset < len(data):
+                stop = min(end, offset + len(data))
+                out = memoryview(data)[self._at - offset: stop - offset]  # pyarrow takes it without a copy
+                self._at = stop
+                return out  # type: ignore[return-value]
+        raise OSError(f"{self.url}: bytes {self._at}..{end} were not fetched")
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
+                pieces: Sequence[tuple[int, bytes]], columns: Sequence[str] | None,
+                batch_rows: int = BATCH_ROWS) -> Generator[list[dict[str, Any]], None, None]:
+    """The rows of one row group as dicts (pyarrow's ``to_pylist``: binary as bytes, structs as
+    dicts, lists as lists), ``batch_rows`` at a time, decoded from the fetched ``pieces``."""
+    parquet = pyarrow_parquet()
+    import pyarrow as pa
+
+    source = SparseFile(ref.url, ref.size, pieces)
+    reader = parquet.ParquetFile(source, metadata=meta, pre_buffer=False)
+    try:
+        for batch in reader.iter_batches(batch_size=batch_rows, row_groups=list(plan.groups),
+                                         columns=None if columns is None else list(columns),
+                                         use_threads=False):
+            yield batch.to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise ParquetFormatError(f"{ref.url}: {plan.name} does not decode ({exc}); the file "
+                                 "is corrupt", url=ref.url) from exc
+    finally:
+        reader.close()
+
+
+def _joined(parts: list[bytes]) -> bytes:
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def row_nbytes(row: dict[str, Any]) -> int:
+    """Bytes a row holds in its binary values (top level and one level down: an image column's
+    ``{"bytes": ..., "path": ...}``), what the engine's byte budget counts."""
+    total = 0
+    for value in row.values():
+        if isinstance(value, (bytes, bytearray, str)):
+            total += len(value)
+        elif isinstance(value, dict):
+            total += sum(len(v) for v in value.values() if isinstance(v, (bytes, bytearray, str)))
+    return total
+
+
+class RowGroupRead(NamedTuple):
+    """What a row-group job needs besides the plan: the file, its parsed footer, the columns,
+    and how many ranged GETs of at most ``part_size`` bytes it keeps in flight."""
+
+    ref: ParquetRef
+    meta: Any  # pq.FileMetaData
+    columns: tuple[str, ...] | None
+    part_size: int
+    parts_inflight: int
+
+
+def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignment: ShardAssignment,
+                  skip: Container[int] = frozenset(), on_error: str = "raise") -> Job:
+    """Read one unit of row groups: fetch its selected column chunks (ranged GETs of at most
+    ``part_size`` bytes, ``parts_inflight`` at a time, every one pinned to the listed ETag), decode
+    them in a worker thread, and emit ``((position, row), sample)`` for each row (numbered in the
+    unit) the assignment keeps and ``skip`` does not hold, then ``((position, END),
+    ShardEnd(rows))``: a unit is read as a shard is.
+
+    A sample: ``__key__`` (the file's key less ``.parquet``, a slash, the row's number in the
+    file), ``__url__`` (the file's URL) and the selected columns' values."""
+    ref = read.ref
+
+    async def job(ctx: JobContext) -> None:
+        pin = Pin(ref.etag)
+        parts = split_ranges(plan.ranges, read.part_size)
+        fetched: dict[int, bytes] = {}
+
+        async def fetch(start: int, end: int) -> None:
+            fetched[start] = await call_with_retries(
+                lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
+                ctx.retry, on_retry=ctx.retried)
+
+        try:
+            await run_all([functools.partial(fetch, start, end) for start, end in parts], read.parts_inflight)
+        except ObjectChangedError as exc:
+            raise ObjectChangedError(
+                f"{ref.url} was overwritten after its footer was read (ETag {ref.etag}): its row "
+                f"groups no longer lie where the footer said ({exc}); build the dataset again to read "
+                "the new version", bucket=ref.bucket, key=ref.key) from exc
+        pieces = [(start, _joined([fetched[at] for at, _ in split_ranges([(start, end)], read.part_size)]))
+                  for start, end in plan.ranges]
+        fetched.clear()
+        rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
+        index = 0
+        try:
+            while True:
+                batch = await anyio.to_thread.run_sync(next, rows, None)
+                if batch is None:
+                    break
+                for row in batch:
+                    if assignment.keeps(index) and index not in skip:
+                        sample = {"__key__": f"{ref.stem}/{plan.first + index}", "__url__": ref.url, **row}
+                        await ctx.emit(((position, index), sample), row_nbytes(row))
+                    index += 1
+        except ParquetFormatError as exc:
+            if on_error == "raise":
+                raise
+            message = f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
+            if on_error == "warn":
+                warnings.warn(message, RuntimeWarning, stacklevel=1)
+            log.warning(message)
+            await ctx.emit(((position, END), ShardEnd(index, skipped=True)), 0)
+            return
+        finally:
+            rows.close()
+        if index != plan.rows:
+            raise ParquetFormatError(f"{ref.url}: {plan.name} decoded {index} rows, its footer "
+                                     f"says {plan.rows}", url=ref.url)
+        await ctx.emit(((position, END), ShardEnd(index, skipped=False)), 0)
+
+    job.reserve = plan.need  # type: ignore[attr-defined]  # what the engine's budget counts
+    return job

@@ -1,0 +1,242 @@
+"""Parquet source against the in-memory store: footers, column selection, exact splits by row
+group on any topology, resume, shuffle, cycling, mixing, and the bad inputs (missing column,
+corrupt footer, a file overwritten after its footer was read, a budget too small)."""
+
+from __future__ import annotations
+
+import collections
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, mix
+from loader.formats.parquet import merge_ranges, split_ranges
+
+from fakes import FakeStore, payloads, reusable
+
+ROWS = (37, 0, 50, 13)  # rows per file; the second file has none
+
+
+def parquet_bytes(rows: int, file: int, row_group_size: int = 10) -> bytes:
+    table = pa.table({
+        "image": [{"bytes": bytes([file, i % 256]) * 20000, "path": f"{file}-{i}.jpg"} for i in range(rows)],
+        "label": pa.array([i % 5 for i in range(rows)], pa.int64()),
+        "tag": pa.array([f"t{i % 3}" for i in range(rows)]).dictionary_encode(),
+        "tokens": [list(range(i % 4)) for i in range(rows)],
+        "unused": [b"u" * 300] * rows,
+    })
+    out = io.BytesIO()
+    pq.write_table(table, out, row_group_size=row_group_size, compression="none", use_dictionary=["tag"])
+    return out.getvalue()
+
+
+def build_store() -> FakeStore:
+    fake = FakeStore.with_objects("bucket", payloads(20, size=16, prefix="web/"))
+    for number, rows in enumerate(ROWS):
+        fake.objects["bucket", f"pq/part-{number}.parquet"] = parquet_bytes(rows, number)
+    return fake
+
+
+FAKE = build_store()
+TOTAL = sum(ROWS)
+
+
+def dataset(**options):
+    options.setdefault("store", reusable(FAKE))
+    options.setdefault("part_size", 1 << 20)  # units of two or three row groups of 400 KB
+    return AsyncS3Dataset.from_parquet("s3://bucket/pq/", columns=options.pop("columns", ["image", "label", "tag",
+                                                                                         "tokens"]), **options)
+
+
+def keys(ds, epoch=0):
+    ds.set_epoch(epoch)
+    return [sample["__key__"] for sample in ds]
+
+
+def test_rows_carry_their_key_url_and_selected_columns():
+    samples = list(dataset(row_groups_inflight=1))  # one row group at a time: file order
+    assert len(samples) == TOTAL
+    first = samples[0]
+    assert first["__key__"] == "pq/part-0/0" and first["__url__"] == "s3://bucket/pq/part-0.parquet"
+    assert set(first) == {"__key__", "__url__", "image", "label", "tag", "tokens"}
+    assert first["image"] == {"bytes": bytes([0, 0]) * 20000, "path": "0-0.jpg"}
+    assert first["tag"] == "t0" and first["tokens"] == []
+    assert [s["__key__"] for s in samples] == [f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)]
+
+
+def test_only_the_selected_column_chunks_are_fetched():
+    fake = build_store()
+    ds = dataset(store=reusable(fake), columns=["label"])
+    ds.resolve()
+    fetched = []
+    plain_get_range = fake.get_range
+
+    async def get_range(bucket, key, start, end, **kwargs):
+        data = await plain_get_range(bucket, key, start, end, **kwargs)
+        fetched.append(len(data))
+        return data
+
+    fake.get_range = get_range
+    assert sorted(s["label"] for s in ds) == sorted(i % 5 for n in ROWS for i in range(n))
+    whole = sum(len(v) for (_, k), v in fake.objects.items() if k.startswith("pq/"))
+    plans = ds.source.plans()
+    assert len(plans) == 3  # the small label chunks: one unit per file, one GET per chunk (not the gaps)
+    assert len(fetched) == sum(len(plan.ranges) for plan in plans) == sum(-(-n // 10) for n in ROWS)
+    assert sum(fetched) < whole / 1000
+
+
+@pytest.mark.parametrize("world,workers", [(1, 0), (2, 2), (3, 2)])
+def test_ranks_and_workers_read_every_row_once_in_equal_shares(world, workers):
+    seen = []
+    lengths = set()
+    for rank in range(world):
+        ds = dataset(rank=rank, world_size=world, pad_policy="drop", shuffle=True, seed=3)
+        ds.set_epoch(1)
+        rank_keys = [s["__key__"] for s in loader_of(ds, workers)]
+        lengths.add(len(rank_keys))
+        seen += rank_keys
+    assert lengths == {TOTAL // world}
+    assert len(seen) == len(set(seen)) == TOTAL // world * world
+
+
+def loader_of(ds, num_workers: int) -> DataLoader:
+    if num_workers == 0:
+        return DataLoader(ds, batch_size=None)
+    return DataLoader(ds, batch_size=None, num_workers=num_workers, multiprocessing_context="fork")
+
+
+def test_shuffle_changes_with_the_epoch_and_repeats_with_the_seed():
+    a, b = keys(dataset(shuffle=True, seed=1), 0), keys(dataset(shuffle=True, seed=1), 1)
+    assert sorted(a) == sorted(b) and a != b
+    assert keys(dataset(shuffle=True, seed=1), 0) == a
+
+
+def test_resume_mid_epoch_on_another_topology_reads_the_rest_once():
+    whole = keys(dataset(batch_size=4, shuffle=True, seed=2), 3)
+    first = dataset(batch_size=4, shuffle=True, seed=2, rank=0, world_size=1)
+    first.set_epoch(3)
+    taken = []
+    for sample in first:
+        taken.append(sample["__key__"])
+        if len(taken) == 24:
+            break
+    rest = []
+    for rank in range(2):
+        ds = dataset(batch_size=4, shuffle=True, seed=2, rank=rank, world_size=2)
+        ds.resume(epoch=3, samples_seen=24)
+        rest += [s["__key__"] for s in ds]
+    assert taken == whole[:24]
+    assert sorted(taken + rest) == sorted(whole)
+
+
+def test_state_dict_resumes_exactly_once():
+    ds = dataset(shuffle=True, seed=5, shuffle_buffer=8)
+    ds.set_epoch(0)
+    it = iter(ds)
+    taken = [next(it)["__key__"] for _ in range(30)]
+    state = ds.state_dict()
+    it.close()
+    again = dataset(shuffle=True, seed=5, shuffle_buffer=8)
+    again.load_state_dict(state)
+    rest = [s["__key__"] for s in again]
+    assert len(taken) + len(rest) == TOTAL and set(taken).isdisjoint(rest)
+
+
+def test_consecutive_row_groups_of_a_file_form_units_up_to_part_size():
+    plans = dataset().source.plans()
+    assert [(p.file, p.groups, p.rows) for p in plans] == [
+        (0, (0, 1), 20), (0, (2, 3), 17), (2, (0, 1), 20), (2, (2, 3), 20), (2, (4,), 10), (3, (0, 1), 13)]
+    assert all(p.fetched <= 1 << 20 for p in plans)
+
+
+def test_a_budget_makes_units_smaller_before_it_refuses_one():
+    ds = dataset(memory_budget=8 << 20)  # 1.5 MiB for each of 4 units: one row group of 400 KB each
+    plans = ds.source.plans()
+    assert all(plan.need <= ds.source.read_bytes() // 4 for plan in plans)
+    assert [plan.groups for plan in plans][:4] == [(0,), (1,), (2,), (3,)]
+    assert len(list(ds)) == TOTAL
+
+
+def test_samples_per_epoch_cycles_the_row_groups():
+    ds = dataset(samples_per_epoch=250, shuffle=True)
+    got = keys(ds)
+    assert len(got) == 250
+    assert set(got) == {f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)}
+
+
+def test_mixed_with_objects():
+    store = reusable(FAKE)
+    web = AsyncS3Dataset.from_prefix("s3://bucket/web/", store=store)
+    rows = dataset(store=store)
+    ds = mix({"web": web, "rows": rows}, {"web": 1, "rows": 1}, samples_per_epoch=60, store=store)
+    counts = collections.Counter(s["__source__"] for s in ds)
+    assert counts == {"web": 30, "rows": 30}
+
+
+def test_a_column_the_file_lacks_names_file_and_column():
+    with pytest.raises(ConfigError, match=r"s3://bucket/pq/part-0.parquet has no column 'nope'"):
+        dataset(columns=["label", "nope"]).resolve()
+
+
+def test_a_corrupt_or_truncated_footer_names_the_file():
+    fake = build_store()
+    good = fake.objects["bucket", "pq/part-2.parquet"]
+    fake.objects["bucket", "pq/part-2.parquet"] = good[:-20] + b"\xff" * 16 + good[-4:]
+    with pytest.raises(ParquetFormatError, match=r"s3://bucket/pq/part-2.parquet"):
+        dataset(store=reusable(fake)).resolve()
+    fake.objects["bucket", "pq/part-2.parquet"] = good[: len(good) // 2]
+    with pytest.raises(ParquetFormatError, match=r"s3://bucket/pq/part-2.parquet.*magic"):
+        dataset(store=reusable(fake)).resolve()
+
+
+def test_a_file_overwritten_after_its_footer_was_read():
+    fake = build_store()
+    ds = dataset(store=reusable(fake))
+    ds.resolve()
+    fake.objects["bucket", "pq/part-0.parquet"] = parquet_bytes(37, 9)
+    with pytest.raises(ObjectChangedError, match=r"part-0.parquet was overwritten after its footer was read"):
+        list(ds)
+
+
+def test_files_without_rows_are_an_error():
+    fake = FakeStore.with_objects("bucket", {"empty/a.parquet": parquet_bytes(0, 0)})
+    with pytest.raises(EmptyDatasetError, match="hold no rows"):
+        AsyncS3Dataset.from_parquet("s3://bucket/empty/", store=reusable(fake)).resolve()
+
+
+def test_a_budget_too_small_for_a_row_group_says_what_it_needs():
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": parquet_bytes(20, 1)})
+    big = pa.table({"blob": [b"x" * (64 << 10)] * 256})
+    out = io.BytesIO()
+    pq.write_table(big, out, row_group_size=256, compression="none", use_dictionary=False)
+    fake.objects["bucket", "big/b.parquet"] = out.getvalue()
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), memory_budget=16 << 20)
+    with pytest.raises(ConfigError, match=r"row group 0 of s3://bucket/big/b.parquet needs \d+ bytes"):
+        ds.resolve()
+
+
+def test_named_files_and_missing_ones():
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/pq/part-{2..3}.parquet", store=reusable(FAKE))
+    assert len(list(ds)) == ROWS[2] + ROWS[3]
+    from loader import NoSuchKeyError
+
+    with pytest.raises(NoSuchKeyError, match="part-7.parquet does not exist"):
+        AsyncS3Dataset.from_parquet("s3://bucket/pq/part-7.parquet", store=reusable(FAKE)).resolve()
+
+
+@given(st.lists(st.tuples(st.integers(0, 500), st.integers(1, 100)), max_size=12), st.integers(1, 64))
+@settings(max_examples=100, deadline=None)
+def test_ranges_merge_and_split_without_losing_a_byte(spans, part):
+    spans = [(start, start + length) for start, length in spans]
+    merged = merge_ranges(spans)
+    covered = {b for start, end in spans for b in range(start, end)}
+    assert {b for start, end in merged for b in range(start, end)} == covered
+    assert all(a[1] < b[0] for a, b in zip(merged, merged[1:]))
+    parts = split_ranges(merged, part)
+    assert all(0 < end - start <= part for start, end in parts)
+    assert {b for start, end in parts for b in range(start, end)} == covered
