@@ -159,11 +159,14 @@ def first_contact(exc: TransientStoreError, policy: RetryPolicy, failures: int, 
     """Whether ``exc`` is a first contact that failed long enough: no connection to an endpoint
     that has never answered, for ``FIRST_CONTACT_DEADLINE`` seconds (or the policy's
     own deadline or attempts, when shorter) if the next wait were taken."""
-    if not isinstance(exc, EndpointUnreachableError) or not exc.endpoint:
-        return False
-    if has_answered(exc.endpoint):
+    if not unanswered(exc):
         return False
     return delay is None or elapsed + delay >= min(FIRST_CONTACT_DEADLINE, policy.deadline)
+
+
+def unanswered(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure to connect to an endpoint that has never answered."""
+    return isinstance(exc, EndpointUnreachableError) and bool(exc.endpoint) and not has_answered(exc.endpoint)
 
 
 def wrong_endpoint(exc: EndpointUnreachableError, failures: int, elapsed: float,
@@ -235,7 +238,8 @@ class Retrying:
             raise wrong_endpoint(exc, self.failures, elapsed, self.what) from exc
         if delay is None:
             raise gave_up(exc, self.policy, self.failures, elapsed, self.what) from exc
-        if elapsed >= PROGRESS_AFTER and _Throttle.ready(now):
+        if elapsed >= PROGRESS_AFTER and not unanswered(exc) \
+                and _Throttle.ready(now):  # (a first contact ends within seconds: nothing to report)
             limit = (f"{self.policy.max_attempts} attempts or " if self.policy.max_attempts else "")
             log.warning("still retrying%s after %.0f s of failures (attempt %d; gives up after %s%g s, "
                         "see RetryPolicy): %s", f" {self.what}" if self.what else "", elapsed,
