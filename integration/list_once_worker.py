@@ -10,7 +10,8 @@ the DataLoader starts: no ``set_epoch``, no ``keys()``, exactly the issue's scen
 
 Each cell writes ``{out}/{cell}/rank{r}.json``: the keys read per epoch, the snapshot every
 process used (the id of the shared key list file it mapped, or a digest for a list in memory),
-and how the workers were started. The test counts the LIST requests per cell's prefix (and a Parquet cell's footer GETs).
+and how the workers were started. The test counts the LIST requests per cell's prefix (and a
+Parquet cell's footer GETs).
 """
 
 from __future__ import annotations
