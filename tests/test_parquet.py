@@ -258,3 +258,17 @@ def test_files_and_footers_travel_packed_as_one_shared_list(entries):
     packed = pack_footers(files, footers)
     assert unpack_footers(packed) == (files, footers)
     assert unpack_footers(parse_keys(to_bytes(packed))) == (files, footers)
+
+
+@pytest.mark.parametrize("given,workers,expected", [(None, 0, 4), (None, 2, 2), (None, 8, 1), (3, 2, 3)])
+def test_row_groups_in_flight_are_per_rank_unless_given(monkeypatch, given, workers, expected):
+    """By default a rank's units in flight are shared among its DataLoader workers; a value
+    given is what every process uses."""
+    import types
+
+    import torch.utils.data
+
+    info = types.SimpleNamespace(num_workers=workers) if workers else None
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
+    options = {} if given is None else {"row_groups_inflight": given}
+    assert dataset(**options).source.limits("ordered").max_inflight == expected

@@ -159,7 +159,7 @@ class ParquetSource(ShardSource):
 
     def __init__(self, files: str | Iterable[str], options: LoaderOptions, *,
                  columns: Sequence[str] | None = None,
-                 shard_options: ShardOptions | None = None) -> None:
+                 shard_options: ShardOptions | None = None, inflight_per_rank: bool = False) -> None:
         # Not ShardSource.__init__: no tar index or sample counts; what its methods use is set here.
         pyarrow_parquet()  # a missing extra fails here, not in a worker
         self.options = options
@@ -171,6 +171,7 @@ class ParquetSource(ShardSource):
             if not columns:
                 raise ConfigError("columns=[] selects nothing; give column names, or None for all")
         self.columns: tuple[str, ...] | None = columns
+        self._inflight_per_rank = inflight_per_rank
         self._given: str | list[str] = files if isinstance(files, str) else list(files)
         self._specs = parquet_specs(self._given)
         self._listing_ticket = ticket(repr(("parquet", self._specs)))
@@ -323,9 +324,25 @@ class ParquetSource(ShardSource):
     def reserve(self, assignment: ShardAssignment) -> int:
         return self.plans()[assignment.shard].need
 
+    def inflight(self) -> int:
+        """Units this process reads at once: ``row_groups_inflight``; when it was not given, its
+        default is per rank, shared among the rank's DataLoader workers (at least one each).
+
+        Why: units are large (up to 32 MiB), so a few per rank keep the server busy; four in every
+        worker made two workers on two shared cores spend ~1.5x the client CPU per row (the
+        bytes of eight units churning through memory at once) and reach the first sample later
+        (bench/results/parquet-workers-2026-11-27.md)."""
+        count = self.shard_options.shards_inflight
+        if self._inflight_per_rank:
+            from torch.utils.data import get_worker_info
+
+            info = get_worker_info()
+            if info is not None:
+                count = max(1, count // info.num_workers)
+        return count
+
     def limits(self, delivery: Delivery) -> EngineLimits:
-        return self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight,
-                                   inflight_bytes=self.read_bytes())
+        return self.options.limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
 
     def versions(self) -> Versions | None:
         return versions_of(self.shards())
