@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -75,6 +76,19 @@ def test_explicit_keys_win_over_everything(profiles, monkeypatch):
     config = S3Config(endpoint_url=ENDPOINT, access_key_id="AKIDGIVEN", secret_access_key="given",
                       profile="default")
     assert frozen(config) == ("AKIDGIVEN", "given", None)
+
+
+def test_given_keys_need_no_botocore_and_stay_hidden():
+    """Keys given in the config reach obstore without importing botocore's credentials module
+    (~30 ms of a store's start-up); their repr hides them, and they never expire."""
+    code = ("import sys\n"
+            "from loader.config import S3Config\n"
+            "from loader.s3.credentials import BotocoreCredentialProvider, resolve_credentials\n"
+            "keys = resolve_credentials(S3Config(access_key_id='AKIDGIVEN', secret_access_key='given'))\n"
+            "answer = BotocoreCredentialProvider(keys)()\n"
+            "print(answer['access_key_id'], answer['expires_at'], repr(keys), 'botocore.credentials' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["AKIDGIVEN", "None", "GivenKeys(<hidden>)", "False"]
 
 
 def test_a_custom_endpoint_reads_the_default_profile(profiles):

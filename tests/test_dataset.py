@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, SampleError
+from loader.datasets.partition import SMALL_ORDER
 from loader.engine.fetch import live_engines
 
 from fakes import FakeStore, payloads, reusable
@@ -160,6 +161,35 @@ def test_state_dict_resumes_the_rest_of_the_epoch_exactly_once():
     rest = keys_of(fresh)
     assert sorted(first + rest) == sorted(k[:-4] for k in objects)
     assert not set(first) & set(rest)
+
+
+def test_a_state_of_the_previous_release_resumes_only_where_its_order_is_unchanged():
+    """Version 1 states come from releases that shuffled every order as a whole list; since
+    then orders longer than SMALL_ORDER are a keyed permutation. A version 1 state resumes
+    where the order is the same (short or unshuffled), and is refused, saying what to do, where
+    its position would point into another order."""
+    ds, objects, _ = dataset(100, shuffle=True, seed=5)  # a short order: the same as before
+    ds.set_epoch(2)
+    it = iter(ds)
+    first = [next(it)["__key__"] for _ in range(37)]
+    state = {**ds.state_dict(), "version": 1}
+    del it
+    fresh, _, _ = dataset(100, shuffle=True, seed=5)
+    fresh.load_state_dict(state)
+    rest = keys_of(fresh)
+    assert sorted(first + rest) == sorted(k[:-4] for k in objects)
+
+    n = SMALL_ORDER + 1
+    big, _, _ = dataset(n, shuffle=True, seed=5)
+    old = {**big.state_dict(), "version": 1, "epoch": 3}
+    with pytest.raises(ConfigError, match=r"earlier release \(state version 1\) in the middle of "
+                       r"epoch 3.*ds\.set_epoch\(3\) instead of load_state_dict"):
+        big.load_state_dict(old)
+    unshuffled, _, _ = dataset(n, shuffle=False, seed=5)
+    unshuffled.load_state_dict({**unshuffled.state_dict(), "version": 1, "epoch": 3})
+    assert unshuffled.epoch == 3
+    with pytest.raises(ConfigError, match=r"state \(version 0, mode 'objects'\) is not"):
+        unshuffled.load_state_dict({**unshuffled.state_dict(), "version": 0})
 
 
 def test_manifest_file(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from hypothesis import strategies as st
 
 from loader.datasets.partition import (
     DEFAULT_SEED,
+    SMALL_ORDER,
     ShardAssignment,
     balanced_shard_ranges,
+    block_positions,
     block_shape,
     epoch_order,
     epoch_seed,
@@ -59,6 +62,7 @@ def all_shares(n, seed, epoch, shuffle, world_size, num_workers, policy):
 # ----------------------------------------------------------------------------- item mode
 
 
+@settings(deadline=None)  # orders past SMALL_ORDER are computed per index: ~3 us an item
 @given(n=sizes, seed=seeds, epoch=epochs, shuffle=st.booleans(), world_size=world_sizes,
        num_workers=worker_counts, policy=policies, data=st.data())
 def test_union_balance_and_composition(n, seed, epoch, shuffle, world_size, num_workers, policy, data):
@@ -92,6 +96,7 @@ def test_union_balance_and_composition(n, seed, epoch, shuffle, world_size, num_
     assert partition(n, **kwargs) == partition(n, **kwargs)  # deterministic
 
 
+@settings(deadline=None)
 @given(n=sizes, seed=seeds, epoch=epochs)
 def test_order_is_a_permutation_and_identity_without_shuffle(n, seed, epoch):
     shuffled = epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
@@ -119,10 +124,93 @@ def test_epochs_and_seeds_give_different_orders(n, seed):
     assert tuple(other_seed) != orders[0]
 
 
+# The keyed permutation (orders longer than SMALL_ORDER): sizes on both sides of the switch,
+# primes and powers of two, each checked whole.
+special_sizes = [0, 1, 2, 3, 7, SMALL_ORDER, SMALL_ORDER + 1, 1031, 2048, 2049, 4096, 8191, 65537]
+
+
+@pytest.mark.parametrize("n", special_sizes)
+def test_orders_of_special_sizes_are_permutations(n):
+    order = epoch_order(n, seed=11, epoch=3, shuffle=True)
+    items = list(order)
+    assert len(order) == n and sorted(items) == list(range(n))
+    assert [order[i] for i in range(n)] == items  # per index, as a worker reads it
+    if n:
+        assert order[-1] == items[-1] and order[-n] == items[0]
+        assert order[1::3] == items[1::3] and order[::-2] == items[::-2]
+    for bad in (n, -n - 1):
+        with pytest.raises(IndexError, match=f"outside an order of {n} items"):
+            order[bad]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(SMALL_ORDER + 1, 6000), seed=seeds, epoch=epochs)
+def test_keyed_orders_are_permutations_and_differ_by_epoch(n, seed, epoch):
+    order = list(epoch_order(n, seed=seed, epoch=epoch, shuffle=True))
+    assert sorted(order) == list(range(n))
+    assert order == list(epoch_order(n, seed=seed, epoch=epoch, shuffle=True))
+    assert order != list(epoch_order(n, seed=seed, epoch=epoch + 1, shuffle=True))
+    assert order != list(range(n))
+
+
+def test_keyed_orders_are_well_mixed():
+    """The keyed permutation mixes like a shuffle: neighbours in the order are not neighbours
+    in the data, and every part of the order draws from every part of the data."""
+    n, parts = 4096, 16
+    for seed, epoch in [(0, 0), (1, 7), (-3, 2)]:
+        order = list(epoch_order(n, seed=seed, epoch=epoch, shuffle=True))
+        assert sum(abs(a - b) == 1 for a, b in zip(order, order[1:])) < 10  # ~2 expected
+        for start in range(0, n, n // parts):  # a 16 x 16 table, 16 expected in each cell
+            cells = Counter(item * parts // n for item in order[start:start + n // parts])
+            assert len(cells) == parts and max(cells.values()) < 40
+
+
+@pytest.mark.parametrize("n", [1_000_000, 100_000_000])
+def test_a_workers_share_starts_in_constant_memory(n):
+    """A worker's share of the epoch is computed as it is read: its start holds no list."""
+    tracemalloc.start()
+    try:
+        share = partition(n, seed=1, epoch=4, shuffle=True, rank=3, world_size=8, worker=1,
+                          num_workers=4)
+        first = [item for _, item in zip(range(64), share)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(share) == n // 32 and len(set(first)) == 64 and all(0 <= i < n for i in first)
+    assert peak < 64 * 1024
+    order = epoch_order(n, seed=1, epoch=4, shuffle=True)
+    assert first == [order[p] for p in range(3 + 8, 3 + 8 + 64 * 32, 32)]  # strided ranks, then workers
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(SMALL_ORDER + 1, 3000), seed=seeds, epoch=epochs, data=st.data())
+def test_resume_on_another_topology_reads_the_rest_exactly_once(n, seed, epoch, data):
+    """Blocks of the keyed order: what the first topology consumed, then the rest dealt over
+    another number of ranks and workers, read every item exactly once ("drop" only leaves
+    out the tail's remainder)."""
+    batch = data.draw(st.integers(1, 64), label="batch_size")
+    before = data.draw(st.integers(1, 8), label="world_size before")
+    steps = data.draw(st.integers(0, n // (batch * before)), label="steps")
+    seen = samples_consumed(n, steps, batch_size=batch, world_size=before, policy="drop")
+    order = epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
+    world_size = data.draw(st.integers(1, 8), label="world_size after")
+    workers = data.draw(st.integers(0, 4), label="num_workers after")
+    read = [order[p] for p in range(seen)]
+    for rank in range(world_size):
+        for worker in range(max(1, workers)):
+            read += [order[seen + p] for p in block_positions(
+                n - seen, batch_size=batch, rank=rank, world_size=world_size, worker=worker,
+                num_workers=workers, policy="drop")]
+    assert len(read) == len(set(read))
+    assert len(read) >= n - (world_size - 1)
+
+
 def test_epoch_seed_is_pinned():
     """Golden values: a change here would make old and new processes disagree on the order."""
     assert epoch_seed(0, 0) == 7422961589448188785
     assert epoch_order(10, seed=0, epoch=0, shuffle=True) == [2, 9, 1, 3, 8, 5, 0, 4, 7, 6]
+    assert epoch_order(2000, seed=0, epoch=0, shuffle=True)[:8] == [
+        108, 411, 531, 798, 1002, 1994, 1027, 50]
     assert 0 <= epoch_seed(-(2**100), 10**9) < 2**64
     assert epoch_seed(0, 1) != epoch_seed(1, 0)
 
@@ -131,7 +219,8 @@ def test_order_agrees_across_processes_with_different_hash_seeds():
     """Fresh interpreters with different ``hash()`` salts compute the same order."""
     code = (
         "from loader.datasets.partition import epoch_order\n"
-        "print(epoch_order(50, seed=3, epoch=2, shuffle=True))\n"
+        "print(list(epoch_order(50, seed=3, epoch=2, shuffle=True)))\n"
+        "print(list(epoch_order(5000, seed=3, epoch=2, shuffle=True)))\n"
     )
     outputs = set()
     for hash_seed in ("1", "2"):
@@ -140,7 +229,8 @@ def test_order_agrees_across_processes_with_different_hash_seeds():
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                 check=True, cwd=ROOT)
         outputs.add(result.stdout)
-    assert outputs == {str(epoch_order(50, seed=3, epoch=2, shuffle=True)) + "\n"}
+    expected = [list(epoch_order(n, seed=3, epoch=2, shuffle=True)) for n in (50, 5000)]
+    assert outputs == {"".join(f"{order}\n" for order in expected)}
 
 
 def test_small_examples():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader.datasets.object_samples import build_index
+from loader.errors import ConfigError
 from loader.formats.grouping import split_key
 from loader.listing.keylist import KeyList
 from loader.s3.protocol import ObjectInfo
@@ -67,3 +69,21 @@ def test_a_pinned_index_reads_each_sample_at_the_version_its_key_list_recorded()
     index = build_index(packed, pinned=True)
     assert index.pinned and index.keys is packed
     assert [[packed.etag(p) for p in index.positions(i)] for i in range(len(index))] == [["e1", "e2"], [None]]
+
+
+@pytest.mark.parametrize("keys", [
+    ["a/1.jpg", "a/2.__url__", "a/3.jpg"],  # one object per sample: fields checked once each
+    ["a/1.cls", "a/1.jpg", "a/2.__url__", "a/3.jpg"],  # grouped samples: checked sample by sample
+    ["a/3.jpg", "a/2.__url__", "a/1.jpg"],  # not sorted: grouped through a dict
+])
+def test_a_reserved_field_is_named_by_its_first_key_whichever_way_keys_are_grouped(keys):
+    with pytest.raises(ConfigError, match=r"'a/2.__url__'.* has the extension '__url__', which is a "
+                                          r"reserved sample field; rename it"):
+        build_index(keys, where="s3://b/a/")
+
+
+def test_a_cls_object_beside_a_label_is_refused_on_the_one_object_per_sample_path():
+    keys = [f"a/{i}.jpg" for i in range(5)] + ["a/5.cls", "a/6.jpg"]
+    assert len(build_index(keys)) == 7
+    with pytest.raises(ConfigError, match=r"'a/5.cls'.* fills the field 'cls', where the label"):
+        build_index(keys, labels=[0] * 7, where="manifest.csv")

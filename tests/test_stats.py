@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, TransientStoreError
-from loader.datasets.stats import report
+from loader.datasets.stats import StepWaits, report, timed
 from loader.s3.recording import BOUNDS, LatencyHistogram
 
 from fakes import FakeStore, payloads, reusable
@@ -152,6 +152,53 @@ def test_report_advises_by_the_largest_share():
     assert "ds.timed(loader)" in text and "training waited" not in text
     lines = text.splitlines()  # the advice points at the split, which comes before it
     assert "split above" in lines[-1] and any(line.startswith("loader processes") for line in lines[:-1])
+
+
+def test_start_up_is_kept_apart_from_the_steady_state():
+    """A slow first batch (workers starting) and then data always ready: the first batch is
+    reported apart, the steady state's share is its own, and the advice reads the steady state
+    (a short epoch once advised "handing samples to the main process is the limit")."""
+    def batches():
+        time.sleep(0.05)  # the first batch: start-up
+        yield from range(17)
+
+    waits = StepWaits()
+    steps = 0
+    for _ in timed(batches(), waits):
+        steps += 1
+    summary = waits.summary()
+    assert steps == summary["steps"] == 17
+    assert summary["first_batch_s"] >= 0.05 and summary["data_wait_s"] < summary["first_batch_s"]
+    assert summary["step_wait_p99_s"] < 0.05
+
+    stats = {"samples": 1088, "seconds": 1.0, "workers": 2, "startup_s": 0.4, "steps": 17, "steady_steps": 15,
+             "startup_wait_s": 0.16, "end_wait_s": 0.02,
+             "data_wait_s": 0.004, "step_s": 0.85, "data_wait_fraction": 0.0047, "first_batch_s": 0.15,
+             "step_wait_p50_s": 0.0002, "step_wait_p95_s": 0.0004, "step_wait_p99_s": 0.0005,
+             "consumer_wait_s": 0.01, "transform_s": 0.05, "handoff_s": 1.5}
+    text = report(stats)
+    assert "start-up, apart from the rest: first batch after 150.0 ms, the first 2 (one per worker) after " \
+           "160.0 ms in all" in text
+    assert "over 15 steps" in text and "(0% of its time)" in text and "20.0 ms at the end" in text
+    assert "start-up to the first sample 0.40 s, apart" in text
+    assert "keeps up" in text.rsplit("advice: ", 1)[1], text
+
+    two = StepWaits(startup_steps=2)  # two DataLoader workers: each one's first batch is start-up
+    assert list(timed(iter([1, 2]), two)) == [1, 2] and two.summary()["data_wait_fraction"] is None
+    assert two.summary()["steady_steps"] == 0
+    assert "all start-up" in report({"samples": 2, "seconds": 0.1, **two.summary()})
+
+
+def test_the_loader_processes_keep_their_start_up_apart():
+    """The wait for the engine's first item is start-up: counted in ``startup_s``, not in
+    ``consumer_wait_s`` (whose share picks the advice)."""
+    objects = payloads(8, size=10)
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), max_inflight=8,
+                                  store=reusable(FakeStore.with_objects("bucket", objects, latency=0.05)))
+    assert len(list(ds)) == 8
+    stats = ds.stats()
+    assert stats["startup_s"] >= 0.05, "the first GET's 50 ms"
+    assert stats["consumer_wait_s"] < stats["startup_s"], "all 8 GETs were in flight together"
 
 
 def test_step_waits_leave_the_loop_free_to_break():

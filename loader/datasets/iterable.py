@@ -40,7 +40,9 @@ from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: shuffled orders of more than ``partition.SMALL_ORDER`` items are a keyed permutation
+computed per index; version 1 states are accepted only where their order is unchanged."""
 
 
 class AsyncS3Dataset(IterableDataset):
@@ -97,6 +99,7 @@ class AsyncS3Dataset(IterableDataset):
         self._board = StatsBoard()  # shared memory, no thread or connection
         self._steps: StepWaits | None = None  # the training loop's waits, when it uses timed()
         self._split = [0.0, 0.0]  # this pass: seconds in transform, seconds outside between samples
+        self._startup = [0.0, 0.0]  # this pass: seconds to the first item, the engine's wait in them
 
     # ----------------------------------------------------------------------- constructors
 
@@ -319,11 +322,15 @@ class AsyncS3Dataset(IterableDataset):
         clock = time.perf_counter
         started, samples = clock(), 0
         transforming = handing = 0.0  # seconds in transform, and outside between samples (stats.py)
+        startup: float | None = None  # seconds to the first item: start-up, reported apart
+        self._startup = [0.0, 0.0]
         self._check_loader_batch_size()
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
                 for tag, item in tagged:
+                    if startup is None:
+                        startup = self._startup[0] = clock() - started
                     progress.add(tag)
                     if isinstance(item, Skipped):
                         self._skip(item.url, None, item.reason)
@@ -377,7 +384,13 @@ class AsyncS3Dataset(IterableDataset):
         engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine",
                              schedule=schedule)
         try:
-            yield from engine
+            items = iter(engine)
+            for first in items:  # the engine's wait up to its first item is start-up (stats.py)
+                if not self._startup[1]:
+                    self._startup[1] = engine.statistics().consumer_wait_s
+                yield first
+                break
+            yield from items
         finally:
             engine.close()
             stats = engine.statistics()._asdict()
@@ -400,7 +413,8 @@ class AsyncS3Dataset(IterableDataset):
             **{k: v for k, v in self._progress.counters().items() if k != "shard_ends"},
             "cache_hits": cache.get("hits", 0), "cache_misses": cache.get("misses", 0),
             "cache_stale_refetches": cache.get("stale_refetches", 0),
-            "consumer_wait_s": engine.get("consumer_wait_s", 0.0), "seconds": seconds,
+            "consumer_wait_s": max(0.0, engine.get("consumer_wait_s", 0.0) - self._startup[1]),
+            "startup_s": self._startup[0], "seconds": seconds,
             "get_s": recorder.seconds, "transform_s": self._split[0], "handoff_s": self._split[1],
             "peak_inflight": engine.get("peak_inflight", 0),
         }
@@ -434,7 +448,9 @@ class AsyncS3Dataset(IterableDataset):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the next iteration of ``state["epoch"]`` skips the samples already delivered."""
         kind = self.source.kind
-        if state.get("version") != STATE_VERSION or state.get("mode") != kind:
+        if state.get("version") == 1 and state.get("mode") == kind:
+            _check_old_order(state, shuffled=self.options.shuffle)
+        elif state.get("version") != STATE_VERSION or state.get("mode") != kind:
             raise ConfigError(
                 f"this state (version {state.get('version')!r}, mode {state.get('mode')!r}) is not "
                 f"for a {kind} dataset of version {STATE_VERSION}")
@@ -541,9 +557,12 @@ class AsyncS3Dataset(IterableDataset):
     def stats(self) -> dict[str, Any] | None:
         """Counters of the last epoch: samples, bytes, requests, retries, errors skipped,
         cache hits, request latency p50/p90/p99, throughput, and where the loader's time went
-        (``consumer_wait_s`` waiting for fetches, ``transform_s``, ``handoff_s``, ``get_s``).
-        After a loop over ``timed(...)``: how long training waited for data, per step
-        (``step_wait_p50_s``/``p95``/``p99``, ``data_wait_s``, ``data_wait_fraction``).
+        after the first sample (``consumer_wait_s`` waiting for fetches, ``transform_s``,
+        ``handoff_s``, ``get_s``; the start-up before it apart, ``startup_s``). After a loop over
+        ``timed(...)``: how long training waited for data per step in the steady state
+        (``step_wait_p50_s``/``p95``/``p99``, ``data_wait_s``, ``data_wait_fraction``), the
+        start-up apart (``first_batch_s``, ``startup_wait_s``: each worker's first batch) and
+        the end (``end_wait_s``).
 
         In the main process after a DataLoader epoch this sums every worker's row of the
         shared board (``"workers"`` says how many): one rank's numbers. None before any
@@ -560,7 +579,8 @@ class AsyncS3Dataset(IterableDataset):
         waits for its batch: ``for batch in ds.timed(loader): ...``. Only the process that
         runs the training loop can see those waits (DataLoader workers cannot), so they are
         measured here, per rank; ``stats()`` and ``report()`` then include them."""
-        self._steps = StepWaits()
+        # a DataLoader's workers each start on their own first batch: start-up, kept apart
+        self._steps = StepWaits(startup_steps=getattr(batches, "num_workers", 0) or 1)
         return timed(batches, self._steps)
 
     def report(self) -> str:
@@ -593,3 +613,20 @@ def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[s
                           "from_keys(bucket, keys) or from_manifest(path))")
     return ObjectSource(bucket, options, keys=keys, prefix=prefix, group=group, label_from=label_from,
                         labels=labels)
+
+
+def _check_old_order(state: Mapping[str, Any], *, shuffled: bool) -> None:
+    """A state of version 1 (releases whose every shuffled order was a list shuffled whole) may
+    be resumed only where that order is still this release's: unshuffled, or objects or shards
+    (whose order is over the shards) of at most ``partition.SMALL_ORDER`` items. Elsewhere the position it
+    saved would point into another order, and the epoch would repeat and skip samples."""
+    size, epoch = state.get("size"), state.get("epoch")
+    if state.get("mode") in ("objects", "shards") and (
+            not shuffled or (isinstance(size, int) and size <= partition.SMALL_ORDER)):
+        return
+    raise ConfigError(
+        f"this state was saved by an earlier release (state version 1) in the middle of epoch "
+        f"{epoch!r}; this release shuffles {state.get('mode')} of more than {partition.SMALL_ORDER} "
+        f"items in another order, so the samples it delivered cannot be told apart. Start that "
+        f"epoch again (ds.set_epoch({epoch!r}) instead of load_state_dict), or finish it with the "
+        "release that saved the state and upgrade at an epoch boundary")

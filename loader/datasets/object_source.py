@@ -125,7 +125,7 @@ class ObjectSource:
             return ObjectProgress()
         return ObjectProgress(Watermark.from_state(state["delivered"]))
 
-    def plan(self, slot: Slot) -> list[int]:
+    def plan(self, slot: Slot) -> Sequence[int]:
         """Positions in ``samples()`` that ``slot`` reads this epoch, in reading order."""
         n = len(self.samples())
         if slot.positions is not None:
@@ -136,9 +136,11 @@ class ObjectSource:
     def stream(self, slot: Slot, progress: Progress, run: Run) -> Generator[Tagged, None, None]:
         assert isinstance(progress, ObjectProgress)
         index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
-        done = progress.delivered
-        todo = [(tag, pos) for tag, pos in enumerate(self.plan(slot)) if tag not in done]
-        jobs = (sample_job(index, bucket, pos, tag, on_error) for tag, pos in todo)
+        # what a resume skips, copied: the engine's thread reads it while this one adds to the original
+        done = Watermark.from_state(progress.delivered.to_state())
+        # One job at a time, as the engine asks: the plan is computed as it is read (partition)
+        jobs = (sample_job(index, bucket, pos, tag, on_error)
+                for tag, pos in enumerate(self.plan(slot)) if tag not in done)
         delivery: Delivery = "ordered" if self.options.ordered else "completed"
         yield from run(jobs, self.options.object_limits(delivery))
 

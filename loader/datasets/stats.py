@@ -20,10 +20,10 @@ COUNTERS = (
     "samples", "bytes", "requests", "request_errors", "retries", "samples_skipped", "shards_skipped",
     "tar_links_skipped",
     "cache_hits", "cache_misses", "cache_stale_refetches", "consumer_wait_s", "seconds",
-    "get_s", "transform_s", "handoff_s", "peak_inflight",
+    "get_s", "transform_s", "handoff_s", "peak_inflight", "startup_s",
 )
 # summed over workers, except these: the largest worker's value
-_MAXED = ("seconds", "peak_inflight")
+_MAXED = ("seconds", "peak_inflight", "startup_s")
 T = TypeVar("T")
 MAX_WORKERS = 128  # rows on the board; workers beyond it keep their stats to themselves
 _ROW = 1 + len(COUNTERS) + len(BOUNDS) + 1  # used flag, counters, buckets, overflow bucket
@@ -100,27 +100,35 @@ class StepWaits:
     """How long a training loop waited for each of its batches, timed where it asks for them.
 
     Only the process that runs the loop can see this (DataLoader workers only see their own
-    queue), so ``timed`` measures it there. The first step is kept apart (``first_batch_s``:
-    it includes starting the iteration, and the workers unless they are persistent); the
-    percentiles are over the steps after it.
+    queue), so ``timed`` measures it there. Start-up is kept apart from the steady state: the
+    first batch (``first_batch_s``: starting the iteration, and the workers unless they are
+    persistent) and the first batch of each other DataLoader worker, which the loader takes in
+    turn (``startup_wait_s`` sums the waits of those ``startup_steps``), and the wait at the
+    end (``end_wait_s``: the last workers finishing and shutting down). The percentiles,
+    ``data_wait_s`` and ``data_wait_fraction`` cover the steps in between, so that a short
+    epoch's start-up does not read as slow loading.
     """
 
-    __slots__ = ("waits", "steps", "wait_s", "busy_s", "first_s")
+    __slots__ = ("waits", "steps", "wait_s", "busy_s", "first_s", "startup_steps", "startup_s", "end_s")
 
-    def __init__(self) -> None:
+    def __init__(self, startup_steps: int = 1) -> None:
         self.waits = LatencyHistogram()
         self.steps = 0
-        self.wait_s = 0.0  # every wait, the first step's and the end of the epoch's included
+        self.startup_steps = max(1, startup_steps)
+        self.wait_s = 0.0  # the steady state's waits
         self.busy_s = 0.0  # time the loop spent on its batches (between receiving one and asking)
         self.first_s: float | None = None
+        self.startup_s = 0.0
+        self.end_s = 0.0
 
     def summary(self) -> dict[str, Any]:
         waits = self.waits
         total = self.wait_s + self.busy_s
+        steady = self.steps - min(self.steps, self.startup_steps)
         return {
-            "steps": self.steps, "data_wait_s": self.wait_s, "step_s": self.busy_s,
-            "first_batch_s": self.first_s,
-            "data_wait_fraction": self.wait_s / total if total else None,
+            "steps": self.steps, "steady_steps": steady, "data_wait_s": self.wait_s, "step_s": self.busy_s,
+            "first_batch_s": self.first_s, "startup_wait_s": self.startup_s, "end_wait_s": self.end_s,
+            "data_wait_fraction": self.wait_s / total if total and steady else None,
             **{f"step_wait_p{int(q * 100)}_s": waits.percentile(q) for q in (0.5, 0.95, 0.99)},
         }
 
@@ -136,12 +144,14 @@ def timed(batches: Iterable[T], waits: StepWaits) -> Iterator[T]:
         try:
             batch = next(iterator)
         except StopIteration:
-            waits.wait_s += clock() - asked  # the last workers finishing
+            waits.end_s += clock() - asked  # the last workers finishing
             return
         got = clock()
         if waits.first_s is None:
             waits.first_s = got - started
-            waits.wait_s += got - started
+            waits.startup_s += got - started
+        elif waits.steps < waits.startup_steps:  # another worker's first batch
+            waits.startup_s += got - asked
         else:
             waits.waits.add(got - asked)
             waits.wait_s += got - asked
@@ -162,18 +172,25 @@ def report(stats: dict[str, Any], *, inflight_limit: int | None = None) -> str:
     steps = stats.get("steps")
     if steps:
         share = stats["data_wait_fraction"] or 0.0
-        lines.append(
-            f"training waited for data {stats['data_wait_s']:.2f} s ({share:.0%} of its time) over "
-            f"{steps} steps: per step p50 {_ms(stats['step_wait_p50_s'])}, p95 "
-            f"{_ms(stats['step_wait_p95_s'])}, p99 {_ms(stats['step_wait_p99_s'])}; first batch "
-            f"{_ms(stats['first_batch_s'])}")
+        steady = stats.get("steady_steps", steps - 1)
+        lines.append(f"start-up, apart from the rest: first batch after {_ms(stats['first_batch_s'])}"
+                     + (f", the first {steps - steady} (one per worker) after "
+                        f"{_ms(stats.get('startup_wait_s'))} in all" if steps - steady > 1 else ""))
+        if steady:
+            lines.append(
+                f"then training waited for data {stats['data_wait_s']:.2f} s ({share:.0%} of its time) "
+                f"over {steady} steps: per step p50 {_ms(stats['step_wait_p50_s'])}, p95 "
+                f"{_ms(stats['step_wait_p95_s'])}, p99 {_ms(stats['step_wait_p99_s'])}; "
+                f"{_ms(stats.get('end_wait_s'))} at the end")
     parts = {"waiting for fetches": stats.get("consumer_wait_s", 0.0),
              "in transform": stats.get("transform_s", 0.0),
              "handing samples over": stats.get("handoff_s", 0.0)}
     busy = sum(parts.values())
     if busy:
         shares = ", ".join(f"{name} {value:.2f} s ({value / busy:.0%})" for name, value in parts.items())
-        lines.append(f"loader processes, summed: {shares}")
+        startup = stats.get("startup_s")
+        first = f" (start-up to the first sample {startup:.2f} s, apart)" if startup else ""
+        lines.append(f"loader processes, summed, after their first sample{first}: {shares}")
     requests = stats.get("requests", 0)
     if requests:
         lines.append(f"{requests:,} requests, {stats.get('get_s', 0.0):.2f} s in them (summed, they overlap), "
@@ -189,6 +206,9 @@ WAIT_WORTH_FIXING = 0.05  # below this share of its time waiting, data loading k
 def _advice(stats: dict[str, Any], parts: dict[str, float], inflight_limit: int | None) -> str:
     share = stats.get("data_wait_fraction")
     if share is None:
+        if stats.get("steps"):
+            return ("these steps were all start-up (a first batch from each worker): time an epoch "
+                    "of more steps to see whether loading keeps up")
         return ("iterate `for batch in ds.timed(loader):` to measure how long training waits for "
                 "data; until then, the split above says where the loader's own time goes")
     if share < WAIT_WORTH_FIXING:

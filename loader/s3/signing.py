@@ -66,7 +66,8 @@ def sign_v4(method: str, host: str, path: str, query: Mapping[str, str], *, acce
     ``query`` is sent as ``canonical_query`` writes it; ``headers`` (``Range``, ``If-Match``,
     ...) are added to what is signed. Names come back in lower case.
     """
-    stamp = when.strftime("%Y%m%dT%H%M%SZ")
+    stamp = (f"{when.year:04d}{when.month:02d}{when.day:02d}T"  # strftime costs 2-3x as much
+             f"{when.hour:02d}{when.minute:02d}{when.second:02d}Z")
     sent = {name.lower(): value for name, value in (headers or {}).items()}
     sent.update({"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp})
     if token:

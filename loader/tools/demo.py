@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import random
 import sys
 import tarfile
 import time
@@ -67,11 +68,16 @@ def photo_jpeg(index: int, quality: int = QUALITY) -> bytes:
     return out.getvalue()
 
 
-def pack_shards(samples: dict[str, bytes], per_shard: int,
-                labels: dict[str, int] | None = None) -> Iterator[tuple[str, bytes]]:
+def pack_shards(samples: dict[str, bytes], per_shard: int, labels: dict[str, int] | None = None,
+                seed: int | None = None) -> Iterator[tuple[str, bytes]]:
     """WebDataset tar shards of ``per_shard`` samples each (``.jpg`` + ``.cls`` members; the class
-    id is ``labels[key]``, or a stand-in when no labels are given)."""
+    id is ``labels[key]``, or a stand-in when no labels are given), in key order, or with
+    ``seed`` in a seeded random order as ``loader shard --shuffle`` packs them: keys sorted by
+    class would otherwise make every shard one class, and batches drawn from a few shards at a
+    time lopsided (docs/design/packing.md, "Mixed batches")."""
     keys = sorted(samples)
+    if seed is not None:
+        random.Random(seed).shuffle(keys)
     for number, start in enumerate(range(0, len(keys), per_shard)):
         out = io.BytesIO()
         with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
@@ -255,7 +261,8 @@ def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2,
         print(f"server ready at {config.endpoint_url}; {num_samples} photo-like JPEGs ...", flush=True)
         samples, origin = load_or_make_samples(num_samples, (cache_dir or cache_home()) if keep else None)
         labels = {key: CLASSES.index(key.split("/")[1]) for key in samples}
-        shards = dict(pack_shards(samples, per_shard=max(1, num_samples // 8), labels=labels))
+        # packed in a random order, as ``loader shard --shuffle`` does: the keys are sorted by class
+        shards = dict(pack_shards(samples, per_shard=max(1, num_samples // 8), labels=labels, seed=0))
         print(f"{origin} ({sum(map(len, samples.values())) / len(samples) / 1024:.0f} KiB each on average)",
               flush=True)
         started = time.perf_counter()
