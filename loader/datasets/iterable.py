@@ -192,7 +192,8 @@ class AsyncS3Dataset(IterableDataset):
 
         shard_options, rest = parquet_options(options)
         loader_options = LoaderOptions(**rest)
-        return cls(ParquetSource(files, loader_options, columns=columns, shard_options=shard_options),
+        return cls(ParquetSource(files, loader_options, columns=columns, shard_options=shard_options,
+                                 inflight_per_rank="row_groups_inflight" not in options),
                    options=loader_options)
 
     # ----------------------------------------------------------------------- what is read
