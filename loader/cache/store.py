@@ -104,6 +104,10 @@ class CachedStore:
     store is closed. Use it in one event loop, like any store (see ``loader/s3/protocol.py``).
     """
 
+    # The engine does not hedge reads through the cache (engine/tail.py): a hedged miss would
+    # fetch and fill the same entry twice, and a hit is a local file read, never a straggler.
+    hedged_by_engine = False
+
     def __init__(
         self,
         inner: ObjectStore,

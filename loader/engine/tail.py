@@ -255,6 +255,9 @@ class TailStore:
         self.freed: anyio.Event | None = None  # set when a place frees up, for those waiting
         self.pending: set[_Pending] = set()  # reads that may be hedged, while in flight
         self.watching = False  # whether ``watch`` runs (else nothing is hedged)
+        # a store may say its reads are not to be hedged (the disk cache: a hedged miss would
+        # fill one entry twice); throttling still applies to them
+        self.hedges = bool(getattr(inner, "hedged_by_engine", True))
         self.endpoint = endpoint or endpoint_of(inner)
         self.controls: dict[str, TailControl] = {}
         self.throttled = 0
@@ -339,7 +342,7 @@ class TailStore:
     async def _read(self, bucket: str, call: Callable[[], Awaitable[T]]) -> T:
         control = self.control(bucket)
         await control.acquire()
-        after = control.hedge_after() if self.watching else None
+        after = control.hedge_after() if self.watching and self.hedges else None
         started = time.monotonic()
         await self.enter()
         try:

@@ -83,6 +83,8 @@ class _RecordedStore:
     def __init__(self, inner: ObjectStore, recorder: RequestRecorder) -> None:
         self.inner = inner
         self.recorder = recorder
+        # whether the engine may hedge these reads is the wrapped store's to say (the cache's is no)
+        self.hedged_by_engine = bool(getattr(inner, "hedged_by_engine", True))
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return self.inner.list(bucket, prefix)
