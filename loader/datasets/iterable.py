@@ -646,7 +646,7 @@ class AsyncS3Dataset(IterableDataset):
 
     def __repr__(self) -> str:
         return (f"AsyncS3Dataset({self.source.describe()}, shuffle={self.options.shuffle}, "
-                f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
+                f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
 
 
 def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[str] | None,

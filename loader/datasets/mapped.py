@@ -249,7 +249,7 @@ class AsyncS3MapDataset(Dataset):
 
     def __repr__(self) -> str:
         return (f"AsyncS3MapDataset({self.source.describe()}, "
-                f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
+                f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
 
     # ----------------------------------------------------------------------- helpers
 
