@@ -98,6 +98,7 @@ def test_an_old_spelling_warns_naming_the_new_one_and_lands_where_it_did(mode, n
         dataset = build(mode, **{name: value}, **others)
     messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
     assert any(m.startswith(f"{name}= is deprecated") and DEPRECATED[mode][name] in m for m in messages), messages
+    assert {w.filename for w in caught if str(w.message).startswith(f"{name}=")} == {__file__}  # the caller's line
     assert landed(dataset, name) == value
     if new is not None and (name, mode in ("shards", "parquet")) != ("max_inflight", True):
         # (shards and Parquet read concurrency as files at once: shards_inflight, tested above)

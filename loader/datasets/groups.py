@@ -184,11 +184,12 @@ write instead. Their values land where they always did."""
 
 def flat_options(mode: Mode, *, limits: Limits | None = None, split: Split | None = None,
                  store: str | StoreFactory | Store | None = None, reading: Reading | None = None,
-                 old: Mapping[str, Any] | None = None, **flat: Any) -> dict[str, Any]:
+                 old: Mapping[str, Any] | None = None, stacklevel: int = 3, **flat: Any) -> dict[str, Any]:
     """The keywords of an entry point as ``LoaderOptions``/``ShardOptions`` fields: ``flat``
     (``shuffle``, ``transform``... as given), the groups' fields where they differ from their
     defaults, and ``old`` spellings (each warned about). Unknown ``old`` names are a TypeError,
-    as Python gives for any unexpected keyword."""
+    as Python gives for any unexpected keyword. ``stacklevel``: the user's call, seen from here
+    (3: the entry point called this)."""
     out = {name: value for name, value in flat.items() if value is not None}
     grouped: dict[str, Any] = {}
     for name, kind in (("limits", Limits), ("split", Split), ("reading", Reading)):
@@ -237,7 +238,7 @@ def flat_options(mode: Mode, *, limits: Limits | None = None, split: Split | Non
         if name not in spellings:
             raise TypeError(f"unexpected keyword argument {name!r}")
         warnings.warn(f"{name}= is deprecated and will be removed in the next release: write "
-                      f"{spellings[name]}", DeprecationWarning, stacklevel=3)
+                      f"{spellings[name]}", DeprecationWarning, stacklevel=stacklevel)
         if name in grouped:
             raise ConfigError(f"{name}={value!r} and its new spelling {spellings[name]} are both given; "
                               "keep the new one")

@@ -411,7 +411,7 @@ def _options(transform: Transform | None, on_error: OnError, limits: Limits | No
             "(memory is one batch of objects, batch_size x object size) and the sampler decides order")
     _check_sampler_free(deprecated)  # their old flat spellings: say why, not "unexpected"
     given = flat_options("map", transform=transform, on_error=on_error, limits=limits, store=store,
-                         config=config, old=deprecated)
+                         config=config, old=deprecated, stacklevel=4)
     return LoaderOptions(**given)
 
 
