@@ -7,16 +7,24 @@ of them drawn, each row's copy made distinct by its number appended after the JP
 decoders ignore) in ``--files`` Parquet files with row groups of ``--row-group`` rows (the Hub's
 image data sets use 100), columns ``image: struct<bytes: binary, path: string>`` and ``label``.
 Every loader hands the training loop one Python dict per row with the image's bytes (no decode),
-through ``DataLoader(batch_size=32, num_workers=0)``. Rounds alternate the loaders; the table gives
-medians of samples/s and of the time from building the dataset to its first sample.
-CPU per row (this process, the server process) says where the time goes on a machine where the
-server and the client share two cores. Writes ``bench/results/parquet-<date>.md``.
+through ``DataLoader(batch_size=32, num_workers=w)`` for each ``--workers`` count (default 0 and 2,
+workers started the default way). With workers, each loader splits the files as its users get:
+this project deals row groups to ranks and workers itself; ``datasets``' ``IterableDataset`` deals
+its files to workers; ``pyarrow.dataset`` has no notion of workers, so a small ``IterableDataset``
+gives each worker every n-th fragment (file). Each peer runs with its own defaults for read-ahead
+(``pyarrow.dataset``: ``batch_readahead=16``, ``fragment_readahead=4``, its default batch size;
+``datasets``: its parquet builder's defaults). Rounds alternate the loaders and worker counts; the
+tables give medians of samples/s and of the time from building the dataset to its first sample.
+CPU per row (this process with its threads and its finished workers, the server process) says
+where the time goes on a machine where the server and the client share two cores. Writes
+``bench/results/parquet-workers-<date>.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import io
 import statistics
 import tempfile
@@ -28,7 +36,7 @@ from typing import Any
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from loader import AsyncS3Dataset
 from loader.tools.demo import photo_jpeg
@@ -66,8 +74,8 @@ class Rows(IterableDataset):
         return iter(self.make_rows())
 
 
-def ours(server: DevServer) -> IterableDataset:
-    return AsyncS3Dataset.from_parquet(f"s3://{BUCKET}/{PREFIX}", columns=COLUMNS, config=server.config)
+def ours(server: DevServer, **options: Any) -> IterableDataset:
+    return AsyncS3Dataset.from_parquet(f"s3://{BUCKET}/{PREFIX}", columns=COLUMNS, config=server.config, **options)
 
 
 def pyarrow_dataset(server: DevServer) -> IterableDataset:
@@ -82,6 +90,10 @@ def pyarrow_dataset(server: DevServer) -> IterableDataset:
                              endpoint_override=endpoint, scheme="http", region=config.region,
                              force_virtual_addressing=False)
         dataset = pads.dataset(f"{BUCKET}/{PREFIX}", format="parquet", filesystem=s3)
+        info = get_worker_info()
+        if info is not None:  # each DataLoader worker reads every n-th file
+            fragments = list(dataset.get_fragments())[info.id::info.num_workers]
+            dataset = pads.FileSystemDataset(fragments, dataset.schema, dataset.format, s3)
         for batch in dataset.to_batches(columns=COLUMNS):
             yield from batch.to_pylist()
 
@@ -95,12 +107,10 @@ def hf_datasets(server: DevServer) -> IterableDataset:
     options = {"key": config.access_key_id, "secret": config.secret_access_key,
                "client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": config.region}}
 
-    def rows() -> Iterable[dict[str, Any]]:
-        stream = load_dataset("parquet", data_files={"train": f"s3://{BUCKET}/{PREFIX}*.parquet"}, split="train",
-                              streaming=True, storage_options=options)
-        return stream.select_columns(COLUMNS)
-
-    return Rows(rows)
+    # Handed to the DataLoader as it is (a torch IterableDataset that deals its files to workers).
+    stream = load_dataset("parquet", data_files={"train": f"s3://{BUCKET}/{PREFIX}*.parquet"}, split="train",
+                          streaming=True, storage_options=options)
+    return stream.select_columns(COLUMNS)
 
 
 LOADERS: dict[str, Callable[[DevServer], IterableDataset]] = {
@@ -116,19 +126,20 @@ def first_image(batch: list[dict[str, Any]]) -> int:
 
 
 def cpu_seconds(process: psutil.Process | None = None) -> float:
-    """CPU seconds of ``process`` (None: this one, its threads included)."""
+    """CPU seconds of ``process`` (None: this one, its threads and its children that ended included:
+    DataLoader workers that are not persistent end, and are waited for, with the epoch)."""
     times = (process or psutil.Process()).cpu_times()
-    return times.user + times.system
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def run_once(make: Callable[[DevServer], IterableDataset], server: DevServer,
-             rows: int) -> tuple[float, float, float, float]:
+             rows: int, workers: int) -> tuple[float, float, float, float]:
     """(samples/s over the epoch, seconds from building the dataset to its first sample, client and
     server CPU microseconds per row)."""
     weed = psutil.Process(server.pid)
     client_cpu, server_cpu = cpu_seconds(), cpu_seconds(weed)
     started = time.perf_counter()
-    loader = DataLoader(make(server), batch_size=32, num_workers=0, collate_fn=first_image)
+    loader = DataLoader(make(server), batch_size=32, num_workers=workers, collate_fn=first_image)
     got, first = 0, None
     for size in loader:
         if first is None:
@@ -148,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-group", type=int, default=100)
     p.add_argument("--distinct", type=int, default=500, help="distinct photos drawn (default 500)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts (default 0 2)")
+    p.add_argument("--part-mib", type=int, nargs="*", default=[],
+                   help="also run this project with units of up to this many MiB (part_size=)")
     p.add_argument("--only", nargs="*", default=None, help="names of loaders to run (default all)")
     args = p.parse_args(argv)
 
@@ -161,42 +175,54 @@ def main(argv: list[str] | None = None) -> int:
         del files
         print(f"{args.rows} rows, {total / 1e6:,.0f} MB in {args.files} files, ready in "
               f"{time.perf_counter() - began:.0f} s")
-        loaders = {name: make for name, make in LOADERS.items()
+        every = dict(LOADERS)
+        for mib in args.part_mib:
+            every[f"this project, `part_size={mib} MiB`"] = functools.partial(ours, part_size=mib << 20)
+        loaders = {name: make for name, make in every.items()
                    if args.only is None or any(word in name for word in args.only)}
-        measured: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in loaders}
+        measured: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {
+            (name, w): [] for w in args.workers for name in loaders}
         for number in range(args.rounds + 1):  # round 0 warms the server and the page cache
-            for name, make in loaders.items():
-                rate, first, client, weed = run_once(make, server, args.rows)
-                print(f"round {number}: {name}: {rate:,.0f} samples/s, first sample {first:.2f} s, CPU per row "
-                      f"{client:.0f} us here, {weed:.0f} us in the server" + (" (warm-up)" if not number else ""))
-                if number:
-                    measured[name].append((rate, first, client, weed))
+            for workers in args.workers:
+                for name, make in loaders.items():
+                    rate, first, client, weed = run_once(make, server, args.rows, workers)
+                    print(f"round {number}, w={workers}: {name}: {rate:,.0f} samples/s, first sample {first:.2f} s, "
+                          f"CPU per row {client:.0f} us here, {weed:.0f} us in the server"
+                          + (" (warm-up)" if not number else ""), flush=True)
+                    if number:
+                        measured[(name, workers)].append((rate, first, client, weed))
 
-    def median(name: str, column: int) -> float:
-        return statistics.median(run[column] for run in measured[name])
+    def median(name: str, workers: int, column: int) -> float:
+        return statistics.median(run[column] for run in measured[(name, workers)])
 
-    base = median(next(iter(loaders)), 0)
-    lines = [f"| loader | samples/s (median of {args.rounds}) | MB/s | first sample, s | client CPU per row, us "
-             "| server CPU per row, us | this project's speed-up |", "|---|---|---|---|---|---|---|"]
-    for name in loaders:
-        rate = median(name, 0)
-        lines.append(f"| {name} | {rate:,.0f} | {rate * total / args.rows / 1e6:,.0f} | {median(name, 1):.2f} | "
-                     f"{median(name, 2):.0f} | {median(name, 3):.0f} | {base / rate:.2f}x |")
-    table = "\n".join(lines) + "\n"
+    tables = []
+    for workers in args.workers:
+        base = median(next(iter(loaders)), workers, 0)
+        lines = [f"`num_workers={workers}`\n",
+                 f"| loader | samples/s (median of {args.rounds}) | MB/s | first sample, s | client CPU per row, us "
+                 "| server CPU per row, us | this project's speed-up |", "|---|---|---|---|---|---|---|"]
+        for name in loaders:
+            rate = median(name, workers, 0)
+            lines.append(f"| {name} | {rate:,.0f} | {rate * total / args.rows / 1e6:,.0f} | "
+                         f"{median(name, workers, 1):.2f} | {median(name, workers, 2):.0f} | "
+                         f"{median(name, workers, 3):.0f} | {base / rate:.2f}x |")
+        tables.append("\n".join(lines) + "\n")
+    table = "\n".join(tables)
     print()
     print(table)
     stamp = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"parquet-{stamp}.md"
+    out = RESULTS / f"parquet-workers-{stamp}.md"
     out.write_text(
-        f"# Parquet, {stamp}\n\n`python -m bench.parquet --rows {args.rows} --files {args.files} --row-group "
-        f"{args.row_group} --rounds {args.rounds}`: {args.rows} photo JPEGs ({total / 1e6:,.0f} MB) in a "
+        f"# Parquet with and without DataLoader workers, {stamp}\n\n`python -m bench.parquet --rows {args.rows} "
+        f"--files {args.files} --row-group {args.row_group} --rounds {args.rounds} --workers "
+        f"{' '.join(map(str, args.workers))}`: {args.rows} photo JPEGs ({total / 1e6:,.0f} MB) in a "
         f"Hub-style image column (`struct<bytes, path>`) plus a label, {args.files} files written by pyarrow "
         f"with row groups of {args.row_group} rows, embedded SeaweedFS on 127.0.0.1, rows as Python dicts "
-        "with the image bytes (no decode), `DataLoader(batch_size=32, num_workers=0)`, loaders alternating "
-        "round by round after a warm-up round; CPU per row is this process's (its threads included) and the "
-        "server's. The machine (2 cores) was shared with other work: compare "
-        f"the ratios, not the absolute numbers.\n\n{table}")
+        "with the image bytes (no decode), `DataLoader(batch_size=32, num_workers=w)`, loaders and worker "
+        "counts alternating round by round after a warm-up round; CPU per row is this process's (its threads "
+        "and finished workers included) and the server's. The machine (2 cores) was shared with other work: "
+        f"compare the ratios, not the absolute numbers.\n\n{table}")
     print(f"wrote {out}")
     return 0
 

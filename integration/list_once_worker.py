@@ -1,7 +1,8 @@
 """Runs in each rank of the list-once matrix: every cell lists its own prefix, reads it, reports.
 
 A *cell* is a mode (``objects``: ``AsyncS3Dataset.from_prefix``, ``shards``: ``from_shards`` of a
-prefix, ``map``: ``AsyncS3MapDataset`` with a ``DistributedSampler``), a way workers start
+prefix, ``parquet``: ``from_parquet`` of a prefix, ``map``: ``AsyncS3MapDataset`` with a
+``DistributedSampler``), a way workers start
 (``default``: no ``multiprocessing_context``, as most users leave it; ``fork``, ``spawn``,
 ``forkserver`` named; ``none``: ``num_workers=0``), whether they persist, and how many epochs.
 Cells marked ``early`` build their dataset before ``init_process_group``. Nothing lists before
@@ -9,7 +10,8 @@ the DataLoader starts: no ``set_epoch``, no ``keys()``, exactly the issue's scen
 
 Each cell writes ``{out}/{cell}/rank{r}.json``: the keys read per epoch, the snapshot every
 process used (the id of the shared key list file it mapped, or a digest for a list in memory),
-and how the workers were started. The test counts the LIST requests per cell's prefix.
+and how the workers were started. The test counts the LIST requests per cell's prefix (and a
+Parquet cell's footer GETs).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def build(cell: dict[str, Any], bucket: str) -> Any:
     listing = ListOptions(page_size=PAGE)
     if cell["mode"] == "map":
         return AsyncS3MapDataset.from_prefix(uri, listing=listing)
+    if cell["mode"] == "parquet":
+        return AsyncS3Dataset.from_parquet(uri, listing=listing, shuffle=True, seed=2)
     if cell["mode"] == "shards":
         return AsyncS3Dataset.from_shards(uri, listing=listing, shuffle_buffer=0, uneven_ranks=True)
     return AsyncS3Dataset.from_prefix(uri, listing=listing)
@@ -113,11 +117,14 @@ def snapshot_of(dataset: Any) -> str:
     """``file:<directory name>:<id>`` of the shared key list file a dataset maps, else a digest
     of its keys."""
     source = dataset.source
-    keys = getattr(source, "_keys", None)
+    keys = getattr(source, "_keys", getattr(source, "_shared", None))
     origin = getattr(keys, "_origin", None)
     if origin is not None:
         return f"file:{Path(origin.path).parent.name}:{origin.id}"
-    names = list(keys) if keys is not None else [shard.url for shard in source._shards or ()]
+    if getattr(source, "_shared", None) is not None:  # Parquet: files and footers, packed records
+        names = [keys.record(i).hex() for i in range(len(keys))]
+    else:
+        names = list(keys) if keys is not None else [shard.url for shard in getattr(source, "_shards", None) or ()]
     return "memory:" + hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 

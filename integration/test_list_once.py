@@ -8,11 +8,14 @@ Spawned processes import torch again (seconds each on a small machine), so two
 launches carry all the cells: ``torchrun`` (workers fork by default) and
 ``torch.multiprocessing.spawn`` with an explicit rank (workers spawn by default), each with
 datasets built before and after ``init_process_group``, workers started every way,
-``num_workers=0``, persistent workers, several epochs, shard prefixes and the map dataset.
+``num_workers=0``, persistent workers, several epochs, shard prefixes, Parquet prefixes and the
+map dataset. A Parquet cell's footers are read once per job too (one ranged GET of each file's
+tail, counted by its ``Range``), and its ranks still read equal shares.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import json
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.parse
 from pathlib import Path
 
 import list_once_worker
@@ -38,6 +42,7 @@ WORLD = 3
 HERE = Path(__file__).resolve().parent
 FOLDERS, PER_FOLDER = 2, 6  # objects: a folder page, then 2 pages of PAGE keys per folder
 SHARDS, PER_SHARD = 3, 4
+PARQUET_FILES, FILE_ROWS, GROUP_ROWS = 3, 6, 2  # 9 row groups of 2 rows: 6 rows per rank
 
 
 def cell(name: str, mode: str, start: str, **extra: object) -> dict:
@@ -54,6 +59,7 @@ LAUNCHES = {
         cell("t-objects-forkserver", "objects", "forkserver", workers=1),
         cell("t-objects-w0", "objects", "none", workers=0),
         cell("t-shards-fork", "shards", "default"),
+        cell("t-parquet-fork", "parquet", "default", epochs=2),
         cell("t-map-fork", "map", "default", early=True),
     ]),
     "mp.spawn": ("spawn", [
@@ -62,6 +68,7 @@ LAUNCHES = {
         cell("s-objects-spawn-persistent", "objects", "spawn", workers=1, persistent=True,
              epochs=2, early=True),
         cell("s-shards-forkserver", "shards", "forkserver", workers=1),
+        cell("s-parquet-spawn", "parquet", "default", workers=1, early=True),
         cell("s-map-spawn", "map", "default", workers=1),
     ]),
 }
@@ -77,8 +84,22 @@ def tar_of(members: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
+def parquet_of(rows: int) -> bytes:
+    """A Parquet file of ``rows`` rows in row groups of ``GROUP_ROWS``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"n": list(range(rows)), "blob": [bytes([i]) * 9 for i in range(rows)]}),
+                   buffer, row_group_size=GROUP_ROWS)
+    return buffer.getvalue()
+
+
 def cell_objects(name: str, mode: str) -> tuple[dict[str, bytes], set[str]]:
     """What a cell's prefix holds, and the sample keys it must yield."""
+    if mode == "parquet":
+        items = {f"{name}/part-{f}.parquet": parquet_of(FILE_ROWS) for f in range(PARQUET_FILES)}
+        return items, {f"{name}/part-{f}/{i}" for f in range(PARQUET_FILES) for i in range(FILE_ROWS)}
     if mode == "shards":
         items, samples = {}, set()
         for shard in range(SHARDS):
@@ -119,8 +140,15 @@ def matrix(s3_server, tmp_path_factory):
         for spec in cells:
             items, expected[spec["name"]] = cell_objects(spec["name"], spec["mode"])
             upload_objects(s3_server.minio, bucket, items)
-    for mode in ("objects", "shards"):  # the yardstick prefixes
-        upload_objects(s3_server.minio, bucket, cell_objects(f"plain-{mode}", mode)[0])
+    sizes = {}  # Parquet files' sizes: a GET that ends at a file's last byte reads its footer
+    for _, cells in LAUNCHES.values():
+        for spec in cells:
+            if spec["mode"] == "parquet":
+                sizes.update({key: len(data) for key, data in cell_objects(spec["name"], "parquet")[0].items()})
+    for mode in ("objects", "shards", "parquet"):  # the yardstick prefixes
+        items = cell_objects(f"plain-{mode}", mode)[0]
+        sizes.update({key: len(data) for key, data in items.items() if mode == "parquet"})
+        upload_objects(s3_server.minio, bucket, items)
     out = tmp_path_factory.mktemp("once")
     share = tmp_path_factory.mktemp("share")  # the job's own: other tests share files meanwhile
     seconds = {}
@@ -129,6 +157,7 @@ def matrix(s3_server, tmp_path_factory):
         listing = ListOptions(page_size=list_once_worker.PAGE)
         AsyncS3Dataset.from_prefix(f"s3://{bucket}/plain-objects/", config=config, listing=listing).keys()
         AsyncS3Dataset.from_shards(f"s3://{bucket}/plain-shards/", config=config, listing=listing).shards()
+        AsyncS3Dataset.from_parquet(f"s3://{bucket}/plain-parquet/", config=config, listing=listing).resolve()
         env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url, SHARE_DIR_ENV: str(share)}
         for style, (_, cells) in LAUNCHES.items():
             plan = {"cells": cells, "bucket": bucket, "env": env, "out": str(out / style),
@@ -138,12 +167,28 @@ def matrix(s3_server, tmp_path_factory):
             seconds[style] = round(time.monotonic() - started, 1)
         counts = {name: list_requests(proxy, bucket, f"{name}/")
                   for cells in LAUNCHES.values() for name in (c["name"] for c in cells[1])}
-        plain = {mode: list_requests(proxy, bucket, f"plain-{mode}/") for mode in ("objects", "shards")}
+        plain = {mode: list_requests(proxy, bucket, f"plain-{mode}/") for mode in ("objects", "shards", "parquet")}
+        footers = footer_gets(proxy, bucket, sizes)
     print(f"launch seconds: {seconds}; (LIST requests, listings started) per cell: {counts}; "
-          f"one process alone: {plain}")
-    objects = {mode: len(cell_objects("plain", mode)[0]) for mode in ("objects", "shards")}
+          f"one process alone: {plain}; footer GETs per prefix: {footers}")
+    objects = {mode: len(cell_objects("plain", mode)[0]) for mode in ("objects", "shards", "parquet")}
     return {"out": out, "counts": counts, "plain": plain, "expected": expected, "objects": objects,
-            "share": share.name, "left": {path.name for path in share.iterdir()}}
+            "footers": footers, "share": share.name, "left": {path.name for path in share.iterdir()}}
+
+
+def footer_gets(proxy: FaultProxy, bucket: str, sizes: dict[str, int]) -> collections.Counter[str]:
+    """Ranged GETs of a Parquet file's tail (its footer) per prefix: the GETs of ``sizes``' keys
+    whose range ends at the file's last byte (a row group's range ends before the footer)."""
+    found: collections.Counter[str] = collections.Counter()
+    for (method, target, _), headers in zip(proxy.decisions, proxy.headers):
+        path = urllib.parse.unquote(target.split("?", 1)[0])
+        key = path[len(bucket) + 2:] if path.startswith(f"/{bucket}/") else None
+        if method != "GET" or key not in sizes:
+            continue
+        ranges = headers.get("range") or [""]
+        if ranges[0].endswith(f"-{sizes[key] - 1}"):
+            found[key.split("/", 1)[0]] += 1
+    return found
 
 
 def launch(style: str, plan: dict, out: Path) -> None:
@@ -168,12 +213,21 @@ def test_a_job_lists_each_prefix_once_and_every_process_reads_that_listing(matri
         name = spec["name"]
         ranks = [json.loads((matrix["out"] / style / name / f"rank{r}.json").read_text())
                  for r in range(WORLD)]
-        kind = "shards" if spec["mode"] == "shards" else "objects"
+        kind = spec["mode"] if spec["mode"] in ("shards", "parquet") else "objects"
         alone, (requests, started) = matrix["plain"][kind], matrix["counts"][name]
         assert one_listing(*alone, matrix["objects"][kind]), f"one process alone: {alone}"
         if not one_listing(requests, started, matrix["objects"][kind]):
             problems.append(f"{name}: {requests} LIST requests in {started} listing(s); one "
                             f"process alone made {alone[0]} in one")
+        if kind == "parquet":  # one footer GET per file for the whole job, as for one process
+            alone_footers, job_footers = matrix["footers"]["plain-parquet"], matrix["footers"][name]
+            assert alone_footers == PARQUET_FILES, f"one process alone read {alone_footers} footers"
+            if job_footers != PARQUET_FILES:
+                problems.append(f"{name}: {job_footers} footer GETs for {PARQUET_FILES} files")
+            for epoch in range(spec.get("epochs", 1)):
+                shares = [len(rank["epochs"][epoch]) for rank in ranks]
+                if shares != [PARQUET_FILES * FILE_ROWS // WORLD] * WORLD:
+                    problems.append(f"{name} epoch {epoch}: ranks read {shares} rows, not equal shares")
         snapshots = {snapshot for rank in ranks for snapshot in rank["snapshots"]}
         if len(snapshots) != 1:
             problems.append(f"{name}: processes read different listings {sorted(snapshots)}")

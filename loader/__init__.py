@@ -34,7 +34,7 @@ _PUBLIC = {
         "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
         "NoSuchKeyError", "ObjectChangedError", "ParquetFormatError", "SampleError", "ShardFormatError", "StoreError",
-        "TLSError", "TransientStoreError",
+        "TLSError", "ThrottledError", "TransientStoreError",
     )},
 }
 # public submodules, imported on first use
@@ -77,6 +77,7 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "Store",
     "StoreError",
     "TLSError",
+    "ThrottledError",
     "TransientStoreError",
     "checkpoint",
     "collate_raw",
@@ -133,6 +134,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
         SampleError,
         ShardFormatError,
         StoreError,
+        ThrottledError,
         TLSError,
         TransientStoreError,
     )

@@ -5,6 +5,7 @@
     │   └── NoCredentialsError                   none anywhere in the chain; lists what was tried
     ├── StoreError                               talking to the object store failed
     │   ├── TransientStoreError                  worth retrying: 5xx, SlowDown, reset, short body
+    │   │   ├── ThrottledError                   SlowDown, 503, 429: the service asks for fewer requests
     │   │   └── EndpointUnreachableError (ConnectionError)
     │   ├── TLSError (ConnectionError)           a certificate that does not verify, or http
     │   ├── AccessDeniedError (PermissionError)  403
@@ -73,8 +74,27 @@ class TransientStoreError(StoreError):
     """A fault that may go away on its own (5xx, SlowDown, reset, timeout, truncated body)."""
 
 
+class ThrottledError(TransientStoreError):
+    """The service asked for fewer requests (SlowDown, 503, 429): retried, and the engine sends
+    fewer requests to that endpoint and bucket for a while (docs/design/retry.md)."""
+
+
 class EndpointUnreachableError(TransientStoreError, ConnectionError):
-    """Nothing answered at the endpoint; transient until the retry deadline passes."""
+    """Nothing answered at the endpoint (``endpoint``). Transient until the retry deadline passes
+    once the endpoint has answered; before that (its first contact), it is given up within seconds,
+    since a wrong endpoint is far likelier than an outage (docs/design/retry.md)."""
+
+    def __init__(self, message: str, *, bucket: str | None = None, key: str | None = None,
+                 endpoint: str = "") -> None:
+        super().__init__(message, bucket=bucket, key=key)
+        self.endpoint = endpoint
+
+    def __reduce__(self):
+        return (_rebuild_unreachable, (type(self), str(self), self.bucket, self.key, self.endpoint))
+
+
+def _rebuild_unreachable(cls, message, bucket, key, endpoint):
+    return cls(message, bucket=bucket, key=key, endpoint=endpoint)
 
 
 class TLSError(StoreError, ConnectionError):

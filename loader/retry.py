@@ -3,7 +3,9 @@
 Transient or permanent is decided once, by type (the backends translate errors into
 ``TransientStoreError`` or a permanent ``StoreError``). Backoff is exponential with full jitter,
 which spreads a herd of DataLoader workers best; by default only the deadline ends the retries,
-so a request rides out a short outage and says so in a warning. Pure except
+so a request rides out a short outage and says so in a warning; but an endpoint that has never
+answered (``answered``) is given up within seconds, since a wrong endpoint is then likelier
+than an outage. Pure except
 ``call_with_retries``, which sleeps through an injectable ``Clock``. Why: docs/design/retry.md.
 """
 
@@ -12,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import anyio
 
-from .errors import ConfigError, TransientStoreError
+from .errors import ConfigError, EndpointUnreachableError, TransientStoreError
 
 T = TypeVar("T")
 
@@ -62,6 +65,41 @@ class RetryPolicy:
         for name in ("deadline", "connect_timeout", "read_timeout"):
             if not getattr(self, name) > 0:  # also rejects NaN
                 raise ConfigError(f"RetryPolicy.{name}={getattr(self, name)!r} must be positive")
+
+
+# ------------------------------------------------------------------------------ first contact
+# A request that cannot connect means one of two things: the endpoint is wrong (a typo in
+# AWS_ENDPOINT_URL, a server never started), or a server that worked is down for a while (a
+# restart, a failover). Only the first contact tells them apart: while nothing at an endpoint has
+# ever answered (any HTTP answer, an error status included: the backends call ``answered``), the
+# retries give up within FIRST_CONTACT_DEADLINE seconds with advice on the endpoint; once it has
+# answered, an outage is ridden out up to RetryPolicy.deadline. Plain process state (a set under
+# a lock: each engine runs in its own thread); a forked child inherits it, and a dataset pickled
+# into a spawned worker carries its endpoint's (``StoreSpec``), so a worker does not take a
+# running server for a typo.
+
+FIRST_CONTACT_DEADLINE = 5.0  # seconds of failed connects before a never-answered endpoint is called wrong
+
+_answered: set[str] = set()
+_lock = threading.Lock()
+
+
+def answered(endpoint: str | None) -> None:
+    """Record that ``endpoint`` answered a request (cheap when already known: a set lookup)."""
+    if endpoint and endpoint not in _answered:
+        with _lock:
+            _answered.add(endpoint)
+
+
+def has_answered(endpoint: str | None) -> bool:
+    """Whether ``endpoint`` ever answered in this process (or its dataset's parent)."""
+    return bool(endpoint) and endpoint in _answered
+
+
+def forget() -> None:
+    """Forget every endpoint (for tests that play a fresh process)."""
+    with _lock:
+        _answered.clear()
 
 
 class Clock(Protocol):
@@ -110,8 +148,42 @@ def gave_up(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapse
         limit = (f"its deadline of {policy.deadline:g} s would pass before another attempt: raise "
                  "RetryPolicy(deadline=...) to wait out longer outages")
     where = f" on {what}" if what else ""
-    return type(exc)(f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})",
-                     bucket=exc.bucket, key=exc.key)
+    message = f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})"
+    if isinstance(exc, EndpointUnreachableError):
+        return type(exc)(message, bucket=exc.bucket, key=exc.key, endpoint=exc.endpoint)
+    return type(exc)(message, bucket=exc.bucket, key=exc.key)
+
+
+def first_contact(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapsed: float,
+                  delay: float | None) -> bool:
+    """Whether ``exc`` is a first contact that failed long enough: no connection to an endpoint
+    that has never answered, for ``FIRST_CONTACT_DEADLINE`` seconds (or the policy's
+    own deadline or attempts, when shorter) if the next wait were taken."""
+    if not unanswered(exc):
+        return False
+    return delay is None or elapsed + delay >= min(FIRST_CONTACT_DEADLINE, policy.deadline)
+
+
+def unanswered(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure to connect to an endpoint that has never answered."""
+    return isinstance(exc, EndpointUnreachableError) and bool(exc.endpoint) and not has_answered(exc.endpoint)
+
+
+def wrong_endpoint(exc: EndpointUnreachableError, failures: int, elapsed: float,
+                   what: str = "") -> EndpointUnreachableError:
+    """The final error of a first contact that could not connect: names the endpoint, what was
+    tried, and the fix (a wrong endpoint is far likelier than an outage of a server never seen)."""
+    endpoint = exc.endpoint
+    where = f" on {what}" if what else ""
+    return EndpointUnreachableError(
+        f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s: nothing at "
+        f"{endpoint} has answered since this process started, so this is most likely a wrong "
+        "endpoint, not an outage. Fix AWS_ENDPOINT_URL (or S3_ENDPOINT_URL, MINIO_ENDPOINT, "
+        "S3Config(endpoint_url=...)): its scheme (http or https), host and port, or start the "
+        f"server there. (Once an endpoint has answered, outages are retried for up to "
+        "RetryPolicy.deadline.)",
+        bucket=exc.bucket, key=exc.key, endpoint=endpoint,
+    )
 
 
 class _Throttle:
@@ -161,9 +233,13 @@ class Retrying:
         self.failures += 1
         elapsed = now - self.started
         delay = next_delay(self.policy, self.failures, elapsed, self.rng)
+        if first_contact(exc, self.policy, self.failures, elapsed, delay):
+            assert isinstance(exc, EndpointUnreachableError)  # first_contact checked it
+            raise wrong_endpoint(exc, self.failures, elapsed, self.what) from exc
         if delay is None:
             raise gave_up(exc, self.policy, self.failures, elapsed, self.what) from exc
-        if elapsed >= PROGRESS_AFTER and _Throttle.ready(now):
+        if elapsed >= PROGRESS_AFTER and not unanswered(exc) \
+                and _Throttle.ready(now):  # (a first contact ends within seconds: nothing to report)
             limit = (f"{self.policy.max_attempts} attempts or " if self.policy.max_attempts else "")
             log.warning("still retrying%s after %.0f s of failures (attempt %d; gives up after %s%g s, "
                         "see RetryPolicy): %s", f" {self.what}" if self.what else "", elapsed,

@@ -117,7 +117,10 @@ def _warn_if_slurm(env: Mapping[str, str]) -> None:
 
 
 def in_worker() -> bool:
-    """Whether this code runs inside a DataLoader worker."""
+    """Whether this code runs inside a DataLoader worker. A process that has not imported torch
+    cannot be one, so the command line (which needs no torch) is not made to import it here."""
+    if "torch" not in sys.modules:
+        return False
     from torch.utils.data import get_worker_info
 
     return get_worker_info() is not None

@@ -464,3 +464,34 @@ def _child_round_trip(fake: FakeStore) -> None:
     sd = state_dict(seed=5)
     checkpoint.save(sd, URI, store=reusable(fake), part_size=PART)
     assert_same(checkpoint.load(URI, store=reusable(fake), part_size=PART), sd)
+
+
+# ------------------------------------------------------------------------------ killed saves
+
+
+@pytest.mark.parametrize("multipart", [False, True])
+def test_the_next_save_aborts_what_a_killed_save_left_open(caplog, multipart):
+    """A save killed outright (SIGKILL: nothing runs to abort) leaves its multipart upload open,
+    parts stored and billed out of sight; the next save of that key aborts it, and says so.
+    Another key's open upload (someone else's save) is left alone."""
+    fake = new_fake()
+
+    async def left_open() -> None:
+        store = await reusable(fake)()
+        try:
+            await store.create_multipart(BUCKET, KEY)  # the killed save's
+            await store.create_multipart(BUCKET, KEY + ".other")  # another key's
+        finally:
+            await store.aclose()
+
+    anyio.run(left_open)
+    sd = state_dict() if multipart else {"w": torch.arange(10.0)}
+    with caplog.at_level("WARNING", logger="loader.checkpoint"):
+        checkpoint.save(sd, URI, store=reusable(fake), part_size=PART)
+    assert_same(checkpoint.load(URI, store=reusable(fake)), sd)
+    assert [(upload.key) for upload in fake.uploads.values()] == [KEY + ".other"]
+    assert fake.aborted == 1
+    assert [r.getMessage() for r in caplog.records if "unfinished" in r.getMessage()] == [
+        f"aborted 1 unfinished multipart upload(s) of {URI} left by an earlier save that was killed "
+        "before it could abort (their parts were stored and billed out of sight); a bucket lifecycle "
+        "rule AbortIncompleteMultipartUpload cleans up those of keys never saved again (docs/design/checkpoint.md)"]

@@ -674,3 +674,30 @@ def test_version_names_the_distribution(capsys):
         cli.main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"loader (s3stream-loader) {loader.__version__}"
+
+
+def test_ls_never_imports_torch():
+    """``loader ls`` is a command line tool: neither listing nor its failure imports torch
+    (seconds before the answer). The endpoint is a closed port on loopback, so the listing fails
+    at first contact, through the same path a successful one takes."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = f"""
+import os, sys
+os.environ.update(AWS_ENDPOINT_URL="http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="k",
+                  AWS_SECRET_ACCESS_KEY="s")
+from loader.tools.cli import main
+try:
+    main(["ls", "s3://bucket/prefix/"])
+except SystemExit as exc:
+    assert exc.code == 1, exc.code
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "127.0.0.1" in proc.stderr

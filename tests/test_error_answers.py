@@ -11,6 +11,7 @@ from loader.errors import (
     NoSuchBucketError,
     NoSuchKeyError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 from loader.s3.error_answers import error_for_answer, failed_mid_request, target, unreachable
@@ -26,9 +27,11 @@ END = "http://127.0.0.1:9000"
     ("", 401, AccessDeniedError),
     ("SignatureDoesNotMatch", 403, AccessDeniedError),
     ("InvalidRange", 416, InvalidRangeError),
-    ("SlowDown", 503, TransientStoreError),
+    ("SlowDown", 503, ThrottledError),
+    ("", 503, ThrottledError),
+    ("Throttling", 400, ThrottledError),
     ("", 500, TransientStoreError),
-    ("", 429, TransientStoreError),
+    ("", 429, ThrottledError),
     ("RequestTimeout", 400, TransientStoreError),
     ("MalformedXML", 400, StoreError),
 ])

@@ -183,6 +183,8 @@ def test_one_engine_serves_every_source(monkeypatch):
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"weights": {"web": 1}}, "one weight per dataset"),
     ({"weights": {"web": -1, "plain": 1, "gz": 1}}, r"weights\['web'\]=-1"),
+    ({"weights": {"web": float("inf"), "plain": 1, "gz": 1}}, r"weights\['web'\]=inf must be a finite"),
+    ({"weights": {"web": float("nan"), "plain": 1, "gz": 1}}, r"weights\['web'\]=nan must be a finite"),
     ({"weights": {"web": 0, "plain": 0, "gz": 0}}, "above zero"),
     ({"samples_per_epoch": 0}, "samples_per_epoch=0"),
     ({"sampling": "sometimes"}, "sampling='sometimes'"),

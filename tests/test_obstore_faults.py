@@ -28,6 +28,7 @@ from loader.errors import (
     NoSuchBucketError,
     NoSuchKeyError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 from loader.retry import RetryPolicy
@@ -130,11 +131,11 @@ async def drain(iterator):
         (error("403 Forbidden", "SignatureDoesNotMatch"), AccessDeniedError,
          r"access denied to s3://b/k at .* \(SignatureDoesNotMatch\): the credentials were rejected"),
         (error("403 Forbidden", "InvalidAccessKeyId"), AccessDeniedError, r"AWS_SECRET_ACCESS_KEY"),
-        (error("503 Slow Down", "SlowDown"), TransientStoreError,
+        (error("503 Slow Down", "SlowDown"), ThrottledError,
          r"s3://b/k: the server answered SlowDown \(HTTP 503\)$"),
         (error("500 Internal Server Error", "InternalError"), TransientStoreError, r"HTTP 500"),
         (response("502 Bad Gateway", b"<html>proxy</html>"), TransientStoreError, r"HTTP 502"),
-        (error("429 Too Many Requests", "TooManyRequests"), TransientStoreError, r"HTTP 429"),
+        (error("429 Too Many Requests", "TooManyRequests"), ThrottledError, r"HTTP 429"),
         (error("400 Bad Request", "InvalidArgument"), StoreError, r"InvalidArgument \(HTTP 400\)"),
     ],
 )

@@ -240,3 +240,35 @@ def test_ranges_merge_and_split_without_losing_a_byte(spans, part):
     parts = split_ranges(merged, part)
     assert all(0 < end - start <= part for start, end in parts)
     assert {b for start, end in parts for b in range(start, end)} == covered
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["b", "bucket-2"]), st.text(min_size=1, max_size=12),
+                          st.integers(12, 1 << 40), st.one_of(st.none(), st.text(max_size=40)),
+                          st.integers(4, 1 << 40), st.binary(max_size=64)), max_size=6))
+def test_files_and_footers_travel_packed_as_one_shared_list(entries):
+    """What a job shares (one record per file in a ``KeyList``) gives back every file and footer,
+    through the key-list file format every process of a machine maps."""
+    from loader.datasets.parquet_source import pack_footers, unpack_footers
+    from loader.formats.parquet import Footer, ParquetRef
+    from loader.listing.keyfile import parse_keys, to_bytes
+
+    files = [ParquetRef(bucket, key, size, etag) for bucket, key, size, etag, _, _ in entries]
+    footers = [Footer(start, data) for *_, start, data in entries]
+    packed = pack_footers(files, footers)
+    assert unpack_footers(packed) == (files, footers)
+    assert unpack_footers(parse_keys(to_bytes(packed))) == (files, footers)
+
+
+@pytest.mark.parametrize("given,workers,expected", [(None, 0, 4), (None, 2, 2), (None, 8, 1), (3, 2, 3)])
+def test_row_groups_in_flight_are_per_rank_unless_given(monkeypatch, given, workers, expected):
+    """By default a rank's units in flight are shared among its DataLoader workers; a value
+    given is what every process uses."""
+    import types
+
+    import torch.utils.data
+
+    info = types.SimpleNamespace(num_workers=workers) if workers else None
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
+    options = {} if given is None else {"row_groups_inflight": given}
+    assert dataset(**options).source.limits("ordered").max_inflight == expected

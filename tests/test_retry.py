@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import loader.retry as retry_module
+from loader import retry as contact
 from loader.errors import (
     AccessDeniedError,
     ConfigError,
@@ -511,9 +512,16 @@ class MovingClock(FakeClock):
 
 @pytest.fixture
 def moving(monkeypatch):
-    """A ``MovingClock``, and a fresh progress throttle (it is per process)."""
+    """A ``MovingClock``, and a fresh progress throttle (it is per process); the endpoint of
+    these tests has answered before (an outage, not a first contact), and no other has."""
     monkeypatch.setattr(retry_module._Throttle, "last", -math.inf)
-    return MovingClock()
+    contact.forget()
+    contact.answered(ENDPOINT)
+    yield MovingClock()
+    contact.forget()
+
+
+ENDPOINT = "http://127.0.0.1:9000"
 
 
 @pytest.mark.anyio
@@ -574,3 +582,49 @@ async def test_the_final_error_reads_as_final(moving, error):
     assert message.startswith(str(error) + "; gave up after ")
     assert re.search(r"over \d+\.\ds \(its deadline of 30 s would pass before another attempt: raise "
                      r"RetryPolicy\(deadline=\.\.\.\) to wait out longer outages\)$", message), message
+
+
+# ------------------------------------------------------------------------------ first contact
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("listing", [False, True])
+async def test_a_first_contact_that_cannot_connect_fails_in_seconds(moving, listing):
+    """Nothing at the endpoint has ever answered: the retries end within FIRST_CONTACT_DEADLINE
+    (fake time), not the policy's 120 s, and the error names the endpoint, what was tried and the fix."""
+    wrong = "http://127.0.0.1:9"
+    attempt = Flaky([error_answers.unreachable(wrong, "bkt", "train/", listing=listing,
+                                         reason="Connection refused")] * 1000)
+    started = moving.now
+    with anyio.fail_after(DEADLINE), pytest.raises(EndpointUnreachableError) as info:
+        await call_with_retries(attempt, RetryPolicy(), clock=moving)
+    assert moving.now - started <= contact.FIRST_CONTACT_DEADLINE
+    assert attempt.calls >= 2  # retried, briefly: a server starting up gets a few seconds
+    err = info.value
+    assert err.endpoint == wrong and (err.bucket, err.key) == ("bkt", "train/")
+    message = str(err)
+    assert message.startswith(f"cannot connect to {wrong} for s3://bkt/train/")
+    assert "Connection refused" in message and f"{attempt.calls} attempt(s)" in message
+    assert "most likely a wrong endpoint" in message and "AWS_ENDPOINT_URL" in message
+    assert pickle.loads(pickle.dumps(err)).endpoint == wrong
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_that_answered_once_is_ridden_out(moving):
+    """The same failures at an endpoint that has answered are an outage: retried to the deadline."""
+    attempt = Flaky([error_answers.unreachable(ENDPOINT, "bkt", "k")] * 1000)
+    started = moving.now
+    with anyio.fail_after(DEADLINE), pytest.raises(EndpointUnreachableError, match="deadline of 120 s"):
+        await call_with_retries(attempt, RetryPolicy(), clock=moving)
+    assert moving.now - started > 60
+
+
+@pytest.mark.anyio
+async def test_an_error_answer_counts_as_contact(moving):
+    """A 404 (any answer) proves the endpoint right: later connect failures are an outage."""
+    elsewhere = "http://127.0.0.1:9001"
+    error_answers.error_for_answer("NoSuchKey", 404, bucket="b", key="k", endpoint=elsewhere)
+    assert contact.has_answered(elsewhere)
+    attempt = Flaky([error_answers.unreachable(elsewhere, "b", "k")] * 20)
+    with anyio.fail_after(DEADLINE):
+        assert await call_with_retries(attempt, RetryPolicy(**FAST), clock=moving) == "ok"

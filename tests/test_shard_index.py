@@ -16,7 +16,7 @@ from test_shards import BUCKET, FAST_RETRY, assert_exactly, build_shard, shard_k
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError, Store
-from loader.errors import ObjectChangedError, ShardFormatError
+from loader.errors import NoSuchKeyError, ObjectChangedError, ShardFormatError
 from loader.shard_index.format import entry_document, index_document
 
 from fakes import FakeStore, reusable
@@ -189,14 +189,32 @@ def test_a_listed_shard_missing_from_the_index_is_named():
 
 
 @pytest.mark.parametrize("n", [24, 26])
-def test_a_pattern_shard_rewritten_after_indexing_fails_naming_it(n):
+@pytest.mark.parametrize("spec", [PATTERN, [shard_url(s) for s in range(4)]], ids=["pattern", "list"])
+def test_a_named_shard_rewritten_after_indexing_stops_every_rank_before_its_first_sample(n, spec):
+    """Whichever rank reads the rewritten shard, none starts: the shards that no listing
+    described are checked against the index (one pinned one-byte GET each) before any read,
+    and the advice is to index again (reading again would meet the same index)."""
     fake, _ = store_with_index()
     rewrite(fake, 2, n)
-    with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/train-0002.tar is not the version "
-                                                  r"the index s3://bucket/shards/index.json counted.*"
-                                                  r"python -m loader index"):
-        for rank in range(3):
-            list(ds_of(fake, rank=rank, world_size=3))
+    for rank in range(3):
+        delivered = []
+        with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/train-0002.tar is not the version "
+                                                      r"the index s3://bucket/shards/index.json counted.*"
+                                                      r"no rank starts; run `python -m loader index .*` again"):
+            for sample in ds_of(fake, spec, rank=rank, world_size=3):
+                delivered.append(sample)
+        assert delivered == []
+
+
+def test_a_misspelled_range_says_the_shards_do_not_exist():
+    """Not "not in the index" with advice to index them: they do not exist."""
+    fake, _ = store_with_index()
+    spec = f"s3://{BUCKET}/shards/train-{{0000..0013}}.tar"  # 14 where there are 4
+    with pytest.raises(NoSuchKeyError, match=r"^10 of the 14 shards named by 's3://bucket/shards/train-"
+                                             r"\{0000\.\.0013\}\.tar' do not exist: s3://bucket/shards/"
+                                             r"train-0004\.tar, .* and 7 more; check the pattern .*"
+                                             r"`python -m loader ls s3://bucket/shards/`"):
+        next(iter(ds_of(fake, spec, batch_size=8)))
 
 
 # --------------------------------------------------------------------------- counts checked while reading

@@ -10,6 +10,8 @@ client on a bad day::
     slowdown   ``503 SlowDown`` with S3's XML error body, without asking the upstream
     truncate   the real status and headers (true Content-Length), then part of the body, then close
     stall      the real headers and part of the body, then silence for ``stall_seconds``, then close
+    straggle   the whole answer, ``straggle_seconds`` late (S3's slow tail)
+    get_rate   a throttle: requests beyond this many per second get ``503 SlowDown`` (S3 per prefix)
 
 Usage from a test (the proxy runs its own event loop in a thread)::
 

@@ -115,6 +115,8 @@ class Connection:
             return False
         if plan.latency > 0:
             await asyncio.sleep(plan.latency)
+        if decision.straggle:
+            await asyncio.sleep(plan.straggle_seconds)
         if decision.kind == "reset":
             _set_linger_zero(self.writer)
             self.abort()

@@ -3,7 +3,9 @@ from it. Pure: no I/O.
 
 Decisions come from one ``random.Random(plan.seed)`` in the order requests arrive: exactly two
 draws per request (which fault, and where in the body to cut) whatever its method, so the same
-seed and the same sequence of requests give the same sequence of decisions.
+seed and the same sequence of requests give the same sequence of decisions. Stragglers draw from
+a second generator (so adding them changes no other decision), and the throttle (``get_rate``)
+reads the time each request arrives, given to ``decide``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Iterable
 
 FAULT_KINDS = ("reset", "slowdown", "truncate", "stall")
 DEFAULT_STALL_SECONDS = 30.0
+DEFAULT_STRAGGLE_SECONDS = 2.0
+THROTTLE_BURST = 0.5  # seconds of get_rate the throttle's bucket holds (S3 too lets a short burst through)
 DEFAULT_ONLY_METHODS = ("GET",)
 
 
@@ -30,6 +34,12 @@ class FaultPlan:
     (``/bucket/key``, path-style addressing), so listings and other bucket requests stay reliable
     too. ``stall_seconds`` is how long a stalled response stays
     silent before the proxy closes it: make it longer than the client's read timeout.
+
+    Two conditions of real S3 that are not faults of one request: ``straggle`` is the probability
+    that an eligible request is answered ``straggle_seconds`` late (a straggler: the answer itself
+    is intact); ``get_rate`` throttles like S3 does per prefix: eligible requests beyond that many
+    per second (a token bucket holding ``THROTTLE_BURST`` seconds' worth) are answered
+    ``503 SlowDown`` without asking the upstream.
     """
 
     latency: float = 0.0
@@ -41,9 +51,17 @@ class FaultPlan:
     seed: int = 0
     only_methods: tuple[str, ...] | None = DEFAULT_ONLY_METHODS
     objects_only: bool = True
+    straggle: float = 0.0
+    straggle_seconds: float = DEFAULT_STRAGGLE_SECONDS
+    get_rate: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("latency", "stall_seconds"):
+        if not is_real(self.straggle) or not 0.0 <= self.straggle <= 1.0:
+            raise ValueError(f"FaultPlan straggle={self.straggle!r} must be a probability between 0 and 1")
+        if self.get_rate is not None and (not is_real(self.get_rate) or not self.get_rate > 0
+                                          or not math.isfinite(self.get_rate)):
+            raise ValueError(f"FaultPlan get_rate={self.get_rate!r} must be a positive number of requests/s")
+        for name in ("latency", "stall_seconds", "straggle_seconds"):
             value = getattr(self, name)
             if not is_real(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"FaultPlan {name}={value!r} must be a finite number of seconds >= 0")
@@ -107,6 +125,8 @@ class Decision:
 
     kind: str | None
     fraction: float
+    straggle: bool = False  # answer ``straggle_seconds`` late (with kind None: intact)
+    throttled: bool = False  # a ``slowdown`` that the throttle (``get_rate``) decided
 
 
 class FaultDecider:
@@ -118,8 +138,13 @@ class FaultDecider:
     def __init__(self, plan: FaultPlan) -> None:
         self.plan = plan
         self._rng = random.Random(plan.seed)
+        self._straggle_rng = random.Random(plan.seed + 1)
+        self._tokens = 0.0 if plan.get_rate is None else plan.get_rate * THROTTLE_BURST
+        self._refilled: float | None = None
 
-    def decide(self, method: str, target: str) -> Decision:
+    def decide(self, method: str, target: str, now: float = 0.0) -> Decision:
+        """The fate of the next request, which arrived at ``now`` (seconds, any clock; only
+        the throttle reads it)."""
         draw = self._rng.random()
         fraction = self._rng.random()
         if not self.plan.applies_to(method, target):
@@ -130,4 +155,18 @@ class FaultDecider:
             if probability and draw < edge + probability:
                 return Decision(kind, fraction)
             edge += probability
-        return Decision(None, fraction)
+        if self.plan.get_rate is not None and not self._take_token(now):
+            return Decision("slowdown", fraction, throttled=True)
+        straggle = bool(self.plan.straggle) and self._straggle_rng.random() < self.plan.straggle
+        return Decision(None, fraction, straggle=straggle)
+
+    def _take_token(self, now: float) -> bool:
+        rate = self.plan.get_rate
+        assert rate is not None
+        if self._refilled is not None:
+            self._tokens = min(rate * THROTTLE_BURST, self._tokens + (now - self._refilled) * rate)
+        self._refilled = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False

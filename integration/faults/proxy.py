@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import threading
+import time
 from urllib.parse import urlsplit
 
 from .connection import LOOPBACK, Connection
@@ -36,7 +37,8 @@ class FaultProxy:
     The proxy stops by itself ``max_lifetime`` seconds after it started.
 
     ``counts`` is a snapshot ``Counter``: ``"requests"`` (every request head received),
-    ``"latency"`` (requests delayed), one key per fault kind injected, and ``"upstream_errors"``
+    ``"latency"`` (requests delayed), one key per fault kind injected, ``"straggle"`` (answered
+    late), ``"throttled"`` (the ``slowdown`` answers the plan's ``get_rate`` made), and ``"upstream_errors"``
     when the upstream could not be reached or broke mid-answer. ``decisions`` lists
     ``(method, target, kind)`` for the last ``history`` requests in arrival order.
     """
@@ -245,8 +247,12 @@ class FaultProxy:
                 headers: dict[str, list[str]] | None = None) -> tuple[FaultPlan, Decision]:
         with self._lock:
             decider = self._decider
-            decision = decider.decide(method, target)
+            decision = decider.decide(method, target, time.monotonic())
             self._counts["requests"] += 1
+            if decision.straggle:
+                self._counts["straggle"] += 1
+            if decision.throttled:
+                self._counts["throttled"] += 1
             if decider.plan.latency > 0:
                 self._counts["latency"] += 1
             if decision.kind is not None:

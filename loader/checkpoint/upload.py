@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
@@ -16,9 +17,10 @@ from anyio.from_thread import BlockingPortal
 
 from ..errors import LoaderError, StoreError
 from ..retry import RetryPolicy, call_with_retries
-from ..s3.protocol import S3_MAX_PART_SIZE, S3_MAX_PARTS
+from ..s3.protocol import S3_MAX_PART_SIZE, S3_MAX_PARTS, MultipartStore
 
 T = TypeVar("T")
+log = logging.getLogger("loader.checkpoint")
 
 PARTS_PER_SIZE_STEP = 1000  # the part size doubles after every this many parts
 
@@ -47,8 +49,10 @@ class _Upload:
         self.abort_error: BaseException | None = None
 
     async def run(self) -> None:
-        """Upload every part handed over, then complete; on any failure abort, then raise."""
+        """Upload every part handed over, then complete; on any failure abort, then raise. Once
+        complete, abort the unfinished uploads of the same key that were open when this began."""
         single = False
+        earlier = await self._open_uploads()
         try:
             with self._scope:
                 async with self._receive, anyio.create_task_group() as tg:
@@ -89,10 +93,41 @@ class _Upload:
                 await self._retried(
                     self.store.complete_multipart, self.bucket, self.key, self.upload_id, parts
                 )
+            await self._abort_earlier(earlier)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._abort()
             raise
+
+    async def _open_uploads(self) -> list[str]:
+        """Upload ids of unfinished multipart uploads of this very key: what a save killed
+        outright (SIGKILL, the OOM killer, preemption) left behind, parts stored and billed out of
+        sight. Ctrl-C and errors abort their own; nothing can abort on SIGKILL but the next save."""
+        if not isinstance(self.store, MultipartStore):
+            return []
+        try:
+            uploads = await self._retried(self.store.list_multipart_uploads, self.bucket, self.key)
+        except StoreError as exc:  # cleanup only: the save goes on
+            log.warning("could not look for unfinished uploads of s3://%s/%s: %s", self.bucket, self.key, exc)
+            return []
+        return [upload_id for key, upload_id in uploads if key == self.key]
+
+    async def _abort_earlier(self, upload_ids: list[str]) -> None:
+        """Abort ``upload_ids`` (open before this save began, so not this save's) and say so."""
+        if not upload_ids:
+            return
+        aborted = 0
+        for upload_id in upload_ids:
+            try:
+                await self._retried(self.store.abort_multipart, self.bucket, self.key, upload_id)
+                aborted += 1
+            except StoreError as exc:  # cleanup only: the checkpoint is saved
+                log.warning("could not abort an unfinished upload of s3://%s/%s: %s", self.bucket, self.key, exc)
+        log.warning(
+            "aborted %d unfinished multipart upload(s) of s3://%s/%s left by an earlier save that was "
+            "killed before it could abort (their parts were stored and billed out of sight); a bucket "
+            "lifecycle rule AbortIncompleteMultipartUpload cleans up those of keys never saved again "
+            "(docs/design/checkpoint.md)", aborted, self.bucket, self.key)
 
     def abandon(self) -> None:
         """Stop at once: the writer failed (called in the loop thread)."""

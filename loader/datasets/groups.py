@@ -46,8 +46,9 @@ Mode = Literal["objects", "shards", "parquet", "map", "mix"]
 class Limits:
     """How many requests and how much memory, per iterating process (each DataLoader worker).
 
-    ``concurrency``: requests in flight (default 64 per-object; for shards and Parquet, 16:
-    ``concurrency // 4`` files read at once, 4 ranged parts each). ``memory``: bytes for
+    ``concurrency``: requests in flight (default 64 per-object; for shards 16, and for
+    Parquet 16 per rank shared among its DataLoader workers: ``concurrency // 4`` files or row
+    groups read at once, 4 ranged parts each; a number given applies to every process). ``memory``: bytes for
     everything the loader holds (the queue of fetched samples, bodies and parts in flight, the
     shuffle buffer), split into fixed shares; None: the queue's defaults (256 MiB, 1024 items).
     ``ordered``: deliver in the planned order (True); False: as fetched, so one slow request

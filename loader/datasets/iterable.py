@@ -239,12 +239,17 @@ class AsyncS3Dataset(IterableDataset):
         """
         from .parquet_source import ParquetSource, parquet_options
 
-        shard_options, rest = parquet_options(flat_options(
+        flat = flat_options(
             "parquet", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
             on_error=on_error, limits=limits, split=split, store=store, config=config,
-            reading=reading, old=deprecated))
+            reading=reading, old=deprecated)
+        shard_options, rest = parquet_options(flat)
         loader_options = LoaderOptions(**rest)
-        return cls(ParquetSource(files, loader_options, columns=columns, shard_options=shard_options),
+        # row groups at once: a number given (Limits(concurrency=) or an old spelling) applies to
+        # every process; the default is per rank, shared among its workers (ParquetSource.inflight)
+        given = {"shards_inflight", "row_groups_inflight"} & flat.keys()
+        return cls(ParquetSource(files, loader_options, columns=columns, shard_options=shard_options,
+                                 inflight_per_rank=not given),
                    options=loader_options)
 
     # ----------------------------------------------------------------------- what is read
@@ -468,6 +473,8 @@ class AsyncS3Dataset(IterableDataset):
             "startup_s": self._startup[0], "seconds": seconds,
             "get_s": recorder.seconds, "transform_s": self._split[0], "handoff_s": self._split[1],
             "peak_inflight": engine.get("peak_inflight", 0),
+            "throttled": engine.get("throttled", 0), "hedged": engine.get("hedged", 0),
+            "hedges_won": engine.get("hedges_won", 0),
         }
         self._board.write(worker, counters, recorder.latency)
         self._last_stats = {**engine, **summarize([(counters, recorder.latency)])}

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from ..config import S3Config
 from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
+from ..engine.tail import TailStore
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
@@ -393,7 +394,8 @@ class _Client:
 
 
 async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[ObjectStore, anyio.Semaphore]:
-    return await factory(), anyio.Semaphore(max_inflight)
+    # the engine's tail handling (hedged stragglers, fewer requests under SlowDown) here too
+    return TailStore(await factory(), max_requests=max_inflight), anyio.Semaphore(max_inflight)
 
 
 async def _close_in_loop(store: ObjectStore) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Generator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -257,8 +258,9 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
         _check_part_options(name, dataset.options, loader_options)
         weight = None if weights is None else weights[name]
         if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                                   or not weight >= 0):
-            raise ConfigError(f"weights[{name!r}]={weight!r} must be a non-negative number")
+                                   or not 0 <= weight < math.inf):
+            raise ConfigError(f"weights[{name!r}]={weight!r} must be a finite, non-negative number "
+                              "(weights are relative: e.g. 0.7 and 0.3, or 7 and 3)")
         how = sampling if isinstance(sampling, str) else sampling.get(name, "continue")
         if how not in SAMPLINGS:
             raise ConfigError(f"sampling={how!r} for {name!r} must be one of {SAMPLINGS}")

@@ -409,6 +409,12 @@ async def get_pinned(store: Any, bucket: str, key: str, etag: str | None) -> byt
             f"ETag {etag}; the server no longer has that version), so the snapshot no longer "
             "describes the data: save a new one (`loader ls --save`, or delete the snapshot file "
             "to list again)", bucket=bucket, key=key) from exc
+    except NoSuchKeyError as exc:
+        raise NoSuchKeyError(
+            f"s3://{bucket}/{key} was deleted after the listing snapshot was saved (it recorded "
+            f"ETag {etag}), so the snapshot no longer describes the data: save a new one (`loader "
+            "ls --save`, or delete the snapshot file to list again); on_error='skip' reads on past "
+            "deleted objects", bucket=bucket, key=key) from exc
 
 
 def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,

@@ -1,9 +1,12 @@
 """``ParquetSource``: rows of Parquet files, read row group by row group straight from S3.
 
-The files come from brace patterns, URI lists or prefixes (every ``.parquet`` under them),
-listed once. Their footers are then read once (one ranged GET of each file's tail), in the
-process that builds the dataset before any DataLoader worker starts, and travel with the
-dataset into the workers. The footers' row counts make every row group a unit whose sample
+The files come from brace patterns, URI lists or prefixes (every ``.parquet`` under them).
+They are listed and their footers read (one ranged GET of each file's tail) once per job, as a
+key list is: in a ``torch.distributed`` job rank 0 lists and reads the footers, and the files
+with their footers travel to the other ranks packed as one shared list (``sharing.once_per_job``:
+once per machine through the job's store, one mapped file per machine); a plain process reads
+them itself. Either happens before any DataLoader worker starts, and the result travels with
+the dataset into the workers. The footers' row counts make every row group a unit whose sample
 count is known, so a row group is dealt, shuffled, cycled, resumed and mixed exactly as a tar
 shard with a known count is: this source is a ``ShardSource`` whose units are row groups and
 whose reads are ``formats.parquet.row_group_job``.
@@ -11,8 +14,10 @@ whose reads are ``formats.parquet.row_group_job``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import posixpath
+import struct
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,8 +39,8 @@ from ..formats.parquet import (
 )
 from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
 from ..listing.inputs import list_prefix
-from ..listing.keylist import ListOptions
-from ..listing.sharing import ticket, track
+from ..listing.keylist import KeyList, ListOptions
+from ..listing.sharing import once_per_job, raise_if_failed_before_fork, ticket, track
 from ..listing.versions import Versions, versions_of
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore, StoreFactory
@@ -107,6 +112,45 @@ def read_footers(files: Sequence[ParquetRef], factory: StoreFactory, retry: Retr
     return run_async(functools.partial(with_store, factory, use))
 
 
+# One file's entry in the shared list: footer start, then the lengths of bucket, key and ETag
+# (NO_ETAG: none listed), then those and the footer's bytes; the file's size is the entry's size.
+# Framed by hand: the list is a keyfile mapped by every process of a machine, so it holds plain
+# bytes (no pickle from a shared directory), and these are the only fields a file needs.
+_RECORD = struct.Struct("<qIII")
+NO_ETAG = 0xFFFFFFFF
+
+
+def pack_footers(files: Sequence[ParquetRef], footers: Sequence[Footer]) -> KeyList:
+    """The files and their footers as one ``KeyList`` of records, what a job shares."""
+    records = []
+    for ref, footer in zip(files, footers, strict=True):
+        bucket, key = ref.bucket.encode(), ref.key.encode("utf-8", "surrogatepass")
+        etag = b"" if ref.etag is None else ref.etag.encode("utf-8", "surrogatepass")
+        head = _RECORD.pack(footer.start, len(bucket), len(key), NO_ETAG if ref.etag is None else len(etag))
+        records.append(b"".join((head, bucket, key, etag, footer.data)))
+    return KeyList.from_records(records, [ref.size for ref in files])
+
+
+def unpack_footers(packed: KeyList) -> tuple[list[ParquetRef], list[Footer]]:
+    """``pack_footers`` undone: the files and their footers, in order."""
+    files, footers = [], []
+    for number in range(len(packed)):
+        record = packed.record(number)
+        start, buckets, keys, etags = _RECORD.unpack_from(record)
+        at = _RECORD.size
+        bucket = record[at:at + buckets].decode()
+        at += buckets
+        key = record[at:at + keys].decode("utf-8", "surrogatepass")
+        at += keys
+        etag = None
+        if etags != NO_ETAG:
+            etag = record[at:at + etags].decode("utf-8", "surrogatepass")
+            at += etags
+        files.append(ParquetRef(bucket, key, packed.size(number), etag))
+        footers.append(Footer(start, record[at:]))
+    return files, footers
+
+
 class ParquetSource(ShardSource):
     """Rows of Parquet files, ``columns`` selected (None: all), dealt by row group."""
 
@@ -115,7 +159,7 @@ class ParquetSource(ShardSource):
 
     def __init__(self, files: str | Iterable[str], options: LoaderOptions, *,
                  columns: Sequence[str] | None = None,
-                 shard_options: ShardOptions | None = None) -> None:
+                 shard_options: ShardOptions | None = None, inflight_per_rank: bool = False) -> None:
         # Not ShardSource.__init__: no tar index or sample counts; what its methods use is set here.
         pyarrow_parquet()  # a missing extra fails here, not in a worker
         self.options = options
@@ -127,10 +171,12 @@ class ParquetSource(ShardSource):
             if not columns:
                 raise ConfigError("columns=[] selects nothing; give column names, or None for all")
         self.columns: tuple[str, ...] | None = columns
+        self._inflight_per_rank = inflight_per_rank
         self._given: str | list[str] = files if isinstance(files, str) else list(files)
         self._specs = parquet_specs(self._given)
         self._listing_ticket = ticket(repr(("parquet", self._specs)))
-        self._files: list[ParquetRef] | None = None
+        self._shared: KeyList | None = None  # the files and footers as the job shares them
+        self._files: list[ParquetRef] | None = None  # unpacked from ``_shared``, per process
         self._footers: list[Footer] | None = None
         self._plans: list[RowGroupPlan] | None = None
         self._metas: dict[int, Any] = {}  # parsed footers, per process (not pickled)
@@ -146,6 +192,8 @@ class ParquetSource(ShardSource):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_metas"] = {}  # pyarrow's metadata objects are parsed again from the footer bytes
+        if state["_shared"] is not None:  # travels as the shared list (into a spawned worker: its file)
+            state["_files"] = state["_footers"] = None
         return state
 
     # ------------------------------------------------------------------ what is read
@@ -153,15 +201,20 @@ class ParquetSource(ShardSource):
     def files(self) -> list[ParquetRef]:
         """The Parquet files, listed now if not yet."""
         self.plans()
-        assert self._files is not None
-        return self._files
+        return self._unpacked()[0]
+
+    def _unpacked(self) -> tuple[list[ParquetRef], list[Footer]]:
+        if self._files is None or self._footers is None:
+            assert self._shared is not None
+            self._files, self._footers = unpack_footers(self._shared)
+        return self._files, self._footers
 
     def plans(self) -> list[RowGroupPlan]:
         """Every row group holding rows, in file order: list, read the footers, plan (once)."""
         if self._plans is None:
-            files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.retry,
-                                  options=self.options.listing, ticket=self._listing_ticket)
-            footers = read_footers(files, self.options.listing_factory(), self.options.retry)
+            raise_if_failed_before_fork(self)
+            shared = self._files_and_footers()
+            files, footers = unpack_footers(shared)
             plans: list[RowGroupPlan] = []
             for number, (ref, footer) in enumerate(zip(files, footers)):
                 meta = self._metas[number] = parse_footer(ref, footer)
@@ -170,8 +223,24 @@ class ParquetSource(ShardSource):
             if not plans:
                 raise EmptyDatasetError(f"{len(files)} Parquet file(s) under {self._specs[:2]} hold no rows")
             self._check_budget(files, plans)
-            self._files, self._footers, self._plans = files, footers, plans
+            self._shared, self._files, self._footers, self._plans = shared, files, footers, plans
         return self._plans
+
+    def _files_and_footers(self) -> KeyList:
+        """List the files and read their footers, once per job (``sharing.once_per_job``): the
+        other ranks receive both, so a job makes one listing's LIST requests and one footer GET
+        per file, however many ranks it has."""
+        listing = self.options.listing
+
+        def produce() -> KeyList:
+            alone = dataclasses.replace(listing, once_per_job=False)  # shared below, with the footers
+            files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.retry,
+                                  options=alone, ticket=self._listing_ticket)
+            return pack_footers(files, read_footers(files, self.options.listing_factory(), self.options.retry))
+
+        if not listing.once_per_job:
+            return produce()
+        return once_per_job(f"parquet-footers|{self._specs!r}", produce, self._listing_ticket)
 
     def _check_budget(self, files: Sequence[ParquetRef], plans: Sequence[RowGroupPlan]) -> None:
         """A row group that needs more than the budget leaves for reads cannot be read within it:
@@ -206,8 +275,8 @@ class ParquetSource(ShardSource):
         """File ``number``'s parsed footer (parsed once per process)."""
         meta = self._metas.get(number)
         if meta is None:
-            assert self._files is not None and self._footers is not None
-            meta = self._metas[number] = parse_footer(self._files[number], self._footers[number])
+            files, footers = self._unpacked()
+            meta = self._metas[number] = parse_footer(files[number], footers[number])
         return meta
 
     def shards(self) -> list[ShardRef]:
@@ -255,16 +324,32 @@ class ParquetSource(ShardSource):
     def reserve(self, assignment: ShardAssignment) -> int:
         return self.plans()[assignment.shard].need
 
+    def inflight(self) -> int:
+        """Units this process reads at once: ``row_groups_inflight``; when it was not given, its
+        default is per rank, shared among the rank's DataLoader workers (at least one each).
+
+        Why: units are large (up to 32 MiB), so a few per rank keep the server busy; four in every
+        worker made two workers on two shared cores spend ~1.5x the client CPU per row (the
+        bytes of eight units churning through memory at once) and reach the first sample later
+        (bench/results/parquet-workers-2026-11-27.md)."""
+        count = self.shard_options.shards_inflight
+        if self._inflight_per_rank:
+            from torch.utils.data import get_worker_info
+
+            info = get_worker_info()
+            if info is not None:
+                count = max(1, count // info.num_workers)
+        return count
+
     def limits(self, delivery: Delivery) -> EngineLimits:
-        return self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight,
-                                   inflight_bytes=self.read_bytes())
+        return self.options.limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
 
     def versions(self) -> Versions | None:
         return versions_of(self.shards())
 
     def describe(self) -> str:
-        if self._plans is not None and self._files is not None:
-            return f"{len(self._plans)} row groups in {len(self._files)} Parquet files"
+        if self._plans is not None and self._shared is not None:
+            return f"{len(self._plans)} row groups in {len(self._shared)} Parquet files"
         return f"Parquet files {self._specs[:2]}"
 
 

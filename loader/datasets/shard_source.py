@@ -39,6 +39,9 @@ from ..shard_index.counts import (
     index_command,
     index_location,
     match_index,
+    missing_shards,
+    overwritten_shards,
+    probe_unlisted,
     unknown_counts_advice,
     with_versions,
 )
@@ -169,6 +172,12 @@ class ShardSource:
                 self._counts = match_index(shards, document, uri, offsets=blocks,
                                            fix=f"run `{self._command()}` again (it reads only the "
                                                "shards that changed)")
+                changed = probe_unlisted(shards, self._counts, self.options.listing_factory(),
+                                         self.options.retry)
+                if self._counts.missing:
+                    raise missing_shards(self._given, shards, self._counts.missing)
+                if changed:
+                    raise overwritten_shards(self._counts, changed)
                 self._shards = with_versions(shards, self._counts)
         self._counts_tried = True
         return self._counts

@@ -20,7 +20,8 @@ COUNTERS = (
     "samples", "bytes", "requests", "request_errors", "retries", "samples_skipped", "shards_skipped",
     "tar_links_skipped",
     "cache_hits", "cache_misses", "cache_stale_refetches", "consumer_wait_s", "seconds",
-    "get_s", "transform_s", "handoff_s", "peak_inflight", "startup_s",
+    "get_s", "transform_s", "handoff_s", "peak_inflight", "startup_s", "throttled", "hedged",
+    "hedges_won",
 )
 # summed over workers, except these: the largest worker's value
 _MAXED = ("seconds", "peak_inflight", "startup_s")
@@ -196,6 +197,14 @@ def report(stats: dict[str, Any], *, inflight_limit: int | None = None) -> str:
         lines.append(f"{requests:,} requests, {stats.get('get_s', 0.0):.2f} s in them (summed, they overlap), "
                      f"latency p50 {_ms(stats.get('latency_p50_s'))}, p99 {_ms(stats.get('latency_p99_s'))}"
                      + (f", at most {stats['peak_inflight']} in flight" if stats.get("peak_inflight") else ""))
+    throttled, hedged = stats.get("throttled", 0), stats.get("hedged", 0)
+    if requests and throttled:
+        lines.append(f"S3 throttled this job: {throttled / requests:.0%} of requests ({throttled:,}) were "
+                     "answered SlowDown; the loader sent fewer requests until the answers were good "
+                     "(spread keys over more prefixes, or ask AWS to raise the prefix's rate)")
+    if requests and hedged:
+        lines.append(f"{hedged:,} straggling requests ({hedged / requests:.1%}) were sent again; "
+                     f"the second answer came first {stats.get('hedges_won', 0):,} times")
     lines.append("advice: " + _advice(stats, parts, inflight_limit))
     return "\n".join(lines)
 

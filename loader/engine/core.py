@@ -13,6 +13,7 @@ import anyio
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from .limits import EngineLimits
+from .tail import TailStore
 
 
 class JobContext:
@@ -104,13 +105,17 @@ class EngineCore:
         self.peak_reserved_bytes = 0
         self.largest_item = 0
         self.taken = [0, 0]  # items and bytes handed over by the current take()
+        self.tail: TailStore | None = None  # the store jobs read through (hedging, throttling)
 
     async def main(self) -> None:
         store = None
         try:
-            store = await self.store_factory()
-            async with anyio.create_task_group() as tg:
-                await self.launch_all(tg, store)
+            store = self.tail = TailStore(await self.store_factory(), max_requests=self.limits.max_inflight)
+            async with anyio.create_task_group() as beside:
+                beside.start_soon(store.watch)  # hedges straggling reads (engine/tail.py)
+                async with anyio.create_task_group() as tg:
+                    await self.launch_all(tg, store)
+                beside.cancel_scope.cancel()
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             self.fatal = exc
         finally:

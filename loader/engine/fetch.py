@@ -134,6 +134,7 @@ class FetchEngine:
     def statistics(self) -> EngineStats:
         """Counters for ``dataset.stats()`` and for tests that measure the bounds."""
         core = self._core
+        tail = core.tail
         return EngineStats(
             jobs_started=core.launched,
             jobs_done=core.jobs_done,
@@ -147,6 +148,9 @@ class FetchEngine:
             retries=core.retries,
             consumer_wait_s=self._consumer_wait,
             peak_reserved_bytes=core.peak_reserved_bytes,
+            throttled=tail.throttled if tail else 0,
+            hedged=tail.hedged if tail else 0,
+            hedges_won=tail.hedges_won if tail else 0,
         )
 
 

@@ -173,7 +173,9 @@ class Expect(NamedTuple):
         """A read pinned to the counted version found another one."""
         return ObjectChangedError(
             f"{shard.url} is not the version {self.source} counted (ETag {shard.etag}): it was "
-            f"overwritten after it was counted ({exc}); {self.fix}", bucket=shard.bucket, key=shard.key)
+            f"overwritten after it was counted (the server no longer holds that version; reading "
+            f"again would meet the same count), so the read stops; {self.fix}",
+            bucket=shard.bucket, key=shard.key)
 
 
 class _RangeDone(Exception):

@@ -117,6 +117,18 @@ class KeyList(Sequence[str]):
         ends = array.array(_offset_type(len(blob)), itertools.accumulate(map(len, encoded)))
         return cls(blob, ends, sizes, etags)
 
+    @classmethod
+    def from_records(cls, records: Iterable[bytes], sizes: Iterable[int] | None = None) -> KeyList:
+        """Pack opaque byte strings (read back with ``record``) as a list of keys is packed: what
+        a source shares once per job besides keys (``sharing.once_per_job``) travels and maps
+        the same way."""
+        return cls._pack(list(records), None if sizes is None else array.array("q", sizes))
+
+    def record(self, index: int) -> bytes:
+        """Entry ``index`` as the bytes packed (``from_records``), not decoded."""
+        raw = self._raw(index)
+        return raw if isinstance(raw, bytes) else bytes(raw)
+
     def __len__(self) -> int:
         return len(self._ends)
 

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import pickle
+import sys
 import time
 import uuid
 import weakref
@@ -110,7 +111,10 @@ def _job(worker: bool) -> Job | None:
     forked while that thread holds glibc's resolver lock inherits it held: its next name lookup
     (a store client's, or an S3 request's) then waits forever. Ranks list before their workers
     fork instead (``track``); a worker that still finds no key list lists for its rank, with a
-    warning."""
+    warning. A process that has not imported torch has no process group (and the command
+    line, which needs no torch, is not made to import it here)."""
+    if "torch" not in sys.modules:
+        return None
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .. import retry as contact
 from .._version import install_hint
 from ..config import S3Config, resolve_config
 from ..errors import ConfigError
@@ -140,6 +141,28 @@ class StoreSpec:
         assert self.config is not None  # ``of`` resolved it
         return functools.partial(open_listing_store, self.config, max_connections=max_connections,
                                  retry=retry)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A dataset's store travels into its DataLoader workers with whether its endpoint has
+        # answered here: a spawned worker then rides out an outage of a server the parent
+        # listed from, instead of taking it for a wrong endpoint (loader.retry.answered).
+        return {**self.__dict__, "answered": contact.has_answered(self.endpoint)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if state.pop("answered", False):
+            contact.answered(self._endpoint_of(state.get("config")))
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def endpoint(self) -> str | None:
+        """The endpoint as the backends name it in errors (None for a user's factory)."""
+        return None if self.factory is not None else self._endpoint_of(self.config)
+
+    @staticmethod
+    def _endpoint_of(config: S3Config | None) -> str | None:
+        return None if config is None else (config.endpoint_url or "AWS S3")
 
     @property
     def identity(self) -> str:

@@ -26,7 +26,7 @@ from botocore import exceptions as bce
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from ..uri import object_url
 from .aiohttp_direct import SignedGetter, can_sign_directly
 from .credentials import credentials_error, no_credentials_found
@@ -264,6 +264,7 @@ class Aioboto3Store:
         if delimiter:
             kwargs["Delimiter"] = delimiter
         page = await (await self._botocore()).list_objects_v2(**kwargs)
+        answered(self._endpoint)
         objects = [ObjectInfo(item["Key"], int(item["Size"]), normalize_etag(item.get("ETag")))
                    for item in page.get("Contents", ())]
         prefixes = [item["Prefix"] for item in page.get("CommonPrefixes", ())]
@@ -310,6 +311,7 @@ class Aioboto3Store:
                 kwargs[name] = conditions[header]
         try:
             response = await (await self._botocore()).get_object(**kwargs)
+            answered(self._endpoint)
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
@@ -374,6 +376,7 @@ class Aioboto3Store:
             kwargs["IfMatch"] = if_match
         try:
             response = await (await self._botocore()).get_object(**kwargs)
+            answered(self._endpoint)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         expected = int(response.get("ContentLength", -1))
@@ -392,6 +395,7 @@ class Aioboto3Store:
     async def put(self, bucket: str, key: str, data: bytes) -> None:
         try:
             await (await self._botocore()).put_object(Bucket=bucket, Key=key, Body=data)
+            answered(self._endpoint)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
 
@@ -400,6 +404,7 @@ class Aioboto3Store:
     async def create_multipart(self, bucket: str, key: str) -> str:
         try:
             response = await (await self._botocore()).create_multipart_upload(Bucket=bucket, Key=key)
+            answered(self._endpoint)
         except Exception as exc:
             raise self._translate_multipart(exc, bucket, key, None) from exc
         return str(response["UploadId"])

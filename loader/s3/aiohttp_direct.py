@@ -23,7 +23,7 @@ import aiohttp
 import yarl
 
 from ..config import S3Config
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from .error_answers import answer_code, error_for_answer
 from .list_xml import list_query, parse_list_page
 from .protocol import ListPage
@@ -167,7 +167,9 @@ class SignedGetter:
                                     datetime.datetime.now(datetime.timezone.utc))
         # no redirects: a signature is for one host, and S3's 301/307 means a wrong region or
         # endpoint, which the error names
-        return await self._session.get(url, headers=headers, allow_redirects=False)
+        response = await self._session.get(url, headers=headers, allow_redirects=False)
+        answered(self._endpoint)
+        return response
 
     async def _raise_for_error(self, response: aiohttp.ClientResponse, bucket: str, key: str, *,
                                listing: bool = False) -> None:

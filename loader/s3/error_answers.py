@@ -16,13 +16,19 @@ from ..errors import (
     NoSuchKeyError,
     ObjectChangedError,
     StoreError,
+    ThrottledError,
     TLSError,
     TransientStoreError,
 )
+from ..retry import answered
 
 TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
     "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "503", "500", "502", "504",
+})
+THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "ServiceUnavailable", "503",
 })
 DENIED_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
@@ -47,6 +53,7 @@ def error_for_answer(
     code: str, status: int, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> StoreError:
     """The error for an S3 error response: its code (``""`` if none) and HTTP status."""
+    answered(endpoint)  # an error answer is an answer: the endpoint is right
     what = target(bucket, key, listing=listing)
     if code == "NoSuchBucket":
         return NoSuchBucketError(
@@ -75,7 +82,12 @@ def error_for_answer(
     if code == "PreconditionFailed" or status == 412:
         return changed_during_read(bucket, key, "the server answered 412 PreconditionFailed to "
                                    "If-Match: it no longer holds the version the read began with")
-    if code in TRANSIENT_CODES or status >= 500 or status == 429:
+    if code in THROTTLE_CODES or status in (429, 503):
+        return ThrottledError(
+            f"{what}: the server answered {code or status} (HTTP {status})",
+            bucket=bucket, key=key,
+        )
+    if code in TRANSIENT_CODES or status >= 500:
         return TransientStoreError(
             f"{what}: the server answered {code or status} (HTTP {status})",
             bucket=bucket, key=key,
@@ -103,7 +115,7 @@ def unreachable(
         f"cannot connect to {endpoint} for {target(bucket, key, listing=listing)}"
         + (f" ({reason})" if reason else "")
         + "; is the server running and is AWS_ENDPOINT_URL right?",
-        bucket=bucket, key=key,
+        bucket=bucket, key=key, endpoint=endpoint,
     )
 
 

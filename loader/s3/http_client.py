@@ -22,7 +22,7 @@ import anyio.to_thread
 
 from ..config import S3Config
 from ..errors import StoreError
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from .error_answers import (
     answer_code,
     certificate_rejected,
@@ -102,6 +102,7 @@ class HttpLister:
         try:
             connection.request("GET", target, headers=headers)
             response = connection.getresponse()
+            answered(self._endpoint)
             body = response.read()
         except (OSError, http.client.HTTPException) as exc:
             connection.close()

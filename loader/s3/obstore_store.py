@@ -29,7 +29,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, answered
 from ..uri import object_url
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
@@ -209,6 +209,7 @@ class ObstoreStore:
                 elif stem and SERVERS.beyond_stem(key, skip, stem):
                     yield ListPage(objects, [], None)
                     return
+            answered(self._endpoint)
             if batch:
                 yield ListPage(objects, [], batch[-1]["path"])
         yield ListPage([], [], None)
@@ -220,7 +221,9 @@ class ObstoreStore:
         if self._whole_by_range:
             store = self._store(bucket)
             try:
-                return bytes(await obstore.get_range_async(store, key, start=0, end=_TO_THE_END))
+                data = bytes(await obstore.get_range_async(store, key, start=0, end=_TO_THE_END))
+                answered(self._endpoint)
+                return data
             except Exception as exc:
                 status = _status_of(exc)
                 if status is None and _RANGE_NOT_HONOURED_RE.search(str(exc)):
@@ -246,6 +249,7 @@ class ObstoreStore:
             if pin is not None:
                 pin.observe(result.meta.get("e_tag"), bucket, key)
             data = await result.bytes_async()
+            answered(self._endpoint)
             start, stop = result.range
         except StoreError:
             raise
@@ -281,6 +285,7 @@ class ObstoreStore:
             raise self._translate(exc, bucket, key) from exc
         finally:
             del store  # see _get_plain()
+        answered(self._endpoint)
         return bytes(data)
 
     async def _get_pinned_range(

@@ -5,23 +5,28 @@ common folder (where ``loader shard`` and ``loader index`` write it), or the URI
 ``index=``. The index is read with one GET, so every rank finds the same counts. An entry
 counts only for the version of the shard it was made from: a shard whose listing shows another
 ETag (or size) is treated as not indexed, and one known only from a pattern is read pinned to
-the indexed ETag, so a shard rewritten since fails with an error naming it instead of being
-counted from a stale entry.
+the indexed ETag, and checked before anything is read (``probe_unlisted``), so a shard
+rewritten since fails with an error naming it on every rank before the first sample instead of
+being counted from a stale entry.
 """
 
 from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError, NoSuchKeyError
+import anyio
+
+from ..errors import ConfigError, InvalidRangeError, NoSuchKeyError, ObjectChangedError
 from ..formats.shards import Expect, ShardRef
-from ..retry import RetryPolicy
-from ..s3 import StoreFactory
+from ..retry import RetryPolicy, call_with_retries
+from ..s3 import ObjectStore, Pin, StoreFactory
+from ..s3.blocking import run_async, with_store
 from .format import INDEX_NAME, parse_index, stale_reason
 from .read import read_index
 
@@ -41,6 +46,7 @@ class Counts:
     offsets: dict[str, array.array[int]] = dataclasses.field(default_factory=dict)
     unindexed: list[str] = dataclasses.field(default_factory=list)
     stale: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (url, why)
+    missing: list[str] = dataclasses.field(default_factory=list)  # named, but no such object
 
     def complete(self, shards: Sequence[ShardRef]) -> list[int] | None:
         """Samples per shard in ``shards`` order, or None when a shard has no usable count."""
@@ -126,6 +132,79 @@ def match_index(shards: Sequence[ShardRef], document: Any, uri: str, *, fix: str
             # land inside members; without them the shard is read from its start, count checked.
             found.offsets[shard.url] = array.array("q", entry.offsets)
     return found
+
+
+PROBES_INFLIGHT = 32  # one-byte GETs in flight while checking unlisted shards
+
+
+def probe_unlisted(shards: Sequence[ShardRef], counts: Counts, factory: StoreFactory,
+                   retry: RetryPolicy) -> list[tuple[ShardRef, str | None]]:
+    """Check the shards that no listing described (named by a pattern or a list) against the
+    index before anything is read: one pinned one-byte GET each (``If-Match`` the indexed ETag).
+
+    Returns the shards overwritten since the index counted them, with the indexed ETag (the
+    caller stops every rank before its first sample, not when it reaches that shard hours later);
+    shards that do not exist go to ``counts.missing`` (a misspelled range is not an unindexed
+    shard). A listed shard needs no probe: its listing's ETag was compared already."""
+    unlisted = [shard for shard in shards if shard.size is None and shard.etag is None]
+    changed: list[tuple[ShardRef, str | None]] = []
+    if not unlisted:
+        return changed
+    found: dict[str, BaseException] = {}
+
+    async def use(store: ObjectStore) -> None:
+        limiter = anyio.CapacityLimiter(PROBES_INFLIGHT)
+
+        async def probe(shard: ShardRef) -> None:
+            etag = counts.versions.get(shard.url, (None, None))[1]
+            async with limiter:
+                try:
+                    await call_with_retries(lambda: store.get_range(shard.bucket, shard.key, 0, 1,
+                                                                    pin=Pin(etag)), retry)
+                except (NoSuchKeyError, ObjectChangedError, InvalidRangeError) as exc:
+                    found[shard.url] = exc
+
+        async with anyio.create_task_group() as tg:
+            for shard in unlisted:
+                tg.start_soon(probe, shard)
+
+    run_async(functools.partial(with_store, factory, use))
+    for shard in unlisted:
+        exc = found.get(shard.url)
+        if isinstance(exc, NoSuchKeyError):
+            counts.missing.append(shard.url)
+            counts.counts.pop(shard.url, None)
+            if shard.url in counts.unindexed:
+                counts.unindexed.remove(shard.url)
+        elif isinstance(exc, ObjectChangedError):
+            changed.append((shard, counts.versions.get(shard.url, (None, None))[1]))
+    return changed
+
+
+def overwritten_shards(counts: Counts, changed: Sequence[tuple[ShardRef, str | None]]) -> ObjectChangedError:
+    """The error for shards overwritten after the index counted them: no rank may start."""
+    shard, etag = changed[0]
+    more = (f" (and {len(changed) - 1} more: {_some([s.url for s, _ in changed[1:]])})"
+            if len(changed) > 1 else "")
+    return ObjectChangedError(
+        f"{shard.url} is not the version {counts.source} counted (ETag {etag}): it was overwritten "
+        f"after it was counted{more}, so the counts no longer hold and no rank starts; {counts.fix}",
+        bucket=shard.bucket, key=shard.key,
+    )
+
+
+def missing_shards(spec: str | Sequence[str], shards: Sequence[ShardRef], missing: Sequence[str],
+                   ) -> NoSuchKeyError:
+    """The error for shards that were named but do not exist (a misspelled range or list)."""
+    first = next(shard for shard in shards if shard.url == missing[0])
+    folder = first.key.rpartition("/")[0]
+    named = f"{spec!r}" if isinstance(spec, str) else f"the {len(shards)} shard URLs given"
+    return NoSuchKeyError(
+        f"{len(missing)} of the {len(shards)} shards named by {named} do not exist: {_some(missing)}; "
+        f"check the pattern or list (a brace range, a digit count, the folder): "
+        f"`python -m loader ls s3://{first.bucket}/{folder + '/' if folder else ''}` shows what is there",
+        bucket=first.bucket, key=first.key,
+    )
 
 
 def with_versions(shards: list[ShardRef], counts: Counts) -> list[ShardRef]:

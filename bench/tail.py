@@ -1,0 +1,163 @@
+"""``python -m bench.tail``: the tail of real S3 through the fault proxy: stragglers and a throttle.
+
+1,000 ~110 KiB JPEGs as objects on the embedded server, read through ``integration/faults``'s
+``FaultProxy`` as a new user would: ``AsyncS3Dataset.from_keys(..., shuffle=True)``,
+``DataLoader(batch_size=32, num_workers=2)``, defaults otherwise, one epoch per run, each run in a
+fresh process. Three conditions: clean; 1 % of GETs answered 2 s late (stragglers); GETs beyond
+300/s answered ``503 SlowDown`` (a throttled prefix; the proxy's bucket holds half a second's
+worth). ``--before DIR`` runs the same in another copy of the package (a checkout of an earlier
+commit: its ``loader/`` is imported from there), alternating with this tree, round after round;
+the medians are reported. Writes ``bench/results/tail-<date>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from loader.tools.devserver import DevServer
+
+from .data import make_samples
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+BUCKET = "tailbench"
+CONDITIONS = {
+    "clean": {},
+    "stragglers: 1 % of GETs 2 s late": {"straggle": 0.01, "straggle_seconds": 2.0},
+    "throttle: 300 GET/s, SlowDown above": {"get_rate": 300.0},
+}
+
+# One epoch in a fresh process whose `loader` comes from the current directory (this tree or
+# the --before copy); prints one JSON line.
+CHILD = r"""
+import json, sys, time
+from torch.utils.data import DataLoader
+from loader import AsyncS3Dataset
+spec = json.loads(sys.stdin.read())
+ds = AsyncS3Dataset.from_keys(spec["bucket"], spec["keys"], shuffle=True, seed=spec["seed"])
+loader = DataLoader(ds, batch_size=32, num_workers=2, collate_fn=len)
+waits, samples = [], 0
+started = asked = time.perf_counter()
+for n in loader:
+    got = time.perf_counter()
+    waits.append(got - asked)
+    samples += n
+    asked = time.perf_counter()
+seconds = time.perf_counter() - started
+stats = {}
+try:
+    stats = ds.stats()
+except Exception:
+    pass
+waits = sorted(waits[1:])  # the first batch includes starting the workers
+pick = lambda q: waits[min(len(waits) - 1, int(q * len(waits)))]
+print(json.dumps({"samples": samples, "seconds": seconds, "p50": pick(0.5), "p99": pick(0.99),
+                  "hedged": stats.get("hedged"), "throttled": stats.get("throttled"),
+                  "requests": stats.get("requests")}))
+"""
+
+
+def run_child(code_dir: Path, spec: dict, s3_env: dict[str, str]) -> dict:
+    """One epoch in a fresh process, pointed at the proxy by the environment (as a user would)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "MINIO_", "LOADER_"))}
+    env.pop("PYTHONPATH", None)
+    env.update(s3_env)
+    proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(spec), cwd=code_dir, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child in {code_dir} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.tail", description=__doc__.split("\n")[0])
+    p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--before", type=Path, help="a copy of an earlier tree (its loader/ is imported)")
+    p.add_argument("--before-label", default="before")
+    p.add_argument("--only", choices=("clean", "stragglers", "throttle"), action="append",
+                   help="run only these conditions (repeatable; default: all three)")
+    args = p.parse_args(argv)
+    conditions = {name: plan for name, plan in CONDITIONS.items()
+                  if not args.only or name.split(":")[0] in args.only}
+    sys.path.insert(0, str(ROOT / "integration"))
+    from faults import FaultPlan, FaultProxy
+
+    trees = {"after": ROOT} if args.before is None else {args.before_label: args.before, "after": ROOT}
+    results: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as root, DevServer(data_dir=root, buckets=[BUCKET]) as server:
+        client = server.client()
+        samples = make_samples(args.samples)
+        for key, body in samples.items():
+            client.put_object(Bucket=BUCKET, Key=key, Body=body)
+        keys = sorted(samples)
+        with FaultProxy(server.config.endpoint_url, FaultPlan(), max_lifetime=3600) as proxy:
+            s3_env = dataclasses.replace(server.config, endpoint_url=proxy.endpoint_url).to_env()
+            for round_ in range(args.rounds):
+                for condition, plan in conditions.items():
+                    for label, tree in (trees.items() if round_ % 2 == 0 else reversed(trees.items())):
+                        proxy.set_plan(FaultPlan(seed=round_, **plan))
+                        proxy.reset_counts()
+                        out = run_child(tree, {"bucket": BUCKET, "keys": keys, "seed": round_}, s3_env)
+                        counts = proxy.counts
+                        out["proxy_requests"] = counts["requests"]
+                        out["slowdowns"] = counts["slowdown"]
+                        out["straggles"] = counts["straggle"]
+                        assert out["samples"] == len(keys), out
+                        results.setdefault((condition, label), []).append(out)
+                        print(f"round {round_} {condition:<38} {label:<8} {out['samples'] / out['seconds']:7.0f}/s "
+                              f"p50 {out['p50'] * 1000:6.1f} ms p99 {out['p99'] * 1000:7.1f} ms "
+                              f"SlowDown {out['slowdowns']}/{out['proxy_requests']} hedged {out['hedged']}",
+                              flush=True)
+
+    lines = ["| condition | tree | samples/s | vs clean | batch wait p50 | p99 | GETs answered SlowDown | hedged (stats) |",
+             "|---|---|--:|--:|--:|--:|--:|--:|"]
+    for condition in conditions:
+        for label in trees:
+            runs = results[(condition, label)]
+            base = results.get(("clean", label), runs)
+            clean = statistics.median(r["samples"] / r["seconds"] for r in base)
+            rate = statistics.median(r["samples"] / r["seconds"] for r in runs)
+            p50 = statistics.median(r["p50"] for r in runs) * 1000
+            p99 = statistics.median(r["p99"] for r in runs) * 1000
+            share = statistics.median(r["slowdowns"] / r["proxy_requests"] for r in runs)
+            hedged = [r["hedged"] for r in runs if r["hedged"] is not None]
+            requests = [r["requests"] for r in runs if r["requests"]]
+            hedge_text = (f"{statistics.median(hedged):.0f} of {statistics.median(requests):,.0f}"
+                          if hedged and requests else "-")
+            lines.append(f"| {condition} | {label} | {rate:,.0f} | {rate / clean:.2f}x | {p50:.0f} ms | "
+                         f"{p99:.0f} ms | {share:.0%} | {hedge_text} |")
+    table = "\n".join(lines) + "\n"
+    print()
+    print(table)
+    stamp = datetime.date.today().isoformat()
+    RESULTS.mkdir(exist_ok=True)
+    out_path = RESULTS / f"tail-{stamp}.md"
+    trees_text = ", ".join(f"`{label}`" for label in trees)
+    out_path.write_text(
+        f"# The tail of S3 through the fault proxy, {stamp}\n\n"
+        f"`python -m bench.tail --samples {args.samples} --rounds {args.rounds}"
+        + (f" --before <checkout> --before-label {args.before_label}" if args.before else "")
+        + f"`: {args.samples} ~110 KiB JPEGs as objects on the embedded SeaweedFS (127.0.0.1) behind "
+        "`integration/faults`' FaultProxy (a thread of the benchmark's process); each run one epoch of "
+        "`AsyncS3Dataset.from_keys(..., shuffle=True)` through `DataLoader(batch_size=32, num_workers=2)`, "
+        f"defaults otherwise, in a fresh process; trees {trees_text} alternate round after round, medians "
+        f"of {args.rounds}. Batch wait: how long the loop waited for each batch after the first. "
+        "The machine (2 cores) was shared with other work: compare rows of one table, not absolutes.\n\n"
+        + table)
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""The tail of real S3 through the fault proxy, on the real server: stragglers are hedged (the
+first answer wins, each sample once, within the hedging budget) and a throttle is met with fewer
+requests (few SlowDowns, nothing lost or duplicated, and the report says so). Counts, shares and
+bounds only: the rates are in bench/results/tail-2026-11-27.md (``python -m bench.tail``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+from torch.utils.data import DataLoader
+
+from loader import AsyncS3Dataset, AsyncS3MapDataset
+from loader.engine import tail
+
+from datasets import sha256, upload_objects
+from faults import FaultPlan, FaultProxy
+
+OBJECTS = 400
+BACKENDS = ("aioboto3", "obstore")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def objects(s3_server):
+    """``OBJECTS`` small objects in a fresh bucket: (bucket, {key: sha256})."""
+    bucket = s3_server.new_bucket("tail")
+    items = {f"train/{i:05d}.bin": i.to_bytes(4, "big") * 512 for i in range(OBJECTS)}
+    upload_objects(s3_server.minio, bucket, items)
+    return bucket, {key: sha256(data) for key, data in items.items()}
+
+
+def read_all(s3_server, proxy: FaultProxy, bucket: str, keys: list[str], store: str, num_workers: int = 0):
+    """Every sample through the proxy, and the dataset's stats for the epoch."""
+    config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+    dataset = AsyncS3Dataset.from_keys(bucket, keys, config=config, store=store, shuffle=True, seed=3)
+    got = collections.Counter()
+    for sample in DataLoader(dataset, batch_size=None, num_workers=num_workers):
+        got[(sample["__url__"].split("/", 3)[3], sha256(sample["bin"]))] += 1
+    return got, dataset.stats(), dataset.report()
+
+
+@pytest.mark.parametrize("store", BACKENDS)
+def test_stragglers_are_hedged_and_every_sample_comes_once(s3_server, objects, store):
+    bucket, digests = objects
+    with FaultProxy(s3_server.config.endpoint_url, FaultPlan(straggle=0.03, straggle_seconds=3.0,
+                                                             seed=5)) as proxy:
+        got, stats, report = read_all(s3_server, proxy, bucket, sorted(digests), store)
+        counts = proxy.counts
+    assert got == collections.Counter(digests.items())  # each once: the loser's bytes never counted
+    assert counts["straggle"] >= 5  # the condition happened (3 % of ~400 GETs)
+    hedged, won = stats["hedged"], stats["hedges_won"]
+    # bounded: a small share of requests
+    assert hedged <= tail.HEDGE_SHARE * stats["requests"] + tail.HEDGE_BURST
+    # every straggling request was hedged, save those that were hedges themselves: a hedge that
+    # straggled too lost its race (hedged - won of them), every other one won it
+    assert won >= 1 and hedged + (hedged - won) >= counts["straggle"], (stats, counts)
+    assert stats["requests"] == OBJECTS + hedged + stats["retries"]  # one GET each, the hedges, any retry
+    assert "were sent again" in report
+
+
+@pytest.mark.parametrize("store", BACKENDS)
+def test_a_throttle_is_met_with_fewer_requests(s3_server, objects, store):
+    """The prefix takes 100 GETs/s; beyond it, 503 SlowDown. Without the rate limit the engine's
+    64 requests in flight met it with a storm of retries (more SlowDowns than answers)."""
+    bucket, digests = objects
+    with FaultProxy(s3_server.config.endpoint_url, FaultPlan(get_rate=100.0)) as proxy:
+        got, stats, report = read_all(s3_server, proxy, bucket, sorted(digests), store)
+        counts = proxy.counts
+    assert got == collections.Counter(digests.items())  # nothing lost, nothing twice
+    slowdowns = counts["throttled"]
+    assert slowdowns >= 1  # the throttle was met ...
+    assert slowdowns <= 0.10 * counts["requests"], counts  # ... and answered by sending less
+    assert stats["throttled"] == slowdowns and stats["hedged"] == 0  # never hedged while throttled
+    assert "S3 throttled this job" in report
+
+
+def test_the_map_dataset_reads_through_the_same_control(s3_server, objects):
+    """The process's control for the bucket outlives one dataset: a second dataset meets the
+    throttle with the rate the first one found, so it is answered SlowDown less often."""
+    bucket, digests = objects
+    keys = sorted(digests)
+    with FaultProxy(s3_server.config.endpoint_url, FaultPlan(get_rate=100.0)) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        shares = []
+        for _ in range(2):
+            before = proxy.counts
+            dataset = AsyncS3MapDataset.from_keys(bucket, keys, config=config)
+            loader = DataLoader(dataset, batch_size=50, collate_fn=list)
+            got = [sample["__url__"].split("/", 3)[3] for batch in loader for sample in batch]
+            assert sorted(got) == keys
+            after = proxy.counts
+            shares.append((after["throttled"] - before["throttled"]) / (after["requests"] - before["requests"]))
+        counts = proxy.counts
+    assert counts["throttled"] >= 1
+    assert shares[1] <= shares[0] and counts["throttled"] <= 0.10 * counts["requests"], (shares, counts)
+    control = tail.control_for(proxy.endpoint_url, bucket)
+    assert control.statistics().throttled == counts["throttled"]

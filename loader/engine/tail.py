@@ -1,0 +1,421 @@
+"""The tail of real S3, met in the engine: stragglers hedged, throttling answered with fewer requests.
+
+Every engine wraps its store in a ``TailStore``; the state it consults, a ``TailControl``, is
+one per endpoint and bucket in a process, shared by all of that process's engines (each runs its
+own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
+
+* **Throttling** (``ThrottledError``: SlowDown, 503, 429). Retrying alone turns a throttle into a
+  storm (measured: 54 % of GETs answered SlowDown). The first SlowDown puts a client-side rate
+  limit on the control at ``THROTTLE_CUT`` times the rate sent over the last second; a later one
+  cuts again once ``CUT_EVERY`` has passed, or sooner when SlowDowns go on after a cut (see
+  ``on_throttled``), and every good answer grows the limit by ``GROWTH`` requests/s
+  (multiplicative decrease, additive increase, as the AWS SDKs' adaptive retry mode does with a
+  token bucket). After ``UNLIMIT_AFTER`` seconds
+  without a SlowDown the limit goes away. Requests waiting for their turn when a cut comes wait
+  again at the new rate.
+* **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
+  waiting. A GET with no answer after ``hedge_after()`` (``HEDGE_MARGIN`` times the 95th percentile
+  of this control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
+  again; the first answer wins and the other is cancelled (its bytes were never handed over, so
+  they are counted once). At most ``HEDGE_SHARE`` of requests (plus a small burst) are hedged,
+  and none while throttled. One watcher task per engine (``TailStore.watch``) sends the hedges.
+
+Hand-written: no asyncio library offers hedged requests or an adaptive rate limiter shared across
+event loops. Why and the numbers: docs/design/retry.md.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
+
+import anyio
+
+from ..errors import ThrottledError
+from ..s3 import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
+
+T = TypeVar("T")
+
+THROTTLE_CUT = 0.7  # a SlowDown cuts the rate to this share of what was sent
+CUT_EVERY = 2.0  # seconds: one cut per this long, whatever the SlowDowns ...
+CUT_AGAIN_AFTER = 0.1  # ... unless, this long after a cut, ...
+CUT_AGAIN_SHARE = 0.1  # ... at least this share of the answers since were SlowDowns ...
+CUT_AGAIN_COUNT = 3  # ... and at least this many: the cut was not deep enough
+GROWTH = 0.3  # requests/s added to the limit per good answer (about 30 % a second at any rate)
+MIN_RATE = 1.0  # requests/s: the limit never goes below this
+UNLIMIT_AFTER = 30.0  # seconds without a SlowDown before the limit is lifted
+RATE_WINDOW = 1.0  # seconds over which the rate sent is measured
+HEDGE_FLOOR = 0.05  # seconds: never hedge sooner than this
+HEDGE_AT_FIRST = 0.3  # seconds: the threshold until HEDGE_MIN_SAMPLES answers have been seen
+HEDGE_QUANTILE = 0.95
+HEDGE_MARGIN = 1.0  # hedge after this many times the quantile (2.0 hedged stragglers later: bench/results)
+HEDGE_SHARE = 0.05  # at most this share of requests is hedged ...
+HEDGE_BURST = 8  # ... plus this many
+HEDGE_MIN_SAMPLES = 32  # answers seen before any request is hedged
+LATENCY_WINDOW = 512  # answers the threshold is computed from
+RECOMPUTE_EVERY = 64  # answers between two computations of the threshold
+
+
+class TailStats(NamedTuple):
+    """One control's counters (approximately consistent: read without the lock)."""
+
+    requests: int
+    throttled: int
+    hedged: int
+    hedges_won: int
+    rate_limit: float | None  # requests/s allowed now; None: no limit
+    hedge_after_s: float | None  # the current hedging threshold; None: not hedging yet
+
+
+class TailControl:
+    """The shared state for one endpoint and bucket in this process (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.rate: float | None = None
+        self.next_free = 0.0  # when the next request may go, under a limit
+        self.generation = 0  # bumped by every cut: waiters take a new turn
+        self.last_cut = -float("inf")
+        self.answers_since_cut = 0
+        self.throttled_since_cut = 0
+        self.sent: deque[float] = deque()  # send times within the last RATE_WINDOW
+        self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.threshold: float | None = None
+        self.since_recompute = 0
+        self.requests = 0
+        self.throttled = 0
+        self.hedged = 0
+        self.hedges_won = 0
+
+    # -------------------------------------------------------------------- rate
+
+    def turn(self) -> tuple[float, int]:
+        """Book the next request: seconds to wait before sending it, and the generation booked in."""
+        with self.lock:
+            now = self.clock()
+            self.requests += 1
+            sent = self.sent
+            sent.append(now)
+            while sent and sent[0] < now - RATE_WINDOW:
+                sent.popleft()
+            if self.rate is None:
+                return 0.0, self.generation
+            if now - self.last_cut > UNLIMIT_AFTER:
+                self.rate = None
+                return 0.0, self.generation
+            start = max(now, self.next_free)
+            self.next_free = start + 1.0 / self.rate
+            return start - now, self.generation
+
+    async def acquire(self) -> None:
+        """Wait for this request's turn under the rate limit (at once when there is none)."""
+        while True:
+            wait, generation = self.turn()
+            if wait <= 0:
+                return
+            await anyio.sleep(wait)
+            if generation == self.generation:
+                return
+            with self.lock:  # a cut came while waiting: book again at the new rate
+                self.requests -= 1
+
+    def on_throttled(self) -> None:
+        """A SlowDown: cut the rate, once per ``CUT_EVERY``, or sooner when SlowDowns go on
+        after a cut (a share of ``CUT_AGAIN_SHARE``): a throttle is met at once, while SlowDowns
+        sprinkled at any rate (a server's hiccups) cost one cut every ``CUT_EVERY`` seconds,
+        which growth makes up, instead of cutting the rate to nothing."""
+        with self.lock:
+            self.throttled += 1
+            self.throttled_since_cut += 1
+            now = self.clock()
+            since = now - self.last_cut
+            again = (since >= CUT_AGAIN_AFTER and self.throttled_since_cut >= CUT_AGAIN_COUNT
+                     and self.throttled_since_cut
+                     >= CUT_AGAIN_SHARE * (self.throttled_since_cut + self.answers_since_cut))
+            if since < CUT_EVERY and not again:
+                return
+            sent = self.sent
+            while sent and sent[0] < now - RATE_WINDOW:
+                sent.popleft()
+            measured = len(sent) / RATE_WINDOW  # at the start, less than sent: on the safe side
+            base = measured if self.rate is None else min(self.rate, max(measured, MIN_RATE))
+            self.rate = max(MIN_RATE, THROTTLE_CUT * base)
+            self.next_free = now + 1.0 / self.rate
+            self.last_cut = now
+            self.answers_since_cut = self.throttled_since_cut = 0
+            self.generation += 1
+
+    def on_answer(self, seconds: float) -> None:
+        """A good answer after ``seconds``: grow the limit, learn the latency."""
+        with self.lock:
+            self.answers_since_cut += 1
+            if self.rate is not None:
+                self.rate += GROWTH
+            self.latencies.append(seconds)
+            self.since_recompute += 1
+            if self.since_recompute >= RECOMPUTE_EVERY or (
+                self.threshold is None and len(self.latencies) >= HEDGE_MIN_SAMPLES
+            ):
+                self.since_recompute = 0
+                ordered = sorted(self.latencies)
+                quantile = ordered[int(HEDGE_QUANTILE * (len(ordered) - 1))]
+                self.threshold = max(HEDGE_FLOOR, HEDGE_MARGIN * quantile)
+
+    # -------------------------------------------------------------------- hedging
+
+    def hedge_after(self) -> float | None:
+        """Seconds after which a request still unanswered is hedged; None: do not hedge it."""
+        if self.rate is not None:
+            return None  # throttled: a second request would only add to the storm
+        return HEDGE_AT_FIRST if self.threshold is None else self.threshold
+
+    def may_hedge(self) -> bool:
+        """Whether one more hedge fits the budget (counted when it is sent: ``acquire``)."""
+        return self.rate is None and self.hedged < HEDGE_SHARE * self.requests + HEDGE_BURST
+
+    def statistics(self) -> TailStats:
+        return TailStats(self.requests, self.throttled, self.hedged, self.hedges_won, self.rate,
+                         self.threshold)
+
+
+class _Controls:
+    """The process's controls by (endpoint, bucket); a forked child starts with none."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.by_key: dict[tuple[str, str], TailControl] = {}
+        self.lock = threading.Lock()
+
+    def get(self, endpoint: str, bucket: str) -> TailControl:
+        if self.pid != os.getpid():  # forked: the parent's locks and counts are not ours
+            self.__init__()  # type: ignore[misc]
+        control = self.by_key.get((endpoint, bucket))
+        if control is None:
+            with self.lock:
+                control = self.by_key.setdefault((endpoint, bucket), TailControl())
+        return control
+
+
+CONTROLS = _Controls()
+
+
+def control_for(endpoint: str, bucket: str) -> TailControl:
+    """The control this process shares for ``bucket`` at ``endpoint``."""
+    return CONTROLS.get(endpoint, bucket)
+
+
+def endpoint_of(store: Any) -> str:
+    """The endpoint a store (or the store a wrapper holds) talks to, or its type's name."""
+    seen = 0
+    while store is not None and seen < 8:
+        endpoint = getattr(store, "_endpoint", None)
+        if isinstance(endpoint, str):
+            return endpoint
+        store = getattr(store, "inner", None) or getattr(store, "_inner", None)
+        seen += 1
+    return f"store:{type(store).__name__}"
+
+
+class _Pending:
+    """One read in flight that may be hedged: when it began, how to send it again, and the
+    cancel scope that a winning hedge cancels it through."""
+
+    __slots__ = ("started", "after", "call", "scope", "control", "hedge", "result")
+
+    def __init__(self, started: float, after: float, call: Callable[[], Awaitable[Any]],
+                 scope: anyio.CancelScope, control: TailControl) -> None:
+        self.started = started
+        self.after = after
+        self.call = call
+        self.scope = scope
+        self.control = control
+        self.hedge: anyio.CancelScope | None = None  # the hedge's scope, once sent
+        self.result: tuple[Any] | None = None  # the hedge's answer, if it won
+
+
+class TailStore:
+    """An ``ObjectStore`` that reads through the shared ``TailControl`` of each bucket: whole-body
+    reads (``get``, ``get_range``, ``get_if_changed``) wait for their turn under a rate limit and
+    are hedged when they straggle; streams wait for their turn; everything else passes through.
+
+    A hedge waits until fewer than ``max_requests`` of this store's reads are in flight (the
+    engine's ``max_inflight``), so hedging never takes the count past what the user set.
+    Counts its own engine's share (``throttled``, ``hedged``, ``hedges_won``) for ``stats()``."""
+
+    def __init__(self, inner: ObjectStore, endpoint: str | None = None, *,
+                 max_requests: int | None = None) -> None:
+        self.inner = inner
+        self.max_requests = max_requests
+        self.inflight = 0
+        self.freed: anyio.Event | None = None  # set when a place frees up, for those waiting
+        self.pending: set[_Pending] = set()  # reads that may be hedged, while in flight
+        self.watching = False  # whether ``watch`` runs (else nothing is hedged)
+        self.endpoint = endpoint or endpoint_of(inner)
+        self.controls: dict[str, TailControl] = {}
+        self.throttled = 0
+        self.hedged = 0
+        self.hedges_won = 0
+
+    def __getattr__(self, name: str) -> Any:  # list_pages, multipart, ...: the inner store's
+        return getattr(self.inner, name)
+
+    def control(self, bucket: str) -> TailControl:
+        control = self.controls.get(bucket)
+        if control is None:
+            control = self.controls[bucket] = control_for(self.endpoint, bucket)
+        return control
+
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return self.inner.list(bucket, prefix)
+
+    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
+        return await self._read(bucket, lambda: self.inner.get(bucket, key, pin=pin))
+
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
+    ) -> bytes:
+        return await self._read(bucket, lambda: self.inner.get_range(bucket, key, start, end, pin=pin))
+
+    async def get_if_changed(
+        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
+        pin: Pin | None = None,
+    ) -> bytes | None:
+        return await self._read(
+            bucket, lambda: self.inner.get_if_changed(bucket, key, etag, start, end, pin=pin))
+
+    async def stream(
+        self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+        pin: Pin | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        control = self.control(bucket)
+        await control.acquire()
+        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ThrottledError:
+            self._throttled(control)
+            raise
+        finally:
+            await chunks.aclose()
+
+    async def put(self, bucket: str, key: str, data: bytes) -> None:
+        await self.inner.put(bucket, key, data)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def __repr__(self) -> str:
+        return f"TailStore({self.inner!r})"
+
+    # ------------------------------------------------------------------------------------------
+
+    async def enter(self, wait: bool = False) -> None:
+        """Count a read in flight; ``wait``: first wait for a place among ``max_requests`` (a
+        hedge does; the reads jobs ask for are already bounded by the engine, whose jobs may
+        send several at once: the objects of one sample)."""
+        limit = self.max_requests
+        while wait and limit is not None and self.inflight >= limit:
+            if self.freed is None:
+                self.freed = anyio.Event()
+            await self.freed.wait()
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.freed is not None:
+            self.freed.set()
+            self.freed = None
+
+    def _throttled(self, control: TailControl) -> None:
+        self.throttled += 1
+        control.on_throttled()
+
+    async def _read(self, bucket: str, call: Callable[[], Awaitable[T]]) -> T:
+        control = self.control(bucket)
+        await control.acquire()
+        after = control.hedge_after() if self.watching else None
+        started = time.monotonic()
+        await self.enter()
+        try:
+            if after is None:
+                result = await call()
+            else:
+                result = await self._hedgeable(control, call, started, after)
+        except ThrottledError:
+            self._throttled(control)
+            raise
+        finally:
+            self.leave()
+        control.on_answer(time.monotonic() - started)
+        return result
+
+    async def _hedgeable(self, control: TailControl, call: Callable[[], Awaitable[T]], started: float,
+                         after: float) -> T:
+        """``call()`` in this task, where ``watch`` can see it: if it has no answer after
+        ``after`` seconds, the watcher sends it again; a hedge that answers first cancels this
+        request and its answer is returned; an answer here first cancels the hedge.
+
+        A task per request to race the two would be simpler, but spawning one costs more than
+        the rest of a request's Python work (measured: ~70-170 us against ~5 us); the watcher is
+        one task per engine."""
+        with anyio.CancelScope() as scope:
+            pending = _Pending(started, after, call, scope, control)
+            self.pending.add(pending)
+            try:
+                return await call()
+            finally:
+                self.pending.discard(pending)
+                if pending.hedge is not None and pending.result is None:
+                    pending.hedge.cancel()  # answered here first (or failed): the hedge is not needed
+        assert pending.result is not None  # only a winning hedge cancels the scope
+        self.hedges_won += 1
+        with control.lock:
+            control.hedges_won += 1
+        return pending.result[0]
+
+    async def watch(self) -> None:
+        """Hedge the reads that straggle, until cancelled: run it beside the jobs that read
+        (``FetchEngine`` does); without it, nothing is hedged."""
+        self.watching = True
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    now = time.monotonic()
+                    wake = HEDGE_AT_FIRST
+                    for pending in list(self.pending):
+                        due = pending.started + pending.after
+                        if pending.hedge is not None:
+                            continue
+                        if due > now:
+                            wake = min(wake, due - now)
+                        elif pending.control.may_hedge():
+                            pending.hedge = anyio.CancelScope()
+                            tg.start_soon(self._hedge, pending)
+                    await anyio.sleep(max(wake, HEDGE_FLOOR / 2))
+        finally:
+            self.watching = False
+
+    async def _hedge(self, pending: _Pending) -> None:
+        """Send ``pending`` again; if this answers first, hand the answer over and cancel the original."""
+        assert pending.hedge is not None
+        with pending.hedge:
+            await pending.control.acquire()  # counted as a request (no wait: only unthrottled hedges)
+            await self.enter(wait=True)
+            try:
+                self.hedged += 1
+                with pending.control.lock:
+                    pending.control.hedged += 1
+                data = await pending.call()
+            except Exception:  # noqa: BLE001 - the original request goes on and decides
+                return
+            finally:
+                self.leave()
+            if pending in self.pending:  # the original is still waiting: this answer wins
+                pending.result = (data,)
+                pending.scope.cancel()
