@@ -135,3 +135,11 @@ def test_an_unknown_keyword_is_a_type_error():
 def test_an_old_and_a_new_spelling_of_one_setting_conflict():
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="both given"):
         AsyncS3Dataset.from_keys("bkt", ["a"], store=STORE, limits=Limits(concurrency=3), max_inflight=4)
+
+
+def test_parquet_row_groups_at_once_are_per_rank_unless_a_concurrency_is_given():
+    pytest.importorskip("pyarrow")
+    default = AsyncS3Dataset.from_parquet("s3://bkt/d/x.parquet", store=STORE)
+    given = AsyncS3Dataset.from_parquet("s3://bkt/d/x.parquet", store=STORE, limits=Limits(concurrency=8))
+    assert default.source._inflight_per_rank and not given.source._inflight_per_rank
+    assert given.source.shard_options.shards_inflight == 8 // DEFAULT_PARTS_INFLIGHT
