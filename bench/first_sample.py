@@ -185,7 +185,7 @@ def sequential_listing(config: Any, prefix: str) -> float:
         try:
             await list_all(store, BUCKET, "none/", RetryPolicy())  # imports, connection
             started = time.perf_counter()
-            await list_all(store, BUCKET, prefix, RetryPolicy(), options=ListOptions(parallel=1))
+            await list_all(store, BUCKET, prefix, RetryPolicy(), options=ListOptions(concurrency=1))
             return time.perf_counter() - started
         finally:
             await store.aclose()

@@ -103,7 +103,7 @@ def ours(config: Any, prefix: str, store: str, parallel: int) -> int:
         opened = await open_store(store, config, max_connections=parallel, retry=RetryPolicy())
         try:
             found = await list_all(opened, BUCKET, prefix, RetryPolicy(),
-                                   options=ListOptions(parallel=parallel))
+                                   options=ListOptions(concurrency=parallel))
         finally:
             await opened.aclose()
         keys = list(found)

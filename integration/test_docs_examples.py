@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
@@ -86,9 +88,15 @@ def page_bucket(s3_server, s3_env, data, tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+OURS_DEPRECATED = r".*will be removed in the next release"  # how our DeprecationWarnings all say it
+
+
 def run_python(block: Block, namespace: dict) -> None:
+    """Run one block; a spelling of ours that is deprecated fails it (the docs show the new ones)."""
     try:
-        exec(compile(block.code, block.where, "exec"), namespace)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=OURS_DEPRECATED, category=DeprecationWarning)
+            exec(compile(block.code, block.where, "exec"), namespace)
     except Exception as exc:  # name the block, keep the traceback
         raise AssertionError(f"{block.where}: the python block failed:\n{block.code}") from exc
 
@@ -100,6 +108,8 @@ def run_bash(block: Block, folder: Path) -> None:
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (f"{block.where}: the bash block exited {proc.returncode}:\n{block.code}\n"
                                   f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    assert not re.search(OURS_DEPRECATED, proc.stderr), (
+        f"{block.where}: the block uses a deprecated spelling:\n{proc.stderr}")
 
 
 def check_not_run(block: Block) -> None:

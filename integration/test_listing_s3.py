@@ -64,10 +64,10 @@ def folder_keys(prefix: str, folders: int, per_folder: int) -> list[str]:
 def list_through(config, store: str, bucket: str, prefix: str, options: ListOptions):
     async def main():
         if store == "http":
-            opened = await open_listing_store(config, max_connections=options.parallel, retry=RETRY)
+            opened = await open_listing_store(config, max_connections=options.concurrency, retry=RETRY)
             assert isinstance(opened, HttpLister)
         else:
-            opened = await open_store(store, config, max_connections=options.parallel, retry=RETRY)
+            opened = await open_store(store, config, max_connections=options.concurrency, retry=RETRY)
         try:
             return await list_all(opened, bucket, prefix, RETRY, options=options)
         finally:
@@ -112,7 +112,7 @@ def test_a_listing_through_resets_and_slowdowns_lists_every_key_once(s3_server, 
     with FaultProxy(s3_server.config.endpoint_url, plan) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         found = list_through(config, store, bucket, "data/",
-                             ListOptions(page_size=100, parallel=parallel))
+                             ListOptions(page_size=100, concurrency=parallel))
         counts = proxy.counts
     assert len(found) == len(expected) and list(found) == expected
     assert found.size(0) == 0
@@ -185,14 +185,14 @@ def test_key_ranges_in_parallel_list_exactly_the_keys_in_any_order_the_server_li
     bucket, keys = tricky
     expected = [key for key in keys if key.startswith(prefix)]
     sequential = list_through(s3_server.config, store, bucket, prefix,
-                              ListOptions(page_size=20, parallel=1))
+                              ListOptions(page_size=20, concurrency=1))
     assert list(sequential) == expected
     # obstore asks for pages of 1,000 whatever page_size says (object_store sets no max-keys)
     plan = seed_with_faults(FaultPlan(reset=0.1, slowdown=0.1, objects_only=False),
                             first=2 if store == "obstore" else 6)
     with FaultProxy(s3_server.config.endpoint_url, plan) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
-        found = list_through(config, store, bucket, prefix, ListOptions(page_size=20, parallel=6))
+        found = list_through(config, store, bucket, prefix, ListOptions(page_size=20, concurrency=6))
         counts = proxy.counts
         requests = list_requests(proxy, bucket)
     assert list(found) == expected
@@ -269,7 +269,7 @@ def test_200k_keys_through_5_percent_resets_and_slowdowns(s3_server, store, caps
             proxy.reset_counts()
             tracemalloc.start()
             started = time.perf_counter()
-            found = list_through(config, store, bucket, "big/", ListOptions(parallel=parallel))
+            found = list_through(config, store, bucket, "big/", ListOptions(concurrency=parallel))
             seconds = time.perf_counter() - started
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()

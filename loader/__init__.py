@@ -1,9 +1,9 @@
 """Stream training data from S3-compatible object stores into PyTorch, many GETs in flight.
 
-    from loader import AsyncS3Dataset
-    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", shuffle=True, max_inflight=64)
+    from loader import AsyncS3Dataset, Limits
+    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", shuffle=True, limits=Limits(concurrency=64))
 
-The top level holds what users touch: the datasets, their options, decode helpers, ``checkpoint``,
+The top level holds what users touch: the datasets, their option groups, decode helpers, ``checkpoint``,
 the shard index readers and every error to catch. Internals stay in their modules; the dev
 server for users' own tests is ``loader.testing``. Names resolve on first use (PEP 562), so
 ``import loader`` is cheap and never imports torch.
@@ -26,6 +26,7 @@ _PUBLIC = {
     "S3Config": "loader.config",
     "RetryPolicy": "loader.retry",
     "ListOptions": "loader.listing.keylist",
+    **{name: "loader.datasets.groups" for name in ("Cache", "Limits", "Reading", "Split", "Store")},
     **{name: "loader.decode" for name in ("collate_raw", "decode_image", "decode_images", "decode_sample")},
     "read_index": "loader.shard_index.read",
     "read_index_counts": "loader.shard_index.read",
@@ -53,10 +54,12 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "AccessDeniedError",
     "AsyncS3Dataset",
     "AsyncS3MapDataset",
+    "Cache",
     "ConfigError",
     "EmptyDatasetError",
     "EndpointUnreachableError",
     "InvalidRangeError",
+    "Limits",
     "ListOptions",
     "LoaderError",
     "LoaderOptions",
@@ -65,10 +68,13 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "NoSuchKeyError",
     "ObjectChangedError",
     "ParquetFormatError",
+    "Reading",
     "RetryPolicy",
     "S3Config",
     "SampleError",
     "ShardFormatError",
+    "Split",
+    "Store",
     "StoreError",
     "TLSError",
     "ThrottledError",
@@ -107,6 +113,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what editors and type checkers see
     from . import checkpoint
     from .config import S3Config
+    from .datasets.groups import Cache, Limits, Reading, Split, Store
     from .datasets.iterable import AsyncS3Dataset
     from .datasets.mapped import AsyncS3MapDataset
     from .datasets.mix import mix

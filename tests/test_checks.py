@@ -44,5 +44,5 @@ def test_settings_keep_their_messages():
         EngineLimits(max_inflight=True)
     with pytest.raises(ConfigError, match=r"^inflight_bytes=0 must be a positive integer or None$"):
         EngineLimits(inflight_bytes=0)
-    with pytest.raises(ConfigError, match=r"^ListOptions.parallel=0 must be a positive integer$"):
-        ListOptions(parallel=0)
+    with pytest.raises(ConfigError, match=r"^ListOptions.concurrency=0 must be a positive integer$"):
+        ListOptions(concurrency=0)

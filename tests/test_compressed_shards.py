@@ -26,7 +26,7 @@ import pytest
 import webdataset as wds
 import zstandard
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Limits, Store
 from loader.errors import EmptyDatasetError, ShardFormatError
 from loader.formats.compression import compression_of, is_shard_name, open_decoder
 from loader.formats.tar import TarStreamParser
@@ -56,9 +56,10 @@ def webdataset_reads(path: Path) -> list[tuple[str, dict[str, str]]]:
 
 def loader_reads(objects: dict[str, bytes], spec: str, **options) -> tuple[list, AsyncS3Dataset]:
     fake = FakeStore.with_objects(BUCKET, objects)
-    options.setdefault("retry", FAST_RETRY)
-    options.setdefault("shards_inflight", 1)  # shard after shard, as webdataset reads them
-    dataset = AsyncS3Dataset.from_shards(spec, store=reusable(fake), **options)
+    retry = options.pop("retry", FAST_RETRY)
+    options.setdefault("limits", Limits(concurrency=4))  # 4 parts of one shard: shard after shard,
+    # as webdataset reads them
+    dataset = AsyncS3Dataset.from_shards(spec, store=Store(backend=reusable(fake), retry=retry), **options)
     return [digests(sample) for sample in dataset], dataset
 
 

@@ -19,7 +19,7 @@ from test_shards import FAST_RETRY
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Store
 from loader.datasets import cycling, partition
 from loader.errors import EmptyDatasetError
 
@@ -98,8 +98,8 @@ def test_plan_arguments_are_checked():
 
 
 def ds_of(fake, **options):
-    options.setdefault("retry", FAST_RETRY)
-    return AsyncS3Dataset.from_shards(PATTERN, store=reusable(fake), **options)
+    retry = options.pop("retry", FAST_RETRY)
+    return AsyncS3Dataset.from_shards(PATTERN, store=Store(backend=reusable(fake), retry=retry), **options)
 
 
 def keys(samples):

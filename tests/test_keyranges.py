@@ -46,7 +46,7 @@ def test_ranges_list_exactly_the_keys_of_a_sequential_listing(inside, outside, p
     async def main():
         with anyio.fail_after(30):
             return await list_all(store, "b", prefix, FAST,
-                                  options=ListOptions(page_size=page_size, parallel=parallel))
+                                  options=ListOptions(page_size=page_size, concurrency=parallel))
 
     listed = anyio.run(main)
     expected = sorted(key for key in objects if key.startswith(prefix) and not key.endswith("/"))
@@ -116,7 +116,7 @@ def test_a_server_listing_out_of_byte_order_ends_the_splitting_and_the_listing_e
 
     async def listing(store, parallel):
         with anyio.fail_after(30):
-            return await list_all(store, "b", "a", FAST, options=ListOptions(page_size=1, parallel=parallel))
+            return await list_all(store, "b", "a", FAST, options=ListOptions(page_size=1, concurrency=parallel))
 
     for parallel in (4, 8, 8, 8):
         store = FakeStore.with_objects("b", objects, page_size=1, order="directories")

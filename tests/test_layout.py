@@ -269,30 +269,6 @@ def test_every_python_file_the_readme_and_docs_name_exists():
     assert missing == [], "pages name files that do not exist:\n" + "\n".join(missing)
 
 
-def test_typed_constructor_keywords_match_the_options():
-    """``LoaderKwargs`` (what editors see) lists exactly ``LoaderOptions``' fields, and
-    ``ShardKwargs`` adds exactly ``ShardOptions``' fields and ``sample_counts``."""
-    import dataclasses
-
-    from loader.datasets.options import LoaderKwargs, LoaderOptions, ShardKwargs
-    from loader.formats.shards import ShardOptions
-
-    loader_fields = {f.name for f in dataclasses.fields(LoaderOptions)}
-    assert set(LoaderKwargs.__annotations__) == loader_fields
-    shard_fields = {f.name for f in dataclasses.fields(ShardOptions)}
-    assert set(ShardKwargs.__optional_keys__) == loader_fields | shard_fields | {"sample_counts"}
-
-
-def test_map_dataset_keywords_are_the_options_a_sampler_leaves_to_it():
-    import dataclasses
-
-    from loader.datasets import mapped
-    from loader.datasets.options import LoaderOptions, MapKwargs
-
-    fields = {f.name for f in dataclasses.fields(LoaderOptions)}
-    assert set(MapKwargs.__optional_keys__) == fields - set(mapped._SAMPLER_DECIDES) - set(mapped._NO_QUEUE)
-
-
 def test_test_modules_have_unique_basenames():
     """tests/ and integration/ run in one pytest session without packages: a basename used in both
     makes collection fail with 'import file mismatch'."""

@@ -43,7 +43,7 @@ def test_a_failed_page_is_asked_again_from_its_token_not_from_page_one():
     # 25 pages; pages 4, 5 (twice) and 19 fail once each
     pattern = [None] * 3 + [flaky(1), None, flaky(2), flaky(3)] + [None] * 13 + [flaky(4)]
     store = FakeStore.with_objects("b", objects, page_size=100, list_fail={"": pattern})
-    found = run_list(store, options=ListOptions(page_size=100, parallel=1))
+    found = run_list(store, options=ListOptions(page_size=100, concurrency=1))
     assert list(found) == sorted(objects)
     assert store.list_requests == 25 + 4, "each failure costs one request, never a restart"
 
@@ -55,7 +55,7 @@ def test_the_retry_deadline_counts_from_the_last_page_received():
                                    list_fail={"": faults})
     retry = RetryPolicy(base_delay=0.0, max_delay=0.0, deadline=0.2, max_attempts=2)
     # 60 pages of 10 ms: the listing takes ~3x the deadline, and fails every 10th page
-    found = run_list(store, options=ListOptions(page_size=10, parallel=1), retry=retry)
+    found = run_list(store, options=ListOptions(page_size=10, concurrency=1), retry=retry)
     assert len(found) == 600 and store.list_requests == 60 + 6
 
 
@@ -63,7 +63,7 @@ def test_a_page_that_keeps_failing_gives_up_with_the_attempts_counted():
     store = FakeStore.with_objects("b", {f"k{i}": b"" for i in range(50)}, page_size=10,
                                    list_fail={"": [None, None] + [flaky(n) for n in range(9)]})
     with pytest.raises(TransientStoreError, match=r"gave up after 3 attempt\(s\)"):
-        run_list(store, options=ListOptions(page_size=10, parallel=1),
+        run_list(store, options=ListOptions(page_size=10, concurrency=1),
                  retry=RetryPolicy(base_delay=0.0, max_delay=0.0, max_attempts=3))
     assert store.list_requests == 2 + 3
 
@@ -78,7 +78,7 @@ def test_permanent_errors_are_not_retried():
 def test_folders_are_listed_in_parallel_and_merged_in_key_order():
     objects = folder_keys()
     store = FakeStore.with_objects("b", objects, page_size=100, latency=0.005)
-    found = run_list(store, "train/", options=ListOptions(page_size=100, parallel=4))
+    found = run_list(store, "train/", options=ListOptions(page_size=100, concurrency=4))
     expected = sorted(k for k in objects if k.startswith("train/") and not k.endswith("/"))
     assert list(found) == expected
     assert [found.size(i) for i in range(3)] == [len(objects[k]) for k in expected[:3]]
@@ -93,7 +93,7 @@ def test_one_flat_prefix_is_listed_in_parallel_ranges():
     that lists is measured side by side by ``bench.listing``, not asserted here."""
     objects = {f"flat/{i:07d}.jpg": b"" for i in range(20_000)}
     store = FakeStore.with_objects("b", objects, page_size=100, latency=0.01)
-    found = run_list(store, "flat/", options=ListOptions(page_size=100, parallel=8))
+    found = run_list(store, "flat/", options=ListOptions(page_size=100, concurrency=8))
     assert list(found) == sorted(objects)
     assert 2 <= store.peak_list_inflight <= 8, store.peak_list_inflight
     assert store.list_requests <= 200 * 1.3, store.list_requests
@@ -107,7 +107,7 @@ def test_on_a_server_that_answers_no_faster_in_parallel_the_listing_stays_narrow
     store = FakeStore.with_objects("b", objects, page_size=100,
                                    latency=lambda _: 0.004 * holder[0].list_inflight)
     holder.append(store)
-    found = run_list(store, "flat/", options=ListOptions(page_size=100, parallel=8))
+    found = run_list(store, "flat/", options=ListOptions(page_size=100, concurrency=8))
     assert list(found) == sorted(objects)
     assert store.peak_list_inflight <= 4, store.peak_list_inflight
     assert store.list_requests <= 200 * 1.15, store.list_requests
@@ -117,7 +117,7 @@ def test_on_a_server_that_answers_no_faster_in_parallel_the_listing_stays_narrow
 def test_a_prefix_of_one_or_two_pages_costs_its_pages_and_no_more(pages):
     objects = {f"k{i:04d}": b"" for i in range(pages * 100)}
     store = FakeStore.with_objects("b", objects, page_size=100)
-    found = run_list(store, options=ListOptions(page_size=100, parallel=8))
+    found = run_list(store, options=ListOptions(page_size=100, concurrency=8))
     assert list(found) == sorted(objects)
     assert store.list_requests == pages and store.peak_list_inflight == 1
 
@@ -126,7 +126,7 @@ def test_parallel_one_lists_page_after_page():
     objects = folder_keys()
     for prefix in ("train/", "train/d"):
         store = FakeStore.with_objects("b", objects, page_size=100)
-        found = run_list(store, prefix, options=ListOptions(page_size=100, parallel=1))
+        found = run_list(store, prefix, options=ListOptions(page_size=100, concurrency=1))
         assert list(found) == sorted(k for k in objects if k.startswith(prefix) and k[-1] != "/")
         assert store.peak_list_inflight == 1
         assert store.list_requests == -(-len(found) // 100)
@@ -136,7 +136,7 @@ def test_faults_in_parallel_ranges_still_list_every_key_once():
     objects = folder_keys()
     faults = [None, None, flaky(1), None, flaky(2), flaky(3)] * 4
     store = FakeStore.with_objects("b", objects, page_size=100, list_fail={"train/": faults})
-    found = run_list(store, "train/", options=ListOptions(page_size=100, parallel=3))
+    found = run_list(store, "train/", options=ListOptions(page_size=100, concurrency=3))
     assert list(found) == sorted(k for k in objects if k.startswith("train/") and k[-1] != "/")
     assert not store.list_fail["train/"], "every injected fault was met"
 
@@ -187,5 +187,5 @@ def test_list_options_are_checked():
         ListOptions(page_size=0)
     with pytest.raises(ConfigError, match="at most 1000"):
         ListOptions(page_size=5000)
-    with pytest.raises(ConfigError, match="parallel=True"):
-        ListOptions(parallel=True)
+    with pytest.raises(ConfigError, match="concurrency=True"):
+        ListOptions(concurrency=True)

@@ -15,7 +15,7 @@ import pytest
 from test_shards import BUCKET, FAST_RETRY, assert_exactly, build_shard, shard_key, shard_url
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Store
 from loader.errors import NoSuchKeyError, ObjectChangedError, ShardFormatError
 from loader.shard_index.format import entry_document, index_document
 
@@ -54,8 +54,8 @@ def _digest(fields):
 
 
 def ds_of(fake, spec=PATTERN, **options):
-    options.setdefault("retry", FAST_RETRY)
-    return AsyncS3Dataset.from_shards(spec, store=reusable(fake), **options)
+    retry = options.pop("retry", FAST_RETRY)
+    return AsyncS3Dataset.from_shards(spec, store=Store(backend=reusable(fake), retry=retry), **options)
 
 
 def ranks(fake, world, spec=PATTERN, workers=0, **options):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, get_worker_info
 
 import loader.datasets.shard_source
-from loader import AsyncS3Dataset, ConfigError, SampleError
+from loader import AsyncS3Dataset, ConfigError, SampleError, Store
 from loader.datasets.options import MIN_MEMORY_BUDGET, budget_options
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
 from loader.formats.shards import MIN_PART_SIZE, ShardOptions
@@ -107,8 +107,8 @@ def assert_exactly(samples, expected: dict) -> None:
 
 
 def shards_ds(fake: FakeStore, spec=PATTERN8, **options) -> AsyncS3Dataset:
-    options.setdefault("retry", FAST_RETRY)
-    return AsyncS3Dataset.from_shards(spec, store=reusable(fake), **options)
+    retry = options.pop("retry", FAST_RETRY)
+    return AsyncS3Dataset.from_shards(spec, store=Store(backend=reusable(fake), retry=retry), **options)
 
 
 def keys_of(samples) -> list[str]:

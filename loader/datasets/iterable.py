@@ -19,26 +19,30 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 from torch.utils.data import IterableDataset
-from typing_extensions import Unpack
 
 from .. import topology
 from ..cache.store import CacheStats
+from ..config import S3Config
 from ..engine.fetch import EngineLimits, FetchEngine, Job
 from ..errors import ConfigError, SampleError
 from ..formats.shards import ShardOptions, ShardRef
 from ..listing.inputs import read_manifest
 from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
+from ..s3 import StoreFactory
 from ..s3.recording import RequestRecorder
 from ..uri import parse_s3_uri
 from . import partition
-from .object_samples import LabelFrom, SampleIndex, Skipped, skippable
+from .groups import Limits, Reading, Split, Store, flat_options
+from .object_samples import LabelFrom, OnError, SampleIndex, Skipped, skippable
 from .object_source import ObjectSource
-from .options import LoaderKwargs, LoaderOptions, ParquetKwargs, ShardKwargs, budget_options
+from .options import LoaderOptions, Transform, budget_options
 from .protocol import Progress, Slot, Source
 from .shard_source import ShardSource
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
 log = logging.getLogger(__name__)
+stats_log = logging.getLogger("loader.stats")
+"""One line per worker and pass, at INFO, when this logger's level is set (or ``log_stats``)."""
 
 STATE_VERSION = 2
 """2: shuffled orders of more than ``partition.SMALL_ORDER`` items are a keyed permutation
@@ -60,10 +64,20 @@ class AsyncS3Dataset(IterableDataset):
     passed through ``transform``. Call ``set_epoch(e)`` before each epoch: with ``shuffle=True``
     the order follows ``(seed, epoch)``, the same on every rank.
 
+    Every constructor takes the same keywords besides its source's own: ``shuffle``, ``seed``,
+    ``transform``, ``batch_size``, ``on_error`` (``"raise"``; ``"skip"`` or ``"warn"`` drop a
+    sample whose object is gone or whose transform raised), ``config`` (an ``S3Config``;
+    default: from the environment), and three groups: ``limits=Limits(concurrency=,
+    memory=, ordered=)``, ``split=Split(rank=, world_size=, pad=, ...)`` and
+    ``store=Store(backend=, retry=, listing=, cache=)`` (or a backend's name: ``"obstore"``).
+
     ``batch_size=B`` (the DataLoader's batch size per rank) deals the epoch's order in blocks:
     at step ``s`` rank ``r`` reads block ``s * W + r``, so ``s`` steps consume exactly the first
     ``s * B * W`` samples whatever the number of ranks and workers, and ``resume(epoch=,
-    samples_seen=)`` continues on any topology.
+    samples_seen=)`` continues on any topology. It is given here, not learned from the
+    DataLoader: the main process needs it (``len()``, ``samples_seen()``, ``resume()``) before
+    any batch, and a DataLoader never tells its dataset its batch size; workers see it only at
+    their first batch, where a different one is refused with a ConfigError.
     """
 
     def __init__(
@@ -105,40 +119,62 @@ class AsyncS3Dataset(IterableDataset):
 
     @classmethod
     def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
-                    snapshot: str | os.PathLike[str] | None = None,
-                    **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
+                    snapshot: str | os.PathLike[str] | None = None, shuffle: bool = False,
+                    seed: int | None = None, transform: Transform | None = None,
+                    batch_size: int | None = None, on_error: OnError = "raise",
+                    limits: Limits | None = None, split: Split | None = None,
+                    store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                    **deprecated: Any) -> AsyncS3Dataset:
         """Every object under ``s3://bucket/prefix``, listed once when first needed.
 
         Objects sharing a stem form one sample (``group=False``: one object per sample);
         ``label_from="parent"`` labels each with its class folder, as ``ImageFolder`` does.
         Hidden objects (basename starting with a dot) are left out; a prefix without a trailing
         slash that also matches sibling names is warned about. ``snapshot=PATH``: read the
-        listing from that file, or list and save it there (``snapshots``).
+        listing from that file, or list and save it there (``snapshots``). The other keywords:
+        see the class docstring.
         """
         bucket, prefix = parse_s3_uri(uri)
-        loader_options = LoaderOptions(**budget_options(options, "objects"))
+        loader_options = LoaderOptions(**budget_options(flat_options(
+            "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
+            on_error=on_error, limits=limits, split=split, store=store, config=config,
+            old=deprecated), "objects"))
         return cls(ObjectSource(bucket, loader_options, prefix=prefix, group=group, label_from=label_from,
                                 snapshot=snapshot_option(snapshot)),
                    options=loader_options)
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
-                  label_from: LabelFrom | None = None, **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
+                  label_from: LabelFrom | None = None, shuffle: bool = False, seed: int | None = None,
+                  transform: Transform | None = None, batch_size: int | None = None,
+                  on_error: OnError = "raise", limits: Limits | None = None, split: Split | None = None,
+                  store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                  **deprecated: Any) -> AsyncS3Dataset:
         """Exactly these keys of ``bucket`` (no listing, no HEAD), grouped by stem as in
         ``from_prefix``; samples come in the order their stems first appear."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        loader_options = LoaderOptions(**budget_options(options, "objects"))
+        loader_options = LoaderOptions(**budget_options(flat_options(
+            "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
+            on_error=on_error, limits=limits, split=split, store=store, config=config,
+            old=deprecated), "objects"))
         return cls(ObjectSource(bucket, loader_options, keys=keys, group=group, label_from=label_from),
                    options=loader_options)
 
     @classmethod
     def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
-                      label_from: LabelFrom | None = None, **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
+                      label_from: LabelFrom | None = None, shuffle: bool = False, seed: int | None = None,
+                      transform: Transform | None = None, batch_size: int | None = None,
+                      on_error: OnError = "raise", limits: Limits | None = None, split: Split | None = None,
+                      store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                      **deprecated: Any) -> AsyncS3Dataset:
         """Keys from a file: plain text (a key or ``s3://`` URI per line), or CSV / JSON lines
         with a ``key`` column and optionally a ``label`` column (see ``sources.read_manifest``);
         or a listing snapshot (``loader ls --save``), read without any LIST."""
-        loader_options = LoaderOptions(**budget_options(options, "objects"))
+        loader_options = LoaderOptions(**budget_options(flat_options(
+            "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
+            on_error=on_error, limits=limits, split=split, store=store, config=config,
+            old=deprecated), "objects"))
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
             return cls(ObjectSource(bucket, loader_options, prefix=prefix, group=group,
@@ -150,50 +186,70 @@ class AsyncS3Dataset(IterableDataset):
                    options=loader_options)
 
     @classmethod
-    def from_shards(cls, shards: str | Iterable[str], **options: Unpack[ShardKwargs]) -> AsyncS3Dataset:
+    def from_shards(cls, shards: str | Iterable[str], *, shuffle: bool = False, seed: int | None = None,
+                    transform: Transform | None = None, batch_size: int | None = None,
+                    on_error: OnError = "raise", limits: Limits | None = None, split: Split | None = None,
+                    store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                    reading: Reading | None = None, sample_counts: Mapping[str, int] | None = None,
+                    **deprecated: Any) -> AsyncS3Dataset:
         """Tar shards: a brace pattern, a list of URIs/patterns, or a prefix (every ``.tar``,
         ``.tar.gz``/``.tgz``, ``.tar.zst``/``.tzst`` under it; compressed ones are decompressed
-        as they stream). Besides the keywords of ``LoaderOptions``:
+        as they stream), their samples interleaved and mixed by a shuffle buffer. Besides the
+        keywords of the class docstring:
 
-        - ``shards_inflight`` (4): shards streamed at once per process, their samples interleaved.
-        - ``shuffle_buffer`` (1000 with ``shuffle=True``; 0 = off): samples mixed after reading;
-          ``shuffle_bytes`` bounds it in bytes too (``memory_budget`` sets it).
-        - ``part_size`` (16 MiB), ``parts_inflight`` (4): a shard of known size above two parts
-          is read as ranged GETs of ``part_size``, ``parts_inflight`` at a time;
-          ``chunk_size`` (1 MiB): the piece a streamed shard is read in.
-        - ``sample_counts={url: n}``, ``index=URI``: the shards' sample counts, when they are not
-          in the ``index.json`` beside the shards (found by itself).
-        - ``samples_per_epoch``: exactly this many samples per rank and epoch, cycling through the
-          shards (no counts needed); ``uneven_ranks``: accept ranks of unequal length when the
-          counts are unknown.
+        - ``limits=Limits(concurrency=16)``: requests in flight, ``concurrency // 4`` shards
+          streamed at once with up to 4 ranged parts each.
+        - ``reading=Reading(...)``: ``shuffle_buffer`` (1000 with ``shuffle=True``; 0 = off),
+          ``part_size`` (16 MiB: a shard of known size above two parts is read as ranged GETs),
+          ``chunk_size`` (1 MiB: the piece a streamed shard is read in), ``index`` (the shard
+          index's URI when it is not the ``index.json`` beside the shards, found by itself).
+        - ``sample_counts={url: n}``: the shards' sample counts, when there is no index.
+        - ``split=Split(samples_per_epoch=N)``: exactly N samples per rank and epoch, cycling
+          through the shards (no counts needed); ``Split(uneven_ranks=True)``: accept ranks of
+          unequal length when the counts are unknown.
         """
-        rest: dict[str, Any] = budget_options(options, "shards")
+        rest: dict[str, Any] = budget_options(flat_options(
+            "shards", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
+            on_error=on_error, limits=limits, split=split, store=store, config=config,
+            reading=reading, old=deprecated), "shards")
         names = {field.name for field in dataclasses.fields(ShardOptions)}
         shard_options = ShardOptions(**{k: rest.pop(k) for k in list(rest) if k in names})
-        counts = rest.pop("sample_counts", None)
         loader_options = LoaderOptions(**rest)
-        return cls(ShardSource(shards, loader_options, shard_options=shard_options, sample_counts=counts),
+        return cls(ShardSource(shards, loader_options, shard_options=shard_options,
+                               sample_counts=sample_counts),
                    options=loader_options)
 
     @classmethod
-    def from_parquet(cls, files: str | Iterable[str], columns: Sequence[str] | None = None,
-                     **options: Unpack[ParquetKwargs]) -> AsyncS3Dataset:
+    def from_parquet(cls, files: str | Iterable[str], columns: Sequence[str] | None = None, *,
+                     shuffle: bool = False, seed: int | None = None, transform: Transform | None = None,
+                     batch_size: int | None = None, on_error: OnError = "raise",
+                     limits: Limits | None = None, split: Split | None = None,
+                     store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                     reading: Reading | None = None, **deprecated: Any) -> AsyncS3Dataset:
         """Rows of Parquet files: a brace pattern, a list of URIs/patterns, or a prefix (every
         ``.parquet`` under it). Each row is a sample: ``__key__`` (the file's key less
         ``.parquet``, ``/``, the row's number in the file), ``__url__`` and the ``columns``
         selected (None: all), as pyarrow gives them (binary as bytes, structs as dicts).
 
         The footers are read once, before workers start; their row counts split every epoch
-        exactly, by row group (dealt, shuffled and resumed as shards are: ``row_groups_inflight``,
-        ``shuffle_buffer``, ``samples_per_epoch``, ``part_size``, ``parts_inflight``). Only the
+        exactly, by row group (dealt, shuffled and resumed as shards are: ``limits=Limits(
+        concurrency=)`` reads ``concurrency // 4`` row groups at once, ``reading=Reading(
+        shuffle_buffer=, part_size=)``, ``split=Split(samples_per_epoch=)``). Only the
         selected columns' chunks are fetched. Needs the ``parquet`` extra (pyarrow).
         """
         from .parquet_source import ParquetSource, parquet_options
 
-        shard_options, rest = parquet_options(options)
+        flat = flat_options(
+            "parquet", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
+            on_error=on_error, limits=limits, split=split, store=store, config=config,
+            reading=reading, old=deprecated)
+        shard_options, rest = parquet_options(flat)
         loader_options = LoaderOptions(**rest)
+        # row groups at once: a number given (Limits(concurrency=) or an old spelling) applies to
+        # every process; the default is per rank, shared among its workers (ParquetSource.inflight)
+        given = {"shards_inflight", "row_groups_inflight"} & flat.keys()
         return cls(ParquetSource(files, loader_options, columns=columns, shard_options=shard_options,
-                                 inflight_per_rank="row_groups_inflight" not in options),
+                                 inflight_per_rank=not given),
                    options=loader_options)
 
     # ----------------------------------------------------------------------- what is read
@@ -422,9 +478,9 @@ class AsyncS3Dataset(IterableDataset):
         }
         self._board.write(worker, counters, recorder.latency)
         self._last_stats = {**engine, **summarize([(counters, recorder.latency)])}
-        if self.options.log_stats:
+        if self.options.log_stats or stats_log.level and stats_log.isEnabledFor(logging.INFO):
             s = self._last_stats
-            log.info("worker %d: %d samples in %.1fs (%.0f/s), %d requests, %d retries, "
+            stats_log.info("worker %d: %d samples in %.1fs (%.0f/s), %d requests, %d retries, "
                      "p50 %s p99 %s", worker, samples, seconds, samples / max(seconds, 1e-9),
                      s["requests"], s["retries"], s["latency_p50_s"], s["latency_p99_s"])
 
@@ -500,8 +556,13 @@ class AsyncS3Dataset(IterableDataset):
         self._elastic = (epoch, samples_seen)
 
     def resume_from_batches(self, epoch: int, batches_seen: int, batch_size: int) -> None:
-        """``resume(epoch=, samples_seen=)`` for a loop that counted batches: the first
-        ``batches_seen`` batches of ``batch_size`` (the dataset's ``batch_size=``) on every rank."""
+        """Deprecated: ``ds.set_epoch(epoch); ds.resume(epoch=epoch,
+        samples_seen=ds.samples_seen(batches_seen))``, which it now is (``batch_size`` must be
+        the dataset's)."""
+        warnings.warn("resume_from_batches() is deprecated and will be removed in the next release: "
+                      "save ds.samples_seen(steps) at the checkpoint and call "
+                      "resume(epoch=, samples_seen=ds.samples_seen(...)) (or use state_dict() / "
+                      "load_state_dict())", DeprecationWarning, stacklevel=2)
         if self.options.batch_size is None:
             raise ConfigError(
                 f"resume_from_batches counts the epoch's order in blocks of the batch size: build "
@@ -510,11 +571,7 @@ class AsyncS3Dataset(IterableDataset):
         if batch_size != self.options.batch_size:
             raise ConfigError(f"batch_size={batch_size!r} differs from the dataset's "
                               f"batch_size={self.options.batch_size!r}; give the same one")
-        for name, value in (("epoch", epoch), ("batches_seen", batches_seen)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
-        self.resolve()
-        self.epoch = epoch
+        self.set_epoch(epoch)
         self.resume(epoch=epoch, samples_seen=self.samples_seen(batches_seen))
 
     def samples_seen(self, steps: int) -> int:
@@ -596,7 +653,7 @@ class AsyncS3Dataset(IterableDataset):
 
     def __repr__(self) -> str:
         return (f"AsyncS3Dataset({self.source.describe()}, shuffle={self.options.shuffle}, "
-                f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
+                f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
 
 
 def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[str] | None,

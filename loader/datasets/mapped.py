@@ -24,8 +24,8 @@ from typing import Any
 import anyio
 from anyio.from_thread import BlockingPortal
 from torch.utils.data import Dataset
-from typing_extensions import Unpack
 
+from ..config import S3Config
 from ..decode import apply_transform
 from ..engine.loopthread import LoopThread
 from ..engine.tail import TailStore
@@ -37,9 +37,10 @@ from ..listing.snapshots import Snapshot, is_snapshot, saved_snapshot, snapshot_
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
-from .object_samples import LabelFrom, SampleIndex, get_pinned, skippable
+from .groups import Limits, Store, flat_options
+from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, MapKwargs
+from .options import LoaderOptions, Transform
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,11 @@ class AsyncS3MapDataset(Dataset):
     are fetched concurrently with the rest of the batch.
     ``on_error="skip"`` / ``"warn"`` leaves a sample whose object is gone or whose transform
     raised out of its batch (the batch is shorter); ``dataset[i]`` alone still raises.
-    Options are those of ``LoaderOptions`` that concern fetching: ``transform``, ``config``,
-    ``store``, ``retry``, ``max_inflight`` (GETs in flight per process, default 64). Order and
-    the split across ranks are the sampler's business, so ``shuffle``, ``seed``, ``ordered``,
-    ``rank``, ``world_size``, ``pad_policy`` and ``batch_size`` are rejected; so are the queue bounds, as there
-    is no queue.
+    Options are those of ``AsyncS3Dataset`` that concern fetching: ``transform``, ``on_error``,
+    ``config``, ``store`` (a ``Store`` or a backend's name) and ``limits=Limits(concurrency=)``
+    (GETs in flight per process, default 64). Order and the split across ranks are the
+    sampler's business, so ``shuffle``, ``seed``, ``split`` and ``batch_size`` are not taken;
+    nor is ``Limits(memory=)``, as there is no queue.
     """
 
     def __init__(
@@ -94,35 +95,45 @@ class AsyncS3MapDataset(Dataset):
 
     @classmethod
     def from_prefix(cls, uri: str, *, group: bool = True, label_from: LabelFrom | None = None,
-                    snapshot: str | os.PathLike[str] | None = None,
-                    **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
+                    snapshot: str | os.PathLike[str] | None = None, transform: Transform | None = None,
+                    on_error: OnError = "raise", limits: Limits | None = None,
+                    store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                    **deprecated: Any) -> AsyncS3MapDataset:
         """Every object under ``s3://bucket/prefix``, listed once when first needed (hidden
         objects left out; ``snapshot=``: see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
-        return cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
+        options = _options(transform, on_error, limits, store, config, deprecated)
+        return cls(bucket=bucket, prefix=prefix, options=options, group=group,
                    label_from=label_from, snapshot=snapshot_option(snapshot))
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
-                  label_from: LabelFrom | None = None, **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
+                  label_from: LabelFrom | None = None, transform: Transform | None = None,
+                  on_error: OnError = "raise", limits: Limits | None = None,
+                  store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                  **deprecated: Any) -> AsyncS3MapDataset:
         """Exactly these keys of ``bucket``; index ``i`` is the ``i``-th stem to appear
         (``keys[i]`` when no two keys share a stem, or with ``group=False``)."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        return cls(bucket=bucket, keys=keys, options=_options(options), group=group,
-                   label_from=label_from)
+        options = _options(transform, on_error, limits, store, config, deprecated)
+        return cls(bucket=bucket, keys=keys, options=options, group=group, label_from=label_from)
 
     @classmethod
     def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
-                      label_from: LabelFrom | None = None, **options: Unpack[MapKwargs]) -> AsyncS3MapDataset:
+                      label_from: LabelFrom | None = None, transform: Transform | None = None,
+                      on_error: OnError = "raise", limits: Limits | None = None,
+                      store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+                      **deprecated: Any) -> AsyncS3MapDataset:
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
         ``sources.read_manifest``), or a listing snapshot (read without any LIST)."""
+        options = _options(transform, on_error, limits, store, config, deprecated)
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
-            return cls(bucket=bucket, prefix=prefix, options=_options(options), group=group,
+            return cls(bucket=bucket, prefix=prefix, options=options, group=group,
                        label_from=label_from, snapshot=saved_snapshot(path))
         manifest = read_manifest(path, bucket)
-        return cls(bucket=manifest.bucket, keys=manifest.keys, options=_options(options),
+        return cls(bucket=manifest.bucket, keys=manifest.keys, options=options,
                    group=group, label_from=label_from, labels=manifest.labels)
 
     # ----------------------------------------------------------------------- what is read
@@ -239,7 +250,7 @@ class AsyncS3MapDataset(Dataset):
 
     def __repr__(self) -> str:
         return (f"AsyncS3MapDataset({self.source.describe()}, "
-                f"max_inflight={self.options.max_inflight}, store={self.options.store!r})")
+                f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
 
     # ----------------------------------------------------------------------- helpers
 
@@ -392,8 +403,22 @@ async def _close_in_loop(store: ObjectStore) -> None:
         await store.aclose()
 
 
-def _options(given: Mapping[str, Any]) -> LoaderOptions:
-    """``LoaderOptions`` from constructor keywords, minus those a sampler decides."""
+def _options(transform: Transform | None, on_error: OnError, limits: Limits | None,
+             store: str | StoreFactory | Store | None, config: S3Config | None,
+             deprecated: Mapping[str, Any]) -> LoaderOptions:
+    """``LoaderOptions`` from constructor keywords; of ``Limits`` only ``concurrency`` applies."""
+    if limits is not None and (limits.memory is not None or not limits.ordered):
+        raise ConfigError(
+            f"limits={limits!r}: AsyncS3MapDataset takes only Limits(concurrency=); it has no queue "
+            "(memory is one batch of objects, batch_size x object size) and the sampler decides order")
+    _check_sampler_free(deprecated)  # their old flat spellings: say why, not "unexpected"
+    given = flat_options("map", transform=transform, on_error=on_error, limits=limits, store=store,
+                         config=config, old=deprecated, stacklevel=4)
+    return LoaderOptions(**given)
+
+
+def _check_sampler_free(given: Mapping[str, Any]) -> None:
+    """Refuse what a sampler decides, or a queue this dataset does not have."""
     for name in given:
         if name in _SAMPLER_DECIDES:
             raise ConfigError(
@@ -407,7 +432,6 @@ def _options(given: Mapping[str, Any]) -> LoaderOptions:
                 f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: it has no queue; "
                 "memory is one batch of objects (batch_size x object size)"
             )
-    return LoaderOptions(**given)
 
 
 def _reject_defaults_changed(options: LoaderOptions) -> None:
@@ -418,7 +442,7 @@ def _reject_defaults_changed(options: LoaderOptions) -> None:
         if getattr(options, name) != _DEFAULTS[name].default
     }
     if changed:
-        _options(changed)
+        _check_sampler_free(changed)
 
 
 # --------------------------------------------------------------------- process-wide hygiene

@@ -17,19 +17,20 @@ import math
 from collections.abc import Generator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from typing_extensions import Unpack
-
 from ..checks import check_int
+from ..config import S3Config
 from ..decode import apply_transform
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
 from ..listing.versions import Versions, first_known
 from ..retry import RetryPolicy
-from ..s3 import ObjectStore
+from ..s3 import ObjectStore, StoreFactory
 from . import partition
+from .groups import DEPRECATED, Limits, Split, Store, flat_options
 from .mix_order import DrawOrder, apportion
+from .object_samples import OnError
 from .object_source import ObjectProgress
-from .options import LoaderKwargs, LoaderOptions
+from .options import LoaderOptions, Transform, budget_options
 from .progress import Watermark
 from .protocol import Mixable, Progress, Read, Run, Slot, Tagged
 
@@ -216,8 +217,11 @@ def source_seed(seed: int, name: str) -> int:
 
 def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | None = None, *,
         samples_per_epoch: int | None = None,
-        sampling: Sampling | Mapping[str, Sampling] = "continue",
-        **options: Unpack[LoaderKwargs]) -> AsyncS3Dataset:
+        sampling: Sampling | Mapping[str, Sampling] = "continue", shuffle: bool = False,
+        seed: int | None = None, transform: Transform | None = None, batch_size: int | None = None,
+        on_error: OnError = "raise", limits: Limits | None = None, split: Split | None = None,
+        store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
+        **deprecated: Any) -> AsyncS3Dataset:
     """One iterable dataset drawing from several ``AsyncS3Dataset``s by weight.
 
     ``weights``: relative, per name (default: each dataset's size, so an epoch reads each once).
@@ -229,8 +233,8 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
     pass. A weight of 0 gives no samples, but the source is still listed: it must exist and hold
     samples (leave it out of ``datasets`` instead). Every sample carries ``"__source__"``. Each
     source keeps its ``transform``, ``shuffle``, ``on_error`` and shard options; how to load
-    (``max_inflight``, ``memory_budget``, ``batch_size``, ranks, store and endpoint) is the
-    mix's, given here as keywords.
+    (``limits``, ``batch_size``, ``split``, ``store`` and ``config``) is the mix's, given here as
+    keywords; ``seed`` seeds every source's passes.
     """
     from .iterable import AsyncS3Dataset
 
@@ -240,7 +244,10 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
         raise ConfigError(f"weights name {sorted(weights)}, the datasets {sorted(datasets)}; give one "
                           "weight per dataset")
     check_int("samples_per_epoch", samples_per_epoch, minimum=1, optional=True, must="a positive integer")
-    loader_options = LoaderOptions(**options)
+    loader_options = LoaderOptions(**budget_options(flat_options(
+        "mix", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
+        on_error=on_error, limits=limits, split=split, store=store, config=config, old=deprecated),
+        "objects"))  # a memory limit gives the mix's queue half, as for objects
     parts = []
     for name, dataset in datasets.items():
         if not isinstance(name, str) or not name:
@@ -277,9 +284,10 @@ def _check_part_options(name: str, given: LoaderOptions, mix_options: LoaderOpti
             if value != getattr(mix_options, field):
                 raise ConfigError(
                     f"mix source {name!r} reads through another {field} than the mix; give {field}= "
-                    "to mix(...) and use one endpoint for all sources")
+                    "to mix(...) and use one endpoint and store for all sources")
             continue
         default = defaults[field].default
         if value != default and value != getattr(mix_options, field):
+            new = DEPRECATED["mix"].get(field, f"{field}=...")
             raise ConfigError(f"mix source {name!r} sets {field}={value!r}: in a mix that is the "
-                              f"mix's setting; give {field}= to mix(...) instead")
+                              f"mix's setting; give {new} to mix(...) instead")

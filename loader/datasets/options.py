@@ -9,8 +9,6 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from typing_extensions import TypedDict
-
 from .. import topology
 from ..cache.options import DEFAULT_VALIDATE, check_cache_options
 from ..cache.store import CacheStats, open_cached_store
@@ -32,18 +30,20 @@ from ..retry import RetryPolicy
 from ..s3 import StoreFactory, StoreSpec
 from ..s3.recording import RequestRecorder
 from . import partition
+from .groups import MIN_MEMORY
 from .object_samples import ON_ERROR, OnError
 
 Transform = Callable[[dict[str, Any]], Any]
 Mode = Literal["objects", "shards"]
-MIN_MEMORY_BUDGET = 8 << 20
+MIN_MEMORY_BUDGET = MIN_MEMORY
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderOptions:
-    """Everything about *how* to load, shared by both modes; validated at construction.
-
-    Every dataset constructor takes these as keywords (errors name the keyword and its value):
+    """Everything about *how* to load, shared by both modes, as one flat record; validated at
+    construction. The entry points build it from their keywords and groups (``Limits``,
+    ``Split``, ``Store``: see ``groups``); its fields keep the flat names of earlier releases,
+    which those entry points still accept, with a DeprecationWarning, for one release.
 
     - ``shuffle``, ``seed``: a new order per epoch from ``(seed, epoch)``, the same on every rank
       (no seed: the fixed default 0, so ranks still agree).
@@ -170,7 +170,7 @@ class LoaderOptions:
         spec = self._spec()
         if spec.factory is not None:
             return self.store_factory(cached=False)
-        return spec.lister(max_connections=self.listing.parallel, retry=self.retry)
+        return spec.lister(max_connections=self.listing.concurrency, retry=self.retry)
 
     def store_factory(self, *, cached: bool = True,
                       on_cache_close: Callable[[CacheStats], None] | None = None,
@@ -196,78 +196,6 @@ class LoaderOptions:
     def _spec(self) -> StoreSpec:
         """``store=`` and ``config=`` as ``__post_init__`` resolved them."""
         return StoreSpec.of(self.store, self.config)
-
-
-class LoaderKwargs(TypedDict, total=False):
-    """The keyword arguments every constructor accepts: ``LoaderOptions``' fields, typed for
-    editors and type checkers (``**options: Unpack[LoaderKwargs]``); validation stays in
-    ``LoaderOptions``. A test keeps the two in step."""
-
-    shuffle: bool
-    seed: int | None
-    max_inflight: int
-    queue_bytes: int
-    queue_items: int
-    ordered: bool
-    transform: Transform | None
-    config: S3Config | None
-    store: str | StoreFactory | None
-    retry: RetryPolicy
-    rank: int | None
-    world_size: int | None
-    pad_policy: partition.PadPolicy
-    batch_size: int | None
-    log_stats: bool
-    cache_dir: str | os.PathLike[str] | None
-    cache_limit: int | None
-    cache_validate: str
-    on_error: OnError
-    memory_budget: int | None
-    listing: ListOptions
-
-
-class MapKwargs(TypedDict, total=False):
-    """What ``AsyncS3MapDataset`` takes: ``LoaderKwargs`` less what its sampler decides (order,
-    split across ranks) and the queue it does not have."""
-
-    max_inflight: int
-    transform: Transform | None
-    config: S3Config | None
-    store: str | StoreFactory | None
-    retry: RetryPolicy
-    log_stats: bool
-    cache_dir: str | os.PathLike[str] | None
-    cache_limit: int | None
-    cache_validate: str
-    on_error: OnError
-    listing: ListOptions
-
-
-class ShardKwargs(LoaderKwargs, total=False):
-    """``from_shards`` also takes how shards are read and dealt (``formats.shards.ShardOptions``)
-    and the sample counts per shard."""
-
-    shards_inflight: int
-    shuffle_buffer: int
-    part_size: int
-    parts_inflight: int
-    chunk_size: int
-    shuffle_bytes: int | None
-    samples_per_epoch: int | None
-    uneven_ranks: bool
-    index: str | None
-    sample_counts: Mapping[str, int] | None
-
-
-class ParquetKwargs(LoaderKwargs, total=False):
-    """``from_parquet`` also takes how row groups are read and dealt (``datasets.parquet_source``)."""
-
-    row_groups_inflight: int
-    shuffle_buffer: int
-    part_size: int
-    parts_inflight: int
-    shuffle_bytes: int | None
-    samples_per_epoch: int | None
 
 
 # ------------------------------------------------------------------------ one memory budget

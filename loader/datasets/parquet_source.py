@@ -254,8 +254,8 @@ class ParquetSource(ShardSource):
                 f"{largest.name} of {files[largest.file].url} needs {largest.need} bytes to read "
                 f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, fetched "
                 f"whole because pyarrow decodes a row group's columns side by side, plus a decoded batch), "
-                f"more than memory_budget={self.options.memory_budget} leaves for reads ({reads} bytes); "
-                "raise memory_budget, select fewer columns, or write smaller row groups")
+                f"more than Limits(memory={self.options.memory_budget}) leaves for reads ({reads} bytes); "
+                "raise the memory limit, select fewer columns, or write smaller row groups")
 
     def _unit_need(self) -> int | None:
         """What a unit of several row groups may need: its share of ``read_bytes()``, so that

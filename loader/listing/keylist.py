@@ -12,6 +12,7 @@ import dataclasses
 import heapq
 import itertools
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -29,18 +30,24 @@ class ListOptions:
     """How prefixes are listed.
 
     ``page_size``: keys per LIST request (S3's ``max-keys``; 1000 is the most S3 returns).
-    ``parallel``: key ranges listed at once (1: one page after another).
+    ``concurrency``: key ranges listed at once (1: one page after another); ``parallel``, its
+    name in earlier releases, still sets it, with a DeprecationWarning.
     ``once_per_job``: in a ``torch.distributed`` job, rank 0 lists and hands the key list to the
     other ranks, so a job makes the LIST requests of one listing, not one per rank. Every rank
     must then build its datasets in the same order (as DDP requires anyway).
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
-    parallel: int = DEFAULT_LIST_PARALLEL
+    concurrency: int = DEFAULT_LIST_PARALLEL
     once_per_job: bool = True
+    parallel: dataclasses.InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
-        for name in ("page_size", "parallel"):
+    def __post_init__(self, parallel: int | None) -> None:
+        if parallel is not None:
+            warnings.warn("ListOptions(parallel=) is deprecated and will be removed in the next release: "
+                          "write ListOptions(concurrency=...)", DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "concurrency", parallel)
+        for name in ("page_size", "concurrency"):
             check_int(f"ListOptions.{name}", getattr(self, name), minimum=1, must="a positive integer")
         if self.page_size > DEFAULT_PAGE_SIZE:
             raise ConfigError(f"ListOptions.page_size={self.page_size!r}: S3 returns at most "
@@ -360,7 +367,7 @@ async def list_all(
     options = options or ListOptions()
     runs = _Runs(suffix)
     if isinstance(store, PagedLister):
-        await RangeLister(store, bucket, prefix, retry, options.page_size, options.parallel,
+        await RangeLister(store, bucket, prefix, retry, options.page_size, options.concurrency,
                           runs.add).run()
     else:
         await _list_whole(store, bucket, prefix, retry, runs)

@@ -237,8 +237,8 @@ def unknown_counts_advice(command: str, problems: str) -> str:
         f"the sample count of each shard is unknown{found}, so ranks would read unequal numbers "
         f"of samples and a DDP job would hang at the epoch's end. Either index the shards once: "
         f"`{command}` (from_shards then finds the index by itself); or pass sample_counts={{shard "
-        "url: samples}; or give samples_per_epoch=N for exactly N samples per rank and epoch "
-        "(endless data, no counts needed). uneven_ranks=True accepts ranks of unequal length"
+        "url: samples}; or give split=Split(samples_per_epoch=N) for exactly N samples per rank and "
+        "epoch (endless data, no counts needed). Split(uneven_ranks=True) accepts ranks of unequal length"
     )
 
 

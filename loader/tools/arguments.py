@@ -5,8 +5,10 @@ the types that parse option values (each error says what to give instead).
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
-from typing import NoReturn
+import warnings
+from typing import Any, NoReturn
 
 from ..errors import LoaderError
 
@@ -120,3 +122,22 @@ def add_long_run_options(p: argparse.ArgumentParser) -> None:
                    help="progress bar on stderr (default: when stderr is a terminal)")
     p.add_argument("--part-size", type=_size, default=None, help=argparse.SUPPRESS)
     p.add_argument("--stop-after", type=_positive_int, default=None, help=argparse.SUPPRESS)
+
+
+def add_deprecated_alias(p: argparse.ArgumentParser, old: str, new: str, dest: str,
+                         **kwargs: Any) -> None:
+    """``old``, the spelling of an earlier release, still sets ``dest`` (the flag ``new`` sets),
+    for one release, with a DeprecationWarning and a line on stderr that name ``new``; hidden
+    from ``--help``. ``kwargs`` as for ``add_argument`` (none: a flag without a value)."""
+    flag = not kwargs
+
+    class Alias(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                     values: Any, option_string: str | None = None) -> None:
+            message = f"{old} is deprecated and will be removed in the next release: use {new}"
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            print(f"loader: {message}", file=sys.stderr)
+            setattr(namespace, dest, True if flag else values)
+
+    p.add_argument(old, action=Alias, dest=dest, nargs=0 if flag else None, help=argparse.SUPPRESS,
+                   default=argparse.SUPPRESS, **kwargs)

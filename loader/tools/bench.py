@@ -10,19 +10,15 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checks import check_int
 from ..config import S3Config
-from ..engine.fetch import DEFAULT_MAX_INFLIGHT
 from ..errors import ConfigError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name
 from ..uri import parse_s3_uri
 from .ls import looks_like_shards, shards_among
 from .sizes import format_size
-
-if TYPE_CHECKING:
-    from ..datasets.options import LoaderKwargs
 
 DEFAULT_SAMPLES = 5000
 DEFAULT_WORKERS = 2
@@ -39,12 +35,13 @@ class BenchOptions:
     shards: bool = False
     objects: bool = False
     store: str | None = None
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    concurrency: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("samples", 0), ("workers", 0), ("batch_size", 1), ("max_inflight", 1)):
+        for name, low in (("samples", 0), ("workers", 0), ("batch_size", 1)):
             check_int(name, getattr(self, name), minimum=low, must=f"an integer >= {low}")
+        check_int("concurrency", self.concurrency, minimum=1, optional=True, must="a positive integer")
         if self.shards and self.objects:
             raise ConfigError("shards=True and objects=True contradict each other; give one")
 
@@ -66,12 +63,13 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
+    from ..datasets.groups import Limits
     from ..datasets.iterable import AsyncS3Dataset
 
     options = options or BenchOptions()
     mode = "shards" if options.shards or (names_shards(uri) and not options.objects) else "objects"
-    common: LoaderKwargs = dict(shuffle=True, seed=options.seed, max_inflight=options.max_inflight,
-                                store=options.store, config=config)
+    common: dict[str, Any] = dict(shuffle=True, seed=options.seed, store=options.store, config=config,
+                                  limits=Limits(concurrency=options.concurrency))
     total: int | None
     note = ""
     if mode == "objects":
@@ -122,7 +120,7 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     return {
         "uri": uri, "mode": mode, "note": note, "listed": listed, "store": dataset.options.store,
         "workers": options.workers, "batch_size": options.batch_size,
-        "max_inflight": options.max_inflight, "samples": samples, "bytes": nbytes,
+        "concurrency": options.concurrency, "samples": samples, "bytes": nbytes,
         "seconds": seconds, "first_batch_s": first_batch,
         "samples_per_s": samples / seconds if seconds else None,
         "mb_per_s": nbytes / 1e6 / seconds if seconds else None,
@@ -157,7 +155,7 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
          "time to first byte for streamed shards" if result["mode"] == "shards" else "per GET"),
     ]
     lines = [f"loader bench {result['uri']} ({mode}, store {result['store']}, {result['workers']} "
-             f"workers, batch {result['batch_size']}, max_inflight {result['max_inflight']})"]
+             f"workers, batch {result['batch_size']}, concurrency {result['concurrency'] or 'default'})"]
     lines += [f"  {name:<20} {value:>22}   {note}".rstrip() for name, value, note in rows]
     if result.get("note"):
         lines.append(f"note: {result['note']}")

@@ -33,6 +33,7 @@ from .arguments import (
     _positive_int,
     _s3_uri,
     _size,
+    add_deprecated_alias,
     add_long_run_options,
 )
 from .bars import Bars, bar_disabled
@@ -292,8 +293,11 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                       help="read every object under URI as a sample, tar shards included")
     p.add_argument("--store", choices=("aioboto3", "obstore"), default=None,
                    help="backend (default: $LOADER_STORE or aioboto3)")
-    p.add_argument("--max-inflight", type=_positive_int, default=64, metavar="K",
-                   help="GETs in flight per process (default: 64)")
+    p.add_argument("--concurrency", type=_positive_int, default=None, metavar="N",
+                   help="requests in flight per process (default: 64 for objects, 16 for shards: "
+                        "N // 4 shards read at once)")
+    add_deprecated_alias(p, "--max-inflight", "--concurrency", "concurrency", type=_positive_int,
+                         metavar="K")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
     p.set_defaults(run=run_bench)
@@ -305,7 +309,7 @@ def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
     options = BenchOptions(samples=args.samples, workers=args.workers, batch_size=args.batch_size,
                            shards=args.shards, objects=args.objects, store=args.store,
-                           max_inflight=args.max_inflight)
+                           concurrency=args.concurrency)
     result = bench(args.uri, options, progress=not bar_disabled(args.progress, sys.stderr))
     for line in bench_lines(result):
         print(line, file=out)

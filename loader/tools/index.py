@@ -8,7 +8,16 @@ import sys
 from collections.abc import Callable
 from typing import IO
 
-from .arguments import ENV_HELP, EXIT_INTERRUPTED, EXIT_OK, _Formatter, _positive_int, _s3_uri, add_long_run_options
+from .arguments import (
+    ENV_HELP,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    _Formatter,
+    _positive_int,
+    _s3_uri,
+    add_deprecated_alias,
+    add_long_run_options,
+)
 from .bars import Bars
 
 
@@ -46,8 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--parts-inflight", type=_positive_int, default=1, metavar="P",
                    help="ranged GETs at once per large uncompressed shard (default: 1, one stream "
                         "each; more helps a few very large shards on a distant store)")
-    p.add_argument("--force", action="store_true",
+    p.add_argument("--overwrite", action="store_true",
                    help="read every shard again, even those indexed and unchanged")
+    add_deprecated_alias(p, "--force", "--overwrite", "overwrite")
     add_long_run_options(p)
     p.set_defaults(run=run)
 
@@ -57,7 +67,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | Non
     from .sizes import format_size
 
     out, err = out or sys.stdout, err or sys.stderr
-    options = IndexOptions(out=args.out, concurrency=args.concurrency, force=args.force,
+    options = IndexOptions(out=args.out, concurrency=args.concurrency, force=args.overwrite,
                            parts_inflight=args.parts_inflight, part_size=args.part_size or DEFAULT_PART_SIZE,
                            stop_after=args.stop_after)
     bars = Bars(args.progress, err)

@@ -1,0 +1,147 @@
+"""Every flat spelling of earlier releases still works for one release: it warns with a
+DeprecationWarning that names its new spelling, and its value lands where it always did (and,
+where the new spelling says the same thing, where the new spelling puts it). The list is
+``groups.DEPRECATED``; these tests walk it, so a spelling cannot be added untested."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from loader import (
+    AsyncS3Dataset,
+    AsyncS3MapDataset,
+    Cache,
+    Limits,
+    ListOptions,
+    Reading,
+    RetryPolicy,
+    Split,
+    Store,
+    mix,
+)
+from loader.datasets.groups import DEPRECATED
+
+from fakes import FakeStore, reusable
+
+STORE = reusable(FakeStore({}))
+RETRY = RetryPolicy(max_attempts=2)
+LISTING = ListOptions(page_size=10)
+SHARDS = "s3://bkt/s-{0..3}.tar"
+
+# old keyword -> (a value, the new spelling's keywords saying the same, or None where the new
+# spelling derives it instead)
+CASES = {
+    "max_inflight": (7, {"limits": Limits(concurrency=7)}),
+    "memory_budget": (64 << 20, {"limits": Limits(memory=64 << 20)}),
+    "queue_bytes": (1 << 20, None),
+    "queue_items": (10, None),
+    "ordered": (False, {"limits": Limits(ordered=False)}),
+    "rank": (1, None),
+    "world_size": (2, None),
+    "pad_policy": ("drop", {"split": Split(pad="drop")}),
+    "retry": (RETRY, {"store": Store(backend=STORE, retry=RETRY)}),
+    "listing": (LISTING, {"store": Store(backend=STORE, listing=LISTING)}),
+    "cache_dir": ("CACHE", None),
+    "cache_limit": (1 << 30, None),
+    "cache_validate": ("never", None),
+    "log_stats": (True, None),
+    "shards_inflight": (3, {"limits": Limits(concurrency=12)}),
+    "parts_inflight": (2, None),
+    "shuffle_buffer": (10, {"reading": Reading(shuffle_buffer=10)}),
+    "shuffle_bytes": (1 << 20, None),
+    "part_size": (2 << 20, {"reading": Reading(part_size=2 << 20)}),
+    "chunk_size": (1 << 19, {"reading": Reading(chunk_size=1 << 19)}),
+    "index": ("s3://bkt/i.json", {"reading": Reading(index="s3://bkt/i.json")}),
+    "samples_per_epoch": (5, {"split": Split(samples_per_epoch=5)}),
+    "uneven_ranks": (True, {"split": Split(uneven_ranks=True)}),
+    "row_groups_inflight": (3, {"limits": Limits(concurrency=12)}),
+}
+NEEDS = {"rank": {"world_size": 2}, "world_size": {"rank": 1}, "cache_limit": {"cache_dir": "CACHE"},
+         "cache_validate": {"cache_dir": "CACHE"}, "queue_bytes": {}, "shuffle_bytes": {"shuffle": True}}
+FIELD = {"row_groups_inflight": "shards_inflight"}  # where the value lands, when not its own name
+
+
+def build(mode: str, **keywords):
+    base = {} if isinstance(keywords.get("store"), Store) else {"store": STORE}
+    if mode == "objects":
+        return AsyncS3Dataset.from_keys("bkt", ["a.jpg"], **base, **keywords)
+    if mode == "shards":
+        return AsyncS3Dataset.from_shards(SHARDS, **base, **keywords)
+    if mode == "parquet":
+        pytest.importorskip("pyarrow")
+        return AsyncS3Dataset.from_parquet("s3://bkt/d/x.parquet", **base, **keywords)
+    if mode == "map":
+        return AsyncS3MapDataset.from_keys("bkt", ["a.jpg"], **base, **keywords)
+    parts = {"a": AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE)}
+    return mix(parts, **base, **keywords)
+
+
+def landed(dataset, name: str):
+    field = FIELD.get(name, name)
+    shard_options = getattr(dataset.source, "shard_options", None)
+    if shard_options is not None and hasattr(shard_options, field):
+        return getattr(shard_options, field)
+    return getattr(dataset.options, field)
+
+
+@pytest.mark.parametrize(("mode", "name"), [(mode, name) for mode, names in DEPRECATED.items()
+                                            for name in names])
+def test_an_old_spelling_warns_naming_the_new_one_and_lands_where_it_did(mode, name, tmp_path):
+    value, new = CASES[name]
+    if value == "CACHE":
+        value = str(tmp_path)
+    others = {k: (str(tmp_path) if v == "CACHE" else v) for k, v in NEEDS.get(name, {}).items()}
+    with pytest.warns(DeprecationWarning) as caught:
+        dataset = build(mode, **{name: value}, **others)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any(m.startswith(f"{name}= is deprecated") and DEPRECATED[mode][name] in m for m in messages), messages
+    assert {w.filename for w in caught if str(w.message).startswith(f"{name}=")} == {__file__}  # the caller's line
+    assert landed(dataset, name) == value
+    if new is not None and (name, mode in ("shards", "parquet")) != ("max_inflight", True):
+        # (shards and Parquet read concurrency as files at once: shards_inflight, tested above)
+        assert landed(build(mode, **new), name) == value
+
+
+def test_every_old_spelling_is_tested():
+    assert {name for names in DEPRECATED.values() for name in names} <= set(CASES)
+
+
+def test_list_options_parallel_is_concurrency():
+    with pytest.warns(DeprecationWarning, match=re.escape("ListOptions(concurrency=...)")):
+        old = ListOptions(parallel=3)
+    assert old == ListOptions(concurrency=3)
+
+
+def test_a_cache_folder_as_before_and_as_a_cache_are_one(tmp_path):
+    with pytest.warns(DeprecationWarning, match=re.escape("store=Store(cache=Cache(dir=...))")):
+        old = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE, cache_dir=tmp_path)
+    new = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=Cache(tmp_path)))
+    assert old.options.cache_dir == new.options.cache_dir == str(tmp_path)
+
+
+def test_resume_from_batches_is_resume_over_samples_seen():
+    ds = AsyncS3Dataset.from_keys("bkt", [f"{i}.jpg" for i in range(20)], store=STORE, batch_size=2,
+                                  split=Split(rank=0, world_size=2))
+    with pytest.warns(DeprecationWarning, match=re.escape("resume(epoch=, samples_seen=ds.samples_seen(")):
+        ds.resume_from_batches(1, 3, 2)
+    other = AsyncS3Dataset.from_keys("bkt", [f"{i}.jpg" for i in range(20)], store=STORE, batch_size=2,
+                                     split=Split(rank=0, world_size=2))
+    other.resume(epoch=1, samples_seen=3 * 2 * 2)
+    assert (ds.epoch, len(ds)) == (other.epoch, len(other))
+
+
+@pytest.mark.parametrize(("module", "argv", "dest", "value"), [
+    ("index", ["index", "s3://bkt/s.tar", "--force"], "overwrite", True),
+    ("cli", ["bench", "s3://bkt/p/", "--max-inflight", "9"], "concurrency", 9),
+])
+def test_old_cli_flags_warn_and_set_the_new_one(module, argv, dest, value, capsys):
+    from loader.tools.cli import build_parser
+
+    with pytest.warns(DeprecationWarning, match="deprecated .* use --"):
+        args = build_parser().parse_args(argv)
+    assert getattr(args, dest) == value
+    assert "is deprecated" in capsys.readouterr().err
+    assert isinstance(args, argparse.Namespace)
