@@ -171,7 +171,7 @@ def test_an_interrupted_shard_run_finishes_on_a_rerun_without_duplicates(s3_serv
 def test_a_killed_shard_run_finishes_on_a_rerun(s3_server, source):
     bucket, expected = source
     src, dst = f"s3://{bucket}/train/", f"s3://{bucket}/killed/"
-    args = ("shard", src, dst, "--target-size", "100k", "--concurrency", "1", "--max-inflight", "2")
+    args = ("shard", src, dst, "--target-size", "100k", "--concurrency", "1", "--get-concurrency", "2")
     proc = subprocess.Popen(loader_cmd(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=cli_env(s3_server), cwd=REPO)
     try:

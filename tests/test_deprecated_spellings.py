@@ -136,6 +136,8 @@ def test_resume_from_batches_is_resume_over_samples_seen():
 @pytest.mark.parametrize(("module", "argv", "dest", "value"), [
     ("index", ["index", "s3://bkt/s.tar", "--force"], "overwrite", True),
     ("cli", ["bench", "s3://bkt/p/", "--max-inflight", "9"], "concurrency", 9),
+    ("cli", ["shard", "s3://bkt/src/", "s3://bkt/dst/", "--max-inflight", "9"], "max_inflight", 9),
+    ("index", ["index", "s3://bkt/s.tar", "--parts-inflight", "3"], "parts_inflight", 3),
 ])
 def test_old_cli_flags_warn_and_set_the_new_one(module, argv, dest, value, capsys):
     from loader.tools.cli import build_parser

@@ -195,8 +195,10 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
                         "never split, so only a single larger sample makes a larger shard")
     p.add_argument("--concurrency", type=_positive_int, default=8, metavar="N",
                    help="shards built and uploaded at once (default: 8)")
-    p.add_argument("--max-inflight", type=_positive_int, default=64, metavar="K",
+    p.add_argument("--get-concurrency", type=_positive_int, default=64, metavar="K", dest="max_inflight",
                    help="source GETs in flight in all (default: 64)")
+    add_deprecated_alias(p, "--max-inflight", "--get-concurrency", "max_inflight", type=_positive_int,
+                         metavar="K")
     p.add_argument("--name-format", default=None, type=_name_format, metavar="FMT",
                    help=f"shard names, formatted with the shard number (default: {DEFAULT_NAME_FORMAT!r}, "
                         "ending in .tar.gz or .tar.zst with --compress)")

@@ -52,12 +52,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(then pass index=URI to from_shards)")
     p.add_argument("--concurrency", type=_positive_int, default=8, metavar="N",
                    help="shards read at once (default: 8)")
-    p.add_argument("--parts-inflight", type=_positive_int, default=1, metavar="P",
+    p.add_argument("--part-concurrency", type=_positive_int, default=1, metavar="P", dest="parts_inflight",
                    help="ranged GETs at once per large uncompressed shard (default: 1, one stream "
                         "each; more helps a few very large shards on a distant store)")
     p.add_argument("--overwrite", action="store_true",
                    help="read every shard again, even those indexed and unchanged")
     add_deprecated_alias(p, "--force", "--overwrite", "overwrite")
+    add_deprecated_alias(p, "--parts-inflight", "--part-concurrency", "parts_inflight", type=_positive_int,
+                         metavar="P")
     add_long_run_options(p)
     p.set_defaults(run=run)
 
