@@ -39,10 +39,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(spec, env, out: Path, world: int, workers: int, steps=None, resume=None) -> list[dict]:
+def launch(spec, env, out: Path, world: int, workers: int, steps=None, resume=None,
+           worker=mix_worker) -> list[dict]:
+    """``world`` ranks by ``mp.spawn`` running ``worker.spawned`` (each writes ``rank<r>.json``)."""
     plan = {"spec": spec, "env": env, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out),
             "workers": workers, "steps": steps, "resume": resume}
-    mp.spawn(mix_worker.spawned, args=(world, plan), nprocs=world, join=True)
+    mp.spawn(worker.spawned, args=(world, plan), nprocs=world, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

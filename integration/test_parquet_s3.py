@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import collections
 import io
-import json
-import socket
 from pathlib import Path
 
 import duckdb
@@ -17,8 +15,9 @@ import parquet_worker
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch.multiprocessing as mp
 from PIL import Image
+from test_mix_s3 import global_order
+from test_mix_s3 import launch as mix_launch
 
 from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, decode_sample
 
@@ -76,23 +75,8 @@ def spec(s3_server, tmp_path_factory):
             "shards": f"s3://{bucket}/shards/", "counts": counts, "samples": 48, "mix": False}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(spec, env, out: Path, world: int, workers: int, steps=None, resume=None) -> list[dict]:
-    plan = {"spec": spec, "env": env, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out),
-            "workers": workers, "steps": steps, "resume": resume}
-    mp.spawn(parquet_worker.spawned, args=(world, plan), nprocs=world, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def global_order(ranks: list[dict]) -> list[tuple[str, str]]:
-    steps = max(len(r["batches"]) for r in ranks)
-    return [tuple(s) for step in range(steps) for r in ranks if step < len(r["batches"])
-            for s in r["batches"][step]]
+    return mix_launch(spec, env, out, world, workers, steps=steps, resume=resume, worker=parquet_worker)
 
 
 def single_process_order(spec, config) -> list[tuple[str, str]]:
