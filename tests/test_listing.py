@@ -102,15 +102,17 @@ def test_one_flat_prefix_is_listed_in_parallel_ranges():
 def test_on_a_server_that_answers_no_faster_in_parallel_the_listing_stays_narrow():
     """Pages that take as much longer as more are asked at once (a server short of CPU): more
     ranges would only add requests, so the number at once settles low."""
-    objects = {f"flat/{i:07d}.jpg": b"" for i in range(20_000)}
+    # Pages long beside the client's own CPU per page (a loaded machine adds milliseconds to it,
+    # which more ranges would overlap and so measure as faster).
+    objects = {f"flat/{i:07d}.jpg": b"" for i in range(6_000)}
     holder: list[FakeStore] = []
     store = FakeStore.with_objects("b", objects, page_size=100,
-                                   latency=lambda _: 0.004 * holder[0].list_inflight)
+                                   latency=lambda _: 0.02 * holder[0].list_inflight)
     holder.append(store)
     found = run_list(store, "flat/", options=ListOptions(page_size=100, concurrency=8))
     assert list(found) == sorted(objects)
     assert store.peak_list_inflight <= 4, store.peak_list_inflight
-    assert store.list_requests <= 200 * 1.15, store.list_requests
+    assert store.list_requests <= 60 * 1.15, store.list_requests
 
 
 @pytest.mark.parametrize("pages", [1, 2])

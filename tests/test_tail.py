@@ -1,15 +1,20 @@
-"""The engine's ``TailStore``: which reads it hedges. A straggling read of a store is sent again;
-a read through the disk cache (a store saying ``hedged_by_engine = False``) is not, since a
-hedged miss would fetch and fill one entry twice."""
+"""The engine's tail handling. ``TailStore``: a straggling read of a store is sent again; a read
+through the disk cache (a store saying ``hedged_by_engine = False``) is not, since a hedged miss
+would fetch and fill one entry twice. ``TailControl``'s throttle rules, on a simulated clock: a
+throttle is met near its rate, SlowDowns at random or in a stalled moment cut nothing."""
 
 from __future__ import annotations
 
 import itertools
+import random
+from collections.abc import Callable
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from loader.engine.tail import HEDGE_AT_FIRST, TailStore
+from loader.engine.tail import HEDGE_AT_FIRST, MIN_RATE, TailControl, TailStore
 
 _endpoints = itertools.count()
 STRAGGLE = HEDGE_AT_FIRST + 1.0  # seconds: well past the threshold used before any answer is known
@@ -45,3 +50,105 @@ def test_a_straggling_read_is_hedged_unless_its_store_says_no(hedged_by_engine, 
     assert anyio.run(main) == b"body"
     assert inner.reads == reads
     assert store.hedged == reads - 1
+
+
+# ------------------------------------------------------------------ the throttle rules, on a clock
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(control: TailControl, clock: Clock, seconds: float, demand: float,
+             server: Callable[[float], bool]) -> tuple[int, int]:
+    """A client that would send ``demand`` requests/s, each waiting its turn under the control's
+    limit; ``server(now)`` says whether a request sent at ``now`` is answered SlowDown. Returns
+    (good answers, SlowDowns); every SlowDown is sent again like any request."""
+    good = slow = 0
+    end = clock.now + seconds
+    step = 1.0 / demand
+    while clock.now < end:
+        wait, _ = control.turn()
+        clock.now += max(wait, step)
+        if server(clock.now):
+            slow += 1
+            control.on_throttled()
+        else:
+            good += 1
+            control.on_answer(0.01)
+    return good, slow
+
+
+def throttle(rate: float, burst: float = 0.5) -> Callable[[float], bool]:
+    """A server that answers ``rate`` requests/s (a token bucket holding ``burst`` seconds' worth)."""
+    bucket = {"tokens": rate * burst, "at": None}
+
+    def slow_down(now: float) -> bool:
+        if bucket["at"] is not None:
+            bucket["tokens"] = min(rate * burst, bucket["tokens"] + (now - bucket["at"]) * rate)
+        bucket["at"] = now
+        if bucket["tokens"] >= 1:
+            bucket["tokens"] -= 1
+            return False
+        return True
+
+    return slow_down
+
+
+def test_a_throttle_is_met_near_its_rate_with_few_slowdowns():
+    clock = Clock()
+    control = TailControl(clock)
+    good, slow = simulate(control, clock, 30.0, demand=1000.0, server=throttle(300.0))
+    assert control.rate is not None
+    assert good / 30.0 >= 0.75 * 300, good / 30.0  # most of what the server allows ...
+    assert slow <= 0.10 * (good + slow), (good, slow)  # ... with few SlowDowns
+
+
+def test_slowdowns_sprinkled_at_random_leave_the_rate_alone():
+    """5 % of answers SlowDown whatever the rate (a server's hiccups): sending less would not spare
+    them, so no limit is set and nothing slows down."""
+    clock = Clock()
+    control = TailControl(clock)
+    hiccups = random.Random(1)
+    good, slow = simulate(control, clock, 60.0, demand=300.0, server=lambda _: hiccups.random() < 0.05)
+    assert control.rate is None and slow > 500
+    assert good / 60.0 >= 0.9 * 300 * 0.95
+
+
+def test_a_stalled_moment_of_retries_does_not_cut_the_rate():
+    """While everything waits on a stalled request, the few answers are mostly SlowDown retries:
+    too few to be a throttle."""
+    clock = Clock()
+    control = TailControl(clock)
+    for _ in range(6):
+        control.turn()
+        clock.now += 0.1
+        control.on_throttled()
+    assert control.rate is None
+
+
+def test_an_unused_limit_does_not_grow():
+    clock = Clock()
+    control = TailControl(clock)
+    simulate(control, clock, 2.0, demand=1000.0, server=throttle(100.0))
+    limit = control.rate
+    assert limit is not None
+    clock.now += 5.0  # idle
+    for _ in range(50):  # answers to requests sent well below the limit
+        control.on_answer(0.01)
+    assert control.rate == limit
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 0.5), st.booleans()), max_size=300))
+def test_the_limit_never_falls_below_its_floor(events):
+    clock = Clock()
+    control = TailControl(clock)
+    for gap, throttled in events:
+        control.turn()
+        clock.now += gap
+        control.on_throttled() if throttled else control.on_answer(gap)
+        assert control.rate is None or control.rate >= MIN_RATE

@@ -5,14 +5,21 @@ one per endpoint and bucket in a process, shared by all of that process's engine
 own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
 
 * **Throttling** (``ThrottledError``: SlowDown, 503, 429). Retrying alone turns a throttle into a
-  storm (measured: 54 % of GETs answered SlowDown). The first SlowDown puts a client-side rate
-  limit on the control at ``THROTTLE_CUT`` times the rate sent over the last second; a later one
-  cuts again once ``CUT_EVERY`` has passed, or sooner when SlowDowns go on after a cut (see
-  ``on_throttled``), and every good answer grows the limit by ``GROWTH`` requests/s
+  storm (measured: 54 % of GETs answered SlowDown). A throttle shows as a share of SlowDowns that
+  grows with the rate sent; a server's hiccups show as a few SlowDowns at any rate, which sending
+  less would not spare. So the first cut needs ``CUT_COUNT`` SlowDowns making ``CUT_SHARE`` of
+  the last answers (at least ``CUT_ANSWERS`` of them, at most ``CUT_WINDOW``, within
+  ``RATE_WINDOW``): a stalled moment's few answers, mostly retries, never make that count, and
+  5 % of SlowDowns at random seldom do. Once limited, a throttle is watched closer: another cut
+  needs ``CUT_AGAIN_COUNT`` and ``CUT_AGAIN_SHARE`` of the answers since the previous cut, which
+  must be ``CUT_AGAIN_AFTER`` old. It sets a client-side rate limit at
+  ``THROTTLE_CUT`` times the rate sent over the last ``RATE_WINDOW`` for the first cut, and times
+  the rate of good answers (what the server accepted: the rate sent counts the SlowDowns too) for
+  the next. Every good answer grows the limit by
+  ``GROWTH`` requests/s while the limit is in use (a request booked within ``1/limit`` seconds)
   (multiplicative decrease, additive increase, as the AWS SDKs' adaptive retry mode does with a
-  token bucket). After ``UNLIMIT_AFTER`` seconds
-  without a SlowDown the limit goes away. Requests waiting for their turn when a cut comes wait
-  again at the new rate.
+  token bucket). After ``UNLIMIT_AFTER`` seconds without a cut the limit goes away. Requests
+  waiting for their turn when a cut comes wait again at the new rate.
 * **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
   waiting. A GET with no answer after ``hedge_after()`` (``HEDGE_MARGIN`` times the 95th percentile
   of this control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
@@ -40,15 +47,18 @@ from ..s3 import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 
 T = TypeVar("T")
 
-THROTTLE_CUT = 0.7  # a SlowDown cuts the rate to this share of what was sent
-CUT_EVERY = 2.0  # seconds: one cut per this long, whatever the SlowDowns ...
-CUT_AGAIN_AFTER = 0.1  # ... unless, this long after a cut, ...
-CUT_AGAIN_SHARE = 0.1  # ... at least this share of the answers since were SlowDowns ...
-CUT_AGAIN_COUNT = 3  # ... and at least this many: the cut was not deep enough
+THROTTLE_CUT = 0.7  # a cut sets the limit to this share of the good answers' rate
+CUT_COUNT = 8  # SlowDowns, at least, for the first cut ...
+CUT_SHARE = 0.2  # ... making at least this share of the answers since ...
+CUT_AGAIN_COUNT = 5  # ... and for another cut, once limited (a throttle once met is watched closer) ...
+CUT_AGAIN_SHARE = 0.1  # ... at least this share
+CUT_ANSWERS = 20  # ... which are at least this many (SlowDowns included) ...
+CUT_WINDOW = 100  # ... and at most the last this many, within RATE_WINDOW
+CUT_AGAIN_AFTER = 0.1  # seconds: cuts at most this often (answers to requests sent before the cut come after it)
 GROWTH = 0.3  # requests/s added to the limit per good answer (about 30 % a second at any rate)
 MIN_RATE = 1.0  # requests/s: the limit never goes below this
-UNLIMIT_AFTER = 30.0  # seconds without a SlowDown before the limit is lifted
-RATE_WINDOW = 1.0  # seconds over which the rate sent is measured
+UNLIMIT_AFTER = 30.0  # seconds without a cut before the limit is lifted
+RATE_WINDOW = 1.0  # seconds over which the rate of good answers and the share of SlowDowns are measured
 HEDGE_FLOOR = 0.05  # seconds: never hedge sooner than this
 HEDGE_AT_FIRST = 0.3  # seconds: the threshold until HEDGE_MIN_SAMPLES answers have been seen
 HEDGE_QUANTILE = 0.95
@@ -81,9 +91,10 @@ class TailControl:
         self.next_free = 0.0  # when the next request may go, under a limit
         self.generation = 0  # bumped by every cut: waiters take a new turn
         self.last_cut = -float("inf")
-        self.answers_since_cut = 0
-        self.throttled_since_cut = 0
-        self.sent: deque[float] = deque()  # send times within the last RATE_WINDOW
+        # since the last cut, within RATE_WINDOW: (when, whether a SlowDown)
+        self.outcomes: deque[tuple[float, bool]] = deque(maxlen=CUT_WINDOW)
+        self.answered: deque[float] = deque()  # good answers' times within the last RATE_WINDOW
+        self.sent: deque[float] = deque()  # send times within the last RATE_WINDOW, until the first cut
         self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.threshold: float | None = None
         self.since_recompute = 0
@@ -99,11 +110,11 @@ class TailControl:
         with self.lock:
             now = self.clock()
             self.requests += 1
-            sent = self.sent
-            sent.append(now)
-            while sent and sent[0] < now - RATE_WINDOW:
-                sent.popleft()
             if self.rate is None:
+                sent = self.sent
+                sent.append(now)
+                if sent[0] < now - RATE_WINDOW:
+                    sent.popleft()  # one in, (at most) one out: trimmed fully where it is read
                 return 0.0, self.generation
             if now - self.last_cut > UNLIMIT_AFTER:
                 self.rate = None
@@ -125,37 +136,62 @@ class TailControl:
                 self.requests -= 1
 
     def on_throttled(self) -> None:
-        """A SlowDown: cut the rate, once per ``CUT_EVERY``, or sooner when SlowDowns go on
-        after a cut (a share of ``CUT_AGAIN_SHARE``): a throttle is met at once, while SlowDowns
-        sprinkled at any rate (a server's hiccups) cost one cut every ``CUT_EVERY`` seconds,
-        which growth makes up, instead of cutting the rate to nothing."""
+        """A SlowDown: cut the rate when SlowDowns are a share of the recent answers (see the
+        module docstring): a throttle is met within a few answers, while SlowDowns sprinkled at
+        any rate (a server's hiccups) leave the rate alone instead of cutting it to nothing."""
         with self.lock:
             self.throttled += 1
-            self.throttled_since_cut += 1
             now = self.clock()
-            since = now - self.last_cut
-            again = (since >= CUT_AGAIN_AFTER and self.throttled_since_cut >= CUT_AGAIN_COUNT
-                     and self.throttled_since_cut
-                     >= CUT_AGAIN_SHARE * (self.throttled_since_cut + self.answers_since_cut))
-            if since < CUT_EVERY and not again:
+            outcomes = self.outcomes
+            outcomes.append((now, True))
+            if now - self.last_cut < CUT_AGAIN_AFTER:
                 return
-            sent = self.sent
-            while sent and sent[0] < now - RATE_WINDOW:
-                sent.popleft()
-            measured = len(sent) / RATE_WINDOW  # at the start, less than sent: on the safe side
-            base = measured if self.rate is None else min(self.rate, max(measured, MIN_RATE))
+            while outcomes[0][0] < now - RATE_WINDOW:
+                outcomes.popleft()
+            slowdowns = sum(throttled for _, throttled in outcomes)
+            count, share = (CUT_COUNT, CUT_SHARE) if self.rate is None else (CUT_AGAIN_COUNT, CUT_AGAIN_SHARE)
+            if slowdowns < count or slowdowns < share * len(outcomes) or len(outcomes) < CUT_ANSWERS:
+                return
+            accepted = self._accepted_rate(now)
+            if self.rate is None:
+                base = self._sent_rate(now)
+                self.sent.clear()
+            else:
+                base = min(self.rate, accepted)
             self.rate = max(MIN_RATE, THROTTLE_CUT * base)
             self.next_free = now + 1.0 / self.rate
             self.last_cut = now
-            self.answers_since_cut = self.throttled_since_cut = 0
+            outcomes.clear()
             self.generation += 1
+
+    def _accepted_rate(self, now: float) -> float:
+        """Good answers per second over the last ``RATE_WINDOW`` (called under the lock)."""
+        answered = self.answered
+        while answered and answered[0] < now - RATE_WINDOW:
+            answered.popleft()
+        return len(answered) / RATE_WINDOW
+
+    def _sent_rate(self, now: float) -> float:
+        """Requests sent per second over the last ``RATE_WINDOW``, for the first cut: a job's first
+        moments count less than a second's worth (on the safe side), and a throttle met at once
+        is met by the requests of those moments, where good answers' count would be the burst a
+        server lets through at first (S3 does; the fault proxy's throttle too)."""
+        sent = self.sent
+        while sent and sent[0] < now - RATE_WINDOW:
+            sent.popleft()
+        return len(sent) / RATE_WINDOW
 
     def on_answer(self, seconds: float) -> None:
         """A good answer after ``seconds``: grow the limit, learn the latency."""
         with self.lock:
-            self.answers_since_cut += 1
-            if self.rate is not None:
-                self.rate += GROWTH
+            now = self.clock()
+            self.outcomes.append((now, False))
+            answered = self.answered
+            answered.append(now)
+            if answered[0] < now - RATE_WINDOW:
+                answered.popleft()  # one in, (at most) one out: the window stays trimmed cheaply
+            if self.rate is not None and self.next_free >= now:
+                self.rate += GROWTH  # only while the limit holds requests back: unused, it would run away
             self.latencies.append(seconds)
             self.since_recompute += 1
             if self.since_recompute >= RECOMPUTE_EVERY or (
