@@ -8,18 +8,16 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   storm (measured: 54 % of GETs answered SlowDown). A throttle shows as a share of SlowDowns that
   grows with the rate sent; a server's hiccups show as a few SlowDowns at any rate, which sending
   less would not spare. So the first cut needs ``CUT_COUNT`` SlowDowns making ``CUT_SHARE`` of
-  the last answers (at least ``CUT_ANSWERS`` of them, at most ``CUT_WINDOW``, within
-  ``RATE_WINDOW``): a stalled moment's few answers, mostly retries, never make that count, and
-  5 % of SlowDowns at random seldom do. Once limited, a throttle is watched closer: another cut
-  needs ``CUT_AGAIN_COUNT`` and ``CUT_AGAIN_SHARE`` of the answers since the previous cut, which
-  must be ``CUT_AGAIN_AFTER`` old. It sets a client-side rate limit at
-  ``THROTTLE_CUT`` times the rate sent over the last ``RATE_WINDOW`` for the first cut, and times
-  the rate of good answers (what the server accepted: the rate sent counts the SlowDowns too) for
-  the next. Every good answer grows the limit by
-  ``GROWTH`` requests/s while the limit is in use (a request booked within ``1/limit`` seconds)
-  (multiplicative decrease, additive increase, as the AWS SDKs' adaptive retry mode does with a
-  token bucket). After ``UNLIMIT_AFTER`` seconds without a cut the limit goes away. Requests
-  waiting for their turn when a cut comes wait again at the new rate.
+  the last answers (at most ``CUT_WINDOW``, within ``RATE_WINDOW``): a stalled moment's few
+  answers, mostly retries, never make that count, and 5 % of SlowDowns at random seldom do.
+  Once limited, a throttle is watched closer: another cut needs ``CUT_AGAIN_COUNT`` and
+  ``CUT_AGAIN_SHARE`` of the answers since the previous cut, which must be ``CUT_AGAIN_AFTER``
+  old. A cut sets a client-side rate limit at ``THROTTLE_CUT`` times the rate sent over the last
+  ``RATE_WINDOW`` (the first) or the rate of good answers, what the server took (the next).
+  Every good answer grows the limit by ``GROWTH`` requests/s while the limit is in use (a request
+  booked within ``1/limit`` seconds): multiplicative decrease, additive increase, as the AWS SDKs'
+  adaptive retry mode does with a token bucket. After ``UNLIMIT_AFTER`` seconds without a cut the
+  limit goes away. Requests waiting for their turn when a cut comes wait again at the new rate.
 * **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
   waiting. A GET with no answer after ``hedge_after()`` (``HEDGE_MARGIN`` times the 95th percentile
   of this control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
@@ -52,8 +50,7 @@ CUT_COUNT = 8  # SlowDowns, at least, for the first cut ...
 CUT_SHARE = 0.2  # ... making at least this share of the answers since ...
 CUT_AGAIN_COUNT = 5  # ... and for another cut, once limited (a throttle once met is watched closer) ...
 CUT_AGAIN_SHARE = 0.1  # ... at least this share
-CUT_ANSWERS = 20  # ... which are at least this many (SlowDowns included) ...
-CUT_WINDOW = 100  # ... and at most the last this many, within RATE_WINDOW
+CUT_WINDOW = 100  # ... (the last this many at most, within RATE_WINDOW)
 CUT_AGAIN_AFTER = 0.1  # seconds: cuts at most this often (answers to requests sent before the cut come after it)
 GROWTH = 0.3  # requests/s added to the limit per good answer (about 30 % a second at any rate)
 MIN_RATE = 1.0  # requests/s: the limit never goes below this
@@ -150,7 +147,7 @@ class TailControl:
                 outcomes.popleft()
             slowdowns = sum(throttled for _, throttled in outcomes)
             count, share = (CUT_COUNT, CUT_SHARE) if self.rate is None else (CUT_AGAIN_COUNT, CUT_AGAIN_SHARE)
-            if slowdowns < count or slowdowns < share * len(outcomes) or len(outcomes) < CUT_ANSWERS:
+            if slowdowns < count or slowdowns < share * len(outcomes):
                 return
             accepted = self._accepted_rate(now)
             if self.rate is None:
@@ -451,6 +448,9 @@ class TailStore:
                 with pending.control.lock:
                     pending.control.hedged += 1
                 data = await pending.call()
+            except ThrottledError:  # counted like any SlowDown: it is one
+                self._throttled(pending.control)
+                return
             except Exception:  # noqa: BLE001 - the original request goes on and decides
                 return
             finally:
