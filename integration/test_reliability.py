@@ -164,10 +164,11 @@ def fault_data(s3_server):
     return bucket, objects, samples
 
 
-def build_fault_dataset(mode: str, bucket: str, config, store: str, **options) -> AsyncS3Dataset:
+def build_fault_dataset(mode: str, bucket: str, config, store: str, concurrency: int = 32,
+                        **options) -> AsyncS3Dataset:
     common = dict(shuffle=True, seed=5, config=config, store=store, **options)
     if mode == "objects":
-        return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", max_inflight=32, **common)
+        return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", max_inflight=concurrency, **common)
     if mode == "shards-stream":  # no sizes known: one GET per shard, resumed by ranged GETs
         return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/shard-{{0000..0007}}.tar",
                                           chunk_size=64 << 10, **common)
@@ -305,7 +306,10 @@ def test_the_error_that_ends_the_retries_reads_as_final(s3_server, fault_data, m
     bucket, _, _ = fault_data
     policy = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, connect_timeout=2, read_timeout=2)
     with proxy_for(s3_server, FaultPlan(**{fault: 1.0})) as proxy:
-        dataset = build_fault_dataset(mode, bucket, through(s3_server, proxy), store, retry=policy)
+        # few requests at once: where every answer is SlowDown the throttle control soon allows
+        # one request a second, and the first request's last attempt waits behind the others' turns
+        dataset = build_fault_dataset(mode, bucket, through(s3_server, proxy), store, retry=policy,
+                                      concurrency=4)
         with pytest.raises(TransientStoreError) as info:
             for _ in dataloader(dataset, store, 0):
                 pass
