@@ -14,13 +14,14 @@ install: $(STAMP)
 # torch first and pinned: the CPU wheel this machine carries; an unpinned torch pulls a
 # multi-GB CUDA build. The rest is pinned through constraints.txt (aioboto3 and botocore
 # pin each other tightly; unpinned installs have backtracked to 2018 releases).
-# --no-compile: Python compiles what is imported when it is first imported; compiling every
-# installed module up front (torch's thousands) cost ~17 s of each fresh install.
+# (Not --no-compile, though it saves ~17 s here: where PYTHONDONTWRITEBYTECODE is set, as on
+# these machines, every process, each spawned worker too, would compile torch again: the
+# suite took 1.5 minutes longer.)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile torch==2.13.0
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $@
 
 install-bench: $(BENCH_STAMP)

@@ -23,7 +23,8 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   of this control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
   again; the first answer wins and the other is cancelled (its bytes were never handed over, so
   they are counted once). At most ``HEDGE_SHARE`` of requests (plus a small burst) are hedged,
-  and none while throttled. One watcher task per engine (``TailStore.watch``) sends the hedges.
+  and none while throttled or within ``RATE_WINDOW`` of a SlowDown (a throttle's first moments,
+  before its cut). One watcher task per engine (``TailStore.watch``) sends the hedges.
 
 Hand-written: no asyncio library offers hedged requests or an adaptive rate limiter shared across
 event loops. Why and the numbers: docs/design/retry.md.
@@ -88,6 +89,7 @@ class TailControl:
         self.next_free = 0.0  # when the next request may go, under a limit
         self.generation = 0  # bumped by every cut: waiters take a new turn
         self.last_cut = -float("inf")
+        self.last_throttled = -float("inf")  # when the last SlowDown came
         # since the last cut, within RATE_WINDOW: (when, whether a SlowDown)
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=CUT_WINDOW)
         self.answered: deque[float] = deque()  # good answers' times within the last RATE_WINDOW
@@ -138,7 +140,7 @@ class TailControl:
         any rate (a server's hiccups) leave the rate alone instead of cutting it to nothing."""
         with self.lock:
             self.throttled += 1
-            now = self.clock()
+            now = self.last_throttled = self.clock()
             outcomes = self.outcomes
             outcomes.append((now, True))
             if now - self.last_cut < CUT_AGAIN_AFTER:
@@ -203,13 +205,14 @@ class TailControl:
 
     def hedge_after(self) -> float | None:
         """Seconds after which a request still unanswered is hedged; None: do not hedge it."""
-        if self.rate is not None:
-            return None  # throttled: a second request would only add to the storm
+        if self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW:
+            return None  # throttled, or maybe about to be: a second request would add to the storm
         return HEDGE_AT_FIRST if self.threshold is None else self.threshold
 
     def may_hedge(self) -> bool:
         """Whether one more hedge fits the budget (counted when it is sent: ``acquire``)."""
-        return self.rate is None and self.hedged < HEDGE_SHARE * self.requests + HEDGE_BURST
+        return (self.rate is None and self.clock() - self.last_throttled >= RATE_WINDOW
+                and self.hedged < HEDGE_SHARE * self.requests + HEDGE_BURST)
 
     def statistics(self) -> TailStats:
         return TailStats(self.requests, self.throttled, self.hedged, self.hedges_won, self.rate,
