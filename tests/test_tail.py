@@ -124,6 +124,11 @@ def test_a_stalled_moment_of_retries_does_not_cut_the_rate():
     too few to be a throttle."""
     clock = Clock()
     control = TailControl(clock)
+    for _ in range(50):  # the job ran well ...
+        control.turn()
+        clock.now += 0.01
+        control.on_answer(0.01)
+    clock.now += 2.0  # ... until a request stalled
     for _ in range(6):
         control.turn()
         clock.now += 0.1
@@ -152,3 +157,16 @@ def test_the_limit_never_falls_below_its_floor(events):
         clock.now += gap
         control.on_throttled() if throttled else control.on_answer(gap)
         assert control.rate is None or control.rate >= MIN_RATE
+
+
+def test_a_storm_at_the_start_is_met_within_a_few_slowdowns():
+    """A job's first requests all go out at once and most come back SlowDown: the limit comes
+    after a handful, not after the share rule's count (its in-flight requests would all meet it)."""
+    clock = Clock()
+    control = TailControl(clock)
+    for _ in range(64):
+        control.turn()
+    clock.now += 0.05
+    for _ in range(4):
+        control.on_throttled()
+    assert control.rate is not None and control.rate <= 0.7 * 64 + 1e-9

@@ -8,8 +8,9 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   storm (measured: 54 % of GETs answered SlowDown). A throttle shows as a share of SlowDowns that
   grows with the rate sent; a server's hiccups show as a few SlowDowns at any rate, which sending
   less would not spare. So the first cut needs ``CUT_COUNT`` SlowDowns making ``CUT_SHARE`` of
-  the last answers (at most ``CUT_WINDOW``, within ``RATE_WINDOW``): a stalled moment's few
-  answers, mostly retries, never make that count, and 5 % of SlowDowns at random seldom do.
+  the last answers (at most ``CUT_WINDOW``, within ``RATE_WINDOW``), or ``STORM_COUNT`` before any
+  good answer (a job's first requests, all sent at once, meeting a throttle): a stalled moment's
+  few answers, mostly retries, never make either, and 5 % of SlowDowns at random seldom do.
   Once limited, a throttle is watched closer: another cut needs ``CUT_AGAIN_COUNT`` and
   ``CUT_AGAIN_SHARE`` of the answers since the previous cut, which must be ``CUT_AGAIN_AFTER``
   old. A cut sets a client-side rate limit at ``THROTTLE_CUT`` times the rate sent over the last
@@ -23,8 +24,9 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
   of this control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
   again; the first answer wins and the other is cancelled (its bytes were never handed over, so
   they are counted once). At most ``HEDGE_SHARE`` of requests (plus a small burst) are hedged,
-  and none while throttled or within ``RATE_WINDOW`` of a SlowDown (a throttle's first moments,
-  before its cut). One watcher task per engine (``TailStore.watch``) sends the hedges.
+  and none while throttled or for ``RATE_WINDOW`` after SlowDowns made ``CUT_AGAIN_SHARE`` of the
+  last answers (a throttle's first moments, before its cut). One watcher task per engine
+  (``TailStore.watch``) sends the hedges.
 
 Hand-written: no asyncio library offers hedged requests or an adaptive rate limiter shared across
 event loops. Why and the numbers: docs/design/retry.md.
@@ -49,6 +51,7 @@ T = TypeVar("T")
 THROTTLE_CUT = 0.7  # a cut sets the limit to this share of the good answers' rate
 CUT_COUNT = 8  # SlowDowns, at least, for the first cut ...
 CUT_SHARE = 0.2  # ... making at least this share of the answers since ...
+STORM_COUNT = 4  # ... or this many before any good answer (a job's first requests meeting a throttle) ...
 CUT_AGAIN_COUNT = 5  # ... and for another cut, once limited (a throttle once met is watched closer) ...
 CUT_AGAIN_SHARE = 0.1  # ... at least this share
 CUT_WINDOW = 100  # ... (the last this many at most, within RATE_WINDOW)
@@ -89,7 +92,7 @@ class TailControl:
         self.next_free = 0.0  # when the next request may go, under a limit
         self.generation = 0  # bumped by every cut: waiters take a new turn
         self.last_cut = -float("inf")
-        self.last_throttled = -float("inf")  # when the last SlowDown came
+        self.hedge_pause_until = -float("inf")  # SlowDowns were a share of the answers: no hedge till then
         # since the last cut, within RATE_WINDOW: (when, whether a SlowDown)
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=CUT_WINDOW)
         self.answered: deque[float] = deque()  # good answers' times within the last RATE_WINDOW
@@ -140,7 +143,7 @@ class TailControl:
         any rate (a server's hiccups) leave the rate alone instead of cutting it to nothing."""
         with self.lock:
             self.throttled += 1
-            now = self.last_throttled = self.clock()
+            now = self.clock()
             outcomes = self.outcomes
             outcomes.append((now, True))
             if now - self.last_cut < CUT_AGAIN_AFTER:
@@ -148,8 +151,13 @@ class TailControl:
             while outcomes[0][0] < now - RATE_WINDOW:
                 outcomes.popleft()
             slowdowns = sum(throttled for _, throttled in outcomes)
-            count, share = (CUT_COUNT, CUT_SHARE) if self.rate is None else (CUT_AGAIN_COUNT, CUT_AGAIN_SHARE)
-            if slowdowns < count or slowdowns < share * len(outcomes):
+            if slowdowns >= CUT_AGAIN_SHARE * len(outcomes):  # a throttle may be forming
+                self.hedge_pause_until = now + RATE_WINDOW
+            if self.rate is None:
+                storm = not self.latencies and slowdowns >= STORM_COUNT  # no good answer yet
+                if not storm and (slowdowns < CUT_COUNT or slowdowns < CUT_SHARE * len(outcomes)):
+                    return
+            elif slowdowns < CUT_AGAIN_COUNT or slowdowns < CUT_AGAIN_SHARE * len(outcomes):
                 return
             accepted = self._accepted_rate(now)
             if self.rate is None:
@@ -205,13 +213,13 @@ class TailControl:
 
     def hedge_after(self) -> float | None:
         """Seconds after which a request still unanswered is hedged; None: do not hedge it."""
-        if self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW:
+        if self.rate is not None or self.clock() < self.hedge_pause_until:
             return None  # throttled, or maybe about to be: a second request would add to the storm
         return HEDGE_AT_FIRST if self.threshold is None else self.threshold
 
     def may_hedge(self) -> bool:
         """Whether one more hedge fits the budget (counted when it is sent: ``acquire``)."""
-        return (self.rate is None and self.clock() - self.last_throttled >= RATE_WINDOW
+        return (self.rate is None and self.clock() >= self.hedge_pause_until
                 and self.hedged < HEDGE_SHARE * self.requests + HEDGE_BURST)
 
     def statistics(self) -> TailStats:
