@@ -45,7 +45,8 @@ def test_main_process_sees_the_sum_of_all_workers():
     stats = ds.stats()
     assert stats["workers"] == 2
     assert stats["samples"] == 120 and stats["bytes"] == 120_000
-    assert stats["requests"] == 121 and stats["request_errors"] == 1 and stats["retries"] == 1
+    # one GET per object and the retry; a loaded machine may make a GET straggle, and its hedge counts
+    assert stats["requests"] == 121 + stats["hedged"] and stats["request_errors"] == 1 and stats["retries"] == 1
     assert 0.005 <= stats["latency_p50_s"] <= stats["latency_p90_s"] <= stats["latency_p99_s"]
     assert stats["samples_per_s"] > 0 and stats["consumer_wait_s"] >= 0
 
