@@ -396,6 +396,10 @@ async def fetch_all(ctx: JobContext, bucket: str, keys: Sequence[str],
     return out
 
 
+_STALE_SNAPSHOT = ("so the snapshot no longer describes the data: save a new one (`loader ls "
+                   "--save`, or delete the snapshot file to list again)")
+
+
 async def get_pinned(store: Any, bucket: str, key: str, etag: str | None) -> bytes:
     """One GET of the version ``etag`` that a listing snapshot recorded (any version without
     one): an object replaced since is an ``ObjectChangedError`` naming it, never other bytes."""
@@ -406,15 +410,13 @@ async def get_pinned(store: Any, bucket: str, key: str, etag: str | None) -> byt
     except ObjectChangedError as exc:
         raise ObjectChangedError(
             f"s3://{bucket}/{key} was replaced after the listing snapshot was saved (it recorded "
-            f"ETag {etag}; the server no longer has that version), so the snapshot no longer "
-            "describes the data: save a new one (`loader ls --save`, or delete the snapshot file "
-            "to list again)", bucket=bucket, key=key) from exc
+            f"ETag {etag}; the server no longer has that version), {_STALE_SNAPSHOT}",
+            bucket=bucket, key=key) from exc
     except NoSuchKeyError as exc:
         raise NoSuchKeyError(
             f"s3://{bucket}/{key} was deleted after the listing snapshot was saved (it recorded "
-            f"ETag {etag}), so the snapshot no longer describes the data: save a new one (`loader "
-            "ls --save`, or delete the snapshot file to list again); on_error='skip' reads on past "
-            "deleted objects", bucket=bucket, key=key) from exc
+            f"ETag {etag}), {_STALE_SNAPSHOT}; on_error='skip' reads on past deleted objects",
+            bucket=bucket, key=key) from exc
 
 
 def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,

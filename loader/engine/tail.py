@@ -173,20 +173,14 @@ class TailControl:
 
     def _accepted_rate(self, now: float) -> float:
         """Good answers per second over the last ``RATE_WINDOW`` (called under the lock)."""
-        answered = self.answered
-        while answered and answered[0] < now - RATE_WINDOW:
-            answered.popleft()
-        return len(answered) / RATE_WINDOW
+        return _rate_within(self.answered, now)
 
     def _sent_rate(self, now: float) -> float:
         """Requests sent per second over the last ``RATE_WINDOW``, for the first cut: a job's first
         moments count less than a second's worth (on the safe side), and a throttle met at once
         is met by the requests of those moments, where good answers' count would be the burst a
         server lets through at first (S3 does; the fault proxy's throttle too)."""
-        sent = self.sent
-        while sent and sent[0] < now - RATE_WINDOW:
-            sent.popleft()
-        return len(sent) / RATE_WINDOW
+        return _rate_within(self.sent, now)
 
     def on_answer(self, seconds: float) -> None:
         """A good answer after ``seconds``: grow the limit, learn the latency."""
@@ -225,6 +219,13 @@ class TailControl:
     def statistics(self) -> TailStats:
         return TailStats(self.requests, self.throttled, self.hedged, self.hedges_won, self.rate,
                          self.threshold)
+
+
+def _rate_within(times: deque[float], now: float) -> float:
+    """Events per second over the last ``RATE_WINDOW``, from their times (older ones dropped)."""
+    while times and times[0] < now - RATE_WINDOW:
+        times.popleft()
+    return len(times) / RATE_WINDOW
 
 
 class _Controls:
