@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before-label", default="before")
     p.add_argument("--only", choices=("clean", "stragglers", "throttle"), action="append",
                    help="run only these conditions (repeatable; default: all three)")
+    p.add_argument("--out", type=Path, help="where to write the table (default: bench/results/tail-<date>.md)")
     args = p.parse_args(argv)
     conditions = {name: plan for name, plan in CONDITIONS.items()
                   if not args.only or name.split(":")[0] in args.only}
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     stamp = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
-    out_path = RESULTS / f"tail-{stamp}.md"
+    out_path = args.out or RESULTS / f"tail-{stamp}.md"
     trees_text = ", ".join(f"`{label}`" for label in trees)
     out_path.write_text(
         f"# The tail of S3 through the fault proxy, {stamp}\n\n"

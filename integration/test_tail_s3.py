@@ -102,3 +102,23 @@ def test_the_map_dataset_reads_through_the_same_control(s3_server, objects):
     assert shares[1] <= shares[0] and counts["throttled"] <= 0.10 * counts["requests"], (shares, counts)
     control = tail.control_for(proxy.endpoint_url, bucket)
     assert control.statistics().throttled == counts["throttled"]
+
+
+def test_the_map_dataset_hedges_stragglers(s3_server, objects):
+    """A batch of the map dataset waits for its slowest object: a straggler is sent again there
+    too, each sample once."""
+    bucket, digests = objects
+    keys = sorted(digests)
+    with FaultProxy(s3_server.config.endpoint_url, FaultPlan(straggle=0.03, straggle_seconds=3.0,
+                                                             seed=7)) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        dataset = AsyncS3MapDataset.from_keys(bucket, keys, config=config)
+        loader = DataLoader(dataset, batch_size=50, collate_fn=list)
+        got = collections.Counter((s["__url__"].split("/", 3)[3], sha256(s["bin"])) for b in loader for s in b)
+        counts = proxy.counts
+    assert got == collections.Counter(digests.items())
+    assert counts["straggle"] >= 5  # the condition happened (3 % of ~400 GETs)
+    stats = tail.control_for(proxy.endpoint_url, bucket).statistics()
+    assert stats.hedges_won >= 1 and stats.hedged + (stats.hedged - stats.hedges_won) >= counts["straggle"], (
+        stats, counts)
+    assert stats.hedged <= tail.HEDGE_SHARE * stats.requests + tail.HEDGE_BURST

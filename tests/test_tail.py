@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loader.engine.tail import HEDGE_AT_FIRST, MIN_RATE, TailControl, TailStore
+from loader.engine.tail import HEDGE_AT_FIRST, HEDGES_PER_READ, MIN_RATE, TailControl, TailStore
 
 _endpoints = itertools.count()
 STRAGGLE = HEDGE_AT_FIRST + 1.0  # seconds: well past the threshold used before any answer is known
@@ -33,7 +33,7 @@ class Straggling:
         return b"body"
 
 
-@pytest.mark.parametrize("hedged_by_engine, reads", [(True, 2), (False, 1)])
+@pytest.mark.parametrize("hedged_by_engine, reads", [(True, 1 + HEDGES_PER_READ), (False, 1)])
 def test_a_straggling_read_is_hedged_unless_its_store_says_no(hedged_by_engine, reads):
     inner = Straggling(hedged_by_engine)
     store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
@@ -50,6 +50,73 @@ def test_a_straggling_read_is_hedged_unless_its_store_says_no(hedged_by_engine, 
     assert anyio.run(main) == b"body"
     assert inner.reads == reads
     assert store.hedged == reads - 1
+
+
+class OneStuck:
+    """A store whose first ``stuck`` reads of the key ``stuck`` never answer (until cancelled);
+    others answer soon."""
+
+    def __init__(self, stuck: int = 1) -> None:
+        self.stuck = stuck
+        self.reads: dict[str, int] = {}
+
+    async def get(self, bucket: str, key: str, *, pin=None) -> bytes:
+        self.reads[key] = self.reads.get(key, 0) + 1
+        if key == "stuck" and self.reads[key] <= self.stuck:
+            await anyio.sleep_forever()
+        await anyio.sleep(0.002)
+        return key.encode()
+
+
+def test_a_hedge_gets_a_place_while_other_reads_keep_every_place_busy():
+    # As in the engine while its buffer has room: each read that ends is followed at once by
+    # another, so a place among max_requests is never left free. The hedge must get one anyway
+    # (reads give way to it), or the straggler waits for the epoch's end.
+    inner = OneStuck()
+    store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
+    done = anyio.Event()
+
+    async def feed() -> None:
+        while not done.is_set():
+            assert await store.get("bucket", "fast") == b"fast"
+
+    async def main() -> bytes:
+        with anyio.fail_after(30):  # without the priority: no answer until the feeders stop
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store.watch)
+                while not store.watching:
+                    await anyio.sleep(0)
+                for _ in range(3):  # with the stuck read: all four places
+                    tg.start_soon(feed)
+                body = await store.get("bucket", "stuck")
+                done.set()
+                tg.cancel_scope.cancel()
+        return body
+
+    assert anyio.run(main) == b"stuck"
+    assert inner.reads["stuck"] == 2
+    assert store.hedges_won == 1
+    assert store.inflight == 0 and store.hedges_waiting == 0
+
+
+def test_a_hedge_that_straggles_too_is_sent_again_and_the_first_answer_wins():
+    inner = OneStuck(stuck=HEDGES_PER_READ)  # the original and the first hedge never answer
+    store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
+
+    async def main() -> bytes:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store.watch)
+                while not store.watching:
+                    await anyio.sleep(0)
+                body = await store.get("bucket", "stuck")
+                tg.cancel_scope.cancel()
+        return body
+
+    assert anyio.run(main) == b"stuck"
+    assert inner.reads["stuck"] == 1 + HEDGES_PER_READ
+    assert store.hedged == HEDGES_PER_READ and store.hedges_won == 1
+    assert store.inflight == 0  # the losers were cancelled and left
 
 
 # ------------------------------------------------------------------ the throttle rules, on a clock

@@ -18,6 +18,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -304,8 +305,9 @@ class _Client:
         self.portal = portal
         self.thread = thread
         self.retry = retry
-        self.store: ObjectStore | None = None
+        self.store: TailStore | None = None
         self.limiter: anyio.Semaphore | None = None  # shared by concurrent calls from any thread
+        self.watcher: Future[None] | None = None  # the store's hedging watcher (engine/tail.py)
         self.closed = False
 
     @classmethod
@@ -315,6 +317,7 @@ class _Client:
         client = cls(portal, thread, retry)
         try:
             client.store, client.limiter = portal.call(_open_in_loop, factory, max_inflight)
+            client.watcher = portal.start_task_soon(client.store.watch)  # hedges straggling reads
         except BaseException:
             client.closed = True
             client.stop()
@@ -381,6 +384,8 @@ class _Client:
         self.closed = True
         try:
             with contextlib.suppress(RuntimeError):  # the loop is already gone
+                if self.watcher is not None:
+                    self.watcher.cancel()
                 if self.store is not None:
                     self.portal.call(_close_in_loop, self.store)
         finally:
@@ -393,7 +398,7 @@ class _Client:
         self.thread.join()
 
 
-async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[ObjectStore, anyio.Semaphore]:
+async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[TailStore, anyio.Semaphore]:
     # the engine's tail handling (hedged stragglers, fewer requests under SlowDown) here too
     return TailStore(await factory(), max_requests=max_inflight), anyio.Semaphore(max_inflight)
 

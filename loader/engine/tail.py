@@ -22,8 +22,11 @@ own loop thread, hence the lock), because S3 throttles per prefix whoever sends.
 * **Stragglers.** AWS advises retrying a request that is slower than its usual latency rather than
   waiting. A GET with no answer after ``hedge_after()`` (``HEDGE_MARGIN`` times the 95th percentile
   of this control's last answers, at least ``HEDGE_FLOOR``; ``HEDGE_AT_FIRST`` until enough are known) is sent
-  again; the first answer wins and the other is cancelled (its bytes were never handed over, so
-  they are counted once). At most ``HEDGE_SHARE`` of requests (plus a small burst) are hedged,
+  again, and once more a threshold later if neither has answered (a hedge straggles as often as
+  any request: with one hedge, one epoch in ten of the benchmark waited out a straggler); the first
+  answer wins and the others are cancelled (their bytes were never handed over, so they are
+  counted once). A hedge takes the next place among the engine's requests in flight: reads give
+  way to it. At most ``HEDGE_SHARE`` of requests (plus a small burst) are hedged,
   and none while throttled or for ``RATE_WINDOW`` after SlowDowns made ``CUT_AGAIN_SHARE`` of the
   last answers (a throttle's first moments, before its cut). One watcher task per engine
   (``TailStore.watch``) sends the hedges.
@@ -66,6 +69,7 @@ HEDGE_QUANTILE = 0.95
 HEDGE_MARGIN = 1.0  # hedge after this many times the quantile (2.0 hedged stragglers later: bench/results)
 HEDGE_SHARE = 0.05  # at most this share of requests is hedged ...
 HEDGE_BURST = 8  # ... plus this many
+HEDGES_PER_READ = 2  # a hedge may straggle too (as often as any request): then another is sent
 HEDGE_MIN_SAMPLES = 32  # answers seen before any request is hedged
 LATENCY_WINDOW = 512  # answers the threshold is computed from
 RECOMPUTE_EVERY = 64  # answers between two computations of the threshold
@@ -270,7 +274,7 @@ class _Pending:
     """One read in flight that may be hedged: when it began, how to send it again, and the
     cancel scope that a winning hedge cancels it through."""
 
-    __slots__ = ("started", "after", "call", "scope", "control", "hedge", "result")
+    __slots__ = ("started", "after", "call", "scope", "control", "hedges", "result")
 
     def __init__(self, started: float, after: float, call: Callable[[], Awaitable[Any]],
                  scope: anyio.CancelScope, control: TailControl) -> None:
@@ -279,7 +283,7 @@ class _Pending:
         self.call = call
         self.scope = scope
         self.control = control
-        self.hedge: anyio.CancelScope | None = None  # the hedge's scope, once sent
+        self.hedges: list[anyio.CancelScope] = []  # the hedges' scopes, as they are sent
         self.result: tuple[Any] | None = None  # the hedge's answer, if it won
 
 
@@ -297,6 +301,7 @@ class TailStore:
         self.inner = inner
         self.max_requests = max_requests
         self.inflight = 0
+        self.hedges_waiting = 0  # hedges waiting for a place: reads give way to them
         self.freed: anyio.Event | None = None  # set when a place frees up, for those waiting
         self.pending: set[_Pending] = set()  # reads that may be hedged, while in flight
         self.watching = False  # whether ``watch`` runs (else nothing is hedged)
@@ -363,16 +368,32 @@ class TailStore:
 
     # ------------------------------------------------------------------------------------------
 
-    async def enter(self, wait: bool = False) -> None:
-        """Count a read in flight; ``wait``: first wait for a place among ``max_requests`` (a
-        hedge does; the reads jobs ask for are already bounded by the engine, whose jobs may
-        send several at once: the objects of one sample)."""
+    async def enter(self, hedge: bool = False) -> None:
+        """Count a read in flight. A hedge first waits for a place among ``max_requests``; the
+        reads jobs ask for are already bounded by the engine (whose jobs may send several at
+        once: the objects of one sample), but give way to a waiting hedge: the engine keeps
+        ``max_requests`` in flight while its buffer has room, so a hedge that only took a
+        place left free would wait for the epoch's end, and the straggler with it."""
         limit = self.max_requests
-        while wait and limit is not None and self.inflight >= limit:
-            if self.freed is None:
-                self.freed = anyio.Event()
-            await self.freed.wait()
+        if limit is None:
+            self.inflight += 1
+            return
+        if hedge:
+            self.hedges_waiting += 1
+            try:
+                while self.inflight >= limit:
+                    await self._wait_freed()
+            finally:
+                self.hedges_waiting -= 1
+        else:
+            while self.hedges_waiting and self.inflight + self.hedges_waiting >= limit:
+                await self._wait_freed()
         self.inflight += 1
+
+    async def _wait_freed(self) -> None:
+        if self.freed is None:
+            self.freed = anyio.Event()
+        await self.freed.wait()
 
     def leave(self) -> None:
         self.inflight -= 1
@@ -419,8 +440,8 @@ class TailStore:
                 return await call()
             finally:
                 self.pending.discard(pending)
-                if pending.hedge is not None and pending.result is None:
-                    pending.hedge.cancel()  # answered here first (or failed): the hedge is not needed
+                for hedge in pending.hedges:  # answered (here or by a hedge) or failed: the rest are not needed
+                    hedge.cancel()
         assert pending.result is not None  # only a winning hedge cancels the scope
         self.hedges_won += 1
         with control.lock:
@@ -437,24 +458,25 @@ class TailStore:
                     now = time.monotonic()
                     wake = HEDGE_AT_FIRST
                     for pending in list(self.pending):
-                        due = pending.started + pending.after
-                        if pending.hedge is not None:
+                        if len(pending.hedges) >= HEDGES_PER_READ:
                             continue
+                        # the first hedge after the threshold, another one a threshold later
+                        due = pending.started + pending.after * (len(pending.hedges) + 1)
                         if due > now:
                             wake = min(wake, due - now)
                         elif pending.control.may_hedge():
-                            pending.hedge = anyio.CancelScope()
-                            tg.start_soon(self._hedge, pending)
+                            hedge = anyio.CancelScope()
+                            pending.hedges.append(hedge)
+                            tg.start_soon(self._hedge, pending, hedge)
                     await anyio.sleep(max(wake, HEDGE_FLOOR / 2))
         finally:
             self.watching = False
 
-    async def _hedge(self, pending: _Pending) -> None:
+    async def _hedge(self, pending: _Pending, scope: anyio.CancelScope) -> None:
         """Send ``pending`` again; if this answers first, hand the answer over and cancel the original."""
-        assert pending.hedge is not None
-        with pending.hedge:
+        with scope:
             await pending.control.acquire()  # counted as a request (no wait: only unthrottled hedges)
-            await self.enter(wait=True)
+            await self.enter(hedge=True)
             try:
                 self.hedged += 1
                 with pending.control.lock:
@@ -467,6 +489,6 @@ class TailStore:
                 return
             finally:
                 self.leave()
-            if pending in self.pending:  # the original is still waiting: this answer wins
+            if pending in self.pending and pending.result is None:  # the first answer: it wins
                 pending.result = (data,)
                 pending.scope.cancel()
