@@ -14,7 +14,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loader.engine.tail import HEDGE_AT_FIRST, HEDGES_PER_READ, MIN_RATE, TailControl, TailStore
+from loader.engine.tail import (
+    HEDGE_AT_FIRST,
+    HEDGE_BURST,
+    HEDGE_SHARE,
+    HEDGES_PER_READ,
+    MIN_RATE,
+    TailControl,
+    TailStore,
+)
 
 _endpoints = itertools.count()
 STRAGGLE = HEDGE_AT_FIRST + 1.0  # seconds: well past the threshold used before any answer is known
@@ -117,6 +125,31 @@ def test_a_hedge_that_straggles_too_is_sent_again_and_the_first_answer_wins():
     assert inner.reads["stuck"] == 1 + HEDGES_PER_READ
     assert store.hedged == HEDGES_PER_READ and store.hedges_won == 1
     assert store.inflight == 0  # the losers were cancelled and left
+
+
+def test_hedges_waiting_for_a_place_count_against_the_budget():
+    # Every place is held by a read that never answers, so no hedge can be sent: the watcher
+    # must still stop deciding hedges at the budget, or they would all go out at once later.
+    inner = OneStuck(stuck=10**9)
+    store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=40)
+    control = store.control("bucket")
+
+    async def main() -> tuple[int, int, int]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.watch)
+            while not store.watching:
+                await anyio.sleep(0)
+            for _ in range(40):
+                tg.start_soon(store.get, "bucket", "stuck")
+            await anyio.sleep(HEDGE_AT_FIRST * (HEDGES_PER_READ + 0.5))  # every hedge is due
+            seen = (control.hedged, control.hedges_queued, control.requests)
+            tg.cancel_scope.cancel()
+        return seen
+
+    hedged, queued, requests = anyio.run(main)
+    assert hedged == 0 and requests == 40  # no place freed up: nothing was sent
+    assert 1 <= queued <= HEDGE_SHARE * requests + HEDGE_BURST
+    assert control.hedges_queued == 0  # cancelled before they were sent: their places given back
 
 
 # ------------------------------------------------------------------ the throttle rules, on a clock

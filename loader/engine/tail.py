@@ -107,6 +107,7 @@ class TailControl:
         self.requests = 0
         self.throttled = 0
         self.hedged = 0
+        self.hedges_queued = 0  # hedges decided, not yet sent (they count against the budget)
         self.hedges_won = 0
 
     # -------------------------------------------------------------------- rate
@@ -215,10 +216,16 @@ class TailControl:
             return None  # throttled, or maybe about to be: a second request would add to the storm
         return HEDGE_AT_FIRST if self.threshold is None else self.threshold
 
-    def may_hedge(self) -> bool:
-        """Whether one more hedge fits the budget (counted when it is sent: ``acquire``)."""
-        return (self.rate is None and self.clock() >= self.hedge_pause_until
-                and self.hedged < HEDGE_SHARE * self.requests + HEDGE_BURST)
+    def reserve_hedge(self) -> bool:
+        """Take a place for one more hedge in the budget, if one is left: hedges waiting to be
+        sent count as well as those sent (``hedged`` counts a hedge once it is sent; the watcher
+        may decide many at once while the engine's places are all taken)."""
+        with self.lock:
+            if (self.rate is not None or self.clock() < self.hedge_pause_until
+                    or self.hedged + self.hedges_queued >= HEDGE_SHARE * self.requests + HEDGE_BURST):
+                return False
+            self.hedges_queued += 1
+            return True
 
     def statistics(self) -> TailStats:
         return TailStats(self.requests, self.throttled, self.hedged, self.hedges_won, self.rate,
@@ -464,7 +471,7 @@ class TailStore:
                         due = pending.started + pending.after * (len(pending.hedges) + 1)
                         if due > now:
                             wake = min(wake, due - now)
-                        elif pending.control.may_hedge():
+                        elif pending.control.reserve_hedge():
                             hedge = anyio.CancelScope()
                             pending.hedges.append(hedge)
                             tg.start_soon(self._hedge, pending, hedge)
@@ -473,22 +480,34 @@ class TailStore:
             self.watching = False
 
     async def _hedge(self, pending: _Pending, scope: anyio.CancelScope) -> None:
-        """Send ``pending`` again; if this answers first, hand the answer over and cancel the original."""
-        with scope:
-            await pending.control.acquire()  # counted as a request (no wait: only unthrottled hedges)
-            await self.enter(hedge=True)
-            try:
-                self.hedged += 1
-                with pending.control.lock:
-                    pending.control.hedged += 1
-                data = await pending.call()
-            except ThrottledError:  # counted like any SlowDown: it is one
-                self._throttled(pending.control)
-                return
-            except Exception:  # noqa: BLE001 - the original request goes on and decides
-                return
-            finally:
-                self.leave()
-            if pending in self.pending and pending.result is None:  # the first answer: it wins
-                pending.result = (data,)
-                pending.scope.cancel()
+        """Send ``pending`` again (its place in the hedging budget reserved by the watcher); if
+        this answers first, hand the answer over and cancel the original."""
+        control = pending.control
+        queued = True
+        try:
+            with scope:
+                await self.enter(hedge=True)
+                try:
+                    if control.hedge_after() is None:
+                        return  # throttled since it was decided: a second request would add to the storm
+                    await control.acquire()  # counted as a request (no wait: only unthrottled hedges)
+                    with control.lock:
+                        control.hedges_queued -= 1
+                        control.hedged += 1
+                        queued = False
+                    self.hedged += 1
+                    data = await pending.call()
+                except ThrottledError:  # counted like any SlowDown: it is one
+                    self._throttled(control)
+                    return
+                except Exception:  # noqa: BLE001 - the original request goes on and decides
+                    return
+                finally:
+                    self.leave()
+                if pending in self.pending and pending.result is None:  # the first answer: it wins
+                    pending.result = (data,)
+                    pending.scope.cancel()
+        finally:
+            if queued:  # cancelled before it was sent: the original answered meanwhile
+                with control.lock:
+                    control.hedges_queued -= 1
