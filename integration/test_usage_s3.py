@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+import traceback
 import warnings
 
 import pytest
@@ -74,7 +75,11 @@ def test_a_dataloader_batch_size_other_than_the_datasets_is_refused(s3_server, d
 
     timeout = 60 if num_workers else 0
     wrong = DataLoader(dataset(), batch_size=8, num_workers=num_workers, collate_fn=keys_of, timeout=timeout)
-    with pytest.raises(ConfigError, match=r"blocks of batch_size=4, but the DataLoader asks for batches of 8"):
+    refused = r"blocks of batch_size=4, but the DataLoader asks for batches of 8"
+    with pytest.raises(ConfigError, match=refused) as raised:
         next(iter(wrong))
+    # The traceback holds the DataLoader's iterator in a reference cycle: collected later by the
+    # garbage collector, its worker queues go first and torch waits 5 s for each worker to exit.
+    traceback.clear_frames(raised.tb)
     right = DataLoader(dataset(), batch_size=4, num_workers=num_workers, collate_fn=keys_of, timeout=timeout)
     assert sum(len(batch) for batch in right) == 24
