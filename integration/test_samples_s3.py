@@ -64,7 +64,8 @@ def test_grouped_stems_exactly_once(s3_server, bucket, num_workers):
     for s in got:
         i = int(s["key"].rsplit("/", 1)[1])
         assert s["jpg"] == digests[f"{s['key']}.jpg"] and s["cls"] == i % 7 and s["json"] == i
-    assert ds.stats()["samples"] == STEMS and ds.stats()["requests"] == 3 * STEMS
+    stats = ds.stats()  # three GETs a stem, and a hedge for any slow under the suite's load
+    assert stats["samples"] == STEMS and stats["requests"] - stats["hedged"] == 3 * STEMS, stats
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -71,7 +71,8 @@ def test_part_size_below_the_floor_is_refused_and_the_floor_reads_in_parts(s3_se
     (shard,) = dataset.shards()
     assert 2 << 20 < shard.size <= 3 << 20
     assert_exactly_once(digests(dataset), expected)
-    assert dataset.stats()["requests"] == 3
+    stats = dataset.stats()
+    assert stats["requests"] - stats["hedged"] == 3  # a part slow under load may be sent twice
 
 
 def test_fewer_shards_than_workers(s3_server, shards):
