@@ -16,29 +16,35 @@ gives each worker every n-th fragment (file). Each peer runs with its own defaul
 ``datasets``: its parquet builder's defaults). Rounds alternate the loaders and worker counts; the
 tables give medians of samples/s and of the time from building the dataset to its first sample.
 CPU per row (this process with its threads and its finished workers, the server process) says
-where the time goes on a machine where the server and the client share two cores. Writes
-``bench/results/parquet-workers-<date>.md``.
+where the time goes on a machine where the server and the client share two cores. ``--latency MS``
+puts ``integration/faults``' ``FaultProxy`` in front of the server (MS before each request is
+forwarded: S3's time to first byte, which loopback does not have); the proxy is a thread of this
+process, so its CPU counts in the client's column then. Writes
+``bench/results/parquet-workers-<date>.md`` (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import functools
 import io
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from loader import AsyncS3Dataset
+from loader import AsyncS3Dataset, S3Config
 from loader.tools.demo import photo_jpeg
 from loader.tools.devserver import DevServer
 
@@ -74,11 +80,20 @@ class Rows(IterableDataset):
         return iter(self.make_rows())
 
 
-def ours(server: DevServer, **options: Any) -> IterableDataset:
+class Endpoint(NamedTuple):
+    """Where the loaders read from (the server, or the latency proxy in front of it) and the
+    server's process, whose CPU is measured."""
+
+    config: S3Config
+    endpoint_url: str
+    pid: int | None
+
+
+def ours(server: Endpoint, **options: Any) -> IterableDataset:
     return AsyncS3Dataset.from_parquet(f"s3://{BUCKET}/{PREFIX}", columns=COLUMNS, config=server.config, **options)
 
 
-def pyarrow_dataset(server: DevServer) -> IterableDataset:
+def pyarrow_dataset(server: Endpoint) -> IterableDataset:
     import pyarrow.dataset as pads
     from pyarrow import fs
 
@@ -100,7 +115,7 @@ def pyarrow_dataset(server: DevServer) -> IterableDataset:
     return Rows(rows)
 
 
-def hf_datasets(server: DevServer) -> IterableDataset:
+def hf_datasets(server: Endpoint) -> IterableDataset:
     from datasets import load_dataset
 
     config = server.config
@@ -113,7 +128,7 @@ def hf_datasets(server: DevServer) -> IterableDataset:
     return stream.select_columns(COLUMNS)
 
 
-LOADERS: dict[str, Callable[[DevServer], IterableDataset]] = {
+LOADERS: dict[str, Callable[[Endpoint], IterableDataset]] = {
     "this project (`from_parquet`)": ours,
     "`pyarrow.dataset` + `S3FileSystem`": pyarrow_dataset,
     "Hugging Face `datasets` streaming": hf_datasets,
@@ -132,7 +147,7 @@ def cpu_seconds(process: psutil.Process | None = None) -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def run_once(make: Callable[[DevServer], IterableDataset], server: DevServer,
+def run_once(make: Callable[[Endpoint], IterableDataset], server: Endpoint,
              rows: int, workers: int) -> tuple[float, float, float, float]:
     """(samples/s over the epoch, seconds from building the dataset to its first sample, client and
     server CPU microseconds per row)."""
@@ -163,9 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mib", type=int, nargs="*", default=[],
                    help="also run this project with units of up to this many MiB (part_size=)")
     p.add_argument("--only", nargs="*", default=None, help="names of loaders to run (default all)")
+    p.add_argument("--latency", type=float, default=0.0,
+                   help="milliseconds before each request, through the fault proxy (default 0: none)")
+    p.add_argument("--out", type=Path, help="the results file (default bench/results/parquet-workers-<date>.md)")
     args = p.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as root, DevServer(data_dir=root, buckets=[BUCKET]) as server:
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(tempfile.TemporaryDirectory())
+        server = stack.enter_context(DevServer(data_dir=root, buckets=[BUCKET]))
+        target = Endpoint(server.config, server.endpoint_url, server.pid)
+        if args.latency:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
+            from faults import FaultPlan, FaultProxy
+
+            proxy = stack.enter_context(FaultProxy(server.endpoint_url, FaultPlan(latency=args.latency / 1000),
+                                                   max_lifetime=7200))
+            target = Endpoint(dataclasses.replace(server.config, endpoint_url=proxy.endpoint_url),
+                              proxy.endpoint_url, server.pid)
         began = time.perf_counter()
         files = make_files(args.rows, args.files, args.row_group, args.distinct)
         total = sum(map(len, files.values()))
@@ -185,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         for number in range(args.rounds + 1):  # round 0 warms the server and the page cache
             for workers in args.workers:
                 for name, make in loaders.items():
-                    rate, first, client, weed = run_once(make, server, args.rows, workers)
+                    rate, first, client, weed = run_once(make, target, args.rows, workers)
                     print(f"round {number}, w={workers}: {name}: {rate:,.0f} samples/s, first sample {first:.2f} s, "
                           f"CPU per row {client:.0f} us here, {weed:.0f} us in the server"
                           + (" (warm-up)" if not number else ""), flush=True)
@@ -212,13 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     stamp = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"parquet-workers-{stamp}.md"
+    out = args.out or RESULTS / f"parquet-workers-{stamp}.md"
+    latency = (f", {args.latency:g} ms before each request through the fault proxy (its CPU counts in the "
+               "client's column)") if args.latency else ""
     out.write_text(
         f"# Parquet with and without DataLoader workers, {stamp}\n\n`python -m bench.parquet --rows {args.rows} "
         f"--files {args.files} --row-group {args.row_group} --rounds {args.rounds} --workers "
-        f"{' '.join(map(str, args.workers))}`: {args.rows} photo JPEGs ({total / 1e6:,.0f} MB) in a "
+        f"{' '.join(map(str, args.workers))}" + (f" --latency {args.latency:g}" if args.latency else "")
+        + f"`: {args.rows} photo JPEGs ({total / 1e6:,.0f} MB) in a "
         f"Hub-style image column (`struct<bytes, path>`) plus a label, {args.files} files written by pyarrow "
-        f"with row groups of {args.row_group} rows, embedded SeaweedFS on 127.0.0.1, rows as Python dicts "
+        f"with row groups of {args.row_group} rows, embedded SeaweedFS on 127.0.0.1{latency}, rows as Python dicts "
         "with the image bytes (no decode), `DataLoader(batch_size=32, num_workers=w)`, loaders and worker "
         "counts alternating round by round after a warm-up round; CPU per row is this process's (its threads "
         "and finished workers included) and the server's. The machine (2 cores) was shared with other work: "
