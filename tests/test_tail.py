@@ -206,6 +206,7 @@ def test_a_throttle_is_met_near_its_rate_with_few_slowdowns():
     assert control.rate is not None
     assert good / 30.0 >= 0.75 * 300, good / 30.0  # most of what the server allows ...
     assert slow <= 0.10 * (good + slow), (good, slow)  # ... with few SlowDowns
+    assert control.hedge_after() is None and not control.reserve_hedge()  # and no hedge while limited
 
 
 def test_slowdowns_sprinkled_at_random_leave_the_rate_alone():
@@ -270,3 +271,4 @@ def test_a_storm_at_the_start_is_met_within_a_few_slowdowns():
     for _ in range(4):
         control.on_throttled()
     assert control.rate is not None and control.rate <= 0.7 * 64 + 1e-9
+    assert control.hedge_after() is None and not control.reserve_hedge()
