@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -428,6 +429,27 @@ def test_latency_delays_each_request(target):
         assert proxy.counts == {"requests": 5, "latency": 5}
 
 
+def test_bandwidth_paces_each_answer_not_the_proxy(target):
+    """Each answer's body comes at most at ``bandwidth`` bytes/s; answers in parallel each get
+    that much (as S3 serves each connection), so two take no longer than one."""
+    rate = 4 * len(target.big)  # a quarter of a second per answer of the big object
+    with (FaultProxy(target.url, FaultPlan(bandwidth=rate)) as proxy,
+          closing_client(target, proxy) as first, closing_client(target, proxy) as second):
+        for client in (first, second):
+            client.get_object(Bucket=target.bucket, Key="small")["Body"].read()  # connect outside the clock
+        start = time.perf_counter()
+        assert first.get_object(Bucket=target.bucket, Key="big")["Body"].read() == target.big
+        one = time.perf_counter() - start
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            start = time.perf_counter()
+            bodies = list(pool.map(lambda c: c.get_object(Bucket=target.bucket, Key="big")["Body"].read(),
+                                   (first, second)))
+            two = time.perf_counter() - start
+    assert bodies == [target.big, target.big]
+    assert one >= 0.9 * len(target.big) / rate  # no faster than the bandwidth allows ...
+    assert two < 2 * one, (one, two)  # ... per answer: two in parallel, not one after the other
+
+
 def test_reset_is_a_connection_error(target):
     with FaultProxy(target.url, FaultPlan(reset=1.0)) as proxy, closing_client(target, proxy) as client:
         with pytest.raises(ConnectionClosedError) as info:
@@ -728,6 +750,7 @@ def test_only_a_loopback_upstream_is_allowed(url):
     ({"latency": -1}, "latency=-1 must be"),
     ({"stall_seconds": float("inf")}, "stall_seconds=inf"),
     ({"seed": 1.5}, "seed=1.5"),
+    ({"bandwidth": 0}, "bandwidth=0 must be a positive number"),
     ({"only_methods": ["GET", ""]}, "only_methods"),
 ])
 def test_plan_validation(kwargs, match):

@@ -253,7 +253,7 @@ class Connection:
             return False
         self.writer.write(response.raw)
         if framing[0] == "length":
-            await copy_exact(self.up_reader, self.writer, framing[1])
+            await copy_exact(self.up_reader, self.writer, framing[1], plan.bandwidth)
         elif framing[0] == "chunked":
             await copy_chunked(self.up_reader, self.writer)
         elif framing[0] == "eof":

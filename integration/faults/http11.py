@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 
 PIECE = 1 << 18  # most bytes moved per read when relaying a body
+PACED_PIECE = 1 << 16  # the same under a bandwidth limit (smoother pacing)
 BUFFER = 1 << 18  # StreamReader limit: buffered bytes before reading pauses; also the longest head
 
 
@@ -85,15 +86,24 @@ async def read_head(reader: asyncio.StreamReader, *, request: bool) -> Head:
     return parse_head(raw, request=request)
 
 
-async def copy_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int) -> None:
-    """Relay exactly ``size`` bytes; ``IncompleteReadError`` if the reader ends first."""
+async def copy_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int,
+                     rate: float | None = None) -> None:
+    """Relay exactly ``size`` bytes, at most ``rate`` bytes/s if given; ``IncompleteReadError``
+    if the reader ends first."""
+    loop = asyncio.get_running_loop()
+    started, sent = loop.time(), 0
     while size > 0:
-        data = await reader.read(min(size, PIECE))
+        data = await reader.read(min(size, PIECE if rate is None else PACED_PIECE))
         if not data:
             raise asyncio.IncompleteReadError(b"", size)
         writer.write(data)
         size -= len(data)
         await writer.drain()
+        if rate is not None:
+            sent += len(data)
+            ahead = sent / rate - (loop.time() - started)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
 
 
 async def copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -39,7 +39,10 @@ class FaultPlan:
     that an eligible request is answered ``straggle_seconds`` late (a straggler: the answer itself
     is intact); ``get_rate`` throttles like S3 does per prefix: eligible requests beyond that many
     per second (a token bucket holding ``THROTTLE_BURST`` seconds' worth) are answered
-    ``503 SlowDown`` without asking the upstream.
+    ``503 SlowDown`` without asking the upstream. ``bandwidth`` (bytes/s, every answer) paces each
+    answer's body: S3 serves one connection at about 85-90 MB/s (AWS's performance guidelines:
+    one concurrent request per 85-90 MB/s wanted), where loopback has no such bound, so it shows
+    what parallel requests buy.
     """
 
     latency: float = 0.0
@@ -54,6 +57,7 @@ class FaultPlan:
     straggle: float = 0.0
     straggle_seconds: float = DEFAULT_STRAGGLE_SECONDS
     get_rate: float | None = None
+    bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if not is_real(self.straggle) or not 0.0 <= self.straggle <= 1.0:
@@ -61,6 +65,9 @@ class FaultPlan:
         if self.get_rate is not None and (not is_real(self.get_rate) or not self.get_rate > 0
                                           or not math.isfinite(self.get_rate)):
             raise ValueError(f"FaultPlan get_rate={self.get_rate!r} must be a positive number of requests/s")
+        if self.bandwidth is not None and (not is_real(self.bandwidth) or not self.bandwidth > 0
+                                           or not math.isfinite(self.bandwidth)):
+            raise ValueError(f"FaultPlan bandwidth={self.bandwidth!r} must be a positive number of bytes/s")
         for name in ("latency", "stall_seconds", "straggle_seconds"):
             value = getattr(self, name)
             if not is_real(value) or not math.isfinite(value) or value < 0:
