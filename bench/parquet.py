@@ -17,9 +17,10 @@ gives each worker every n-th fragment (file). Each peer runs with its own defaul
 tables give medians of samples/s and of the time from building the dataset to its first sample.
 CPU per row (this process with its threads and its finished workers, the server process) says
 where the time goes on a machine where the server and the client share two cores. ``--latency MS``
-puts ``integration/faults``' ``FaultProxy`` in front of the server (MS before each request is
-forwarded: S3's time to first byte, which loopback does not have); the proxy is a thread of this
-process, so its CPU counts in the client's column then. Writes
+and ``--bandwidth MB`` put ``integration/faults``' ``FaultProxy`` in front of the server (MS before
+each request is forwarded: S3's time to first byte; each answer served at MB/s: S3's ~85-90 MB/s
+per connection; loopback has neither); the proxy is a thread of this process, so its CPU counts in
+the client's column then. Writes
 ``bench/results/parquet-workers-<date>.md`` (or ``--out``).
 """
 
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="names of loaders to run (default all)")
     p.add_argument("--latency", type=float, default=0.0,
                    help="milliseconds before each request, through the fault proxy (default 0: none)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="MB/s each answer is served at, through the fault proxy (S3: ~85-90 per connection)")
     p.add_argument("--out", type=Path, help="the results file (default bench/results/parquet-workers-<date>.md)")
     args = p.parse_args(argv)
 
@@ -187,12 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         root = stack.enter_context(tempfile.TemporaryDirectory())
         server = stack.enter_context(DevServer(data_dir=root, buckets=[BUCKET]))
         target = Endpoint(server.config, server.endpoint_url, server.pid)
-        if args.latency:
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
+        if args.latency or args.bandwidth:
+            # appended: integration/ has a datasets.py, which must not hide Hugging Face datasets
+            sys.path.append(str(Path(__file__).resolve().parent.parent / "integration"))
             from faults import FaultPlan, FaultProxy
 
-            proxy = stack.enter_context(FaultProxy(server.endpoint_url, FaultPlan(latency=args.latency / 1000),
-                                                   max_lifetime=7200))
+            plan = FaultPlan(latency=args.latency / 1000,
+                             bandwidth=args.bandwidth * 1e6 if args.bandwidth else None)
+            proxy = stack.enter_context(FaultProxy(server.endpoint_url, plan, max_lifetime=7200))
             target = Endpoint(dataclasses.replace(server.config, endpoint_url=proxy.endpoint_url),
                               proxy.endpoint_url, server.pid)
         began = time.perf_counter()
@@ -242,12 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
     out = args.out or RESULTS / f"parquet-workers-{stamp}.md"
-    latency = (f", {args.latency:g} ms before each request through the fault proxy (its CPU counts in the "
-               "client's column)") if args.latency else ""
+    conditions = [f"{args.latency:g} ms before each request"] if args.latency else []
+    conditions += [f"each answer served at {args.bandwidth:g} MB/s"] if args.bandwidth else []
+    latency = (f", {' and '.join(conditions)} through the fault proxy (its CPU counts in the client's "
+               "column)") if conditions else ""
     out.write_text(
         f"# Parquet with and without DataLoader workers, {stamp}\n\n`python -m bench.parquet --rows {args.rows} "
         f"--files {args.files} --row-group {args.row_group} --rounds {args.rounds} --workers "
         f"{' '.join(map(str, args.workers))}" + (f" --latency {args.latency:g}" if args.latency else "")
+        + (f" --bandwidth {args.bandwidth:g}" if args.bandwidth else "")
         + f"`: {args.rows} photo JPEGs ({total / 1e6:,.0f} MB) in a "
         f"Hub-style image column (`struct<bytes, path>`) plus a label, {args.files} files written by pyarrow "
         f"with row groups of {args.row_group} rows, embedded SeaweedFS on 127.0.0.1{latency}, rows as Python dicts "
