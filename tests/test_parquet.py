@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, mix
-from loader.formats.parquet import merge_ranges, split_ranges
+from loader.formats.parquet import SparseFile, merge_ranges, split_ranges
 
 from fakes import FakeStore, payloads, reusable
 
@@ -272,3 +272,20 @@ def test_row_groups_in_flight_are_per_rank_unless_given(monkeypatch, given, work
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
     options = {} if given is None else {"row_groups_inflight": given}
     assert dataset(**options).source.limits("ordered").max_inflight == expected
+
+
+@given(data=st.binary(min_size=1, max_size=200), cuts=st.lists(st.integers(1, 199), max_size=6),
+       start=st.integers(0, 199), size=st.integers(0, 220))
+def test_a_sparse_file_reads_across_the_parts_of_a_range_as_one(data, cuts, start, size):
+    # A range fetched as several ranged GETs is handed over as its parts, one piece each: a read
+    # that spans parts returns their bytes joined; a read outside what was fetched fails.
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    pieces = [(100 + a, data[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    file = SparseFile("s3://b/f.parquet", 100 + len(data) + 50, pieces)
+    file.seek(100 + min(start, len(data) - 1))
+    at = file.tell() - 100
+    size = min(size, len(data) - at)
+    assert bytes(file.read(size)) == data[at:at + size]
+    file.seek(100 + at)
+    with pytest.raises(OSError, match="were not fetched"):
+        file.read(len(data) - at + 1)  # one byte past what was fetched

@@ -25,6 +25,7 @@ from ..engine.fetch import Delivery, EngineLimits, Job
 from ..errors import ConfigError, EmptyDatasetError, NoSuchKeyError
 from ..formats.parquet import (
     PARQUET_SUFFIX,
+    RANGE_BYTES,
     Footer,
     ParquetRef,
     RowGroupPlan,
@@ -317,8 +318,8 @@ class ParquetSource(ShardSource):
             offsets: bool = True) -> Job:
         plan = self.plans()[assignment.shard]
         options = self.shard_options
-        read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns, options.part_size,
-                            options.parts_inflight)
+        read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns,
+                            min(options.part_size, RANGE_BYTES), options.parts_inflight)
         return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error)
 
     def reserve(self, assignment: ShardAssignment) -> int:

@@ -45,6 +45,10 @@ PARQUET_SUFFIX = ".parquet"
 DEFAULT_TAIL = 64 << 10  # bytes of a file's tail read at once: its footer, unless the footer is larger
 MAGIC = b"PAR1"
 BATCH_ROWS = 64  # rows decoded at a time: bounds the decoded bytes a row group holds
+# One ranged GET reads at most this many bytes of a unit, ``parts_inflight`` of them at once: S3
+# serves one connection at about 85-90 MB/s, so a unit read as one GET of 32 MiB takes 0.4 s,
+# and AWS advises ranges of 8-16 MB (measured: bench/results/parquet-s3like-2026-11-27.md).
+RANGE_BYTES = 8 << 20
 # Arrow reads up to 100 bytes past a column chunk's end for files of old parquet-mr writers
 # (its ``kMaxDictHeaderSize`` padding); fetching them too keeps such files readable.
 CHUNK_SLACK = 100
@@ -307,15 +311,17 @@ class SparseFile(io.RawIOBase):
             return b""
         import bisect
 
-        place = bisect.bisect_right(self._starts, self._at) - 1
-        if place >= 0:
-            offset, data = self._pieces[place]
-            if self._at - offset < len(data):
-                stop = min(end, offset + len(data))
-                out = memoryview(data)[self._at - offset: stop - offset]  # pyarrow takes it without a copy
-                self._at = stop
-                return out  # type: ignore[return-value]
-        raise OSError(f"{self.url}: bytes {self._at}..{end} were not fetched")
+        at, views = self._at, []
+        place = bisect.bisect_right(self._starts, at) - 1
+        while at < end:  # within one piece, or across pieces that follow each other (the parts of a range)
+            offset, data = self._pieces[place] if 0 <= place < len(self._pieces) else (at, b"")
+            if not offset <= at < offset + len(data):
+                raise OSError(f"{self.url}: bytes {self._at}..{end} were not fetched")
+            stop = min(end, offset + len(data))
+            views.append(memoryview(data)[at - offset: stop - offset])  # pyarrow takes one without a copy
+            at, place = stop, place + 1
+        self._at = at
+        return views[0] if len(views) == 1 else b"".join(views)  # type: ignore[return-value]
 
     def readinto(self, buffer: Any) -> int:
         data = self.read(len(buffer))
@@ -343,10 +349,6 @@ def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
                                  "is corrupt", url=ref.url) from exc
     finally:
         reader.close()
-
-
-def _joined(parts: list[bytes]) -> bytes:
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def row_nbytes(row: dict[str, Any]) -> int:
@@ -401,8 +403,7 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
                 f"{ref.url} was overwritten after its footer was read (ETag {ref.etag}): its row "
                 f"groups no longer lie where the footer said ({exc}); build the dataset again to read "
                 "the new version", bucket=ref.bucket, key=ref.key) from exc
-        pieces = [(start, _joined([fetched[at] for at, _ in split_ranges([(start, end)], read.part_size)]))
-                  for start, end in plan.ranges]
+        pieces = sorted(fetched.items())  # each part its own piece: no copy joins them
         fetched.clear()
         rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
         index = 0
