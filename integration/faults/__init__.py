@@ -12,6 +12,7 @@ client on a bad day::
     stall      the real headers and part of the body, then silence for ``stall_seconds``, then close
     straggle   the whole answer, ``straggle_seconds`` late (S3's slow tail)
     get_rate   a throttle: requests beyond this many per second get ``503 SlowDown`` (S3 per prefix)
+    bandwidth  each answer's body paced at this many bytes/s (S3: ~85-90 MB/s per connection)
 
 Usage from a test (the proxy runs its own event loop in a thread)::
 
