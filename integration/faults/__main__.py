@@ -27,13 +27,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated methods faults apply to, or '*' for all")
     parser.add_argument("--all-paths", action="store_true",
                         help="let faults hit bucket requests (listings) too, not only objects")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="bytes/s each answer's body is served at (default: no limit)")
     parser.add_argument("--max-lifetime", type=float, default=DEFAULT_MAX_LIFETIME)
     args = parser.parse_args(argv)
     methods = None if args.only_methods == "*" else tuple(m for m in args.only_methods.split(",") if m)
     try:
         plan = FaultPlan(latency=args.latency, reset=args.reset, slowdown=args.slowdown, truncate=args.truncate,
                          stall=args.stall, stall_seconds=args.stall_seconds, seed=args.seed, only_methods=methods,
-                         objects_only=not args.all_paths)
+                         objects_only=not args.all_paths, bandwidth=args.bandwidth)
         proxy = FaultProxy(args.upstream, plan, max_lifetime=args.max_lifetime, port=args.port)
     except ValueError as exc:
         parser.error(str(exc))
