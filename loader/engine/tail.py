@@ -299,8 +299,10 @@ class TailStore:
     reads (``get``, ``get_range``, ``get_if_changed``) wait for their turn under a rate limit and
     are hedged when they straggle; streams wait for their turn; everything else passes through.
 
-    A hedge waits until fewer than ``max_requests`` of this store's reads are in flight (the
-    engine's ``max_inflight``), so hedging never takes the count past what the user set.
+    A hedge is sent only when fewer than ``max_requests`` of this store's reads are in flight
+    (the engine's ``max_inflight``), taking the next place that frees up ahead of the engine's
+    next read; the reads of jobs already started are not held back, so while hedges are out the
+    count may pass ``max_requests`` by at most their number (the hedging budget bounds it).
     Counts its own engine's share (``throttled``, ``hedged``, ``hedges_won``) for ``stats()``."""
 
     def __init__(self, inner: ObjectStore, endpoint: str | None = None, *,
