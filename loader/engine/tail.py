@@ -222,7 +222,7 @@ class TailControl:
         may decide many at once while the engine's places are all taken)."""
         with self.lock:
             if (self.rate is not None or self.clock() < self.hedge_pause_until
-                    or self.hedged + self.hedges_queued >= HEDGE_SHARE * self.requests + HEDGE_BURST):
+                    or self.hedged + self.hedges_queued + 1 > HEDGE_SHARE * self.requests + HEDGE_BURST):
                 return False
             self.hedges_queued += 1
             return True
