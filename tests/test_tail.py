@@ -107,6 +107,40 @@ def test_a_hedge_gets_a_place_while_other_reads_keep_every_place_busy():
     assert store.inflight == 0 and store.hedges_waiting == 0
 
 
+def test_a_read_that_gave_way_to_a_hedge_goes_when_the_hedge_is_called_off():
+    # The hedge waits for a place, a read gives way to it; the original answers and the hedge is
+    # cancelled before it got one: the read must go at once, not wait for some other read to end.
+    store = TailStore(OneStuck(), f"http://tail-test-{next(_endpoints)}", max_requests=1)
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            await store.enter()  # the one place, held throughout
+            hedge = anyio.CancelScope()
+            entered = anyio.Event()
+
+            async def read() -> None:
+                await store.enter()
+                entered.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_enter_within, store, hedge)
+                while not store.hedges_waiting:
+                    await anyio.sleep(0)
+                tg.start_soon(read)
+                await anyio.sleep(0.05)
+                assert not entered.is_set()  # gave way to the waiting hedge
+                hedge.cancel()
+                await entered.wait()
+        assert store.hedges_waiting == 0
+
+    anyio.run(main)
+
+
+async def _enter_within(store: TailStore, scope: anyio.CancelScope) -> None:
+    with scope:
+        await store.enter(hedge=True)
+
+
 def test_a_hedge_that_straggles_too_is_sent_again_and_the_first_answer_wins():
     inner = OneStuck(stuck=HEDGES_PER_READ)  # the original and the first hedge never answer
     store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)

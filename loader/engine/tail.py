@@ -210,10 +210,15 @@ class TailControl:
 
     # -------------------------------------------------------------------- hedging
 
+    def hedging_paused(self) -> bool:
+        """Whether no hedge may go now: throttled, or maybe about to be (a second request
+        would add to the storm)."""
+        return self.rate is not None or self.clock() < self.hedge_pause_until
+
     def hedge_after(self) -> float | None:
         """Seconds after which a request still unanswered is hedged; None: do not hedge it."""
-        if self.rate is not None or self.clock() < self.hedge_pause_until:
-            return None  # throttled, or maybe about to be: a second request would add to the storm
+        if self.hedging_paused():
+            return None
         return HEDGE_AT_FIRST if self.threshold is None else self.threshold
 
     def reserve_hedge(self) -> bool:
@@ -221,7 +226,7 @@ class TailControl:
         sent count as well as those sent (``hedged`` counts a hedge once it is sent; the watcher
         may decide many at once while the engine's places are all taken)."""
         with self.lock:
-            if (self.rate is not None or self.clock() < self.hedge_pause_until
+            if (self.hedging_paused()
                     or self.hedged + self.hedges_queued + 1 > HEDGE_SHARE * self.requests + HEDGE_BURST):
                 return False
             self.hedges_queued += 1
@@ -394,6 +399,7 @@ class TailStore:
                     await self._wait_freed()
             finally:
                 self.hedges_waiting -= 1
+                self._wake()  # reads that gave way to it may go (it may have been cancelled)
         else:
             while self.hedges_waiting and self.inflight + self.hedges_waiting >= limit:
                 await self._wait_freed()
@@ -406,6 +412,10 @@ class TailStore:
 
     def leave(self) -> None:
         self.inflight -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Let those waiting for a place look again."""
         if self.freed is not None:
             self.freed.set()
             self.freed = None
@@ -490,7 +500,7 @@ class TailStore:
             with scope:
                 await self.enter(hedge=True)
                 try:
-                    if control.hedge_after() is None:
+                    if control.hedging_paused():
                         return  # throttled since it was decided: a second request would add to the storm
                     await control.acquire()  # counted as a request (no wait: only unthrottled hedges)
                     with control.lock:
