@@ -280,8 +280,10 @@ def split_ranges(ranges: Sequence[tuple[int, int]], part_size: int) -> list[tupl
 
 class SparseFile(io.RawIOBase):
     """A read-only file of ``size`` bytes of which only ``pieces`` (``(offset, bytes)``, not
-    overlapping) are present: what pyarrow reads a row group or a footer from. Reading a byte
-    that was not fetched is an OSError naming the file (a planning mistake, never silent)."""
+    overlapping) are present: what pyarrow reads a row group or a footer from. A read may span
+    pieces that follow each other (the ranged GETs of one byte range, kept apart rather than
+    joined: only the bytes of such a read are copied). Reading a byte that was not fetched is an
+    OSError naming the file (a planning mistake, never silent)."""
 
     def __init__(self, url: str, size: int, pieces: Sequence[tuple[int, bytes]]) -> None:
         super().__init__()
