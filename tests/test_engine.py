@@ -300,3 +300,78 @@ def test_jobs_that_fail_in_interleave_mode_raise_after_earlier_items(no_leaked_t
         for item in FetchEngine(jobs, reusable(FakeStore()), limits=limits):
             got.append(item)
     assert ("boom", 0) in got
+
+
+def reading_ahead_jobs(lengths, log, fetch=0.02):
+    """Jobs that fetch for ``fetch`` seconds, then emit ``(job, i)`` for each of their items;
+    ``log`` records ``("start", job)`` and ``("end", job)`` and the jobs running at once."""
+    import anyio
+
+    running = set()
+
+    def job_for(position, length):
+        async def job(ctx):
+            running.add(position)
+            log.append(("start", position, len(running)))
+            await anyio.sleep(fetch)
+            for i in range(length):
+                await ctx.emit((position, i), 1)
+            running.discard(position)
+
+        job.reads_ahead = True
+        return job
+
+    return [job_for(position, length) for position, length in enumerate(lengths)]
+
+
+def test_jobs_that_read_ahead_fetch_while_their_lanes_are_delivered(no_leaked_threads):
+    """Interleaved delivery: a job that fetches before its first item starts while the job its
+    lane holds is still delivered (else the lane waits out every fetch), at most one such job
+    per lane, and the order delivered is the one the lanes give without reading ahead."""
+    lengths = [6, 6, 4, 4, 3, 5]
+    limits = EngineLimits(max_inflight=2, delivery="interleave", queue_items=4)
+    log: list = []
+    engine = FetchEngine(reading_ahead_jobs(lengths, log), reusable(FakeStore()), limits=limits)
+    iterator = iter(engine)
+    got = [next(iterator)]
+    wait_until(lambda: {("start", 2), ("start", 3)} <= {entry[:2] for entry in log},
+               "jobs 2 and 3 start while jobs 0 and 1 hold the lanes")
+    assert engine.statistics().buffered_items <= 4 + 1, "jobs reading ahead hold their items back"
+    got += list(iterator)
+    plain = list(FetchEngine(stream_jobs(lengths), reusable(FakeStore()), limits=limits))
+    assert got == plain, "reading ahead must not change the interleave"
+    assert max(count for _, _, count in log) <= 2 * 2, "at most max_inflight jobs read ahead"
+
+
+def test_reading_ahead_waits_for_the_first_item(no_leaked_threads):
+    """Before the first item, jobs reading ahead would share the connections with those the
+    first item waits for: only the lanes' jobs start."""
+    import anyio
+
+    gate = threading.Event()
+    log: list = []
+    jobs = reading_ahead_jobs([3, 3, 3, 3], log)
+    first = jobs[0]
+
+    async def held(ctx):
+        await anyio.to_thread.run_sync(gate.wait)
+        await first(ctx)
+
+    held.reads_ahead = True
+    jobs[0] = held
+    limits = EngineLimits(max_inflight=2, delivery="interleave")
+    engine = FetchEngine(jobs, reusable(FakeStore()), limits=limits)
+    iterator = iter(engine)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(next, iterator)
+        try:
+            wait_until(lambda: ("start", 1) in {entry[:2] for entry in log}, "job 1 starts")
+            time.sleep(0.1)
+            started = {entry[:2] for entry in log}
+        finally:
+            gate.set()
+        assert pending.result(timeout=10) == (0, 0)
+    assert len(list(iterator)) == 11
+    assert ("start", 2) not in started, "no job reads ahead before the first item"

@@ -83,6 +83,7 @@ class EngineCore:
         self.lanes = list(range(limits.max_inflight))  # "interleave": job index per lane
         self.cursor = 0  # "interleave": the lane whose turn it is
         self.next_index = limits.max_inflight  # "interleave": the job the next free lane takes
+        self.most_places = limits.max_inflight  # the most ``places()`` any job so far was given
         self.pending: deque[tuple[Job, JobContext]] = deque()  # launched, no runner yet
         self.idle: list[anyio.Event] = []  # parked runners, each woken by setting its event
         self.runners = 0
@@ -128,7 +129,9 @@ class EngineCore:
     async def launch_all(self, tg: anyio.abc.TaskGroup, store: ObjectStore) -> None:
         for index, job in enumerate(self.jobs):
             fixed = getattr(job, "reserve", None)  # a job may say what it holds (a shard read)
-            await self.wait_for_room(index, fixed)
+            ahead = getattr(job, "reads_ahead", False)  # it fetches all it holds before its first item
+            self.most_places = max(self.most_places, self.places(ahead))
+            await self.wait_for_room(index, fixed, ahead)
             if self.failed:
                 break
             slot = Slot(index)
@@ -141,7 +144,7 @@ class EngineCore:
             self.pending.append((job, JobContext(self, slot, store, self.retry)))
             if self.idle:
                 self.idle.pop().set()
-            elif self.runners < self.limits.max_inflight or self.overdue(index):
+            elif self.runners < self.places(ahead) or self.overdue(index):
                 self.runners += 1  # a job the consumer already waits for gets a runner even past the limit
                 tg.start_soon(self.runner)
         self.launch_done = True
@@ -152,18 +155,18 @@ class EngineCore:
     async def runner(self) -> None:
         """Run launched jobs one after another, parking when there is none; return at the end.
 
-        Up to ``max_inflight`` runners live as long as the engine. A task per job would be
+        Up to ``places()`` runners live as long as the engine. A task per job would be
         simpler, but spawning an anyio task (its cancel scope, event and wrapper) cost about as
         much as the rest of the engine's work per sample. Every launched job finds a runner: the
         launcher wakes a parked one or starts a new one, and when there are already
-        ``max_inflight`` runners and none is parked, fewer than ``max_inflight`` jobs are held,
+        ``places()`` runners and none is parked, fewer than ``places()`` jobs are held,
         so some runner has not yet started or woken up and will take it.
         """
         while True:
             while self.pending:
                 job, ctx = self.pending.popleft()
                 await self.run_job(job, ctx)
-            if self.launch_done or self.runners > self.limits.max_inflight:
+            if self.launch_done or self.runners > self.most_places:
                 self.runners -= 1
                 return
             wake = anyio.Event()
@@ -197,17 +200,30 @@ class EngineCore:
             or self.buffered_bytes >= self.limits.queue_bytes
         )
 
-    def room_for(self, index: int) -> bool:
-        """Whether job ``index`` may start now (always in job order)."""
+    def places(self, ahead: bool = False) -> int:
+        """Jobs that may run at once: ``max_inflight``, twice that for jobs that read ahead
+        (``ahead``) under interleaved delivery: each lane's next job fetches while the lane's
+        job is delivered, else a lane waits out its next job's fetch whenever it moves on."""
+        if ahead and self.delivery == "interleave":
+            return 2 * self.limits.max_inflight
+        return self.limits.max_inflight
+
+    def room_for(self, index: int, ahead: bool = False) -> bool:
+        """Whether job ``index`` may start now (always in job order); ``ahead``: it fetches all
+        it holds before its first item (within its reservation), so it may start while the
+        buffer is full, and before its lane takes it (emit() holds its items back until then)."""
         if self.delivery == "interleave":
             # Every job a lane holds must run, or the round robin could wait on one that never
             # starts; memory stays bounded because emit() waits while the buffer is full.
-            return index < self.next_index
+            # Reading ahead starts with the first item delivered: before, it would share the
+            # connections with the reads the first sample waits for.
+            lookahead = self.limits.max_inflight if ahead and self.delivered_items else 0
+            return index < self.next_index + lookahead
         if self.delivery == "ordered" and index >= self.head + self.limits.queue_items:
             return False  # the reorder window
-        return not self.full()
+        return ahead or not self.full()
 
-    async def wait_for_room(self, index: int, fixed: int | None = None) -> None:
+    async def wait_for_room(self, index: int, fixed: int | None = None, ahead: bool = False) -> None:
         """Wait until job ``index`` may start: a free job slot and room in the buffer.
 
         The job slots are a plain count, not an ``anyio.Semaphore``: only this one task takes
@@ -216,8 +232,8 @@ class EngineCore:
         the launcher starts jobs back to back until the limit, then sleeps until one finishes.
         """
         while not self.failed and not self.overdue(index) and not (
-            self.launched - self.jobs_done < self.limits.max_inflight
-            and self.room_for(index)
+            self.launched - self.jobs_done < self.places(ahead)
+            and self.room_for(index, ahead)
             and self.bytes_room(fixed)
         ):
             await self.wait_change()
@@ -249,10 +265,11 @@ class EngineCore:
         # The job the consumer is parked on may deliver one item over a full buffer: making it
         # wait would deadlock (the room is held by other jobs' items). Only while the consumer
         # is parked: items it holds are freed by its next take(), so one over is the most.
-        while self.full() and not (
+        # A job that read ahead of its lane waits for the lane (its items would take the room).
+        while (self.delivery == "interleave" and slot.index >= self.next_index) or (self.full() and not (
             self.waiting and self.delivery != "completed" and slot.index == self.wanted
             and not slot.items
-        ):
+        )):
             await self.wait_change()
         (self.ready if self.delivery == "completed" else slot.items).append((item, nbytes))
         if nbytes > self.largest_item:

@@ -436,4 +436,5 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         await ctx.emit(((position, END), ShardEnd(index, skipped=False)), 0)
 
     job.reserve = plan.need  # type: ignore[attr-defined]  # what the engine's budget counts
+    job.reads_ahead = True  # type: ignore[attr-defined]  # it fetches before it emits: may start while the buffer is full
     return job
