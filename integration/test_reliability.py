@@ -251,12 +251,14 @@ def test_every_epoch_is_exact_through_injected_faults(s3_server, fault_data, fau
             # what the loader itself counted (summed over both workers' rows)
             assert stats is not None and stats["samples"] == len(expected), stats
             assert stats["retries"] + hedged == stats["requests"] - baseline, stats
-            hidden = len(gets) - stats["requests"]  # resent below the loader (aiohttp)
+            # resent below the loader (aiohttp); less than none by hedges called off (the request
+            # they raced answered first) before they reached the proxy
+            hidden = len(gets) - stats["requests"]
             if store == "obstore":
-                assert hidden == 0 and stats["retries"] <= injected <= stats["retries"] + 2 * hedged, (
+                assert -hedged <= hidden <= 0 and stats["retries"] <= injected <= stats["retries"] + 2 * hedged, (
                     stats, dict(counts))
             else:
-                assert 0 <= hidden <= counts["reset"], (
+                assert -hedged <= hidden <= counts["reset"], (
                     f"only resets may be resent below the loader: {hidden} hidden, {dict(counts)}")
             loader_retries += stats["retries"]
             below_loader += hidden
