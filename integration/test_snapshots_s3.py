@@ -13,6 +13,7 @@ import pytest
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset, NoSuchKeyError
 from loader.errors import ObjectChangedError
+from loader.listing.keyfile import open_keys, origin
 
 from datasets import upload_objects
 from faults import FaultProxy
@@ -48,6 +49,9 @@ def test_a_saved_listing_reads_back_without_a_list_and_changes_are_errors(s3_ser
     proc = saved_snapshot(s3_server, bucket, path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert f"saved the listing to {path}" in proc.stdout and "24 objects" in proc.stdout
+    # kept beside the keys, so that reading it back goes over no key: none hidden, one per sample
+    notes = origin(open_keys(path, verify=True)).notes
+    assert notes["hidden"][0] == 0 and len(notes["samples.starts"]) == 0, dict(notes)
     with FaultProxy(s3_server.config.endpoint_url) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         dataset = AsyncS3Dataset.from_manifest(str(path), config=config, store=store,

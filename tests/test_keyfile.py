@@ -144,3 +144,30 @@ def test_a_large_list_in_memory_moves_to_a_shared_file_when_a_process_starts(sha
     nodeshare.release(nodeshare.process_ident(os.getpid()))  # what this process does at exit
     assert list(share_dir.iterdir()) == []
     assert keyfile.origin(big) is not None and big[199] == "train/000199.jpg", "still mapped"
+
+
+def test_notes_kept_beside_the_keys_map_back_and_travel_with_a_shared_copy(tmp_path):
+    """Annotations (bytes or i64 arrays) are sections of the file: mapped back, checked by the
+    CRC like the keys, and kept when the list is published for the machine's other processes."""
+    import array
+
+    keys = KeyList.from_keys(["a/1.jpg", "a/2.jpg"])
+    notes = {"x.bytes": b"jpg\0", "x.numbers": array.array("q", [0, 2, 5]), "x.empty": array.array("q")}
+    write_keys(keys, tmp_path / "k.keys", notes=notes)
+    mapped = open_keys(tmp_path / "k.keys", verify=True)
+    got = keyfile.origin(mapped).notes
+    assert bytes(got["x.bytes"]) == b"jpg\0"
+    assert list(got["x.numbers"]) == [0, 2, 5] and len(got["x.empty"]) == 0
+    shared = nodeshare.NodeFile("notes-test").publish(mapped, anchor=os.getpid())
+    assert keyfile.origin(shared).path != keyfile.origin(mapped).path
+    assert list(keyfile.origin(shared).notes["x.numbers"]) == [0, 2, 5]
+    again = tmp_path / "again.keys"
+    write_keys(mapped, again, notes=got)  # a note read back (a map) is written as it came
+    assert list(keyfile.origin(open_keys(again)).notes["x.numbers"]) == [0, 2, 5]
+    with pytest.raises(ValueError, match="array\\('q'\\)"):
+        write_keys(keys, tmp_path / "bad.keys", notes={"x": array.array("i", [1])})
+    blob = bytearray((tmp_path / "k.keys").read_bytes())
+    blob[-1] ^= 0xFF  # the last section written: a note's
+    (tmp_path / "k.keys").write_bytes(bytes(blob))
+    with pytest.raises(ConfigError, match="corrupt: section 'note:"):
+        open_keys(tmp_path / "k.keys", verify=True)

@@ -19,6 +19,7 @@ import anyio
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, NoSuchKeyError, ObjectChangedError, SampleError
 from ..formats.grouping import NO_EXTENSION_FIELD, split_key
+from ..listing.keyfile import origin
 from ..listing.keylist import KeyList
 from ..retry import call_with_retries
 from ..s3.protocol import Pin
@@ -95,7 +96,7 @@ class SampleIndex:
     """
 
     keys: Sequence[str]
-    starts: array
+    starts: Sequence[int]  # a range when every sample is one key
     labels: array | None = None
     classes: tuple[str, ...] | None = None
     order: array | None = None
@@ -162,10 +163,11 @@ def build_index(
     if labels is not None and len(labels) != len(keys):
         raise ValueError(f"{len(labels)} labels for {len(keys)} keys")
     extensions: set[str] | None = None
+    starts: Sequence[int]
     if group:
-        order, starts, extensions = _groups(keys)
+        order, starts, extensions = saved_groups(keys) or _groups(keys)
     else:
-        order, starts = None, array("q", range(len(keys) + 1))
+        order, starts = None, range(len(keys) + 1)
     index = SampleIndex(keys, starts, order=order, pinned=pinned)
     label = ("label_from=" + repr(label_from) if label_from else "label column" if labels is not None
              else None)
@@ -196,7 +198,39 @@ def build_index(
     return index
 
 
-def _groups(keys: Sequence[str]) -> tuple[array | None, array, set[str] | None]:
+# What a listing snapshot keeps of ``_groups`` (``keyfile`` annotations), so that reading it back
+# goes over no key: at 10^6 keys grouping costs ~0.6 s of CPU before the first sample.
+STARTS_NOTE, ORDER_NOTE, EXTENSIONS_NOTE = "samples.starts", "samples.order", "samples.extensions"
+
+
+def sample_notes(keys: KeyList) -> dict[str, bytes | array]:
+    """``_groups(keys)`` as a snapshot keeps it: ``starts`` (empty: one key per sample),
+    ``order`` (absent: None), ``extensions`` (absent: None; else each NUL-terminated)."""
+    order, starts, extensions = _groups(keys)
+    notes: dict[str, bytes | array] = {STARTS_NOTE: array("q") if isinstance(starts, range) else array("q", starts)}
+    if order is not None:
+        notes[ORDER_NOTE] = order
+    if extensions is not None:
+        notes[EXTENSIONS_NOTE] = b"".join(ext.encode("utf-8", "surrogatepass") + b"\0" for ext in sorted(extensions))
+    return notes
+
+
+def saved_groups(keys: Sequence[str]) -> tuple[array | None, Sequence[int], set[str] | None] | None:
+    """``_groups(keys)`` as the snapshot ``keys`` is mapped from kept it (``sample_notes``), or
+    None when it kept none (an older snapshot, a listing that is no snapshot)."""
+    file = origin(keys)
+    notes = {} if file is None else file.notes
+    if STARTS_NOTE not in notes:
+        return None
+    starts: Sequence[int] = array("q", notes[STARTS_NOTE]) if len(notes[STARTS_NOTE]) else range(len(keys) + 1)
+    order = array("q", notes[ORDER_NOTE]) if ORDER_NOTE in notes else None
+    extensions = None
+    if EXTENSIONS_NOTE in notes:
+        extensions = {ext.decode("utf-8", "surrogatepass") for ext in bytes(notes[EXTENSIONS_NOTE]).split(b"\0")[:-1]}
+    return order, starts, extensions
+
+
+def _groups(keys: Sequence[str]) -> tuple[array | None, Sequence[int], set[str] | None]:
     """``(order, starts, extensions)`` of the samples: keys sharing a stem, by first appearance;
     ``extensions``: the keys' distinct extensions when the list is sorted (else None).
 
@@ -215,7 +249,7 @@ def _groups(keys: Sequence[str]) -> tuple[array | None, array, set[str] | None]:
         group_of = array("q", (members.setdefault(split_key(key)[0], len(members)) for key in keys))
     count = max(group_of, default=-1) + 1
     if extensions is not None and count == len(group_of):  # sorted, one key per sample: 0, 1, ...
-        return None, array("q", range(count + 1)), extensions
+        return None, range(count + 1), extensions
     starts = array("q", [0]) * (count + 1)
     for group in group_of:
         starts[group + 1] += 1

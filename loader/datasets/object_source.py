@@ -18,7 +18,7 @@ from ..listing.sharing import raise_if_failed_before_fork, ticket, track
 from ..listing.snapshots import Snapshot
 from ..listing.versions import Versions, listed_versions
 from . import partition
-from .object_samples import LabelFrom, SampleIndex, build_index, sample_job
+from .object_samples import LabelFrom, SampleIndex, build_index, sample_job, sample_notes
 from .options import LoaderOptions
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
@@ -74,7 +74,8 @@ class ObjectSource:
             raise_if_failed_before_fork(self)
             self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
                                    retry=self.options.retry, options=self.options.listing,
-                                   ticket=self._listing_ticket, snapshot=self._snapshot)
+                                   ticket=self._listing_ticket, snapshot=self._snapshot,
+                                   annotate=sample_notes if self._group else None)
         return self._keys
 
     def samples(self) -> SampleIndex:

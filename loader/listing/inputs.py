@@ -7,6 +7,7 @@ the main thread) and DataLoader workers alike, and leaves no thread behind.
 
 from __future__ import annotations
 
+import array
 import csv
 import functools
 import io
@@ -26,6 +27,7 @@ from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri, sibling_matches
+from .keyfile import Annotations, origin
 from .keylist import KeyList, ListOptions, list_all
 from .sharing import once_per_job
 from .snapshots import Snapshot, load_snapshot, save_snapshot
@@ -72,10 +74,12 @@ def list_prefix(
     ticket: int = 0,
     keep: Callable[[KeyList], KeyList] | None = None,
     snapshot: Snapshot | None = None,
+    annotate: Callable[[KeyList], Annotations] | None = None,
 ) -> KeyList:
     """Synchronous ``list_objects`` for an ``s3://bucket/prefix`` URI, then ``keep`` (a filter);
     in a job, listed once and shared (``sharing.once_per_job``, by ``ticket``). ``snapshot``:
-    read the key list from that file instead, or list and save it there (``snapshots``)."""
+    read the key list from that file instead, or list and save it there (``snapshots``), with
+    what ``annotate`` derives from the keys."""
     bucket, prefix = parse_s3_uri(uri)
     uri = f"s3://{bucket}/{prefix}"
     options = options or ListOptions()
@@ -89,7 +93,7 @@ def list_prefix(
         else:
             found = run_async(functools.partial(with_store, factory, use))
             if snapshot is not None:
-                found = save_snapshot(found, snapshot.path, uri)
+                found = save_snapshot(found, snapshot.path, uri, annotate)
         return found if keep is None else keep(found)
 
     if options.once_per_job:
@@ -271,6 +275,30 @@ def resolve_shards(
     return shards
 
 
+HIDDEN_NOTE = "hidden"  # a snapshot's count of hidden keys (``list_keys``)
+
+
+def count_hidden(found: KeyList) -> int:
+    """How many keys are hidden objects (a basename starting with a dot); a snapshot that
+    counted them says, without going over the keys."""
+    file = origin(found)
+    if file is not None and HIDDEN_NOTE in file.notes:
+        return int(file.notes[HIDDEN_NOTE][0])
+    return sum(1 for key in found if key.startswith(".", key.rfind("/") + 1))
+
+
+def snapshot_notes(annotate: Callable[[KeyList], Annotations] | None) -> Callable[[KeyList], Annotations]:
+    """What a snapshot of a per-object listing keeps beside its keys: how many are hidden, and,
+    when none is (the keys read are then the keys saved), what ``annotate`` derives from them."""
+
+    def notes(found: KeyList) -> Annotations:
+        count = count_hidden(found)
+        return {HIDDEN_NOTE: array.array("q", [count]),
+                **(annotate(found) if annotate is not None and not count else {})}
+
+    return notes
+
+
 def list_keys(
     bucket: str,
     prefix: str,
@@ -280,15 +308,18 @@ def list_keys(
     options: ListOptions | None = None,
     ticket: int = 0,
     snapshot: Snapshot | None = None,
+    annotate: Callable[[KeyList], Annotations] | None = None,
 ) -> KeyList:
     """The keys a per-object dataset reads under ``s3://bucket/prefix``: hidden objects (a
     basename starting with a dot: ``.DS_Store``, ``._x.jpg``) are left out, and a prefix that
-    also matched sibling folders is warned about (``warn_siblings``)."""
+    also matched sibling folders is warned about (``warn_siblings``). A snapshot saved keeps
+    the count of hidden keys and what ``annotate`` derives from the keys (``keyfile``), so that
+    reading it back goes over no key one by one."""
     where = f"s3://{bucket}/{prefix}"
 
     def visible(found: KeyList) -> KeyList:
         keys = found
-        if any(key.startswith(".", key.rfind("/") + 1) for key in found):
+        if count_hidden(found):
             keys = KeyList.from_infos(info for info in found.infos()
                                       if not info.key.startswith(".", info.key.rfind("/") + 1))
             log.info("left out %d hidden objects under %s", len(found) - len(keys), where)
@@ -297,7 +328,7 @@ def list_keys(
         return keys
 
     keys = list_prefix(where, factory=factory, retry=retry, options=options, ticket=ticket,
-                       keep=visible, snapshot=snapshot)
+                       keep=visible, snapshot=snapshot, annotate=snapshot_notes(annotate))
     warn_siblings(bucket, prefix, keys)
     log.info("listed %d objects under %s (%d bytes)", len(keys), where, keys.nbytes)
     return keys

@@ -6,7 +6,9 @@ One versioned format serves both (``loader ls --save`` writes it, ``from_manifes
     8    u32 version, u32 n          little-endian
     16   n bytes of JSON             id, count, created, source {bucket, prefix}, sections, crc32
     ...  sections, each starting at a multiple of 4096 so that each maps on its own:
-         keys (UTF-8, back to back), ends (u32 or u64), sizes (i64), etags (packed), etag ends
+         keys (UTF-8, back to back), ends (u32 or u64), sizes (i64), etags (packed), etag ends,
+         and any annotations (``note:<name>``: bytes or i64, what a layer above derived from
+         the keys and keeps beside them, such as how they group into samples)
 
 A mapped list reads through the page cache, so every process of a machine that maps the same
 file shares one copy of it. The file is written beside its final name and renamed into place,
@@ -43,6 +45,8 @@ ALIGN = 4096
 _PREAMBLE = struct.Struct("<8sII")
 _SECTIONS = ("keys", "ends", "sizes", "etags", "etag_ends")
 _FORMATS = {"keys": ("B",), "ends": ("I", "Q"), "sizes": ("q",), "etags": ("B",), "etag_ends": ("I", "Q")}
+NOTE = "note:"  # the sections of annotations
+Annotations = Mapping[str, Any]  # name -> bytes or array('q') (or a map of either)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,7 @@ class KeyFile:
     count: int
     created: str
     source: Mapping[str, str] | None = None
+    notes: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # annotations, mapped
 
     @property
     def uri(self) -> str | None:
@@ -79,16 +84,18 @@ def origin(keys: object) -> KeyFile | None:
 
 
 def write_keys(keys: KeyList, path: str | os.PathLike[str], *,
-               source: Mapping[str, str] | None = None, durable: bool = False) -> KeyFile:
+               source: Mapping[str, str] | None = None, durable: bool = False,
+               notes: Annotations | None = None) -> KeyFile:
     """Write ``keys`` (with sizes and ETags when it has them) to ``path``, atomically: a
     temporary file beside it, renamed into place. ``durable``: fsync first (a snapshot on disk;
-    not needed for a file in memory that dies with the machine)."""
+    not needed for a file in memory that dies with the machine). ``notes``: annotations kept
+    beside the keys (bytes, or arrays of i64), mapped back as ``origin(keys).notes``."""
     target = Path(path)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
                                              dir=target.parent)
     try:
         with os.fdopen(descriptor, "wb") as f:
-            written = dump_keys(keys, f, source=source)
+            written = dump_keys(keys, f, source=source, notes=notes)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -101,9 +108,16 @@ def write_keys(keys: KeyList, path: str | os.PathLike[str], *,
     return dataclasses.replace(written, path=str(target))
 
 
-def dump_keys(keys: KeyList, f: BinaryIO, *, source: Mapping[str, str] | None = None) -> KeyFile:
-    """Write ``keys`` in this format to the binary file ``f`` (at its start)."""
+def dump_keys(keys: KeyList, f: BinaryIO, *, source: Mapping[str, str] | None = None,
+              notes: Annotations | None = None) -> KeyFile:
+    """Write ``keys`` (and ``notes``, see ``write_keys``) in this format to the binary file ``f``
+    (at its start)."""
     parts = _parts(keys)
+    for name, value in (notes or {}).items():
+        view = memoryview(value)  # bytes, an array('q'), or the map of either (a note read back)
+        if view.format not in ("B", "q"):
+            raise ValueError(f"annotation {name!r} holds {view.format!r} items: give bytes or array('q')")
+        parts[NOTE + name] = (view.cast("B"), view.format)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     header: dict[str, Any] = {"id": uuid.uuid4().hex, "count": len(keys), "created": created,
                               "source": dict(source) if source else None, "byteorder": "little",
@@ -192,8 +206,18 @@ def _build(header: dict[str, Any], base: int, size: int, name: str, read: Any, *
                               "does not match its checksum")
     keys = _assemble(sections, header["count"], name)
     if read_from_file:
+        notes = {}
+        for section, (offset, length, fmt) in header["sections"].items():
+            if section.startswith(NOTE) and fmt in ("B", "q"):
+                if length and base + offset + length > size:
+                    raise ConfigError(f"key list file {name!r} is truncated: section {section!r} "
+                                      f"ends at byte {base + offset + length}, the file at {size}")
+                notes[section[len(NOTE):]] = data = read(base + offset, length, fmt)
+                if verify and zlib.crc32(data) != header["crc32"][section]:
+                    raise ConfigError(f"key list file {name!r} is corrupt: section {section!r} "
+                                      "does not match its checksum")
         keys._origin = KeyFile(name, header["id"], header["count"], header["created"],
-                               header["source"])
+                               header["source"], notes)
     return keys
 
 

@@ -141,7 +141,8 @@ class NodeFile:
         in-memory one can go). A machine short of room gets the list in memory, with a warning."""
         self.hold(anchor)
         sweep()
-        return self._place(lambda path: write_keys(keys, path, source=source), keys)
+        notes = keys._origin.notes if keys._origin is not None else None  # a snapshot's, kept
+        return self._place(lambda path: write_keys(keys, path, source=source, notes=notes), keys)
 
     def publish_bytes(self, blob: bytes, anchor: int) -> KeyList:
         """Write a key list file received whole (from another machine); the mapped copy."""

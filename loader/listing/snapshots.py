@@ -11,12 +11,13 @@ loaded. A dataset reading a snapshot asks each GET for the version the snapshot 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ConfigError
 from ..uri import parse_s3_uri
-from .keyfile import is_keyfile, open_keys, read_header, write_keys
+from .keyfile import Annotations, is_keyfile, open_keys, read_header, write_keys
 from .keylist import KeyList
 
 
@@ -76,12 +77,16 @@ def load_snapshot(path: str, uri: str) -> KeyList:
     return keys
 
 
-def save_snapshot(keys: KeyList, path: str, uri: str) -> KeyList:
-    """Write ``keys``, listed from ``uri``, to ``path`` (atomically, durably); the mapped copy."""
+def save_snapshot(keys: KeyList, path: str, uri: str,
+                  annotate: Callable[[KeyList], Annotations] | None = None) -> KeyList:
+    """Write ``keys``, listed from ``uri``, to ``path`` (atomically, durably); the mapped copy.
+    ``annotate``: what to keep beside the keys (``keyfile.write_keys``' ``notes``), so that
+    reading the snapshot back need not derive it again (how keys group into samples)."""
     bucket, prefix = parse_s3_uri(uri)
     target = Path(path)
     if not target.parent.is_dir():
         raise ConfigError(f"cannot save the snapshot {path!r}: {str(target.parent)!r} is not a "
                           "directory")
-    write_keys(keys, target, source={"bucket": bucket, "prefix": prefix}, durable=True)
+    write_keys(keys, target, source={"bucket": bucket, "prefix": prefix}, durable=True,
+               notes=None if annotate is None else annotate(keys))
     return open_keys(target)

@@ -13,11 +13,12 @@ from collections.abc import Iterable, Sequence
 from typing import IO, NamedTuple
 
 from ..config import S3Config
+from ..datasets.object_samples import sample_notes
 from ..errors import EmptyDatasetError
 from ..formats.compression import is_shard_name
 from ..formats.grouping import split_key
 from ..formats.packing import PROGRESS_NAME
-from ..listing.inputs import list_prefix
+from ..listing.inputs import list_prefix, snapshot_notes
 from ..listing.snapshots import save_snapshot, snapshot_option
 from ..retry import RetryPolicy
 from ..s3 import ObjectInfo, StoreSpec
@@ -173,5 +174,6 @@ def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = No
     found = list_prefix(uri, factory=factory, retry=retry)
     if snapshot is not None:
         bucket, prefix = parse_s3_uri(uri)
-        found = save_snapshot(found, snapshot.path, f"s3://{bucket}/{prefix}")
+        # kept beside the keys for from_manifest: hidden keys counted, samples grouped
+        found = save_snapshot(found, snapshot.path, f"s3://{bucket}/{prefix}", snapshot_notes(sample_notes))
     return list(found.infos())
