@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per case, median (default 3)")
     parser.add_argument("--empty", action="store_true",
                         help="empty objects (quick to make by the 100,000)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="runs whose name holds one of these words (default all; e.g. saved s3torchconnector)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for w in workers:
                 for name, who, store in RUNS:
+                    if args.only is not None and not any(word in name for word in args.only):
+                        continue
                     spec = {"who": who, "store": store, "workers": w, "uri": f"s3://{BUCKET}/{prefix}",
                             "endpoint": config.endpoint_url, "region": config.region,
                             "saved": saved if "saved" in name else None}
@@ -195,7 +199,7 @@ def sequential_listing(config: Any, prefix: str) -> float:
 
 def report(objects: int, workers: list[int], results: dict[tuple[str, int], list[dict[str, Any]]]) -> str:
     def med(name: str, w: int, field: str) -> float | None:
-        values = [r[field] for r in results[name, w] if field in r]
+        values = [r[field] for r in results.get((name, w), []) if field in r]
         return statistics.median(values) if values else None
 
     lines = [f"### Time to first sample, {objects:,} objects", "",
@@ -204,6 +208,8 @@ def report(objects: int, workers: list[int], results: dict[tuple[str, int], list
     for w in workers:
         theirs = med(RUNS[-1][0], w, "first") or float("nan")
         for name, *_ in RUNS:
+            if (name, w) not in results:
+                continue
             first = med(name, w, "first") or float("nan")
             lines.append(f"| {name} | {w} | {first:.3f} s | {first / theirs:.1f}x | "
                          f"{med(name, w, 'import') or 0:.3f} s |")
