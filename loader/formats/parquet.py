@@ -361,7 +361,9 @@ def row_nbytes(row: dict[str, Any]) -> int:
         if isinstance(value, (bytes, bytearray, str)):
             total += len(value)
         elif isinstance(value, dict):
-            total += sum(len(v) for v in value.values() if isinstance(v, (bytes, bytearray, str)))
+            for inner in value.values():  # a loop, not sum() over a generator: this runs per row
+                if isinstance(inner, (bytes, bytearray, str)):
+                    total += len(inner)
     return total
 
 
@@ -409,6 +411,7 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         fetched.clear()
         rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
         index = 0
+        stem, url, first = ref.stem + "/", ref.url, plan.first  # once, not per row
         try:
             while True:
                 batch = await anyio.to_thread.run_sync(next, rows, None)
@@ -416,7 +419,7 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
                     break
                 for row in batch:
                     if assignment.keeps(index) and index not in skip:
-                        sample = {"__key__": f"{ref.stem}/{plan.first + index}", "__url__": ref.url, **row}
+                        sample = {"__key__": f"{stem}{first + index}", "__url__": url, **row}
                         await ctx.emit(((position, index), sample), row_nbytes(row))
                     index += 1
         except ParquetFormatError as exc:
