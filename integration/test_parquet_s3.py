@@ -19,7 +19,16 @@ from PIL import Image
 from test_mix_s3 import global_order
 from test_mix_s3 import launch as mix_launch
 
-from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, decode_sample
+from loader import (
+    AsyncS3Dataset,
+    ConfigError,
+    EmptyDatasetError,
+    Limits,
+    ObjectChangedError,
+    ParquetFormatError,
+    Reading,
+    decode_sample,
+)
 
 from datasets import jpeg_dataset
 from shardsets import upload_shards
@@ -162,3 +171,23 @@ def test_a_file_overwritten_after_its_footer_was_read(s3_server):
     put(minio, bucket, "changing/rows.parquet", arrow_bytes(table(12, 5), row_group_size=6))
     with pytest.raises(ObjectChangedError, match="changing/rows.parquet was overwritten after its footer was read"):
         list(ds)
+
+
+@pytest.mark.server_sensitive
+@pytest.mark.parametrize("store", ["aioboto3", "obstore"])
+def test_a_row_group_larger_than_the_budget_is_read_streamed(s3_server, store):
+    """A 12 MB row group (pages of ~0.5 MB) under a budget that leaves 18 MiB for reads: read
+    whole it would need ~20 MB, so its column chunk comes in ranged GETs of part_size (1 MiB)
+    as pyarrow decodes it, on every server and both backends; every row as written."""
+    bucket, minio = s3_server.new_bucket("pqstream"), s3_server.minio
+    blobs = [bytes([i % 256]) * 60_000 for i in range(200)]
+    put(minio, bucket, "big/a.parquet", arrow_bytes(pa.table({"blob": blobs, "n": list(range(200))}),
+                                                     row_group_size=200, compression="none", use_dictionary=False,
+                                                     write_batch_size=8, data_page_size=256 << 10))
+    ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/big/", config=s3_server.config, store=store,
+                                     limits=Limits(memory=24 << 20), reading=Reading(part_size=1 << 20))
+    (plan,) = ds.source.plans()
+    assert plan.need > ds.source.read_bytes(), "read whole, it would not fit"
+    got = list(ds)
+    assert [row["blob"] for row in got] == blobs and [row["n"] for row in got] == list(range(200))
+    assert ds.stats()["requests"] >= 12, ds.stats()

@@ -14,7 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError, EmptyDatasetError, ObjectChangedError, ParquetFormatError, mix
+from loader import (
+    AsyncS3Dataset,
+    ConfigError,
+    EmptyDatasetError,
+    Limits,
+    ObjectChangedError,
+    ParquetFormatError,
+    Reading,
+    mix,
+)
 from loader.formats.parquet import SparseFile, merge_ranges, split_ranges
 
 from fakes import FakeStore, payloads, reusable
@@ -289,3 +298,73 @@ def test_a_sparse_file_reads_across_the_parts_of_a_range_as_one(data, cuts, star
     file.seek(100 + at)
     with pytest.raises(OSError, match="were not fetched"):
         file.read(len(data) - at + 1)  # one byte past what was fetched
+
+
+def big_row_group(rows: int = 200, size: int = 60_000) -> tuple[bytes, list[bytes]]:
+    """One file of one row group of ``rows`` blobs of ``size`` bytes (12 MB), written in pages
+    of about 8 rows (~0.5 MB): what a row group larger than its share of a budget looks like."""
+    blobs = [bytes([i % 256]) * size for i in range(rows)]
+    out = io.BytesIO()
+    pq.write_table(pa.table({"blob": blobs, "n": list(range(rows))}), out, row_group_size=rows,
+                   compression="none", use_dictionary=False, write_batch_size=8, data_page_size=256 << 10)
+    return out.getvalue(), blobs
+
+
+def test_a_row_group_larger_than_the_budget_allows_is_read_streamed_within_it(monkeypatch):
+    """12 MB of column chunk, a budget that leaves 18 MiB for reads: read whole it would need
+    ~20 MB (the chunk and a decoded batch twice), so it is read in pieces of part_size as
+    pyarrow decodes it, a few at a time, and every row comes out as written."""
+    from loader.formats import parquet
+
+    data, blobs = big_row_group()
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": data}, latency=0.002)
+    files = []
+
+    class Recorded(parquet.StreamedFile):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            files.append(self)
+
+    monkeypatch.setattr(parquet, "StreamedFile", Recorded)
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=24 << 20),
+                                     reading=Reading(part_size=1 << 20))
+    (plan,) = ds.source.plans()
+    assert plan.need > ds.source.read_bytes() >= plan.streamed_need(1 << 20)
+    got = list(ds)
+    assert [row["blob"] for row in got] == blobs and [row["n"] for row in got] == list(range(200))
+    (file,) = files
+    assert 0 < file.peak <= (parquet.STREAM_AHEAD + 2) * (1 << 20), file.peak
+    assert fake.requests_by_key["big/a.parquet"] >= 12, "a piece of 1 MiB at a time, not the chunk at once"
+
+
+def test_a_streamed_row_group_of_a_file_overwritten_is_object_changed_not_corrupt():
+    data, _ = big_row_group()
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": data})
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=24 << 20),
+                                     reading=Reading(part_size=1 << 20))
+    ds.resolve()
+    fake.objects["bucket", "big/a.parquet"] = data[:-1] + b"!"  # a new version (its footer intact)
+    with pytest.raises(ObjectChangedError, match="overwritten after its footer was read"):
+        list(ds)
+
+
+def test_a_row_group_too_large_even_streamed_says_both_needs():
+    data, _ = big_row_group()
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": data})
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=12 << 20),
+                                     reading=Reading(part_size=4 << 20))
+    with pytest.raises(ConfigError, match=r"needs \d+ bytes to read whole .* and \d+ read streamed"):
+        ds.resolve()
+
+
+def test_breaking_off_a_streamed_read_calls_off_its_pieces():
+    """The consumer stops after a few rows while pieces are in flight: the read ends (the
+    decoding thread waiting for a piece is woken), nothing hangs."""
+    data, blobs = big_row_group()
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": data}, latency=0.05)
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=24 << 20),
+                                     reading=Reading(part_size=1 << 20))
+    rows = iter(ds)
+    assert [next(rows)["blob"] for _ in range(5)] == blobs[:5]
+    rows.close()
+    assert [row["n"] for row in ds][:3] == [0, 1, 2], "the next epoch reads again"

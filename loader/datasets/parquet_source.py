@@ -26,6 +26,7 @@ from ..errors import ConfigError, EmptyDatasetError, NoSuchKeyError
 from ..formats.parquet import (
     PARQUET_SUFFIX,
     RANGE_BYTES,
+    STREAM_AHEAD,
     Footer,
     ParquetRef,
     RowGroupPlan,
@@ -249,14 +250,27 @@ class ParquetSource(ShardSource):
         reads = self.read_bytes()
         if reads is None:
             return
-        largest = max(plans, key=lambda plan: plan.need)
-        if largest.need > reads:
+        piece = self._piece()
+        largest = max(plans, key=lambda plan: plan.streamed_need(piece) if self._streams(plan) else plan.need)
+        if self._streams(largest) and largest.streamed_need(piece) > reads:
             raise ConfigError(
-                f"{largest.name} of {files[largest.file].url} needs {largest.need} bytes to read "
-                f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, fetched "
-                f"whole because pyarrow decodes a row group's columns side by side, plus a decoded batch), "
-                f"more than Limits(memory={self.options.memory_budget}) leaves for reads ({reads} bytes); "
-                "raise the memory limit, select fewer columns, or write smaller row groups")
+                f"{largest.name} of {files[largest.file].url} needs {largest.need} bytes to read whole "
+                f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, plus a "
+                f"decoded batch), and {largest.streamed_need(piece)} read streamed (each of its "
+                f"{len(largest.chunks)} column chunks in pieces of {piece} bytes, "
+                f"{STREAM_AHEAD + 2} held at once), more than Limits(memory={self.options.memory_budget}) "
+                f"leaves for reads ({reads} bytes); raise the memory limit, select fewer columns, give "
+                "Reading(part_size=) smaller pieces, or write smaller row groups")
+
+    def _piece(self) -> int:
+        """Bytes of one ranged GET of a unit (and of a piece of a streamed row group)."""
+        return min(self.shard_options.part_size, RANGE_BYTES)
+
+    def _streams(self, plan: RowGroupPlan) -> bool:
+        """Whether ``plan`` is read streamed: only a row group that does not fit whole in what the
+        memory budget leaves for reads is (streaming fetches in smaller, later pieces: slower)."""
+        reads = self.read_bytes()
+        return reads is not None and plan.need > reads
 
     def _unit_need(self) -> int | None:
         """What a unit of several row groups may need: its share of ``read_bytes()``, so that
@@ -317,13 +331,13 @@ class ParquetSource(ShardSource):
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
             offsets: bool = True) -> Job:
         plan = self.plans()[assignment.shard]
-        options = self.shard_options
         read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns,
-                            min(options.part_size, RANGE_BYTES), options.parts_inflight)
+                            self._piece(), self.shard_options.parts_inflight, self._streams(plan))
         return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error)
 
     def reserve(self, assignment: ShardAssignment) -> int:
-        return self.plans()[assignment.shard].need
+        plan = self.plans()[assignment.shard]
+        return plan.streamed_need(self._piece()) if self._streams(plan) else plan.need
 
     def inflight(self) -> int:
         """Units this process reads at once: ``row_groups_inflight``; when it was not given, its

@@ -12,8 +12,9 @@ selected column chunks); pyarrow is asked not to coalesce reads across the gaps.
 
 Memory: a row group being read holds the compressed bytes of its selected column chunks (all
 of them: pyarrow decodes a row group's columns side by side), plus one decoded batch of rows
-(``BATCH_ROWS``); ``RowGroupPlan.need`` is that number, which the engine's budget reserves.
-Page-level streaming (fetching a column chunk's pages as they are decoded) is not done.
+(``BATCH_ROWS``); ``RowGroupPlan.need`` is that number, which the engine's budget reserves. A
+row group that does not fit in the budget that way is read streamed (``StreamedFile``: each
+column chunk fetched in pieces as pyarrow reads it forward, ``RowGroupPlan.streamed_need``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections.abc import Awaitable, Callable, Container, Generator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 
 from ..engine.fetch import Job, JobContext
@@ -52,6 +55,9 @@ RANGE_BYTES = 8 << 20
 # Arrow reads up to 100 bytes past a column chunk's end for files of old parquet-mr writers
 # (its ``kMaxDictHeaderSize`` padding); fetching them too keeps such files readable.
 CHUNK_SLACK = 100
+# A row group larger than its share of the memory budget is read streamed: each column chunk in
+# pieces as pyarrow decodes it, this many pieces fetched ahead of the one it reads.
+STREAM_AHEAD = 1
 
 
 def pyarrow_parquet() -> Any:
@@ -101,6 +107,7 @@ class RowGroupPlan(NamedTuple):
     first: int
     ranges: tuple[tuple[int, int], ...]
     decoded: int
+    chunks: tuple[tuple[int, int], ...] = ()  # each selected column chunk's bytes (a streamed read's)
 
     @property
     def name(self) -> str:
@@ -114,11 +121,23 @@ class RowGroupPlan(NamedTuple):
         return sum(end - start for start, end in self.ranges)
 
     @property
+    def batch(self) -> int:
+        """Bytes of one decoded batch of rows (``BATCH_ROWS``), by the footer's sizes."""
+        return 0 if self.rows == 0 else -(-self.decoded * min(self.rows, BATCH_ROWS) // self.rows)
+
+    @property
     def need(self) -> int:
         """Bytes held while this row group is read: its fetched column chunks, and one decoded
         batch twice over (the Arrow arrays and the Python rows made of them)."""
-        batch = 0 if self.rows == 0 else -(-self.decoded * min(self.rows, BATCH_ROWS) // self.rows)
-        return self.fetched + 2 * batch
+        return self.fetched + 2 * self.batch
+
+    def streamed_need(self, piece: int) -> int:
+        """Bytes held while this row group is read streamed in pieces of ``piece`` bytes
+        (``StreamedFile``): per column chunk, the piece pyarrow reads from, the next one
+        fetched ahead and pyarrow's own buffer of one piece; plus the decoded batch twice over.
+        A page larger than a piece is read whole (the footer does not say page sizes)."""
+        held = sum(min(end - start, (STREAM_AHEAD + 2) * piece) for start, end in self.chunks)
+        return held + 2 * self.batch
 
 
 # ----------------------------------------------------------------------------- footers
@@ -230,7 +249,8 @@ def plan_row_groups(ref: ParquetRef, file: int, meta: pq.FileMetaData, footer: F
                                          "is corrupt", url=ref.url)
             spans.append((start, end))
             decoded += chunk.total_uncompressed_size
-        plans.append(RowGroupPlan(file, (group,), row_group.num_rows, first, merge_ranges(spans), decoded))
+        plans.append(RowGroupPlan(file, (group,), row_group.num_rows, first, merge_ranges(spans), decoded,
+                                  tuple(sorted(spans))))
         first += row_group.num_rows
     return plans
 
@@ -249,7 +269,8 @@ def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = N
         if (last is not None and last.file == plan.file and last.groups[-1] + 1 == plan.groups[0]
                 and last.first + last.rows == plan.first and last.fetched + plan.fetched <= limit):
             joined = RowGroupPlan(plan.file, last.groups + plan.groups, last.rows + plan.rows, last.first,
-                                  merge_ranges(last.ranges + plan.ranges), last.decoded + plan.decoded)
+                                  merge_ranges(last.ranges + plan.ranges), last.decoded + plan.decoded,
+                                  last.chunks + plan.chunks)
             if max_need is None or joined.need <= max_need:
                 out[-1] = joined
                 continue
@@ -331,22 +352,136 @@ class SparseFile(io.RawIOBase):
         return len(data)
 
 
+class StreamedFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes whose column chunks (``chunks``, byte ranges) are
+    fetched in pieces of ``piece`` bytes as pyarrow reads them, ``STREAM_AHEAD`` pieces ahead of
+    the one read, and dropped once the reading has moved past them: what a row group larger
+    than its share of the memory budget is decoded from. pyarrow reads each column chunk
+    forward (its buffered stream, ``buffer_size=piece``), so each chunk holds a few pieces.
+
+    pyarrow calls ``read`` from the thread that decodes; ``fetch(start, end)`` runs in the
+    engine's loop (``token``), started there by ``start`` (a task group's ``start_soon``)."""
+
+    def __init__(self, url: str, size: int, chunks: Sequence[tuple[int, int]], piece: int,
+                 fetch: Callable[[int, int], Awaitable[bytes]], start: Callable[..., Any], token: Any) -> None:
+        super().__init__()
+        self.url = url
+        self._size = size
+        self._chunks = sorted(chunks)
+        self._piece = piece
+        self._fetch = fetch
+        self._start = start
+        self._token = token
+        self._pieces: dict[int, tuple[anyio.Event, list[Any]]] = {}  # start -> (fetched, [bytes | error])
+        self._at = 0
+        self.held = self.peak = 0  # bytes of pieces fetched and not yet dropped (measured)
+        self.failed: Exception | None = None  # a fetch's error, as it was
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def _chunk(self, at: int) -> tuple[int, int]:
+        import bisect
+
+        place = bisect.bisect_right(self._chunks, (at, self._size + 1)) - 1
+        if place < 0 or not self._chunks[place][0] <= at < self._chunks[place][1]:
+            raise OSError(f"{self.url}: byte {at} is in no column chunk read")
+        return self._chunks[place]
+
+    def _ask(self, begin: int, end: int, at: int) -> None:
+        """Start fetching the piece of chunk ``begin..end`` at ``at`` (in the loop), once."""
+        if at >= end or at in self._pieces:
+            return
+        anyio.from_thread.run_sync(self._begin, at, min(at + self._piece, end), token=self._token)
+
+    def _begin(self, at: int, stop: int) -> None:
+        """In the loop: register the piece at ``at`` and start its fetch. Whatever ends the
+        fetch (an answer, an error, the read called off) wakes the reader."""
+        fetched, box = anyio.Event(), list[Any]()
+        self._pieces[at] = (fetched, box)
+
+        async def get() -> None:
+            try:
+                box.append(await self._fetch(at, stop))
+            except Exception as exc:  # noqa: BLE001 - raised in the reading thread
+                box.append(exc)
+            finally:
+                if not box:
+                    box.append(OSError(f"{self.url}: the read of bytes {at}..{stop} was called off"))
+                fetched.set()
+
+        self._start(get)
+
+    def _piece_at(self, begin: int, end: int, at: int) -> tuple[int, bytes]:
+        """The piece holding byte ``at`` of chunk ``begin..end`` (waited for), the next ones
+        asked for, and the pieces of this chunk behind it dropped."""
+        first = begin + (at - begin) // self._piece * self._piece
+        for ahead in range(STREAM_AHEAD + 1):
+            self._ask(begin, end, first + ahead * self._piece)
+        fetched, box = self._pieces[first]
+        anyio.from_thread.run(fetched.wait, token=self._token)
+        if isinstance(box[0], Exception):
+            self.failed = box[0]  # raised through pyarrow, which may wrap it: decode_rows raises this
+            raise box[0]
+        for start in [start for start in self._pieces if begin <= start < first]:
+            del self._pieces[start]  # read past: pyarrow reads a chunk forward
+        self.held = sum(len(got[0]) for _, got in self._pieces.values() if got and isinstance(got[0], bytes))
+        self.peak = max(self.peak, self.held)
+        return first, box[0]
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._at + size)
+        out = []
+        while self._at < end:
+            begin, stop = self._chunk(self._at)
+            first, data = self._piece_at(begin, stop, self._at)
+            take = min(end, first + len(data)) - self._at
+            if take <= 0:
+                raise OSError(f"{self.url}: bytes {self._at}..{end} were not fetched")
+            out.append(memoryview(data)[self._at - first:self._at - first + take])
+            self._at += take
+        return out[0] if len(out) == 1 else b"".join(out)  # type: ignore[return-value]
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
 def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
-                pieces: Sequence[tuple[int, bytes]], columns: Sequence[str] | None,
+                pieces: Sequence[tuple[int, bytes]] | StreamedFile, columns: Sequence[str] | None,
                 batch_rows: int = BATCH_ROWS) -> Generator[list[dict[str, Any]], None, None]:
     """The rows of one row group as dicts (pyarrow's ``to_pylist``: binary as bytes, structs as
-    dicts, lists as lists), ``batch_rows`` at a time, decoded from the fetched ``pieces``."""
+    dicts, lists as lists), ``batch_rows`` at a time, decoded from the fetched ``pieces`` (or
+    from a ``StreamedFile``, which fetches them as they are read)."""
     parquet = pyarrow_parquet()
     import pyarrow as pa
 
-    source = SparseFile(ref.url, ref.size, pieces)
-    reader = parquet.ParquetFile(source, metadata=meta, pre_buffer=False)
+    if isinstance(pieces, StreamedFile):
+        source: io.RawIOBase = pieces
+        options: dict[str, Any] = {"buffer_size": pieces._piece}  # read each chunk forward, piece by piece
+    else:
+        source, options = SparseFile(ref.url, ref.size, pieces), {}
+    reader = parquet.ParquetFile(source, metadata=meta, pre_buffer=False, **options)
     try:
         for batch in reader.iter_batches(batch_size=batch_rows, row_groups=list(plan.groups),
                                          columns=None if columns is None else list(columns),
                                          use_threads=False):
             yield batch.to_pylist()
     except (pa.ArrowException, OSError) as exc:
+        if isinstance(source, StreamedFile) and source.failed is not None:
+            raise source.failed from None  # a fetch failed (after its retries), not the decoding
         raise ParquetFormatError(f"{ref.url}: {plan.name} does not decode ({exc}); the file "
                                  "is corrupt", url=ref.url) from exc
     finally:
@@ -369,13 +504,15 @@ def row_nbytes(row: dict[str, Any]) -> int:
 
 class RowGroupRead(NamedTuple):
     """What a row-group job needs besides the plan: the file, its parsed footer, the columns,
-    and how many ranged GETs of at most ``part_size`` bytes it keeps in flight."""
+    how many ranged GETs of at most ``part_size`` bytes it keeps in flight, and whether it is
+    read streamed (``StreamedFile``: pieces of ``part_size`` as pyarrow reads them)."""
 
     ref: ParquetRef
     meta: Any  # pq.FileMetaData
     columns: tuple[str, ...] | None
     part_size: int
     parts_inflight: int
+    streamed: bool = False
 
 
 def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignment: ShardAssignment,
@@ -390,25 +527,50 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
     file), ``__url__`` (the file's URL) and the selected columns' values."""
     ref = read.ref
 
+    def changed(exc: ObjectChangedError) -> ObjectChangedError:
+        return ObjectChangedError(
+            f"{ref.url} was overwritten after its footer was read (ETag {ref.etag}): its row "
+            f"groups no longer lie where the footer said ({exc}); build the dataset again to read "
+            "the new version", bucket=ref.bucket, key=ref.key)
+
     async def job(ctx: JobContext) -> None:
         pin = Pin(ref.etag)
-        parts = split_ranges(plan.ranges, read.part_size)
+
+        async def get(start: int, end: int) -> bytes:
+            return await call_with_retries(lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
+                                           ctx.retry, on_retry=ctx.retried)
+
+        if read.streamed:
+            failed: Exception | None = None
+            async with anyio.create_task_group() as fetching:  # the pieces asked for while decoding
+                source = StreamedFile(ref.url, ref.size, plan.chunks, read.part_size, get,
+                                      fetching.start_soon, anyio.lowlevel.current_token())
+                try:
+                    await emit_rows(ctx, source)
+                except Exception as exc:  # noqa: BLE001 - raised below, outside the task group (unwrapped)
+                    failed = exc
+                finally:
+                    fetching.cancel_scope.cancel()  # pieces fetched ahead of an ending read
+            if isinstance(failed, ObjectChangedError):
+                raise changed(failed) from failed
+            if failed is not None:
+                raise failed
+            return
         fetched: dict[int, bytes] = {}
 
         async def fetch(start: int, end: int) -> None:
-            fetched[start] = await call_with_retries(
-                lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
-                ctx.retry, on_retry=ctx.retried)
+            fetched[start] = await get(start, end)
 
+        parts = split_ranges(plan.ranges, read.part_size)
         try:
             await run_all([functools.partial(fetch, start, end) for start, end in parts], read.parts_inflight)
         except ObjectChangedError as exc:
-            raise ObjectChangedError(
-                f"{ref.url} was overwritten after its footer was read (ETag {ref.etag}): its row "
-                f"groups no longer lie where the footer said ({exc}); build the dataset again to read "
-                "the new version", bucket=ref.bucket, key=ref.key) from exc
+            raise changed(exc) from exc
         pieces = sorted(fetched.items())  # each part its own piece: no copy joins them
         fetched.clear()
+        await emit_rows(ctx, pieces)
+
+    async def emit_rows(ctx: JobContext, pieces: Sequence[tuple[int, bytes]] | StreamedFile) -> None:
         rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
         index = 0
         stem, url, first = ref.stem + "/", ref.url, plan.first  # once, not per row
@@ -438,6 +600,8 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
                                      f"says {plan.rows}", url=ref.url)
         await ctx.emit(((position, END), ShardEnd(index, skipped=False)), 0)
 
-    job.reserve = plan.need  # type: ignore[attr-defined]  # what the engine's budget counts
-    job.reads_ahead = True  # type: ignore[attr-defined]  # it fetches before it emits: may start while the buffer is full
+    # what the engine's budget counts; a job that fetches all before it emits may start while
+    # the buffer is full, and ahead of its lane (engine/core.py); a streamed one fetches as it emits
+    job.reserve = plan.streamed_need(read.part_size) if read.streamed else plan.need  # type: ignore[attr-defined]
+    job.reads_ahead = not read.streamed  # type: ignore[attr-defined]
     return job
