@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -168,12 +169,33 @@ def cpu_seconds(process: psutil.Process | None = None) -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
+def rss(process: psutil.Process) -> int:
+    """Resident bytes of ``process`` and its children (DataLoader workers)."""
+    total = 0
+    for each in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += each.memory_info().rss
+    return total
+
+
 def run_once(make: Callable[[Endpoint], IterableDataset], server: Endpoint,
-             rows: int, workers: int) -> tuple[float, float, float, float]:
+             rows: int, workers: int) -> tuple[float, float, float, float, float]:
     """(samples/s over the epoch, seconds from building the dataset to its first sample, client and
-    server CPU microseconds per row)."""
+    server CPU microseconds per row, the client's peak RSS growth in bytes, workers included)."""
     weed = psutil.Process(server.pid)
     client_cpu, server_cpu = cpu_seconds(), cpu_seconds(weed)
+    me = psutil.Process()
+    base = peak = rss(me)
+    reading = True
+
+    def watch() -> None:  # sampled: a worker's memory is gone once the epoch ends
+        nonlocal peak
+        while reading:
+            peak = max(peak, rss(me))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     started = time.perf_counter()
     loader = DataLoader(make(server), batch_size=32, num_workers=workers, collate_fn=first_image)
     got, first = 0, None
@@ -182,10 +204,12 @@ def run_once(make: Callable[[Endpoint], IterableDataset], server: Endpoint,
             first = time.perf_counter() - started
         got += size
     took = time.perf_counter() - started
+    reading = False
+    watcher.join()
     assert got == rows, f"read {got} rows, not {rows}"
     assert first is not None
     return (rows / took, first, (cpu_seconds() - client_cpu) / rows * 1e6,
-            (cpu_seconds(weed) - server_cpu) / rows * 1e6)
+            (cpu_seconds(weed) - server_cpu) / rows * 1e6, peak - base)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         for number in range(args.rounds + 1):  # round 0 warms the server and the page cache
             for workers in args.workers:
                 for name, make in loaders.items():
-                    rate, first, client, weed = run_once(make, target, args.rows, workers)
+                    rate, first, client, weed, grown = run_once(make, target, args.rows, workers)
                     print(f"round {number}, w={workers}: {name}: {rate:,.0f} samples/s, first sample {first:.2f} s, "
-                          f"CPU per row {client:.0f} us here, {weed:.0f} us in the server"
-                          + (" (warm-up)" if not number else ""), flush=True)
+                          f"CPU per row {client:.0f} us here, {weed:.0f} us in the server, "
+                          f"RSS +{grown / 2**20:,.0f} MiB" + (" (warm-up)" if not number else ""), flush=True)
                     if number:
-                        measured[(name, workers)].append((rate, first, client, weed))
+                        measured[(name, workers)].append((rate, first, client, weed, grown))
 
     def median(name: str, workers: int, column: int) -> float:
         return statistics.median(run[column] for run in measured[(name, workers)])
@@ -248,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         base = median(next(iter(loaders)), workers, 0)
         lines = [f"`num_workers={workers}`\n",
                  f"| loader | samples/s (median of {args.rounds}) | MB/s | first sample, s | client CPU per row, us "
-                 "| server CPU per row, us | this project's speed-up |", "|---|---|---|---|---|---|---|"]
+                 "| server CPU per row, us | peak RSS growth, MiB | this project's speed-up |",
+                 "|---|---|---|---|---|---|---|---|"]
         for name in loaders:
             rate = median(name, workers, 0)
             lines.append(f"| {name} | {rate:,.0f} | {rate * total / args.rows / 1e6:,.0f} | "
                          f"{median(name, workers, 1):.2f} | {median(name, workers, 2):.0f} | "
-                         f"{median(name, workers, 3):.0f} | {base / rate:.2f}x |")
+                         f"{median(name, workers, 3):.0f} | "
+                         f"{f'{median(name, workers, 4) / 2**20:,.0f}' if not workers else '-'} | {base / rate:.2f}x |")
         tables.append("\n".join(lines) + "\n")
     table = "\n".join(tables)
     print()
@@ -275,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         f"with row groups of {args.row_group} rows, embedded SeaweedFS on 127.0.0.1{latency}, rows as Python dicts "
         "with the image bytes (no decode), `DataLoader(batch_size=32, num_workers=w)`, loaders and worker "
         "counts alternating round by round after a warm-up round; CPU per row is this process's (its threads "
-        "and finished workers included) and the server's. The machine (2 cores) was shared with other work: "
+        "and finished workers included) and the server's; peak RSS growth is this process's over the epoch "
+        "(sampled every 10 ms; with workers not shown: each forked worker's RSS counts the pages it shares "
+        "with this process). The machine (2 cores) was shared with other work: "
         f"compare the ratios, not the absolute numbers.\n\n{table}")
     print(f"wrote {out}")
     return 0
