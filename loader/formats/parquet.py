@@ -299,19 +299,14 @@ def split_ranges(ranges: Sequence[tuple[int, int]], part_size: int) -> list[tupl
 # ----------------------------------------------------------------------------- decoding
 
 
-class SparseFile(io.RawIOBase):
-    """A read-only file of ``size`` bytes of which only ``pieces`` (``(offset, bytes)``, not
-    overlapping) are present: what pyarrow reads a row group or a footer from. A read may span
-    pieces that follow each other (the ranged GETs of one byte range, kept apart rather than
-    joined: only the bytes of such a read are copied). Reading a byte that was not fetched is an
-    OSError naming the file (a planning mistake, never silent)."""
+class _RangesFile(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes of which only some ranges can be read:
+    what pyarrow reads a row group from (``read`` is the subclass's)."""
 
-    def __init__(self, url: str, size: int, pieces: Sequence[tuple[int, bytes]]) -> None:
+    def __init__(self, url: str, size: int) -> None:
         super().__init__()
         self.url = url
         self._size = size
-        self._pieces = sorted(pieces, key=lambda piece: piece[0])
-        self._starts = [offset for offset, _ in self._pieces]
         self._at = 0
 
     def readable(self) -> bool:
@@ -327,6 +322,24 @@ class SparseFile(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
         self._at = max(0, base + offset)
         return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+class SparseFile(_RangesFile):
+    """A read-only file of ``size`` bytes of which only ``pieces`` (``(offset, bytes)``, not
+    overlapping) are present: what pyarrow reads a row group or a footer from. A read may span
+    pieces that follow each other (the ranged GETs of one byte range, kept apart rather than
+    joined: only the bytes of such a read are copied). Reading a byte that was not fetched is an
+    OSError naming the file (a planning mistake, never silent)."""
+
+    def __init__(self, url: str, size: int, pieces: Sequence[tuple[int, bytes]]) -> None:
+        super().__init__(url, size)
+        self._pieces = sorted(pieces, key=lambda piece: piece[0])
+        self._starts = [offset for offset, _ in self._pieces]
 
     def read(self, size: int = -1) -> bytes:
         end = self._size if size is None or size < 0 else min(self._size, self._at + size)
@@ -346,13 +359,9 @@ class SparseFile(io.RawIOBase):
         self._at = at
         return views[0] if len(views) == 1 else b"".join(views)  # type: ignore[return-value]
 
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
 
 
-class StreamedFile(io.RawIOBase):
+class StreamedFile(_RangesFile):
     """A read-only file of ``size`` bytes whose column chunks (``chunks``, byte ranges) are
     fetched in pieces of ``piece`` bytes as pyarrow reads them, ``STREAM_AHEAD`` pieces ahead of
     the one read, and dropped once the reading has moved past them: what a row group larger
@@ -364,32 +373,15 @@ class StreamedFile(io.RawIOBase):
 
     def __init__(self, url: str, size: int, chunks: Sequence[tuple[int, int]], piece: int,
                  fetch: Callable[[int, int], Awaitable[bytes]], start: Callable[..., Any], token: Any) -> None:
-        super().__init__()
-        self.url = url
-        self._size = size
+        super().__init__(url, size)
         self._chunks = sorted(chunks)
         self._piece = piece
         self._fetch = fetch
         self._start = start
         self._token = token
         self._pieces: dict[int, tuple[anyio.Event, list[Any]]] = {}  # start -> (fetched, [bytes | error])
-        self._at = 0
         self.held = self.peak = 0  # bytes of pieces fetched and not yet dropped (measured)
         self.failed: Exception | None = None  # a fetch's error, as it was
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
-        self._at = max(0, base + offset)
-        return self._at
 
     def _chunk(self, at: int) -> tuple[int, int]:
         import bisect
@@ -453,10 +445,6 @@ class StreamedFile(io.RawIOBase):
             self._at += take
         return out[0] if len(out) == 1 else b"".join(out)  # type: ignore[return-value]
 
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
 
 
 def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
