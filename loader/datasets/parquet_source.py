@@ -340,8 +340,9 @@ class ParquetSource(ShardSource):
         return plan.streamed_need(self._piece()) if self._streams(plan) else plan.need
 
     def inflight(self) -> int:
-        """Units this process reads at once: ``row_groups_inflight``; when it was not given, its
-        default is per rank, shared among the rank's DataLoader workers (at least one each).
+        """Units this process delivers side by side: ``row_groups_inflight`` (the engine reads as
+        many again ahead, engine/core.py); when it was not given, its default is per rank, shared
+        among the rank's DataLoader workers (at least one each).
 
         Why: units are large (up to 32 MiB), so a few per rank keep the server busy; four in every
         worker made two workers on two shared cores spend ~1.5x the client CPU per row (the
