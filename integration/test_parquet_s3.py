@@ -7,6 +7,7 @@ zero rows, a file overwritten after its footer was read)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 from pathlib import Path
 
@@ -191,3 +192,33 @@ def test_a_row_group_larger_than_the_budget_is_read_streamed(s3_server, store):
     got = list(ds)
     assert [row["blob"] for row in got] == blobs and [row["n"] for row in got] == list(range(200))
     assert ds.stats()["requests"] >= 12, ds.stats()
+
+
+@pytest.mark.parametrize("store", ["aioboto3", "obstore"])
+@pytest.mark.parametrize("read", ["whole", "streamed"])
+def test_rows_are_exact_through_injected_faults(s3_server, store, read):
+    """Ranged GETs of row groups (read whole, or streamed piece by piece) answered with resets,
+    SlowDowns, truncated bodies and stalls: each retried, every row comes once and whole."""
+    from loader import RetryPolicy, Store
+
+    from faults import FaultPlan, FaultProxy
+
+    bucket, minio = s3_server.new_bucket("pqfaults"), s3_server.minio
+    blobs = [bytes([i % 256]) * 60_000 for i in range(200)]
+    put(minio, bucket, "f/a.parquet", arrow_bytes(pa.table({"blob": blobs, "n": list(range(200))}),
+                                                   row_group_size=200 if read == "streamed" else 20,
+                                                   compression="none", use_dictionary=False,
+                                                   write_batch_size=8, data_page_size=256 << 10))
+    retry = RetryPolicy(read_timeout=2, connect_timeout=2, base_delay=0.01, max_delay=0.2, max_attempts=12)
+    with FaultProxy(s3_server.config.endpoint_url, FaultPlan()) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        options = {"limits": Limits(memory=24 << 20)} if read == "streamed" else {}
+        ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/f/", config=config, store=Store(backend=store, retry=retry),
+                                         reading=Reading(part_size=1 << 20), **options)
+        ds.resolve()  # the footer read before the faults
+        proxy.set_plan(FaultPlan(reset=0.1, slowdown=0.1, truncate=0.1, stall=0.03, stall_seconds=3.0, seed=5))
+        got = list(ds)
+        counts = proxy.counts
+    assert sorted(row["n"] for row in got) == list(range(200)), "each row once"
+    assert all(row["blob"] == blobs[row["n"]] for row in got), "each row whole"
+    assert sum(counts.get(kind, 0) for kind in ("reset", "slowdown", "truncate", "stall")) > 0, counts
