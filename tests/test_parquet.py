@@ -368,3 +368,60 @@ def test_breaking_off_a_streamed_read_calls_off_its_pieces():
     assert [next(rows)["blob"] for _ in range(5)] == blobs[:5]
     rows.close()
     assert [row["n"] for row in ds][:3] == [0, 1, 2], "the next epoch reads again"
+
+
+@st.composite
+def chunk_layouts(draw):
+    """A file's column chunks as the planner makes them: back to back, each reaching up to 100
+    bytes past its end (``CHUNK_SLACK``, so into the next), read forward in reads of any size,
+    the chunks' reads interleaved as pyarrow interleaves columns."""
+    piece = draw(st.integers(1, 64))
+    lengths = draw(st.lists(st.one_of(st.integers(1, 300), st.sampled_from([piece, 2 * piece, 3 * piece])),
+                            min_size=1, max_size=4))
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    size = sum(lengths) + 8
+    chunks = [(start, min(start + length + 100, size)) for start, length in zip(starts, lengths)]
+    reads = [draw(st.lists(st.integers(1, 2 * piece + 5), min_size=1, max_size=40)) for _ in chunks]
+    order = draw(st.permutations([c for c, steps in enumerate(reads) for _ in steps]))
+    return piece, size, chunks, reads, order
+
+
+@given(chunk_layouts())
+@settings(max_examples=150, deadline=None)
+def test_a_streamed_file_reads_every_chunk_forward_exactly_and_holds_a_few_pieces(layout):
+    import anyio
+    import anyio.lowlevel
+    import anyio.to_thread
+
+    from loader.formats.parquet import STREAM_AHEAD, StreamedFile
+
+    piece, size, chunks, reads, order = layout
+    data = bytes(i * 7 % 251 for i in range(size))
+
+    async def fetch(start, end):
+        await anyio.sleep(0)
+        return data[start:end]
+
+    async def main():
+        async with anyio.create_task_group() as group:
+            file = StreamedFile("s3://b/x.parquet", size, chunks, piece, fetch, group.start_soon,
+                                anyio.lowlevel.current_token())
+            at = [start for start, _ in chunks]
+            steps = [iter(r) for r in reads]
+
+            def read_all():
+                for chunk in order:
+                    start, end = chunks[chunk]
+                    if at[chunk] >= end:
+                        continue
+                    file.seek(at[chunk])
+                    got = bytes(file.read(min(next(steps[chunk]), end - at[chunk])))
+                    assert got == data[at[chunk]:at[chunk] + len(got)] and got
+                    at[chunk] += len(got)
+                return file.peak
+
+            peak = await anyio.to_thread.run_sync(read_all)
+            group.cancel_scope.cancel()
+        assert peak <= len(chunks) * (STREAM_AHEAD + 1) * piece
+
+    anyio.run(main)

@@ -374,12 +374,17 @@ class StreamedFile(_RangesFile):
     def __init__(self, url: str, size: int, chunks: Sequence[tuple[int, int]], piece: int,
                  fetch: Callable[[int, int], Awaitable[bytes]], start: Callable[..., Any], token: Any) -> None:
         super().__init__(url, size)
-        self._chunks = sorted(chunks)
+        # Back to back: a chunk read up to CHUNK_SLACK past its end reads the next one's first
+        # bytes from that one's pieces, so each byte belongs to one chunk.
+        ordered = sorted(set(chunks))
+        self._chunks = [(start, min(end, ordered[i + 1][0]) if i + 1 < len(ordered) else end)
+                        for i, (start, end) in enumerate(ordered) if i + 1 == len(ordered) or start < ordered[i + 1][0]]
         self._piece = piece
         self._fetch = fetch
         self._start = start
         self._token = token
-        self._pieces: dict[int, tuple[anyio.Event, list[Any]]] = {}  # start -> (fetched, [bytes | error])
+        # (chunk start, piece start) -> (fetched, [bytes | error])
+        self._pieces: dict[tuple[int, int], tuple[anyio.Event, list[Any]]] = {}
         self.held = self.peak = 0  # bytes of pieces fetched and not yet dropped (measured)
         self.failed: Exception | None = None  # a fetch's error, as it was
 
@@ -393,15 +398,15 @@ class StreamedFile(_RangesFile):
 
     def _ask(self, begin: int, end: int, at: int) -> None:
         """Start fetching the piece of chunk ``begin..end`` at ``at`` (in the loop), once."""
-        if at >= end or at in self._pieces:
+        if at >= end or (begin, at) in self._pieces:
             return
-        anyio.from_thread.run_sync(self._begin, at, min(at + self._piece, end), token=self._token)
+        anyio.from_thread.run_sync(self._begin, begin, at, min(at + self._piece, end), token=self._token)
 
-    def _begin(self, at: int, stop: int) -> None:
-        """In the loop: register the piece at ``at`` and start its fetch. Whatever ends the
-        fetch (an answer, an error, the read called off) wakes the reader."""
+    def _begin(self, begin: int, at: int, stop: int) -> None:
+        """In the loop: register the piece at ``at`` of the chunk at ``begin`` and start its
+        fetch. Whatever ends the fetch (an answer, an error, the read called off) wakes the reader."""
         fetched, box = anyio.Event(), list[Any]()
-        self._pieces[at] = (fetched, box)
+        self._pieces[begin, at] = (fetched, box)
 
         async def get() -> None:
             try:
@@ -417,17 +422,18 @@ class StreamedFile(_RangesFile):
 
     def _piece_at(self, begin: int, end: int, at: int) -> tuple[int, bytes]:
         """The piece holding byte ``at`` of chunk ``begin..end`` (waited for), the next ones
-        asked for, and the pieces of this chunk behind it dropped."""
+        asked for, and this chunk's other pieces dropped: at most ``STREAM_AHEAD + 1`` each."""
         first = begin + (at - begin) // self._piece * self._piece
         for ahead in range(STREAM_AHEAD + 1):
             self._ask(begin, end, first + ahead * self._piece)
-        fetched, box = self._pieces[first]
+        fetched, box = self._pieces[begin, first]
         anyio.from_thread.run(fetched.wait, token=self._token)
         if isinstance(box[0], Exception):
             self.failed = box[0]  # raised through pyarrow, which may wrap it: decode_rows raises this
             raise box[0]
-        for start in [start for start in self._pieces if begin <= start < first]:
-            del self._pieces[start]  # read past: pyarrow reads a chunk forward
+        last = first + STREAM_AHEAD * self._piece
+        for key in [key for key in self._pieces if key[0] == begin and not first <= key[1] <= last]:
+            del self._pieces[key]  # read past (pyarrow reads a chunk forward), or ahead of a read gone back
         self.held = sum(len(got[0]) for _, got in self._pieces.values() if got and isinstance(got[0], bytes))
         self.peak = max(self.peak, self.held)
         return first, box[0]
@@ -444,7 +450,6 @@ class StreamedFile(_RangesFile):
             out.append(memoryview(data)[self._at - first:self._at - first + take])
             self._at += take
         return out[0] if len(out) == 1 else b"".join(out)  # type: ignore[return-value]
-
 
 
 def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
