@@ -425,3 +425,17 @@ def test_a_streamed_file_reads_every_chunk_forward_exactly_and_holds_a_few_piece
         assert peak <= len(chunks) * (STREAM_AHEAD + 1) * piece
 
     anyio.run(main)
+
+
+def test_a_streamed_row_group_whose_pages_are_larger_than_a_piece_says_so():
+    """pyarrow's defaults write up to 1,024 rows per page: a 12 MB row group of 200 rows is one
+    page, which a streamed read must hold whole, past its reservation. The rows still come, and
+    a warning names the file and says how to write pages that stream."""
+    blobs = [bytes([i % 256]) * 60_000 for i in range(200)]
+    out = io.BytesIO()
+    pq.write_table(pa.table({"blob": blobs}), out, row_group_size=200, compression="none", use_dictionary=False)
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": out.getvalue()})
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=24 << 20),
+                                     reading=Reading(part_size=1 << 20))
+    with pytest.warns(RuntimeWarning, match=r"big/a.parquet: a page of \d+ bytes, larger than the pieces"):
+        assert [row["blob"] for row in ds] == blobs

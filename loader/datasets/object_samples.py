@@ -223,6 +223,8 @@ def saved_groups(keys: Sequence[str]) -> tuple[array | None, Sequence[int], set[
     if STARTS_NOTE not in notes:
         return None
     starts: Sequence[int] = array("q", notes[STARTS_NOTE]) if len(notes[STARTS_NOTE]) else range(len(keys) + 1)
+    if starts[-1] != len(keys):  # not these keys' grouping (never, for a list read whole from its file)
+        return None
     order = array("q", notes[ORDER_NOTE]) if ORDER_NOTE in notes else None
     extensions = None
     if EXTENSIONS_NOTE in notes:

@@ -251,8 +251,8 @@ class ParquetSource(ShardSource):
         if reads is None:
             return
         piece = self._piece()
-        largest = max(plans, key=lambda plan: plan.streamed_need(piece) if self._streams(plan) else plan.need)
-        if self._streams(largest) and largest.streamed_need(piece) > reads:
+        largest = max(plans, key=self._need)
+        if self._need(largest) > reads:  # only a streamed one can: one that fits whole is not streamed
             raise ConfigError(
                 f"{largest.name} of {files[largest.file].url} needs {largest.need} bytes to read whole "
                 f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, plus a "
@@ -265,6 +265,10 @@ class ParquetSource(ShardSource):
     def _piece(self) -> int:
         """Bytes of one ranged GET of a unit (and of a piece of a streamed row group)."""
         return min(self.shard_options.part_size, RANGE_BYTES)
+
+    def _need(self, plan: RowGroupPlan) -> int:
+        """What ``plan`` holds while it is read, whole or streamed (the engine's reservation)."""
+        return plan.streamed_need(self._piece()) if self._streams(plan) else plan.need
 
     def _streams(self, plan: RowGroupPlan) -> bool:
         """Whether ``plan`` is read streamed: only a row group that does not fit whole in what the
@@ -336,8 +340,7 @@ class ParquetSource(ShardSource):
         return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error)
 
     def reserve(self, assignment: ShardAssignment) -> int:
-        plan = self.plans()[assignment.shard]
-        return plan.streamed_need(self._piece()) if self._streams(plan) else plan.need
+        return self._need(self.plans()[assignment.shard])
 
     def inflight(self) -> int:
         """Units this process delivers side by side: ``row_groups_inflight`` (the engine reads as

@@ -83,7 +83,6 @@ class EngineCore:
         self.lanes = list(range(limits.max_inflight))  # "interleave": job index per lane
         self.cursor = 0  # "interleave": the lane whose turn it is
         self.next_index = limits.max_inflight  # "interleave": the job the next free lane takes
-        self.most_places = limits.max_inflight  # the most ``places()`` any job so far was given
         self.pending: deque[tuple[Job, JobContext]] = deque()  # launched, no runner yet
         self.idle: list[anyio.Event] = []  # parked runners, each woken by setting its event
         self.runners = 0
@@ -130,7 +129,6 @@ class EngineCore:
         for index, job in enumerate(self.jobs):
             fixed = getattr(job, "reserve", None)  # a job may say what it holds (a shard read)
             ahead = getattr(job, "reads_ahead", False)  # it fetches all it holds before its first item
-            self.most_places = max(self.most_places, self.places(ahead))
             await self.wait_for_room(index, fixed, ahead)
             if self.failed:
                 break
@@ -166,7 +164,7 @@ class EngineCore:
             while self.pending:
                 job, ctx = self.pending.popleft()
                 await self.run_job(job, ctx)
-            if self.launch_done or self.runners > self.most_places:
+            if self.launch_done or self.runners > self.places(ahead=True):  # the most any job gets
                 self.runners -= 1
                 return
             wake = anyio.Event()

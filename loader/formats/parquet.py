@@ -387,6 +387,7 @@ class StreamedFile(_RangesFile):
         self._pieces: dict[tuple[int, int], tuple[anyio.Event, list[Any]]] = {}
         self.held = self.peak = 0  # bytes of pieces fetched and not yet dropped (measured)
         self.failed: Exception | None = None  # a fetch's error, as it was
+        self.warned = False  # whether a page larger than a piece was reported
 
     def _chunk(self, at: int) -> tuple[int, int]:
         import bisect
@@ -440,6 +441,16 @@ class StreamedFile(_RangesFile):
 
     def read(self, size: int = -1) -> bytes:
         end = self._size if size is None or size < 0 else min(self._size, self._at + size)
+        if end - self._at > self._piece and not self.warned:
+            # pyarrow reads one piece at a time, unless a page is larger: it is read whole, and the
+            # row group holds more than its reservation says (the footer does not give page sizes)
+            self.warned = True
+            message = (f"{self.url}: a page of {end - self._at} bytes, larger than the pieces of {self._piece} "
+                       "bytes it is streamed in, is held whole (with its copy), past what the memory "
+                       "budget reserved; write smaller pages (pyarrow: data_page_size= and a smaller "
+                       "write_batch_size=) for streamed reads to stay within it")
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            log.warning(message)
         out = []
         while self._at < end:
             begin, stop = self._chunk(self._at)

@@ -46,6 +46,7 @@ _PREAMBLE = struct.Struct("<8sII")
 _SECTIONS = ("keys", "ends", "sizes", "etags", "etag_ends")
 _FORMATS = {"keys": ("B",), "ends": ("I", "Q"), "sizes": ("q",), "etags": ("B",), "etag_ends": ("I", "Q")}
 NOTE = "note:"  # the sections of annotations
+NOTE_FORMATS = ("B", "q")  # bytes or i64; a note of another type (a later release's) is passed over
 Annotations = Mapping[str, Any]  # name -> bytes or array('q') (or a map of either)
 
 
@@ -115,7 +116,7 @@ def dump_keys(keys: KeyList, f: BinaryIO, *, source: Mapping[str, str] | None = 
     parts = _parts(keys)
     for name, value in (notes or {}).items():
         view = memoryview(value)  # bytes, an array('q'), or the map of either (a note read back)
-        if view.format not in ("B", "q"):
+        if view.format not in NOTE_FORMATS:
             raise ValueError(f"annotation {name!r} holds {view.format!r} items: give bytes or array('q')")
         parts[NOTE + name] = (view.cast("B"), view.format)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -186,36 +187,29 @@ def _build(header: dict[str, Any], base: int, size: int, name: str, read: Any, *
         raise ConfigError(f"key list file {name!r} was replaced since this job read it "
                           f"(id {header['id']}, expected {expect_id}); keep a snapshot "
                           "unchanged while a job uses it")
-    sections: dict[str, Any] = {}
-    for section in _SECTIONS:
-        spec = header["sections"].get(section)
-        if spec is None:
-            sections[section] = None
-            continue
-        offset, length, fmt = spec
-        if fmt not in _FORMATS[section]:
+
+    def load(section: str, allowed: tuple[str, ...]) -> Any:
+        """One section, mapped (or read), its type, extent and (``verify``) checksum checked."""
+        offset, length, fmt = header["sections"][section]
+        if fmt not in allowed:
             raise ConfigError(f"key list file {name!r} is damaged: section {section!r} has "
                               f"type {fmt!r}")
         offset += base
         if length and offset + length > size:
             raise ConfigError(f"key list file {name!r} is truncated: section {section!r} "
                               f"ends at byte {offset + length}, the file at {size}")
-        sections[section] = read(offset, length, fmt)
-        if verify and zlib.crc32(sections[section]) != header["crc32"][section]:
+        data = read(offset, length, fmt)
+        if verify and zlib.crc32(data) != header["crc32"][section]:
             raise ConfigError(f"key list file {name!r} is corrupt: section {section!r} "
                               "does not match its checksum")
+        return data
+
+    sections = {section: load(section, _FORMATS[section]) if section in header["sections"] else None
+                for section in _SECTIONS}
     keys = _assemble(sections, header["count"], name)
     if read_from_file:
-        notes = {}
-        for section, (offset, length, fmt) in header["sections"].items():
-            if section.startswith(NOTE) and fmt in ("B", "q"):
-                if length and base + offset + length > size:
-                    raise ConfigError(f"key list file {name!r} is truncated: section {section!r} "
-                                      f"ends at byte {base + offset + length}, the file at {size}")
-                notes[section[len(NOTE):]] = data = read(base + offset, length, fmt)
-                if verify and zlib.crc32(data) != header["crc32"][section]:
-                    raise ConfigError(f"key list file {name!r} is corrupt: section {section!r} "
-                                      "does not match its checksum")
+        notes = {section[len(NOTE):]: load(section, NOTE_FORMATS) for section, (_, _, fmt)
+                 in header["sections"].items() if section.startswith(NOTE) and fmt in NOTE_FORMATS}
         keys._origin = KeyFile(name, header["id"], header["count"], header["created"],
                                header["source"], notes)
     return keys
