@@ -28,8 +28,21 @@ def digest(sample):
     return sample["__url__"].split("/", 3)[3], sha256(sample["jpg"])
 
 
+_EARLIER: set[int | None] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_threads():
+    """Client threads that other tests in this process left to the garbage collector (a
+    dataset held by a saved traceback) are not this test's."""
+    _EARLIER.clear()
+    _EARLIER.update(t.ident for t in threading.enumerate() if t.name.startswith(THREAD_NAME))
+
+
 def our_threads():
-    return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
+    """This test's client threads still running."""
+    return [t for t in threading.enumerate()
+            if t.name.startswith(THREAD_NAME) and t.ident not in _EARLIER]
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

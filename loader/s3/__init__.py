@@ -1,5 +1,5 @@
 """S3 access: the ``ObjectStore`` protocol (``protocol``), the one mapping of S3 error answers
-(``error_answers``), credentials, one module per transport (``aioboto3_store``, ``aiohttp_direct``,
+(``error_answers``), credentials, one module per transport (``aioboto3_store``, ``direct``,
 ``http_client``, ``obstore_store``), and the backends opened by name here."""
 
 from __future__ import annotations

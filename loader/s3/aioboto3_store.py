@@ -1,7 +1,7 @@
 """The default ``ObjectStore``: aioboto3 (botocore signing over aiohttp).
 
 One client per engine, made inside its loop (on first use), pool sized to its concurrency. GETs
-and listings to path-style custom endpoints skip botocore's request pipeline (``aiohttp_direct``);
+and listings to path-style custom endpoints skip botocore's request pipeline (``direct``);
 botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
 rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
 ``error_answers`` (docs/design/stores.md).
@@ -28,8 +28,8 @@ from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, answered
 from ..uri import object_url
-from .aiohttp_direct import SignedGetter, can_sign_directly
 from .credentials import credentials_error, no_credentials_found
+from .direct import SignedGetter, can_sign_directly
 from .error_answers import (
     certificate_rejected,
     error_for_answer,
@@ -39,6 +39,7 @@ from .error_answers import (
     target,
     unreachable,
 )
+from .http1 import ConnectFailed
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -503,6 +504,8 @@ def translate_error(
     if isinstance(exc, aiohttp.ClientConnectorError):
         return unreachable(endpoint, bucket, key, listing=listing,
                            reason=exc.os_error.strerror or str(exc))
+    if isinstance(exc, ConnectFailed):
+        return unreachable(endpoint, bucket, key, listing=listing, reason=exc.reason)
     if isinstance(exc, _STREAM_ERRORS):
         return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
     return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "

@@ -1,4 +1,4 @@
-"""Pure parts of ``loader.s3.aiohttp_direct``: which configs it serves, URLs, TLS settings."""
+"""Pure parts of ``loader.s3.direct``: which configs it serves, request paths, TLS settings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loader import S3Config
-from loader.s3.aiohttp_direct import can_sign_directly, object_path_url, ssl_setting
+from loader.s3.direct import can_sign_directly, object_path, ssl_setting
 
 CREDS = dict(access_key_id="AK", secret_access_key="SK")
 
@@ -25,23 +25,27 @@ def test_only_path_style_custom_endpoints_sign_directly():
 
 @given(key=st.text(min_size=1, max_size=300), bucket=st.from_regex(r"[a-z0-9][a-z0-9.-]{2,20}", fullmatch=True))
 def test_the_url_path_names_exactly_the_bucket_and_key(key, bucket):
-    url = object_path_url("http://127.0.0.1:9000/", bucket, key)
-    assert url.raw_path == "/" + bucket + "/" + urllib.parse.quote(key, safe="/~")
-    assert urllib.parse.unquote(url.raw_path) == f"/{bucket}/{key}", "no segment folded or dropped"
-    assert str(url).startswith("http://127.0.0.1:9000/" + bucket + "/")
-    assert url.raw_query_string == "" and url.raw_fragment == "", "'?' and '#' stay in the key"
+    path = object_path("", bucket, key)
+    assert path == "/" + bucket + "/" + urllib.parse.quote(key, safe="/~")
+    assert urllib.parse.unquote(path) == f"/{bucket}/{key}", "no segment folded or dropped"
+    assert "?" not in path and "#" not in path, "'?' and '#' stay in the key, escaped"
+    assert object_path("/s3", bucket, key) == "/s3" + path, "an endpoint's own path comes first"
 
 
 def test_dot_segments_and_double_slashes_are_sent_as_written():
     for key in ("a/../b", "./x", "a//b", "/lead"):
-        assert object_path_url("http://h:1", "bkt", key).raw_path == "/bkt/" + key
+        assert object_path("", "bkt", key) == "/bkt/" + key
 
 
 def test_tls_settings_follow_the_endpoint_and_verify():
     plain = S3Config(endpoint_url="http://127.0.0.1:9000", **CREDS)
-    assert ssl_setting(plain) is False, "plain http builds no SSL context"
-    assert ssl_setting(S3Config(endpoint_url="https://s3.example.com", **CREDS)) is True
-    assert ssl_setting(S3Config(endpoint_url="https://s3.example.com", verify=False, **CREDS)) is False
+    assert ssl_setting(plain) is None, "plain http builds no SSL context"
+    system = ssl_setting(S3Config(endpoint_url="https://s3.example.com", **CREDS))
+    assert isinstance(system, ssl.SSLContext) and system.verify_mode == ssl.CERT_REQUIRED
+    assert system.check_hostname
+    assert ssl_setting(S3Config(endpoint_url="https://s3.example.com", **CREDS)) is system, "one a process"
+    unverified = ssl_setting(S3Config(endpoint_url="https://s3.example.com", verify=False, **CREDS))
+    assert isinstance(unverified, ssl.SSLContext) and unverified.verify_mode == ssl.CERT_NONE
     bundle = str(Path(botocore.__file__).with_name("cacert.pem"))  # a CA bundle botocore ships
     custom = ssl_setting(S3Config(endpoint_url="https://s3.example.com", verify=bundle, **CREDS))
     assert isinstance(custom, ssl.SSLContext) and custom.verify_mode == ssl.CERT_REQUIRED

@@ -1,0 +1,495 @@
+"""HTTP/1.1 on asyncio protocols: the pooled keep-alive connections that ``SignedGetter`` sends
+its signed GETs over.
+
+Hand-written because a per-object dataset makes one GET per sample, and aiohttp's client spent
+about twice the CPU of this module per GET of a ~110 KB object on loopback (~180 against ~90 µs,
+socket reads included): a ``ClientRequest``, multidicts, URL objects, a cookie jar, trace hooks
+and a timer per request, none of which a signed S3 GET uses (bench/results/http1-2026-11-28.md).
+What is here is what such a GET needs and no more: requests without a body, one endpoint, a
+status line and headers, bodies framed by ``Content-Length``, by chunked transfer coding or by
+the connection's end, keep-alive reuse, connect and read timeouts, TLS by asyncio's own
+transport, and flow control for streamed bodies. Errors are three kinds, which the store
+translates (``aioboto3_store.translate_error``): ``ConnectFailed`` (nothing reached),
+``ResponseBroken`` (a connection that ended or sent garbage mid-answer, a ``ConnectionError``)
+and ``TimeoutError`` (no byte for ``read_timeout`` seconds while one was awaited).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+_MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3 answer
+_HIGH_WATER = 4 << 20  # a streamed body pauses the socket with this much received and unread
+_NO_BODY = (204, 304)
+
+
+class ConnectFailed(Exception):
+    """No connection could be made (refused, unknown host, connect timeout); ``reason`` says which."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ResponseBroken(ConnectionError):
+    """The connection ended, or sent what is not HTTP/1.1, before the whole answer arrived."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: parses answers as bytes arrive and hands them to the one
+    request in flight on it (no pipelining)."""
+
+    def __init__(self, read_timeout: float) -> None:
+        self._read_timeout = read_timeout
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reusable = False  # set when an answer ended cleanly on a connection kept alive
+        self.used = False  # whether a request went out on it before (a stale one may be reset)
+        self._head = bytearray()
+        self._waiter: asyncio.Future[None] | None = None
+        self._until = ""  # what the waiter waits for: "head", "some" (bytes of the body), "all"
+        self._last_data = 0.0
+        self._whole = False  # the body is read whole (else piece by piece: paused past _HIGH_WATER)
+        self._error: BaseException | None = None
+        self._paused = False
+        # the answer being read
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._in_head = False
+        self._framing = ""  # "length", "chunked" or "close"
+        self._left = 0  # body bytes still to come ("length"), or of the current chunk ("chunked")
+        self._chunk_state = "size"  # chunked: "size", "data", "data-end", "trailer"
+        self._pending = bytearray()  # chunked: bytes of a size line or trailer not yet complete
+        self._body: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._keep_alive = False
+        self.done = False  # the whole body has arrived
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._last_data = self._loop.time()
+        try:
+            if self._in_head:
+                self._head += data
+                if not self._parse_head():
+                    return
+                data = bytes(self._head)
+                self._head.clear()
+            elif self.done or not self.status:
+                if data:  # bytes nobody asked for: the connection cannot be trusted for another
+                    self._fail(ResponseBroken(f"{len(data)} bytes arrived outside any answer"))
+                return
+            if data:
+                self._take_body(data)
+        except ResponseBroken as exc:
+            self._fail(exc)
+            return
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        if self._framing == "close" and not self._in_head:
+            self.done = True
+        self.reusable = False
+        return None  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.reusable = False
+        if not self.done and self._error is None:
+            if self._in_head and not self._head:
+                reason = "the server closed the connection before answering"
+            elif self._in_head:
+                reason = "the connection ended inside the answer's headers"
+            else:
+                reason = "the connection ended before the whole body arrived"
+            if exc is not None:
+                reason += f" ({type(exc).__name__}: {exc})"
+            self._error = ResponseBroken(reason)
+        self._wake()
+
+    def pause_writing(self) -> None:  # requests are a few hundred bytes: nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- what a request does with it
+
+    def send(self, head: bytes) -> None:
+        """Send one request and start reading its answer."""
+        assert self.transport is not None
+        self.status, self.headers, self.done, self.reusable = 0, {}, False, False
+        self._in_head, self._framing, self._error = True, "", None
+        self._body.clear()
+        self._buffered, self._whole = 0, False
+        self.used = True
+        self.transport.write(head)
+
+    @property
+    def answered_nothing(self) -> bool:
+        """Whether the connection broke before a byte of the answer came (a stale keep-alive)."""
+        return self.status == 0 and not self._head
+
+    async def wait_head(self) -> None:
+        """Until the status line and headers are in (an interim 1xx answer is passed over)."""
+        while self._in_head:
+            await self._wait("head")
+        if self._error is not None:
+            raise self._error
+
+    async def read_all(self) -> bytes:
+        """The rest of the body, whole."""
+        self._whole = True
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        while not self.done:
+            await self._wait("all")
+        parts, self._body = self._body, collections.deque()
+        self._buffered = 0
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def read_some(self) -> bytes:
+        """The next bytes of the body as they arrived, or ``b""`` at its end."""
+        while not self._body and not self.done:
+            await self._wait("some")
+        if not self._body:
+            return b""
+        data = self._body.popleft()
+        self._buffered -= len(data)
+        if self._paused and self._buffered < _HIGH_WATER // 2 and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    def abort(self) -> None:
+        self.reusable = False
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- parsing
+
+    def _parse_head(self) -> bool:
+        """Parse the head once it is complete; whether it was (and the body's framing is set)."""
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > _MAX_HEAD:
+                raise ResponseBroken(f"no end of headers in the first {_MAX_HEAD} bytes")
+            return False
+        lines = bytes(self._head[:end]).decode("latin-1").split("\r\n")
+        del self._head[:end + 4]
+        version, _, rest = lines[0].partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not code.isdigit():
+            raise ResponseBroken(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+        status = int(code)
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon or not name or name != name.strip():
+                raise ResponseBroken(f"malformed header line: {line[:80]!r}")
+            name = name.lower()
+            value = value.strip()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        if 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
+            return self._parse_head()
+        self.status, self.headers, self._in_head = status, headers, False
+        keep_alive = "close" not in headers.get("connection", "").lower() and version == "HTTP/1.1"
+        if status in _NO_BODY:
+            self._framing, self.done = "length", True
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self._framing, self._chunk_state, self._pending = "chunked", "size", bytearray()
+        elif "content-length" in headers:
+            length = headers["content-length"]
+            if not length.isdigit():
+                raise ResponseBroken(f"Content-Length {length[:40]!r} is not a number")
+            self._framing, self._left = "length", int(length)
+            self.done = self._left == 0
+        else:
+            self._framing, keep_alive = "close", False
+        self.reusable = keep_alive and self.done
+        self._keep_alive = keep_alive
+        return True
+
+    def _take_body(self, data: bytes) -> None:
+        if self._framing == "length":
+            if len(data) > self._left:
+                raise ResponseBroken(f"{len(data) - self._left} bytes past the Content-Length")
+            self._left -= len(data)
+            self._keep(data)
+            if not self._left:
+                self.done = True
+        elif self._framing == "chunked":
+            self._take_chunked(data)
+        else:
+            self._keep(data)
+        if self.done:
+            self.reusable = self._keep_alive
+
+    def _take_chunked(self, data: bytes) -> None:
+        """Chunked transfer coding (RFC 9112 section 7.1), read incrementally; extensions and
+        trailers are read past."""
+        view = memoryview(data)
+        while view:
+            if self._chunk_state == "data":
+                take = min(self._left, len(view))
+                self._keep(bytes(view[:take]))
+                view = view[take:]
+                self._left -= take
+                if not self._left:
+                    self._chunk_state = "data-end"
+                continue
+            self._pending += view
+            view = memoryview(b"")
+            while True:
+                end = self._pending.find(b"\r\n")
+                if end < 0:
+                    if len(self._pending) > _MAX_HEAD:
+                        raise ResponseBroken("a chunk's size line or trailer without its end")
+                    return
+                line = bytes(self._pending[:end])
+                del self._pending[:end + 2]
+                if self._chunk_state == "data-end":
+                    if line:
+                        raise ResponseBroken("a chunk longer than its size")
+                    self._chunk_state = "size"
+                elif self._chunk_state == "size":
+                    size = line.split(b";", 1)[0].strip()
+                    try:
+                        self._left = int(size, 16)
+                    except ValueError:
+                        raise ResponseBroken(f"chunk size {size[:20]!r} is not hexadecimal") from None
+                    self._chunk_state = "data" if self._left else "trailer"
+                    if self._left:
+                        view, self._pending = memoryview(bytes(self._pending)), bytearray()
+                        break
+                elif not line:  # the empty line that ends the trailer: the body is complete
+                    if self._pending:
+                        raise ResponseBroken(f"{len(self._pending)} bytes arrived outside any answer")
+                    self.done = True
+                    return
+
+    def _keep(self, data: bytes) -> None:
+        if not data:
+            return
+        self._body.append(data)
+        self._buffered += len(data)
+        if (not self._whole and not self._paused and self._buffered > _HIGH_WATER
+                and not self.done and self.transport is not None):
+            self._paused = True
+            self.transport.pause_reading()
+
+    # -- waiting, with the read timeout
+
+    async def _wait(self, until: str) -> None:
+        """Until the answer has what ``until`` names, an error, or ``read_timeout`` seconds
+        without a byte (one timer per wait, moved on rather than made anew for every arrival)."""
+        if self._error is not None:
+            raise self._error
+        if self.closed and not self.done:
+            raise ResponseBroken("the connection is closed")
+        self._waiter, self._until = self._loop.create_future(), until
+        self._last_data = self._loop.time()
+        timer = self._loop.call_later(self._read_timeout, self._check_timeout)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            timer.cancel()
+        if self._error is not None:
+            raise self._error
+
+    def _check_timeout(self) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        quiet = self._loop.time() - self._last_data
+        if quiet < self._read_timeout:
+            self._loop.call_later(self._read_timeout - quiet, self._check_timeout)
+            return
+        self._fail(TimeoutError(f"no byte received for {self._read_timeout:g} s"))
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        until = self._until
+        if (self._error is not None or self.done or (until == "head" and not self._in_head)
+                or (until == "some" and self._body)):
+            waiter.set_result(None)
+
+
+class Response:
+    """An answer's status and headers (names in lower case), and its body to read."""
+
+    def __init__(self, connection: _Connection, release: Callable[[_Connection], None]) -> None:
+        self._connection: _Connection | None = connection
+        self._reader = connection
+        self._release = release
+        self.status = connection.status
+        self.headers = connection.headers
+
+    @property
+    def content_length(self) -> int | None:
+        value = self.headers.get("content-length")
+        return int(value) if value is not None and value.isdigit() else None
+
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; with ``limit``, at most its first ``limit`` bytes (an error body)."""
+        if limit is None:
+            return await self._reader.read_all()
+        parts, size = [], 0
+        while size < limit and (part := await self._reader.read_some()):
+            parts.append(part)
+            size += len(part)
+        return b"".join(parts)[:limit]
+
+    async def read_some(self) -> bytes:
+        """The next bytes of the body as they arrived (``b""`` at its end)."""
+        return await self._reader.read_some()
+
+    def close(self) -> None:
+        """Give the connection back (kept alive only when its answer was read to the end)."""
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            self._release(connection)
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ConnectionPool:
+    """At most ``limit`` keep-alive connections to one host, taken by one request at a time."""
+
+    def __init__(self, host: str, port: int, *, ssl_context: ssl.SSLContext | None, limit: int,
+                 connect_timeout: float, read_timeout: float) -> None:
+        self._host, self._port = host, port
+        self._ssl = ssl_context
+        self._limit = max(1, limit)
+        self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
+        self._idle: list[_Connection] = []
+        self._open = 0
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
+
+    async def get(self, head: bytes) -> Response:
+        """Send a request (its whole head, ending in an empty line) and return its answer once the
+        headers are in. A kept-alive connection that the server had closed unseen is tried again
+        on a new one, once (as aiohttp does: a GET that got no byte of answer is safe to send again)."""
+        for attempt in (0, 1):
+            connection = await self._take()
+            reused = connection.used
+            try:
+                connection.send(head)
+                await connection.wait_head()
+            except ResponseBroken:
+                self._drop(connection)
+                if attempt == 0 and reused and connection.answered_nothing:
+                    continue
+                raise
+            except BaseException:  # a timeout or a cancellation (a hedge called off)
+                self._drop(connection)
+                raise
+            return Response(connection, self._give_back)
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            if connection.transport is not None:
+                connection.transport.close()
+        self._open -= len(idle)
+
+    # -- connections
+
+    async def _take(self) -> _Connection:
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.closed:
+                return connection
+            self._open -= 1
+        while self._open >= self._limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._signal()  # pass the wake-up on to the next waiter
+                raise
+            while self._idle:
+                connection = self._idle.pop()
+                if not connection.closed:
+                    return connection
+                self._open -= 1
+        self._open += 1
+        try:
+            return await self._connect()
+        except BaseException:
+            self._open -= 1
+            self._signal()
+            raise
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        extra: dict[str, Any] = {}
+        if self._ssl is not None:
+            extra = {"ssl": self._ssl, "server_hostname": self._host,
+                     "ssl_handshake_timeout": self._connect_timeout}
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self._read_timeout), self._host, self._port, **extra)
+        except ssl.SSLError:
+            raise  # the certificate or a plain-http server: worded by the store
+        except TimeoutError:
+            raise ConnectFailed(f"no connection within {self._connect_timeout:g} s") from None
+        except socket.gaierror as exc:
+            raise ConnectFailed(f"host {self._host!r} not found: {exc.strerror}") from exc
+        except OSError as exc:  # asyncio's own text is "Connect call failed (address)"
+            reason = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+            raise ConnectFailed(f"{reason} at {self._host}:{self._port}") from exc
+        return connection
+
+    def _give_back(self, connection: _Connection) -> None:
+        if connection.reusable and connection.done and not connection.closed and not self._closed:
+            self._idle.append(connection)
+            self._signal()
+        else:
+            self._drop(connection)
+
+    def _drop(self, connection: _Connection) -> None:
+        if not connection.closed:
+            connection.abort()
+        self._open -= 1
+        self._signal()
+
+    def _signal(self) -> None:
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
