@@ -4,6 +4,7 @@ loop thread; ``fetch.FetchEngine`` is the thread-safe handle around it (docs/des
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
@@ -84,7 +85,10 @@ class EngineCore:
         self.cursor = 0  # "interleave": the lane whose turn it is
         self.next_index = limits.max_inflight  # "interleave": the job the next free lane takes
         self.pending: deque[tuple[Job, JobContext]] = deque()  # launched, no runner yet
-        self.idle: list[anyio.Event] = []  # parked runners, each woken by setting its event
+        # parked runners, each woken by its future's result: an asyncio future, not an
+        # anyio.Event, which looks up the running library on every creation (sniffio: a few
+        # us, paid once per job when runners park between jobs); the engine runs on asyncio
+        self.idle: list[asyncio.Future[None]] = []
         self.runners = 0
         self.launch_done = False
         self.failed = False
@@ -141,14 +145,14 @@ class EngineCore:
             self.launched += 1
             self.pending.append((job, JobContext(self, slot, store, self.retry)))
             if self.idle:
-                self.idle.pop().set()
+                _wake(self.idle.pop())
             elif self.runners < self.places(ahead) or self.overdue(index):
                 self.runners += 1  # a job the consumer already waits for gets a runner even past the limit
                 tg.start_soon(self.runner)
         self.launch_done = True
         self.notify()
         while self.idle:
-            self.idle.pop().set()  # parked runners see launch_done and return
+            _wake(self.idle.pop())  # parked runners see launch_done and return
 
     async def runner(self) -> None:
         """Run launched jobs one after another, parking when there is none; return at the end.
@@ -167,9 +171,9 @@ class EngineCore:
             if self.launch_done or self.runners > self.places(ahead=True):  # the most any job gets
                 self.runners -= 1
                 return
-            wake = anyio.Event()
+            wake = asyncio.get_running_loop().create_future()
             self.idle.append(wake)
-            await wake.wait()
+            await wake
 
     async def run_job(self, job: Job, ctx: JobContext) -> None:
         slot = ctx._slot
@@ -435,3 +439,9 @@ class _Failure(NamedTuple):
     """A job error queued in completion order (``ordered=False``)."""
 
     error: BaseException
+
+
+def _wake(parked: asyncio.Future[None]) -> None:
+    """Wake a parked runner (one cancelled meanwhile has nothing to wake)."""
+    if not parked.done():
+        parked.set_result(None)
