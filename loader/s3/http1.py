@@ -87,7 +87,7 @@ class _Connection(asyncio.Protocol):
                 rest = self._take_head(data)
                 if rest is None:
                     return
-                data = rest  # type: ignore[assignment]
+                data = rest
             elif self.done or not self.status:
                 if data:  # bytes nobody asked for: the connection cannot be trusted for another
                     self._fail(ResponseBroken(f"{len(data)} bytes arrived outside any answer"))
