@@ -37,7 +37,6 @@ event loops. Why and the numbers: docs/design/retry.md.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -285,16 +284,16 @@ def endpoint_of(store: Any) -> str:
 
 class _Pending:
     """One read in flight that may be hedged: when it began, how to send it again, and the
-    task that a winning hedge cancels."""
+    cancel scope that a winning hedge cancels it through."""
 
-    __slots__ = ("started", "after", "call", "task", "control", "hedges", "result")
+    __slots__ = ("started", "after", "call", "scope", "control", "hedges", "result")
 
     def __init__(self, started: float, after: float, call: Callable[[], Awaitable[Any]],
-                 task: asyncio.Task[Any], control: TailControl) -> None:
+                 scope: anyio.CancelScope, control: TailControl) -> None:
         self.started = started
         self.after = after
         self.call = call
-        self.task = task
+        self.scope = scope
         self.control = control
         self.hedges: list[anyio.CancelScope] = []  # the hedges' scopes, as they are sent
         self.result: tuple[Any] | None = None  # the hedge's answer, if it won
@@ -452,27 +451,20 @@ class TailStore:
 
         A task per request to race the two would be simpler, but spawning one costs more than
         the rest of a request's Python work (measured: ~70-170 us against ~5 us); the watcher is
-        one task per engine. The winning hedge cancels this task itself, not an anyio cancel
-        scope around the call: a scope costs a tenth of a read's Python work here (it looks up
-        the running library and the current task on entry and exit), on every read, for the
-        rare one that a hedge wins. The engine runs on asyncio only."""
-        task = asyncio.current_task()
-        assert task is not None
-        pending = _Pending(started, after, call, task, control)
-        self.pending.add(pending)
-        try:
-            return await call()
-        except asyncio.CancelledError:
-            if pending.result is None:
-                raise  # not a hedge's doing
-            uncancel = getattr(task, "uncancel", None)  # Python 3.11+ counts cancellations
-            if uncancel is not None and uncancel() > 0:
-                raise  # cancelled from outside as well: that one goes on
-        finally:
-            self.pending.discard(pending)
-            for hedge in pending.hedges:  # answered (here or by a hedge) or failed: the rest are not needed
-                hedge.cancel()
-        assert pending.result is not None
+        one task per engine. The cancel scope stays, though it costs a few us per read: a hedge
+        cancelling this task directly (``task.cancel()``) would break through the anyio shields
+        of the stores below (a disk cache's write, a test's overwriting PUT), which a scope's
+        cancellation respects."""
+        with anyio.CancelScope() as scope:
+            pending = _Pending(started, after, call, scope, control)
+            self.pending.add(pending)
+            try:
+                return await call()
+            finally:
+                self.pending.discard(pending)
+                for hedge in pending.hedges:  # answered (here or by a hedge) or failed: the rest are not needed
+                    hedge.cancel()
+        assert pending.result is not None  # only a winning hedge cancels the scope
         self.hedges_won += 1
         with control.lock:
             control.hedges_won += 1
@@ -529,7 +521,7 @@ class TailStore:
                     self.leave()
                 if pending in self.pending and pending.result is None:  # the first answer: it wins
                     pending.result = (data,)
-                    pending.task.cancel()
+                    pending.scope.cancel()
         finally:
             if queued:  # cancelled before it was sent: the original answered meanwhile
                 with control.lock:

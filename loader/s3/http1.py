@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 _MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3 answer
-_HIGH_WATER = 4 << 20  # a streamed body pauses the socket with this much received and unread
+_HIGH_WATER = 256 << 10  # a streamed body pauses the socket with this much received and unread
+# (about one read of asyncio's; aiohttp paused at 128 KiB): buffers the engine does not count stay small
 _NO_BODY = (204, 304)
 
 
