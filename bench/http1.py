@@ -71,7 +71,7 @@ async def compare(config: Any, keys: list[str], rounds: int, inflight: int) -> d
     clients = {"aiohttp": through_aiohttp, "http1": through_http1}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in clients}
     try:
-        for name, get in clients.items():  # warm up: connections open, code paths run once
+        for get in clients.values():  # warm up: connections open, code paths run once
             await _timed(get, keys[:inflight * 2], inflight)
         for round_ in range(rounds):
             order = list(clients) if round_ % 2 == 0 else list(reversed(clients))
