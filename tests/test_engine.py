@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import anyio
 import pytest
 
 from loader.engine.fetch import EngineLimits, FetchEngine, live_engines
@@ -375,3 +376,38 @@ def test_reading_ahead_waits_for_the_first_item(no_leaked_threads):
         assert pending.result(timeout=10) == (0, 0)
     assert len(list(iterator)) == 11
     assert ("start", 2) not in started, "no job reads ahead before the first item"
+
+
+def test_a_waiting_consumer_gets_items_gathered_but_its_first_item_at_once(no_leaked_threads, monkeypatch):
+    """Items that arrive one by one, 1 ms apart, to a consumer that waits for each: after the
+    first (handed over alone, at once, though more come within the gathering time), they cross
+    to the consumer a few at a time, in order."""
+    from loader.engine import core
+
+    monkeypatch.setattr(core, "GATHER_SECONDS", 0.3)
+
+    sizes: list[int] = []
+    take = core.EngineCore.take
+
+    async def counted(self, *args, **kwargs):
+        out = await take(self, *args, **kwargs)
+        sizes.append(len(out[0]))
+        return out
+
+    monkeypatch.setattr(core.EngineCore, "take", counted)
+
+    def paced(n):
+        def job_for(position):
+            async def job(ctx):
+                await anyio.sleep(0.1 + 0.001 * position if position else 0)
+                await ctx.emit(position, 1)
+
+            return job
+
+        return (job_for(position) for position in range(n))
+
+    with FetchEngine(paced(200), reusable(FakeStore()), limits=EngineLimits(max_inflight=256)) as engine:
+        assert list(engine) == list(range(200))
+    assert sizes[0] == 1, "the first item is handed over alone: nothing delays the first sample"
+    assert sizes[-1] == 0, "the end"
+    assert len(sizes) < 200 / 2, f"{len(sizes)} hops for 200 items: nothing was gathered"

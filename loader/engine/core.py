@@ -13,7 +13,7 @@ import anyio
 
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
-from .limits import EngineLimits
+from .limits import GATHER_ITEMS, GATHER_SECONDS, EngineLimits
 from .tail import TailStore
 
 
@@ -287,9 +287,12 @@ class EngineCore:
         back as ``released`` with its next call (it holds them until then)."""
         self.release(*released)
         self.taken = [0, 0]
+        waited = False
         while True:
             if self.fatal is not None:
                 raise self.fatal
+            if waited and self.delivered_items and self.delivery != "scheduled":
+                await self.gather(max_items)
             out = self.pop[self.delivery](self, max_items)
             if out:
                 self.notify()
@@ -303,6 +306,27 @@ class EngineCore:
                 await self.wait_change()
             finally:
                 self.waiting = False
+            waited = True
+
+    async def gather(self, max_items: int) -> None:
+        """The consumer waits on the fetch: let a few items gather before handing them over.
+
+        Each hand-over is a hop between threads (~90 us of CPU across both); when the consumer
+        outpaces the fetch, the first item to arrive would otherwise go alone, and a batch of 32
+        take a dozen hops. Waiting ``GATHER_SECONDS`` unless ``GATHER_ITEMS`` are already in
+        costs the consumer nothing it could use (a batch needs all its samples); it never
+        applies to the first item of an iteration, to a full buffer, nor while no job runs
+        (nothing more would come)."""
+        if self.buffered_items >= min(max_items, GATHER_ITEMS) or self.full() or not self.inflight:
+            return
+        # one timer, not a wake-up per arriving item (which cost what the hop saved)
+        loop = asyncio.get_running_loop()
+        gathered = loop.create_future()
+        timer = loop.call_later(GATHER_SECONDS, _wake, gathered)
+        try:
+            await gathered
+        finally:
+            timer.cancel()
 
     def pop_ordered(self, max_items: int) -> list[Any]:
         out: list[Any] = []
