@@ -207,10 +207,12 @@ class Aioboto3Store:
         try:
             if not (can_sign_directly(config) and direct_gets):
                 return cls(await make_client(), stack, config.endpoint_url or "AWS S3")
-            frozen = _given_credentials(config)
+            frozen = _given_credentials(config) or _found_credentials(config)
             if frozen is None:
                 with _SESSIONS.borrow(config) as session:
                     credentials = await _credentials(session, config)
+                frozen = _keep_if_static(config, credentials)
+            if frozen is None:
 
                 async def frozen() -> Any:
                     return await credentials.get_frozen_credentials()  # refreshes temporary ones
@@ -531,6 +533,38 @@ def _given_credentials(config: S3Config) -> Any:
         return frozen
 
     return given
+
+
+# Keys the credential chain found that never expire (a profile's, the environment's), by what the
+# chain read (``_session_key``). Kept through a fork, unlike the sessions: a DataLoader worker then
+# signs with the keys its parent found rather than run the chain again, whose container provider
+# builds an SSLContext, and OpenSSL can hang in a forked child doing so (seen under load: a worker
+# stuck in SSLContext.__new__ for good). Temporary credentials are not kept: each process
+# refreshes its own.
+_FOUND_KEYS: dict[tuple[str | None, ...], _Keys] = {}
+
+
+def _found_credentials(config: S3Config) -> Any:
+    """Static keys the chain found for ``config`` earlier in this process or its parent, as an
+    async function that returns them; None when there are none."""
+    keys = _FOUND_KEYS.get(_session_key(config))
+    if keys is None:
+        return None
+
+    async def found() -> Any:
+        return keys
+
+    return found
+
+
+def _keep_if_static(config: S3Config, credentials: Any) -> Any:
+    """Keep ``credentials`` for later openings when they never expire (botocore's refreshable
+    credentials have ``refresh_needed``) and return them as ``_found_credentials`` does."""
+    if hasattr(credentials, "refresh_needed"):
+        return None
+    _FOUND_KEYS[_session_key(config)] = _Keys(credentials.access_key, credentials.secret_key,
+                                              credentials.token)
+    return _found_credentials(config)
 
 
 async def _credentials(session: Any, config: S3Config) -> Any:

@@ -373,13 +373,15 @@ class _Watchdog:
 
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        for connection in list(self.waiting):
-            connection.check_timeout(now)
-        if self.waiting:
-            loop.call_later(self.period, self._tick)
-        else:
-            self._ticking = False
+        try:
+            now = loop.time()
+            for connection in list(self.waiting):
+                connection.check_timeout(now)
+        finally:  # ticks on whatever happened: a watchdog that stopped would let a stall hang
+            if self.waiting:
+                loop.call_later(self.period, self._tick)
+            else:
+                self._ticking = False
 
 
 class Response:
