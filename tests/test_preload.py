@@ -30,7 +30,10 @@ def probe(store: str, endpoint: str = "http://127.0.0.1:9") -> str:
 
 
 def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork():
-    assert probe("aioboto3") == "[] ['aiohttp', 'loader.s3.aioboto3_store']"
+    # a path-style endpoint: the direct transport, which needs nothing of aiohttp's
+    assert probe("aioboto3") == "[] ['loader.s3.aioboto3_store']"
+    # AWS itself: botocore's path over aiohttp, imported (its SSL contexts built) before any fork
+    assert probe("aioboto3", "") == "[] ['aiohttp', 'loader.s3.aioboto3_store']"
     # obstore datasets list with the standard library's HTTP client where it serves (a custom
     # endpoint with keys given): nothing of aiohttp's, in the parent or in a forked worker
     assert probe("obstore") == "[] ['loader.s3.obstore_store']"

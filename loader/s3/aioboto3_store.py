@@ -16,11 +16,11 @@ import io
 import os
 import re
 import ssl
+import sys
 import threading
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any, NamedTuple
 
-import aiohttp
 from botocore import exceptions as bce
 
 from ..config import S3Config
@@ -55,12 +55,18 @@ _STREAM_ERRORS = (
     bce.IncompleteReadError,
     bce.ReadTimeoutError,
     bce.ConnectionClosedError,
-    aiohttp.ClientPayloadError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
     asyncio.TimeoutError,
-    ConnectionError,
+    ConnectionError,  # http1's ResponseBroken too
 )
+
+
+def _aiohttp_errors() -> Any:
+    """aiohttp's exception classes, where botocore's path imported it; None where nothing did.
+
+    The direct transport needs no aiohttp, and importing it costs ~90 ms before a first sample
+    (its connector builds SSL contexts at import), so this module does not import it: an
+    aiohttp error can only come from a store that did."""
+    return sys.modules.get("aiohttp")
 
 _CONDITION_PARAMS = {"If-Match": "IfMatch", "If-None-Match": "IfNoneMatch"}  # botocore's names
 _NOT_MODIFIED = ("304", "NotModified")  # the code botocore gives a 304 answer (it has no body)
@@ -497,18 +503,21 @@ def translate_error(
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
                                 listing=listing)
-    if isinstance(exc, (bce.SSLError, aiohttp.ClientSSLError, ssl.SSLError)):
+    aiohttp = _aiohttp_errors()
+    if isinstance(exc, (bce.SSLError, ssl.SSLError)) or (
+            aiohttp is not None and isinstance(exc, aiohttp.ClientSSLError)):
         return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
         return unreachable(endpoint, bucket, key, listing=listing)
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return no_credentials()
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if aiohttp is not None and isinstance(exc, aiohttp.ClientConnectorError):
         return unreachable(endpoint, bucket, key, listing=listing,
                            reason=exc.os_error.strerror or str(exc))
     if isinstance(exc, ConnectFailed):
         return unreachable(endpoint, bucket, key, listing=listing, reason=exc.reason)
-    if isinstance(exc, _STREAM_ERRORS):
+    if isinstance(exc, _STREAM_ERRORS) or (aiohttp is not None and isinstance(
+            exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))):
         return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
     return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "
                       f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
