@@ -1,0 +1,207 @@
+"""GPU decode, and a ResNet-50 training step fed from S3: ``python -m bench.gpu`` (CUDA, torchvision).
+
+    python -m bench.gpu --objects 4096 --workers 4,8
+
+1. ``decode_images`` of a batch of 256 photo-like JPEGs to 224x224: on the GPU (nvJPEG, one
+   call) against the CPU path (one image after another in this process), images/s.
+2. ResNet-50 training steps (batch 256, 224 px, bf16 autocast, channels-last, SGD): first on one
+   batch already on the GPU, again and again (the step rate the GPU allows), then fed from S3:
+   ``AsyncS3Dataset.from_keys`` over the embedded SeaweedFS server with 20 ms added before every
+   request (the fault proxy of ``integration/faults``), raw bytes collated by ``collate_raw`` in
+   ``num_workers`` DataLoader workers and decoded on the GPU by ``decode_images`` in the training
+   loop. The share is the fed step rate over the GPU's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import statistics
+import time
+from typing import Any
+
+BATCH = 256
+SIZE = (224, 224)
+
+
+def _timed(work: Any, repeats: int) -> float:
+    """Median seconds of ``work()`` over ``repeats`` runs after two warm-ups (GPU synchronized)."""
+    import torch
+
+    for _ in range(2):
+        work()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def decode_rates(images: list[bytes]) -> tuple[float, float]:
+    """Images/s of ``decode_images`` on CUDA and on the CPU, one batch of ``len(images)``."""
+    from loader.decode import decode_images
+
+    gpu = _timed(lambda: decode_images(images, SIZE, device="cuda"), 10)
+    cpu = _timed(lambda: decode_images(images, SIZE, device="cpu"), 3)
+    return len(images) / gpu, len(images) / cpu
+
+
+def _model() -> tuple[Any, Any, Any]:
+    import torch
+    import torchvision
+
+    model = torchvision.models.resnet50(weights=None).cuda().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    mean = torch.tensor([0.485, 0.456, 0.406], device="cuda").view(1, 3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225], device="cuda").view(1, 3, 1, 1) * 255
+
+    def step(pixels: Any, labels: Any) -> None:
+        inputs = ((pixels.float() - mean) / std).contiguous(memory_format=torch.channels_last)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return model, optimizer, step
+
+
+def gpu_step_rate(images: list[bytes], steps: int) -> float:
+    """Training steps/s on one batch already on the GPU."""
+    import torch
+
+    from loader.decode import decode_images
+
+    _, _, step = _model()
+    pixels = decode_images(images, SIZE, device="cuda")
+    labels = torch.randint(0, 1000, (len(images),), device="cuda")
+    return 1.0 / _timed(lambda: step(pixels, labels), steps)
+
+
+def ram_step_rate(images: list[bytes], steps: int) -> float:
+    """Steps/s of the training loop below on JPEG bytes already in memory: decoded on the GPU,
+    then the step. The most any loader could feed this loop."""
+    import torch
+
+    from loader.decode import decode_images
+
+    _, _, step = _model()
+    batches = [images[at:at + BATCH] for at in range(0, len(images) - BATCH + 1, BATCH)]
+    labels = torch.randint(0, 1000, (BATCH,), device="cuda")
+    turn = iter(range(1 << 30))
+
+    def one() -> None:
+        step(decode_images(batches[next(turn) % len(batches)], SIZE, device="cuda"), labels)
+
+    return 1.0 / _timed(one, steps)
+
+
+def _proxy(upstream: str, latency: float) -> tuple[Any, str]:
+    """The latency proxy in a process of its own (as ``bench.run`` runs it), not in this one,
+    whose Python thread would otherwise share the GIL with the training loop."""
+    import subprocess
+    import sys
+
+    from .harness import REPO
+
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from bench.harness import "
+            "load_faults_module; f = load_faults_module(); p = f.FaultProxy(sys.argv[2], "
+            "f.FaultPlan(latency=float(sys.argv[3])), max_lifetime=3600).start(); "
+            "print(p.endpoint_url, flush=True); time.sleep(3600)")
+    process = subprocess.Popen([sys.executable, "-c", code, str(REPO), upstream, str(latency)],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    return process, process.stdout.readline().strip()
+
+
+def fed_step_rate(config: Any, bucket: str, keys: list[str], workers: int, epochs: int) -> tuple[float, int]:
+    """Steps/s of the same training step fed from S3, over ``epochs`` after a warm-up epoch."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from loader import AsyncS3Dataset
+    from loader.decode import collate_raw, decode_images
+
+    _, _, step = _model()
+    dataset = AsyncS3Dataset.from_keys(bucket, keys, config=config)
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=collate_raw,
+                        persistent_workers=True, prefetch_factor=4, drop_last=True)
+    done = 0
+    started = 0.0
+    for epoch in range(epochs + 1):
+        dataset.set_epoch(epoch)
+        if epoch == 1:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+        for batch in loader:
+            pixels = decode_images(batch["jpg"], SIZE, device="cuda")
+            labels = torch.randint(0, 1000, (pixels.shape[0],), device="cuda")
+            step(pixels, labels)
+            if epoch:
+                done += 1
+    torch.cuda.synchronize()
+    return done / (time.perf_counter() - started), done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--objects", type=int, default=4096)
+    parser.add_argument("--workers", default="4,8")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--latency", type=float, default=0.02)
+    args = parser.parse_args()
+
+    import torch
+
+    from loader.testing import DevServer
+
+    from .data import photo_jpeg
+
+    assert torch.cuda.is_available(), "bench.gpu needs a CUDA device"
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs",
+          flush=True)
+    started = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor() as pool:
+        images = list(pool.map(photo_jpeg, range(args.objects), chunksize=64))
+    print(f"{len(images)} photo-like JPEGs, {statistics.mean(map(len, images)) / 1024:.0f} KiB mean, "
+          f"made in {time.perf_counter() - started:.0f} s", flush=True)
+
+    on_gpu, on_cpu = decode_rates(images[:BATCH])
+    print(f"decode_images, batch {BATCH} to 224x224: CUDA {on_gpu:,.0f} images/s, CPU (one "
+          f"process) {on_cpu:,.0f} images/s, {on_gpu / on_cpu:.1f}x", flush=True)
+    own = gpu_step_rate(images[:BATCH], 20)
+    print(f"ResNet-50 step, batch {BATCH}, data on the GPU: {own:.2f} steps/s "
+          f"({own * BATCH:,.0f} images/s)", flush=True)
+    ram = ram_step_rate(images, 16)
+    print(f"the same step after decode_images on the GPU, JPEG bytes in memory: {ram:.2f} steps/s "
+          f"({ram * BATCH:,.0f} images/s): the most a loader can feed this loop", flush=True)
+
+    bucket = "gpu-bench"
+    keys = [f"photos/{i:06d}.jpg" for i in range(args.objects)]
+    with DevServer(buckets=[bucket]) as server:
+        client = server.client()
+        with concurrent.futures.ThreadPoolExecutor(32) as threads:
+            list(threads.map(lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]),
+                             zip(keys, images)))
+        proxy, endpoint = _proxy(server.config.endpoint_url, args.latency)
+        try:
+            import dataclasses
+
+            config = dataclasses.replace(server.config, endpoint_url=endpoint)
+            print(f"| workers | steps/s fed from S3 (+{args.latency * 1000:.0f} ms) | images/s | "
+                  "share of the loop's rate from memory | share of the GPU's own step rate |")
+            print("|--:|--:|--:|--:|--:|")
+            for workers in (int(w) for w in args.workers.split(",")):
+                rate, steps = fed_step_rate(config, bucket, keys, workers, args.epochs)
+                print(f"| {workers} | {rate:.2f} ({steps} steps) | {rate * BATCH:,.0f} | "
+                      f"{rate / ram:.0%} | {rate / own:.0%} |", flush=True)
+        finally:
+            proxy.kill()
+
+
+if __name__ == "__main__":
+    main()
