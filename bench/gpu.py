@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import os
 import statistics
 import time
@@ -90,12 +91,11 @@ def ram_step_rate(images: list[bytes], steps: int) -> float:
     from loader.decode import decode_images
 
     _, _, step = _model()
-    batches = [images[at:at + BATCH] for at in range(0, len(images) - BATCH + 1, BATCH)]
+    batches = itertools.cycle([images[at:at + BATCH] for at in range(0, len(images) - BATCH + 1, BATCH)])
     labels = torch.randint(0, 1000, (BATCH,), device="cuda")
-    turn = iter(range(1 << 30))
 
     def one() -> None:
-        step(decode_images(batches[next(turn) % len(batches)], SIZE, device="cuda"), labels)
+        step(decode_images(next(batches), SIZE, device="cuda"), labels)
 
     return 1.0 / _timed(one, steps)
 

@@ -108,3 +108,27 @@ def test_both_backends_say_an_https_endpoint_speaks_plain_http():
                                         "failed: self-signed certificate (_ssl.c:1006)"),
         bucket="b", key="k", endpoint=HTTPS)
     assert type(verify) is TLSError and "did not verify (self-signed certificate)" in str(verify)
+
+
+def test_the_aioboto3_backend_words_its_transports_errors_alike():
+    """http1's and (where botocore's path imported it) aiohttp's connection errors become the
+    same errors of ours: unreachable with the reason, or failed mid-request."""
+    import errno
+
+    import aiohttp
+
+    from loader.errors import EndpointUnreachableError, TransientStoreError
+    from loader.s3.aioboto3_store import translate_error
+    from loader.s3.http1 import ConnectFailed, ResponseBroken
+
+    where = dict(bucket="bkt", key="k", endpoint="http://127.0.0.1:1")
+    refused = translate_error(ConnectFailed("Connection refused at 127.0.0.1:1"), **where)
+    assert isinstance(refused, EndpointUnreachableError) and "Connection refused at" in str(refused)
+    connector = aiohttp.ClientConnectorError(
+        aiohttp.client_reqrep.ConnectionKey("127.0.0.1", 1, False, False, None, None, None),
+        OSError(errno.ECONNREFUSED, "Connection refused"))
+    via_aiohttp = translate_error(connector, **where)
+    assert isinstance(via_aiohttp, EndpointUnreachableError) and "Connection refused" in str(via_aiohttp)
+    for broken in (ResponseBroken("cut"), TimeoutError("stalled"), aiohttp.ServerDisconnectedError()):
+        mid = translate_error(broken, **where)
+        assert type(mid) is TransientStoreError and "failed mid-request" in str(mid)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.s3.http1 import ConnectFailed, ConnectionPool, ResponseBroken, _Connection
+from loader.s3.http1 import ConnectFailed, ConnectionPool, ResponseBroken, _Connection, _Watchdog
 
 GET = b"GET /bkt/key HTTP/1.1\r\nhost: h\r\n\r\n"
 
@@ -58,7 +58,7 @@ def _split(wire: bytes, cuts: list[int]) -> list[bytes]:
 
 async def _feed(framing: str, body: bytes, sizes: list[int], extension: bool, trailer: bool,
                 cuts: list[int]) -> tuple[bytes, _Connection]:
-    connection = _Connection(read_timeout=5)
+    connection = _Connection(_Watchdog(5))
     connection.connection_made(_Transport())  # type: ignore[arg-type]
     connection.send(GET)
     if framing == "chunked":
@@ -85,7 +85,7 @@ def test_a_body_is_read_whole_however_its_bytes_arrive(framing, body, sizes, ext
 
 def test_bytes_past_the_answer_make_the_connection_unusable():
     async def run() -> None:
-        connection = _Connection(read_timeout=5)
+        connection = _Connection(_Watchdog(5))
         transport = _Transport()
         connection.connection_made(transport)  # type: ignore[arg-type]
         connection.send(GET)
@@ -102,7 +102,7 @@ def test_bytes_past_the_answer_make_the_connection_unusable():
                                   b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n"])
 def test_what_is_not_http_is_refused_with_what_it_was(head):
     async def run() -> None:
-        connection = _Connection(read_timeout=5)
+        connection = _Connection(_Watchdog(5))
         connection.connection_made(_Transport())  # type: ignore[arg-type]
         connection.send(GET)
         connection.data_received(head)

@@ -466,6 +466,7 @@ class _Failure(NamedTuple):
 
 
 def _wake(parked: asyncio.Future[None]) -> None:
-    """Wake a parked runner (one cancelled meanwhile has nothing to wake)."""
+    """Wake the task parked on ``parked`` (a runner, a gathering take); one cancelled meanwhile
+    has nothing to wake."""
     if not parked.done():
         parked.set_result(None)

@@ -1,4 +1,4 @@
-"""The default ``ObjectStore``: aioboto3 (botocore signing over aiohttp).
+"""The default ``ObjectStore``: aioboto3 (botocore over aiohttp), with a direct transport.
 
 One client per engine, made inside its loop (on first use), pool sized to its concurrency. GETs
 and listings to path-style custom endpoints skip botocore's request pipeline (``direct``);
@@ -58,15 +58,6 @@ _STREAM_ERRORS = (
     asyncio.TimeoutError,
     ConnectionError,  # http1's ResponseBroken too
 )
-
-
-def _aiohttp_errors() -> Any:
-    """aiohttp's exception classes, where botocore's path imported it; None where nothing did.
-
-    The direct transport needs no aiohttp, and importing it costs ~90 ms before a first sample
-    (its connector builds SSL contexts at import), so this module does not import it: an
-    aiohttp error can only come from a store that did."""
-    return sys.modules.get("aiohttp")
 
 _CONDITION_PARAMS = {"If-Match": "IfMatch", "If-None-Match": "IfNoneMatch"}  # botocore's names
 _NOT_MODIFIED = ("304", "NotModified")  # the code botocore gives a 304 answer (it has no body)
@@ -492,6 +483,20 @@ class Aioboto3Store:
         return translate_error(exc, bucket=bucket, key=key, endpoint=self._endpoint, listing=listing)
 
 
+def _aiohttp_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """aiohttp's TLS, connect and mid-request error classes, where botocore's path imported it;
+    empty where nothing did.
+
+    The direct transport needs no aiohttp, and importing it costs ~90 ms before a first sample
+    (its connector builds SSL contexts at import), so this module does not import it: an
+    aiohttp error can only come from a store that did."""
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is None:
+        return (), (), ()
+    return ((aiohttp.ClientSSLError,), (aiohttp.ClientConnectorError,),
+            (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+
+
 def translate_error(
     exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> BaseException:
@@ -503,21 +508,20 @@ def translate_error(
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
                                 listing=listing)
-    aiohttp = _aiohttp_errors()
-    if isinstance(exc, (bce.SSLError, ssl.SSLError)) or (
-            aiohttp is not None and isinstance(exc, aiohttp.ClientSSLError)):
+    aiohttp_tls, aiohttp_connect, aiohttp_stream = _aiohttp_errors()
+    if isinstance(exc, (bce.SSLError, ssl.SSLError, *aiohttp_tls)):
         return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
         return unreachable(endpoint, bucket, key, listing=listing)
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return no_credentials()
-    if aiohttp is not None and isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, aiohttp_connect):
+        os_error: Any = getattr(exc, "os_error", None)  # aiohttp's ClientConnectorError has one
         return unreachable(endpoint, bucket, key, listing=listing,
-                           reason=exc.os_error.strerror or str(exc))
+                           reason=(os_error and os_error.strerror) or str(exc))
     if isinstance(exc, ConnectFailed):
         return unreachable(endpoint, bucket, key, listing=listing, reason=exc.reason)
-    if isinstance(exc, _STREAM_ERRORS) or (aiohttp is not None and isinstance(
-            exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))):
+    if isinstance(exc, (*_STREAM_ERRORS, *aiohttp_stream)):
         return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
     return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "
                       f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
@@ -536,12 +540,17 @@ def _given_credentials(config: S3Config) -> Any:
     session (whose import and setup cost time at start); None when they are to be looked up."""
     if not config.has_credentials:
         return None
-    frozen = _Keys(config.access_key_id or "", config.secret_access_key or "", config.session_token)
+    return _returning(_Keys(config.access_key_id or "", config.secret_access_key or "",
+                            config.session_token))
 
-    async def given() -> Any:
-        return frozen
 
-    return given
+def _returning(keys: _Keys) -> Any:
+    """An async function that returns ``keys``: what ``SignedGetter`` awaits for its credentials."""
+
+    async def fixed() -> Any:
+        return keys
+
+    return fixed
 
 
 # Keys the credential chain found that never expire (a profile's, the environment's), by what the
@@ -557,13 +566,7 @@ def _found_credentials(config: S3Config) -> Any:
     """Static keys the chain found for ``config`` earlier in this process or its parent, as an
     async function that returns them; None when there are none."""
     keys = _FOUND_KEYS.get(_session_key(config))
-    if keys is None:
-        return None
-
-    async def found() -> Any:
-        return keys
-
-    return found
+    return None if keys is None else _returning(keys)
 
 
 def _keep_if_static(config: S3Config, credentials: Any) -> Any:
@@ -571,9 +574,9 @@ def _keep_if_static(config: S3Config, credentials: Any) -> Any:
     credentials have ``refresh_needed``) and return them as ``_found_credentials`` does."""
     if hasattr(credentials, "refresh_needed"):
         return None
-    _FOUND_KEYS[_session_key(config)] = _Keys(credentials.access_key, credentials.secret_key,
-                                              credentials.token)
-    return _found_credentials(config)
+    keys = _FOUND_KEYS[_session_key(config)] = _Keys(credentials.access_key, credentials.secret_key,
+                                                     credentials.token)
+    return _returning(keys)
 
 
 async def _credentials(session: Any, config: S3Config) -> Any:

@@ -46,13 +46,11 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection: parses answers as bytes arrive and hands them to the one
     request in flight on it (no pipelining)."""
 
-    def __init__(self, read_timeout: float, watchdog: _Watchdog | None = None) -> None:
-        self._read_timeout = read_timeout
-        self._watchdog = watchdog or _Watchdog(read_timeout)
+    def __init__(self, watchdog: _Watchdog) -> None:
+        self._watchdog = watchdog  # the pool's: its read timeout, one timer for all connections
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.reusable = False  # set when an answer ended cleanly on a connection kept alive
         self.used = False  # whether a request went out on it before (a stale one may be reset)
         self._head = bytearray()  # the start of a head that arrived in pieces
         self._waiter: asyncio.Future[None] | None = None
@@ -71,8 +69,8 @@ class _Connection(asyncio.Protocol):
         self._pending = bytearray()  # chunked: bytes of a size line or trailer not yet complete
         self._body: collections.deque[bytes | memoryview] = collections.deque()
         self._buffered = 0
-        self._keep_alive = False
-        self._got_bytes = False
+        self._keep_alive = False  # the answer's headers allow another request on this connection
+        self._got_bytes = False  # whether any byte of the current answer came
         self.done = False  # the whole body has arrived
 
     # -- asyncio.Protocol
@@ -80,21 +78,21 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes | memoryview) -> None:
+    def data_received(self, data: bytes) -> None:
         self._last_data = self._loop.time()
         self._got_bytes = True
         try:
+            body: bytes | memoryview | None = data
             if self._in_head:
-                rest = self._take_head(data)
-                if rest is None:
+                body = self._take_head(data)
+                if body is None:
                     return
-                data = rest
             elif self.done or not self.status:
                 if data:  # bytes nobody asked for: the connection cannot be trusted for another
                     self._fail(ResponseBroken(f"{len(data)} bytes arrived outside any answer"))
                 return
-            if data:
-                self._take_body(data)
+            if body:
+                self._take_body(body)
         except ResponseBroken as exc:
             self._fail(exc)
             return
@@ -103,12 +101,11 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self._framing == "close" and not self._in_head:
             self.done = True
-        self.reusable = False
+        self._keep_alive = False
         return None  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.reusable = False
         if not self.done and self._error is None:
             if self._in_head and not self._head:
                 reason = "the server closed the connection before answering"
@@ -121,18 +118,12 @@ class _Connection(asyncio.Protocol):
             self._error = ResponseBroken(reason)
         self._wake()
 
-    def pause_writing(self) -> None:  # requests are a few hundred bytes: nothing to pause
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- what a request does with it
 
     def send(self, head: bytes) -> None:
         """Send one request and start reading its answer."""
         assert self.transport is not None
-        self.status, self.headers, self.done, self.reusable = 0, {}, False, False
+        self.status, self.headers, self.done, self._keep_alive = 0, {}, False, False
         self._in_head, self._framing, self._error, self._got_bytes = True, "", None, False
         self._body.clear()
         self._buffered, self._whole = 0, False
@@ -142,7 +133,13 @@ class _Connection(asyncio.Protocol):
     @property
     def answered_nothing(self) -> bool:
         """Whether the connection broke before a byte of the answer came (a stale keep-alive)."""
-        return self.status == 0 and not self._head and not self._got_bytes
+        return not self._got_bytes
+
+    @property
+    def reusable(self) -> bool:
+        """Whether another request may go on this connection: its answer ended cleanly and both
+        sides keep it alive."""
+        return self._keep_alive and self.done and not self.closed
 
     async def wait_head(self) -> None:
         """Until the status line and headers are in (an interim 1xx answer is passed over)."""
@@ -181,14 +178,13 @@ class _Connection(asyncio.Protocol):
         return data
 
     def abort(self) -> None:
-        self.reusable = False
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
 
     # -- parsing
 
-    def _take_head(self, data: bytes | memoryview) -> bytes | memoryview | None:
+    def _take_head(self, data: bytes) -> memoryview | None:
         """Parse the head once it is complete; what followed it (the body's start), or None while
         the head is incomplete. The body's bytes are not copied on the way: the usual answer
         arrives with its head and the first ~64 KB of body in one read."""
@@ -197,16 +193,15 @@ class _Connection(asyncio.Protocol):
             data = bytes(self._head)
             self._head.clear()
         while True:
-            end = data.find(b"\r\n\r\n") if isinstance(data, bytes) else bytes(data).find(b"\r\n\r\n")
+            end = data.find(b"\r\n\r\n")
             if end < 0:
                 if len(data) > _MAX_HEAD:
                     raise ResponseBroken(f"no end of headers in the first {_MAX_HEAD} bytes")
                 self._head += data
                 return None
-            interim = self._parse_head(bytes(data[:end]))
-            data = memoryview(data)[end + 4:]
-            if not interim:
-                return data
+            if not self._parse_head(data[:end]):
+                return memoryview(data)[end + 4:]
+            data = data[end + 4:]  # after an interim (1xx) answer, rare: a copy will do
 
     def _parse_head(self, head: bytes) -> bool:
         """Read a status line and headers; whether it was an interim (1xx) answer, after which
@@ -241,7 +236,6 @@ class _Connection(asyncio.Protocol):
             self.done = self._left == 0
         else:
             self._framing, keep_alive = "close", False
-        self.reusable = keep_alive and self.done
         self._keep_alive = keep_alive
         return False
 
@@ -257,8 +251,6 @@ class _Connection(asyncio.Protocol):
             self._take_chunked(data)
         else:
             self._keep(data)
-        if self.done:
-            self.reusable = self._keep_alive
 
     def _take_chunked(self, data: bytes | memoryview) -> None:
         """Chunked transfer coding (RFC 9112 section 7.1), read incrementally; extensions and
@@ -336,8 +328,9 @@ class _Connection(asyncio.Protocol):
 
     def check_timeout(self, now: float) -> None:
         """Fail the wait if no byte came for ``read_timeout`` seconds."""
-        if self._waiter is not None and now - self._last_data >= self._read_timeout:
-            self._fail(TimeoutError(f"no byte received for {self._read_timeout:g} s"))
+        limit = self._watchdog.read_timeout
+        if self._waiter is not None and now - self._last_data >= limit:
+            self._fail(TimeoutError(f"no byte received for {limit:g} s"))
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
@@ -434,7 +427,7 @@ class ConnectionPool:
         self._host, self._port = host, port
         self._ssl = ssl_context
         self._limit = max(1, limit)
-        self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
+        self._connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
         self._watchdog = _Watchdog(read_timeout)
         self._open = 0
@@ -511,7 +504,7 @@ class ConnectionPool:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self._read_timeout, self._watchdog), self._host, self._port, **extra)
+                    lambda: _Connection(self._watchdog), self._host, self._port, **extra)
         except ssl.SSLError:
             raise  # the certificate or a plain-http server: worded by the store
         except TimeoutError:
@@ -524,7 +517,7 @@ class ConnectionPool:
         return connection
 
     def _give_back(self, connection: _Connection) -> None:
-        if connection.reusable and connection.done and not connection.closed and not self._closed:
+        if connection.reusable and not self._closed:
             self._idle.append(connection)
             self._signal()
         else:
