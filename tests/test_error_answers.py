@@ -132,3 +132,5 @@ def test_the_aioboto3_backend_words_its_transports_errors_alike():
     for broken in (ResponseBroken("cut"), TimeoutError("stalled"), aiohttp.ServerDisconnectedError()):
         mid = translate_error(broken, **where)
         assert type(mid) is TransientStoreError and "failed mid-request" in str(mid)
+    stalled = translate_error(TimeoutError("no byte received for 30 s"), **where)
+    assert "failed mid-request (TimeoutError: no byte received for 30 s)" in str(stalled)

@@ -522,7 +522,9 @@ def translate_error(
     if isinstance(exc, ConnectFailed):
         return unreachable(endpoint, bucket, key, listing=listing, reason=exc.reason)
     if isinstance(exc, (*_STREAM_ERRORS, *aiohttp_stream)):
-        return failed_mid_request(bucket, key, type(exc).__name__, listing=listing)
+        # with what it said, where it said anything ("no byte received for 30 s")
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return failed_mid_request(bucket, key, detail, listing=listing)
     return StoreError(f"{target(bucket, key, listing=listing)}: unexpected "
                       f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
 
