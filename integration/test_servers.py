@@ -166,6 +166,35 @@ def test_stop_leaves_no_process_socket_or_directory():
     server.stop()  # a second stop is a no-op
 
 
+def test_a_port_taken_before_weed_binds_it_is_picked_again(monkeypatch):
+    """Ports are picked free, then released for weed to bind: another process (a test worker
+    starting its own server) can take one in between. The server launches again on new ports."""
+    from loader.tools import devserver
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    pick = devserver.DevServer._pick_ports
+    picked = []
+
+    def first_loses_one(self):
+        ports = pick(self)
+        picked.append(ports)
+        return ports._replace(volume=port) if len(picked) == 1 else ports
+
+    monkeypatch.setattr(devserver.DevServer, "_pick_ports", first_loses_one)
+    try:
+        with DevServer(buckets=["retry-ports"]) as server:
+            assert len(picked) == 2 and server.ports == picked[1] and server.ports.volume != port
+            assert b"address already in use" in server.log_path.read_bytes()
+            client = server.client()
+            client.put_object(Bucket="retry-ports", Key="k", Body=b"v")
+            assert client.get_object(Bucket="retry-ports", Key="k")["Body"].read() == b"v"
+    finally:
+        taken.close()
+
+
 def test_restart_on_the_same_data_dir_keeps_objects(tmp_path, s3client):
     objects = {f"obj-{i}": os.urandom(1000 * i) for i in range(1, 6)}
     with DevServer(data_dir=tmp_path / "s3", buckets=["keep"]) as server:

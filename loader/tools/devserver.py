@@ -47,6 +47,7 @@ LOG_NAME = "weed.log"
 IDENTITIES_NAME = "s3-identities.json"
 DATA_SUBDIR = "data"
 _LOG_TAIL_LINES = 30
+_LAUNCH_TRIES = 3  # launches with freshly picked ports when one was taken before weed bound it
 # Environment the server gets: nothing of ours (no AWS_*/WEED_* credentials or overrides) leaks in.
 _CHILD_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ")
 _CHILD_ENV_FIXED = {
@@ -223,10 +224,21 @@ class DevServer:
         began = time.monotonic()
         self._prepare_root()
         try:
-            if self._ports is None or not all(_port_is_free(p) for p in self._ports if p is not None):
-                self._ports = self._pick_ports()
-            self._launch()
-            self._wait_ready(began + self.start_timeout)
+            for attempt in range(1, _LAUNCH_TRIES + 1):
+                if self._ports is None or not all(_port_is_free(p) for p in self._ports if p is not None):
+                    self._ports = self._pick_ports()
+                logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+                self._launch()
+                try:
+                    self._wait_ready(began + self.start_timeout)
+                    break
+                except DevServerError:
+                    # The ports were free when picked, then closed for weed to bind: another
+                    # process (a test worker starting its own server) may take one meanwhile.
+                    if attempt == _LAUNCH_TRIES or not self._lost_a_port(logged):
+                        raise
+                    self._stop_process(graceful=False)
+                    self._ports = None  # pick free ones again
             for name in self._buckets:
                 self.create_bucket(name)
         except BaseException:
@@ -388,6 +400,12 @@ class DevServer:
                     f"(last: {last}); raise start_timeout on a slow machine"
                 ))
             time.sleep(0.1)
+
+    def _lost_a_port(self, since: int) -> bool:
+        """Whether weed's log, past byte ``since``, says a port it was to listen on was taken."""
+        with open(self.log_path, "rb") as log:
+            log.seek(since)
+            return b"address already in use" in log.read()
 
     def _failure(self, what: str) -> str:
         tail = _tail(self.log_path, _LOG_TAIL_LINES, hide=self._credentials[1] if self._credentials else None)
