@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
 import random
@@ -411,3 +412,61 @@ def test_a_waiting_consumer_gets_items_gathered_but_its_first_item_at_once(no_le
     assert sizes[0] == 1, "the first item is handed over alone: nothing delays the first sample"
     assert sizes[-1] == 0, "the end"
     assert len(sizes) < 200 / 2, f"{len(sizes)} hops for 200 items: nothing was gathered"
+
+
+def gated_jobs(n, gate, log):
+    """Job 0 waits for ``gate`` before its item; every job logs its start and emits its position."""
+
+    def job_for(position):
+        async def job(ctx):
+            log.append(position)
+            if position == 0:
+                await anyio.to_thread.run_sync(gate.wait)
+            await ctx.emit(position, 1)
+
+        return job
+
+    return [job_for(position) for position in range(n)]
+
+
+@pytest.mark.parametrize("delivery", ["ordered", "interleave", "completed"])
+def test_the_first_job_runs_alone_until_its_first_item(no_leaked_threads, monkeypatch, delivery):
+    """Started together, the first read shared the server and the loop with 63 others and the
+    first sample came ~20 ms later: the others wait for its item (here the lead is long)."""
+    from loader.engine import core
+
+    monkeypatch.setattr(core, "FIRST_JOB_LEAD_SECONDS", 30.0)
+    gate, log = threading.Event(), []
+    with FetchEngine(gated_jobs(8, gate, log), reusable(FakeStore()),
+                     limits=EngineLimits(max_inflight=4, delivery=delivery)) as engine:
+        iterator = iter(engine)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(next, iterator)
+            try:
+                wait_until(lambda: 0 in log, "job 0 starts")
+                time.sleep(0.2)
+                assert log == [0], "no other job starts before the first one's item"
+            finally:
+                gate.set()
+            assert first.result(timeout=10) == 0
+        assert sorted([0, *iterator]) == list(range(8))
+    assert sorted(log) == list(range(8))
+
+
+def test_the_first_jobs_lead_ends_after_its_time_without_an_item(no_leaked_threads, monkeypatch):
+    """A first read that stalls holds the others back for the lead only."""
+    from loader.engine import core
+
+    monkeypatch.setattr(core, "FIRST_JOB_LEAD_SECONDS", 0.05)
+    gate, log = threading.Event(), []
+    with FetchEngine(gated_jobs(8, gate, log), reusable(FakeStore()),
+                     limits=EngineLimits(max_inflight=4)) as engine:
+        iterator = iter(engine)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(next, iterator)
+            try:
+                wait_until(lambda: len(log) >= 4, "other jobs start while job 0 still waits")
+            finally:
+                gate.set()
+            assert first.result(timeout=10) == 0
+        assert list(iterator) == list(range(1, 8))
