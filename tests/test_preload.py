@@ -1,4 +1,5 @@
-"""Building a dataset imports its backend in that process, so forked workers inherit it."""
+"""Building a dataset imports its backend in that process, so forked workers inherit it; one
+that lists imports it while its listing runs."""
 
 from __future__ import annotations
 
@@ -42,12 +43,70 @@ def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork():
         "[] ['aiohttp', 'loader.s3.aioboto3_store', 'loader.s3.obstore_store']")
 
 
+_LISTED_PROBE = """
+import sys
+from loader import AsyncS3Dataset, S3Config
+from loader.listing.keylist import KeyList
+from loader.listing.snapshots import save_snapshot
+path, uri = sys.argv[2], "s3://bkt/train/"
+save_snapshot(KeyList.from_keys(["train/a.jpg", "train/b.jpg"], [1, 2]), path, uri)
+config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+backend = "loader.s3." + sys.argv[1] + "_store"
+dataset = AsyncS3Dataset.from_prefix(uri, snapshot=path, config=config, store=sys.argv[1])
+built = backend in sys.modules
+count = len(dataset)
+print(built, count, backend in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("store", ["aioboto3", "obstore"])
+def test_a_dataset_that_lists_imports_its_backend_when_it_lists_not_at_construction(store, tmp_path):
+    """(Where it lists, the import runs while the pages arrive: ``run_async``'s ``meanwhile``;
+    here the keys come from a snapshot, and the backend is imported all the same.)"""
+    run = subprocess.run([sys.executable, "-c", _LISTED_PROBE, store, str(tmp_path / "keys")],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout.split() == ["False", "2", "True"]
+
+
+def test_a_listing_runs_while_the_calling_thread_works_and_an_error_there_stops_it():
+    import threading
+
+    from loader.s3.blocking import run_async
+
+    started, stopped = threading.Event(), threading.Event()
+
+    async def listing() -> str:
+        import anyio
+
+        started.set()
+        try:
+            await anyio.sleep(30)
+        finally:
+            stopped.set()
+        return "keys"
+
+    async def quick() -> str:
+        return "keys"
+
+    assert run_async(quick, meanwhile=lambda: started.wait(0)) == "keys"
+
+    def fails() -> None:
+        assert started.wait(10), "the listing runs while the calling thread works"
+        raise RuntimeError("import failed")
+
+    with pytest.raises(RuntimeError, match="import failed"):
+        run_async(listing, meanwhile=fails)
+    assert stopped.is_set(), "the listing was cancelled"
+
+
 def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch):
     monkeypatch.setitem(sys.modules, "obstore", None)  # "not installed": its import raises
     monkeypatch.delitem(sys.modules, "loader.s3.obstore_store", raising=False)
     # ``from . import obstore_store`` finds an attribute the package got at an earlier import
     monkeypatch.delattr(loader.s3, "obstore_store", raising=False)
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
-    with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
-                                          r"pip install 's3stream-loader\[fast\]'"):
-        AsyncS3Dataset.from_keys("b", ["k"], config=config, store="obstore")
+    for build in (lambda: AsyncS3Dataset.from_keys("b", ["k"], config=config, store="obstore"),
+                  lambda: AsyncS3Dataset.from_prefix("s3://bkt/p/", config=config, store="obstore")):
+        with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
+                                              r"pip install 's3stream-loader\[fast\]'"):
+            build()

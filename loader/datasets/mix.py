@@ -64,6 +64,7 @@ class MixSource:
     def __init__(self, parts: list[Part], options: LoaderOptions, samples_per_epoch: int | None) -> None:
         self.parts = parts
         self.options = options
+        options.preload_backend()  # the backend the mix's engine reads with
         self.samples_per_epoch = samples_per_epoch
         self._counts: list[int] | None = None
         self._by_name = {part.name: part for part in parts}

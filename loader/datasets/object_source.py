@@ -61,7 +61,9 @@ class ObjectSource:
         self._index: SampleIndex | None = None
         if self._keys is not None:
             self._index = self._build_index()  # a bad key list fails here, not in a worker
-        else:  # listed once per job, before DataLoader workers fork (``sharing``)
+            options.preload_backend()
+        else:  # listed once per job, before DataLoader workers fork (``sharing``); the
+            # backend is imported while the pages arrive (``keys``)
             self._listing_ticket = ticket(repr(("objects", bucket, prefix)))
             track(self)
 
@@ -75,7 +77,9 @@ class ObjectSource:
             self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
                                    retry=self.options.retry, options=self.options.listing,
                                    ticket=self._listing_ticket, snapshot=self._snapshot,
-                                   annotate=sample_notes if self._group else None)
+                                   annotate=sample_notes if self._group else None,
+                                   meanwhile=self.options.preload_backend)
+            self.options.preload_backend()  # where nothing was listed here (a snapshot, another rank)
         return self._keys
 
     def samples(self) -> SampleIndex:

@@ -27,7 +27,7 @@ from ..formats.shards import (
 from ..listing.keylist import ListOptions
 from ..listing.versions import Versions
 from ..retry import RetryPolicy
-from ..s3 import StoreFactory, StoreSpec
+from ..s3 import StoreFactory, StoreSpec, preload_backend
 from ..s3.recording import RequestRecorder
 from . import partition
 from .groups import MIN_MEMORY
@@ -128,7 +128,7 @@ class LoaderOptions:
         if (self.rank is not None and self.world_size is not None
                 and not 0 <= self.rank < self.world_size):
             raise ConfigError(f"rank={self.rank!r} must lie in [0, world_size={self.world_size!r})")
-        spec = StoreSpec.of(self.store, self.config, preload=True)
+        spec = StoreSpec.of(self.store, self.config)
         object.__setattr__(self, "store", spec.store)  # a backend's name is resolved now, and
         object.__setattr__(self, "config", spec.config)  # its config, for workers to inherit
         cache_dir, cache_limit = check_cache_options(self.cache_dir, self.cache_limit,
@@ -192,6 +192,15 @@ class LoaderOptions:
         return functools.partial(open_cached_store, factory, self.cache_dir, self.cache_limit,
                                  spec.identity, validate=self.cache_validate,
                                  on_close=on_cache_close, versions=versions)
+
+    def preload_backend(self) -> None:
+        """Import the backend that will read, in the process that builds the dataset, before
+        any DataLoader worker forks (``loader.s3.preload_backend``). Sources call it: at once,
+        or, one that lists, while its listing's pages arrive (the import then costs the first
+        sample nothing)."""
+        spec = self._spec()
+        if spec.backend is not None:
+            preload_backend(spec.backend, spec.config)
 
     def _spec(self) -> StoreSpec:
         """``store=`` and ``config=`` as ``__post_init__`` resolved them."""

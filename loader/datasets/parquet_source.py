@@ -189,6 +189,7 @@ class ParquetSource(ShardSource):
         if self.shard_options.samples_per_epoch is not None and not options.ordered:
             raise ConfigError("samples_per_epoch= reads its passes in order, so ordered=False cannot "
                               "apply; drop it")
+        options.preload_backend()
         track(self)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -130,6 +130,7 @@ class ShardSource:
         self._counts_tried = False
         self._no_index = ""  # why no index gives the counts, when none does
         _check_combinations(options, self.shard_options, sample_counts)
+        options.preload_backend()
         track(self)
 
     # ------------------------------------------------------------------ what is read

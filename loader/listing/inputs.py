@@ -75,11 +75,13 @@ def list_prefix(
     keep: Callable[[KeyList], KeyList] | None = None,
     snapshot: Snapshot | None = None,
     annotate: Callable[[KeyList], Annotations] | None = None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> KeyList:
     """Synchronous ``list_objects`` for an ``s3://bucket/prefix`` URI, then ``keep`` (a filter);
     in a job, listed once and shared (``sharing.once_per_job``, by ``ticket``). ``snapshot``:
     read the key list from that file instead, or list and save it there (``snapshots``), with
-    what ``annotate`` derives from the keys."""
+    what ``annotate`` derives from the keys. ``meanwhile``: work for this thread while the
+    pages arrive (``run_async``); not called where nothing is listed here."""
     bucket, prefix = parse_s3_uri(uri)
     uri = f"s3://{bucket}/{prefix}"
     options = options or ListOptions()
@@ -91,7 +93,7 @@ def list_prefix(
         if snapshot is not None and (not snapshot.create or os.path.exists(snapshot.path)):
             found = load_snapshot(snapshot.path, uri)
         else:
-            found = run_async(functools.partial(with_store, factory, use))
+            found = run_async(functools.partial(with_store, factory, use), meanwhile)
             if snapshot is not None:
                 found = save_snapshot(found, snapshot.path, uri, annotate)
         return found if keep is None else keep(found)
@@ -309,12 +311,13 @@ def list_keys(
     ticket: int = 0,
     snapshot: Snapshot | None = None,
     annotate: Callable[[KeyList], Annotations] | None = None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> KeyList:
     """The keys a per-object dataset reads under ``s3://bucket/prefix``: hidden objects (a
     basename starting with a dot: ``.DS_Store``, ``._x.jpg``) are left out, and a prefix that
     also matched sibling folders is warned about (``warn_siblings``). A snapshot saved keeps
     the count of hidden keys and what ``annotate`` derives from the keys (``keyfile``), so that
-    reading it back goes over no key one by one."""
+    reading it back goes over no key one by one. ``meanwhile``: as in ``list_prefix``."""
     where = f"s3://{bucket}/{prefix}"
 
     def visible(found: KeyList) -> KeyList:
@@ -328,7 +331,8 @@ def list_keys(
         return keys
 
     keys = list_prefix(where, factory=factory, retry=retry, options=options, ticket=ticket,
-                       keep=visible, snapshot=snapshot, annotate=snapshot_notes(annotate))
+                       keep=visible, snapshot=snapshot, annotate=snapshot_notes(annotate),
+                       meanwhile=meanwhile)
     warn_siblings(bucket, prefix, keys)
     log.info("listed %d objects under %s (%d bytes)", len(keys), where, keys.nbytes)
     return keys

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,7 +30,7 @@ from .protocol import (
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_PAGE_SIZE", "BACKENDS", "ListPage", "MultipartStore", "ObjectInfo",
            "ObjectStore", "PagedLister", "Pin", "StoreFactory", "StoreSpec", "normalize_etag",
-           "open_listing_store", "open_store", "preload_backend", "resolve_backend"]
+           "check_backend", "open_listing_store", "open_store", "preload_backend", "resolve_backend"]
 
 StoreFactory = Callable[[], Awaitable[ObjectStore]]
 BACKENDS = ("aioboto3", "obstore")
@@ -46,7 +47,8 @@ def resolve_backend(name: str | None) -> str:
 
 
 def preload_backend(backend: str, config: S3Config | None = None) -> None:
-    """Import a backend's modules now, in the process that builds the dataset.
+    """Import a backend's modules now, in the process that builds the dataset (while a
+    dataset's listing runs, if it lists: ``LoaderOptions.preload_backend``).
 
     DataLoader workers forked later inherit them rather than import them each (a faster
     worker start), and the SSL contexts aiohttp builds at import time are then built before
@@ -106,19 +108,16 @@ class StoreSpec:
     config: S3Config | None = None
 
     @classmethod
-    def of(cls, store: str | StoreFactory | None, config: S3Config | None = None, *,
-           preload: bool = False) -> StoreSpec:
+    def of(cls, store: str | StoreFactory | None, config: S3Config | None = None) -> StoreSpec:
         """A callable ``store`` is a factory, used as it is; anything else names a backend
         (``resolve_backend``: an unknown name is a ``ConfigError`` now, before any I/O), whose
-        ``config`` comes from the environment when not given. ``preload``: import the backend now
-        (see ``preload_backend``)."""
+        ``config`` comes from the environment when not given. A backend whose extra is missing
+        is a ``ConfigError`` now too (``check_backend``)."""
         if callable(store):
             return cls(factory=store, config=config)  # the factory decides; config is kept as given
         backend = resolve_backend(store)
-        resolved = resolve_config(config)
-        if preload:
-            preload_backend(backend, resolved)
-        return cls(backend=backend, config=resolved)
+        check_backend(backend)
+        return cls(backend=backend, config=resolve_config(config))
 
     @property
     def store(self) -> str | StoreFactory:
@@ -185,12 +184,21 @@ class StoreSpec:
         return endpoint.rstrip("/") if endpoint else "aws-s3"
 
 
+def check_backend(backend: str) -> None:
+    """Raise now the error that importing ``backend`` later would (an extra not installed),
+    without importing it (``preload_backend`` may come later, while a listing runs)."""
+    if backend == "obstore" and importlib.util.find_spec("obstore") is None:
+        raise _obstore_missing()
+
+
 def _obstore_backend() -> Any:
     """The obstore backend's module, or advice on installing the extra it needs."""
     try:
         from . import obstore_store
     except ImportError as exc:
-        raise ConfigError(
-            f"store='obstore' needs the optional extra: {install_hint('fast')}"
-        ) from exc
+        raise _obstore_missing() from exc
     return obstore_store
+
+
+def _obstore_missing() -> ConfigError:
+    return ConfigError(f"store='obstore' needs the optional extra: {install_hint('fast')}")

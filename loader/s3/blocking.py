@@ -16,10 +16,18 @@ from .protocol import ObjectStore
 T = TypeVar("T")
 
 
-def run_async(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run one coroutine function to completion on a fresh loop in a helper thread."""
+def run_async(fn: Callable[[], Awaitable[T]], meanwhile: Callable[[], object] | None = None) -> T:
+    """Run one coroutine function to completion on a fresh loop in a helper thread.
+
+    ``meanwhile``: work for the calling thread while the loop runs ``fn`` (a listing's pages
+    are mostly waits on the server); an error it raises cancels ``fn``.
+    """
     with start_blocking_portal(name="loader-oneshot") as portal:
-        return portal.call(fn)
+        if meanwhile is None:
+            return portal.call(fn)
+        running = portal.start_task_soon(fn)
+        meanwhile()
+        return running.result()
 
 
 async def with_store(
