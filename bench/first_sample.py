@@ -10,8 +10,9 @@ and in a fresh process per run measures, from ``from_prefix(...)`` to the first 
 * s3torchconnector's ``S3IterableDataset.from_prefix(uri, enable_sharding=True)``.
 
 Imports happen before the clock starts and are reported apart (``import``), and for this project
-with ``w=0`` the time is broken down: the dataset's construction (the backend's import), the
-listing (store opening and LIST requests), and the rest (engine start, first GET). Median of
+with ``w=0`` the time is broken down: the dataset's construction, the listing (store opening
+and LIST requests, with the backend's import beside them; saved: the file read), and the rest
+(the backend's import where nothing was listed, engine start, first GET). Median of
 ``--repeats``; ratios are ours / s3torchconnector's iterable dataset, same server, same data,
 same run. Needs the ``bench`` extra (``make install-bench``).
 
@@ -228,8 +229,8 @@ def report(objects: int, workers: list[int], results: dict[tuple[str, int], list
                          f"{med(name, w, 'import') or 0:.3f} s |")
     if 0 in workers:
         lines += ["", "Where the time goes at w=0 (this project, medians):", "",
-                  "| backend | construct (backend import) | listing (store open + LIST; saved: file read) "
-                  "| rest (engine, first GET) | total |",
+                  "| backend | construct | listing (store open + LIST, backend import beside; saved: file read) "
+                  "| rest (engine, first GET; saved: backend import) | total |",
                   "|---|--:|--:|--:|--:|"]
         for name, who, _ in RUNS:
             if who != "ours" or name not in {n for n, _ in results}:
