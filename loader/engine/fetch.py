@@ -77,13 +77,13 @@ class FetchEngine:
         """Yield items until every job is done; re-raises the first job error in order."""
         self.start()
         assert self._loop is not None  # start() made it
-        portal, take = self._loop.portal, self._core.take
+        call, take = self._loop.call, self._core.take
         batch_items = max(1, min(TAKE_BATCH, self.limits.queue_items // 4))  # leave room to fetch into
         held = (0, 0)  # items and bytes of the last batch, released when the next is taken
         try:
             while True:
                 started = time.perf_counter()
-                batch, held = portal.call(take, batch_items, held)
+                batch, held = call(take, batch_items, held)
                 self._consumer_wait += time.perf_counter() - started
                 if not batch:
                     return
