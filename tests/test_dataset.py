@@ -250,3 +250,24 @@ def _unused_config():
     from loader import S3Config
 
     return S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+
+
+_LEFT_OPEN = """
+from torch.utils.data import DataLoader
+from loader import AsyncS3Dataset
+from loader.testing import MemoryStore
+store = MemoryStore.with_objects("train", {f"a/{i}.bin": b"x" * 100 for i in range(50)})
+batches = iter(DataLoader(AsyncS3Dataset.from_prefix("s3://train/a/", store=store), batch_size=None))
+print(next(batches)["__key__"])
+"""
+
+
+def test_an_iteration_left_open_at_exit_ends_quietly():
+    """``next(iter(loader))`` and then the end of the script: the iteration is closed at exit,
+    not in the interpreter's teardown, where its statistics met cleared modules (a traceback)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _LEFT_OPEN], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert (run.returncode, run.stdout.strip(), run.stderr.strip()) == (0, "a/0", "")

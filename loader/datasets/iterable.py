@@ -26,6 +26,7 @@ from ..config import S3Config
 from ..engine.fetch import EngineLimits, FetchEngine, Job
 from ..errors import ConfigError, SampleError
 from ..formats.shards import ShardOptions, ShardRef
+from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
 from ..s3 import StoreFactory
@@ -368,6 +369,11 @@ class AsyncS3Dataset(IterableDataset):
     # ----------------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[Any]:
+        iteration = self._iterate()
+        _open_iterations.add(iteration)  # closed at exit if still open (see below)
+        return iteration
+
+    def _iterate(self) -> Generator[Any, None, None]:
         worker, num_workers = topology.worker()
         self._board.clear(range(worker, worker + 1))
         if worker == 0:
@@ -655,6 +661,17 @@ class AsyncS3Dataset(IterableDataset):
         return (f"AsyncS3Dataset({self.source.describe()}, shuffle={self.options.shuffle}, "
                 f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
 
+
+
+def _close_iteration(iteration: Generator[Any, None, None]) -> None:
+    iteration.close()
+
+
+# Iterations a script left open (``next(iter(loader))``, then exit) are closed at exit, while the
+# modules their ``finally`` needs still exist: left to the interpreter's teardown, they ran it
+# after module globals were cleared and printed a TypeError. A forked child forgets its parent's.
+_open_iterations: LiveObjects[Generator[Any, None, None]] = LiveObjects(
+    in_child=lambda iteration: None, at_exit=_close_iteration)
 
 def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[str] | None,
                  prefix: str | None, shards: str | Iterable[str] | None,

@@ -161,7 +161,8 @@ class EngineCore:
         at most: started together, the first GET shared the server and the loop with 63 others
         and its sample came ~20 ms later on loopback (the first sample's time, twice over).
         A remote server's first byte takes longer than the lead, so the others lose the lead,
-        once (docs/design/engine.md, "The first item"). Not under a schedule, whose first item may come from another job."""
+        once (docs/design/engine.md, "The first item"). Not under a schedule, whose first item
+        may come from another job."""
         if self.delivery == "scheduled":
             return
         with anyio.move_on_after(FIRST_JOB_LEAD_SECONDS):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -52,7 +52,7 @@ class LoopThread:
         portal, loop = ready.result()
         return cls(portal, thread, loop)
 
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         """Await ``fn(*args)`` in the loop and return its result, from another thread.
 
         One hop each way (``asyncio.run_coroutine_threadsafe``): ``BlockingPortal.call`` makes
