@@ -52,18 +52,24 @@ path, uri = sys.argv[2], "s3://bkt/train/"
 save_snapshot(KeyList.from_keys(["train/a.jpg", "train/b.jpg"], [1, 2]), path, uri)
 config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
 backend = "loader.s3." + sys.argv[1] + "_store"
-dataset = AsyncS3Dataset.from_prefix(uri, snapshot=path, config=config, store=sys.argv[1])
+if sys.argv[3] == "objects":
+    dataset = AsyncS3Dataset.from_prefix(uri, snapshot=path, config=config, store=sys.argv[1])
+else:  # shards named, not listed: nothing to import beside
+    dataset = AsyncS3Dataset.from_shards(["s3://bkt/t/a-0.tar"], sample_counts={"s3://bkt/t/a-0.tar": 2}, config=config,
+                                         store=sys.argv[1])
 built = backend in sys.modules
 count = len(dataset)
 print(built, count, backend in sys.modules)
 """
 
 
+@pytest.mark.parametrize("kind", ["objects", "shards"])
 @pytest.mark.parametrize("store", ["aioboto3", "obstore"])
-def test_a_dataset_that_lists_imports_its_backend_when_it_lists_not_at_construction(store, tmp_path):
+def test_a_dataset_that_lists_imports_its_backend_when_it_lists_not_at_construction(store, kind, tmp_path):
     """(Where it lists, the import runs while the pages arrive: ``run_async``'s ``meanwhile``;
-    here the keys come from a snapshot, and the backend is imported all the same.)"""
-    run = subprocess.run([sys.executable, "-c", _LISTED_PROBE, store, str(tmp_path / "keys")],
+    here the keys come from a snapshot, or the shards are named, and the backend is imported
+    all the same.)"""
+    run = subprocess.run([sys.executable, "-c", _LISTED_PROBE, store, str(tmp_path / "keys"), kind],
                          capture_output=True, text=True, timeout=120, check=True)
     assert run.stdout.split() == ["False", "2", "True"]
 

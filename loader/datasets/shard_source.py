@@ -130,8 +130,7 @@ class ShardSource:
         self._counts_tried = False
         self._no_index = ""  # why no index gives the counts, when none does
         _check_combinations(options, self.shard_options, sample_counts)
-        options.preload_backend()
-        track(self)
+        track(self)  # listed before workers fork; the backend is imported meanwhile (``_listed``)
 
     # ------------------------------------------------------------------ what is read
 
@@ -147,7 +146,9 @@ class ShardSource:
             raise_if_failed_before_fork(self)
             self._shards = resolve_shards(self._specs, factory=self.options.listing_factory(),
                                           retry=self.options.retry, options=self.options.listing,
-                                          ticket=self._listing_ticket)
+                                          ticket=self._listing_ticket,
+                                          meanwhile=self.options.preload_backend)
+            self.options.preload_backend()  # where nothing was listed here (shards named, another rank)
         return self._shards
 
     def counts(self) -> Counts | None:

@@ -259,9 +259,11 @@ def resolve_shards(
     retry: RetryPolicy,
     options: ListOptions | None = None,
     ticket: int = 0,
+    meanwhile: Callable[[], object] | None = None,
 ) -> list[ShardRef]:
     """Turn shard URIs and prefixes into ``ShardRef``s; prefixes are listed (sizes known), once
-    per job (``ticket``: the dataset's, see ``sharing``)."""
+    per job (``ticket``: the dataset's, see ``sharing``). ``meanwhile``: as in ``list_prefix``,
+    during the first listing."""
     shards: list[ShardRef] = []
     for uri in specs:
         bucket, key = parse_s3_uri(uri)
@@ -269,7 +271,8 @@ def resolve_shards(
             shards.append(ShardRef(bucket, key))
         else:
             found = list_prefix(uri, factory=factory, retry=retry, suffix=SHARD_SUFFIXES,
-                                options=options, ticket=ticket)
+                                options=options, ticket=ticket, meanwhile=meanwhile)
+            meanwhile = None
             warn_siblings(bucket, key, found)
             for info in found.infos():
                 require_codec(f"s3://{bucket}/{info.key}")
