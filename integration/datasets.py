@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,3 +69,29 @@ def jpeg_dataset(minio_client, bucket: str, prefix: str, n: int, seed: int = 0, 
 def _sample_seed(seed: int, index: int) -> int:
     """Distinct, stable per-sample seeds for different data sets (``seed``) and samples."""
     return seed * 1_000_003 + index
+
+
+_IMPORT_PROBE = """
+import sys
+from torch.utils.data import DataLoader
+from loader import AsyncS3Dataset
+build, uri, store = sys.argv[1:4]
+backend = "loader.s3." + store + "_store"
+dataset = getattr(AsyncS3Dataset, build)(uri, shuffle=True, store=store)
+built = backend in sys.modules
+keys = [sample["__key__"] for sample in DataLoader(dataset, batch_size=None, num_workers=2, timeout=120)]
+assert len(keys) == len(set(keys)), "a sample read twice"
+print(built, backend in sys.modules, len(keys))
+"""
+
+
+def import_probe(s3_server, build: str, uri: str, store: str) -> tuple[bool, bool, int]:
+    """In a fresh process pointed at ``s3_server`` by the environment: whether ``store``'s backend
+    was imported once ``AsyncS3Dataset.<build>(uri)`` returned, whether it was after its
+    DataLoader (2 workers, the platform's start method) read every sample, and how many it read."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}, **s3_server.env}
+    run = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, build, uri, store], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built, after, count = run.stdout.split()
+    return built == "True", after == "True", int(count)

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError, NoSuchKeyError, ShardFormatError
 
-from datasets import sha256
+from datasets import import_probe, sha256
 from shardsets import pack, upload_shards
 
 SIZES = [260, 250, 270, 240, 255, 265, 245, 275]  # 2,060 samples in 8 shards
@@ -161,29 +161,9 @@ def test_missing_shard_names_the_key(s3_server, shards):
                                         config=s3_server.config))
 
 
-_IMPORTED_WHEN_LISTED = """
-import sys
-from torch.utils.data import DataLoader
-from loader import AsyncS3Dataset
-backend = "loader.s3." + sys.argv[2] + "_store"
-dataset = AsyncS3Dataset.from_shards(sys.argv[1], store=sys.argv[2])
-built = backend in sys.modules
-keys = [sample["__key__"] for sample in DataLoader(dataset, batch_size=None, num_workers=2, timeout=120)]
-print(built, backend in sys.modules, len(keys), len(set(keys)))
-"""
-
-
 @pytest.mark.parametrize("store", ["aioboto3", "obstore"])
 def test_shards_listed_from_a_prefix_import_the_backend_while_listing_and_workers_read_them_all(
         s3_server, shards, store):
     """As per-object mode: the import waits for the listing, which the workers start after."""
-    import os
-    import subprocess
-    import sys
-
     bucket, expected, _ = shards
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}, **s3_server.env}
-    run = subprocess.run([sys.executable, "-c", _IMPORTED_WHEN_LISTED, f"s3://{bucket}/train/", store],
-                         env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["False", "True", str(len(expected)), str(len(expected))]
+    assert import_probe(s3_server, "from_shards", f"s3://{bucket}/train/", store) == (False, True, len(expected))
