@@ -21,13 +21,15 @@ from listing_worker import list_on_rank
 
 from loader.listing.keylist import ListOptions, list_all
 from loader.retry import RetryPolicy
-from loader.s3 import open_listing_store, open_store
+from loader.s3 import ListingOpener, open_listing_store, open_store
 from loader.s3.http_client import HttpLister
 
 from faults import FaultDecider, FaultPlan, FaultProxy
 
 BACKENDS = ["aioboto3", "obstore"]
-LISTERS = [*BACKENDS, "http"]  # "http": open_listing_store's standard-library lister
+# "http": open_listing_store's standard-library lister; "http-ahead": the same with its first page
+# asked for before the event loop runs, as datasets list (ListingOpener.send_first_page)
+LISTERS = [*BACKENDS, "http", "http-ahead"]
 RETRY = RetryPolicy(base_delay=0.01, max_delay=0.2, connect_timeout=5, read_timeout=30)
 
 
@@ -62,9 +64,13 @@ def folder_keys(prefix: str, folders: int, per_folder: int) -> list[str]:
 
 
 def list_through(config, store: str, bucket: str, prefix: str, options: ListOptions):
+    opener = ListingOpener(config, max_connections=options.concurrency, retry=RETRY)
+    if store == "http-ahead":
+        opener.send_first_page(bucket, prefix, options.page_size)
+
     async def main():
-        if store == "http":
-            opened = await open_listing_store(config, max_connections=options.concurrency, retry=RETRY)
+        if store.startswith("http"):
+            opened = await opener()
             assert isinstance(opened, HttpLister)
         else:
             opened = await open_store(store, config, max_connections=options.concurrency, retry=RETRY)
@@ -208,20 +214,28 @@ def test_the_standard_library_lister_names_what_went_wrong(s3_server):
 
     once = RetryPolicy(max_attempts=1, base_delay=0.0, connect_timeout=2, read_timeout=5)
 
-    async def listing(config, bucket):
-        lister = await open_listing_store(config, max_connections=1, retry=once)
+    async def listing(opener, bucket):
+        lister = await opener()
         try:
             return await list_all(lister, bucket, "", once)
         finally:
             await lister.aclose()
 
-    with pytest.raises(NoSuchBucketError, match="no-such-bucket"):
-        asyncio.run(listing(s3_server.config, "no-such-bucket"))
+    def opener(config, bucket, ahead):
+        made = ListingOpener(config, max_connections=1, retry=once)
+        if ahead:  # the first page's error comes from its own thread, raised as the listing's
+            made.send_first_page(bucket, "", 1000)
+        return made
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with pytest.raises(EndpointUnreachableError, match="cannot connect"):
-        asyncio.run(listing(dataclasses.replace(s3_server.config, endpoint_url=closed), "b"))
+    for ahead in (False, True):
+        with pytest.raises(NoSuchBucketError, match="no-such-bucket"):
+            asyncio.run(listing(opener(s3_server.config, "no-such-bucket", ahead), "no-such-bucket"))
+        nowhere = dataclasses.replace(s3_server.config, endpoint_url=closed)
+        with pytest.raises(EndpointUnreachableError, match="cannot connect"):
+            asyncio.run(listing(opener(nowhere, "b", ahead), "b"))
 
 
 @pytest.mark.server_sensitive  # listing order, StartAfter, pages: servers differ

@@ -81,7 +81,9 @@ def list_prefix(
     in a job, listed once and shared (``sharing.once_per_job``, by ``ticket``). ``snapshot``:
     read the key list from that file instead, or list and save it there (``snapshots``), with
     what ``annotate`` derives from the keys. ``meanwhile``: work for this thread while the
-    pages arrive (``run_async``); not called where nothing is listed here."""
+    pages arrive (``run_async``); not called where nothing is listed here. A ``factory`` that
+    offers ``send_first_page`` (``s3.ListingOpener``) is asked for the first page before the
+    listing's event loop starts, which its answer then overlaps."""
     bucket, prefix = parse_s3_uri(uri)
     uri = f"s3://{bucket}/{prefix}"
     options = options or ListOptions()
@@ -93,6 +95,9 @@ def list_prefix(
         if snapshot is not None and (not snapshot.create or os.path.exists(snapshot.path)):
             found = load_snapshot(snapshot.path, uri)
         else:
+            send_first_page = getattr(factory, "send_first_page", None)
+            if send_first_page is not None:
+                send_first_page(bucket, prefix, options.page_size)
             found = run_async(functools.partial(with_store, factory, use), meanwhile)
             if snapshot is not None:
                 found = save_snapshot(found, snapshot.path, uri, annotate)

@@ -30,7 +30,7 @@ from .protocol import (
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_PAGE_SIZE", "BACKENDS", "ListPage", "MultipartStore", "ObjectInfo",
            "ObjectStore", "PagedLister", "Pin", "StoreFactory", "StoreSpec", "normalize_etag",
-           "check_backend", "open_listing_store", "open_store", "preload_backend", "resolve_backend"]
+           "ListingOpener", "check_backend", "open_listing_store", "open_store", "preload_backend", "resolve_backend"]
 
 StoreFactory = Callable[[], Awaitable[ObjectStore]]
 BACKENDS = ("aioboto3", "obstore")
@@ -81,6 +81,33 @@ async def open_listing_store(
     if usable(config):
         return HttpLister(config, max_connections=max_connections, retry=retry)
     return await open_store("aioboto3", config, max_connections=max_connections, retry=retry)
+
+
+class ListingOpener:
+    """``open_listing_store`` as a store factory that can also send a listing's first page
+    before any event loop runs (``send_first_page``, which ``listing.inputs.list_prefix`` calls
+    where a factory offers it): the lister made for that page is what the next call returns."""
+
+    def __init__(self, config: S3Config, *, max_connections: int, retry: RetryPolicy) -> None:
+        self.config = config
+        self.max_connections = max_connections
+        self.retry = retry
+        self._ready: ObjectStore | None = None
+
+    def send_first_page(self, bucket: str, prefix: str, page_size: int) -> None:
+        """Where ``HttpLister`` serves, make it and send the first page's request now."""
+        from .http_client import HttpLister, usable
+
+        if usable(self.config):
+            lister = HttpLister(self.config, max_connections=self.max_connections, retry=self.retry)
+            lister.send_first_page(bucket, prefix, page_size)
+            self._ready = lister
+
+    async def __call__(self) -> ObjectStore:
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            return ready
+        return await open_listing_store(self.config, max_connections=self.max_connections, retry=self.retry)
 
 
 async def open_store(
@@ -144,8 +171,7 @@ class StoreSpec:
         if self.factory is not None:
             return self.factory
         assert self.config is not None  # ``of`` resolved it
-        return functools.partial(open_listing_store, self.config, max_connections=max_connections,
-                                 retry=retry)
+        return ListingOpener(self.config, max_connections=max_connections, retry=retry)
 
     def __getstate__(self) -> dict[str, Any]:
         # A dataset's store travels into its DataLoader workers with whether its endpoint has

@@ -8,6 +8,7 @@ custom endpoints with keys in the config (``usable``), other listings use aiobot
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import http.client
 import socket
@@ -64,6 +65,26 @@ class HttpLister:
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(max(1, max_connections))
+        self._closed = False
+        # a first page asked for before the listing's event loop ran (``send_first_page``)
+        self._first: tuple[tuple[str, str, int], concurrent.futures.Future[ListPage]] | None = None
+
+    def send_first_page(self, bucket: str, prefix: str, page_size: int = DEFAULT_PAGE_SIZE) -> None:
+        """Ask for the listing's first page now, from a thread of its own, where no event loop
+        runs yet: its answer comes while the loop that lists starts (~10 ms, mostly the import of
+        anyio's asyncio backend the first time). ``list_pages`` takes it for the same first page,
+        or raises what it failed with, which the listing's retries treat as any page's error."""
+        first: concurrent.futures.Future[ListPage] = concurrent.futures.Future()
+        query = list_query(prefix, page_size)
+
+        def fetch() -> None:
+            try:
+                first.set_result(self._page(bucket, prefix, query))
+            except BaseException as exc:  # noqa: BLE001 - handed to list_pages, raised there
+                first.set_exception(exc)
+
+        self._first = ((bucket, prefix, page_size), first)
+        threading.Thread(target=fetch, name="loader-first-page", daemon=True).start()
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return objects_of(self.list_pages(bucket, prefix))
@@ -79,6 +100,14 @@ class HttpLister:
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` or started after ``start_after``."""
+        first, self._first = self._first, None
+        if first is not None and (token, start_after, delimiter) == (None, None, None) \
+                and first[0] == (bucket, prefix, page_size):
+            page = await anyio.to_thread.run_sync(first[1].result, limiter=self._limiter)
+            yield page
+            if page.token is None:
+                return
+            token = page.token
         while True:
             query = list_query(prefix, page_size, token, start_after, delimiter)
             page = await anyio.to_thread.run_sync(self._page, bucket, prefix, query,
@@ -107,10 +136,10 @@ class HttpLister:
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
             self._fail(exc, bucket, key, listing)
-        if response.will_close:
-            connection.close()
-        else:
-            with self._lock:
+        with self._lock:
+            if response.will_close or self._closed:
+                connection.close()
+            else:
                 self._idle.append(connection)
         if response.status >= 300:
             raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
@@ -166,6 +195,7 @@ class HttpLister:
 
     async def aclose(self) -> None:
         with self._lock:
+            self._closed = True  # a first page still on its way closes its connection itself
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
