@@ -125,6 +125,22 @@ def test_a_listing_through_resets_and_slowdowns_lists_every_key_once(s3_server, 
     assert counts["reset"] >= 1 and counts["slowdown"] >= 1, counts
 
 
+
+@pytest.mark.server_sensitive  # listing order, StartAfter, pages: servers differ
+def test_the_first_page_asked_for_ahead_is_one_of_the_listings_requests_not_one_more(s3_server, keyspace):
+    """Counted at the server's door: page after page, the listing with its first page sent ahead
+    makes exactly the LIST requests of the one without (one per page)."""
+    bucket, expected = keyspace
+    pages = -(-len(expected) // 100)
+    counted = {}
+    for store in ("http", "http-ahead"):
+        with FaultProxy(s3_server.config.endpoint_url, FaultPlan()) as proxy:
+            config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+            found = list_through(config, store, bucket, "data/", ListOptions(page_size=100, concurrency=1))
+            counted[store] = list_requests(proxy, bucket)
+        assert list(found) == expected
+    assert counted == {"http": pages, "http-ahead": pages}
+
 # Not server-sensitive: three spawned ranks cost ~50 s a server; the list-once counting runs on
 # every server in test_list_once.py (one process and its forked workers).
 def test_a_three_rank_job_makes_the_list_requests_of_one_listing(s3_server):

@@ -134,3 +134,31 @@ def test_the_aioboto3_backend_words_its_transports_errors_alike():
         assert type(mid) is TransientStoreError and "failed mid-request" in str(mid)
     stalled = translate_error(TimeoutError("no byte received for 30 s"), **where)
     assert "failed mid-request (TimeoutError: no byte received for 30 s)" in str(stalled)
+
+
+def test_the_listing_lister_says_how_long_a_silent_server_was_waited_out():
+    """A server that accepts and never answers: the standard-library lister's error says so, as
+    the backends' do, not a bare '(TimeoutError)'."""
+    import asyncio
+    import socket
+
+    from loader.config import S3Config
+    from loader.errors import TransientStoreError
+    from loader.retry import RetryPolicy
+    from loader.s3.http_client import HttpLister
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)  # the kernel accepts; nobody answers
+        config = S3Config(endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                          access_key_id="a", secret_access_key="b")
+        lister = HttpLister(config, retry=RetryPolicy(connect_timeout=0.3, read_timeout=0.3))
+
+        async def first_page():
+            async for page in lister.list_pages("bkt", "p/"):
+                return page
+
+        with pytest.raises(TransientStoreError,
+                           match=r"s3://bkt/p/ \(listing\): the connection failed mid-request "
+                                 r"\(TimeoutError: no answer within 0.3 s\)"):
+            asyncio.run(first_page())

@@ -662,7 +662,6 @@ class AsyncS3Dataset(IterableDataset):
                 f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
 
 
-
 def _close_iteration(iteration: Generator[Any, None, None]) -> None:
     iteration.close()
 
@@ -672,6 +671,7 @@ def _close_iteration(iteration: Generator[Any, None, None]) -> None:
 # after module globals were cleared and printed a TypeError. A forked child forgets its parent's.
 _open_iterations: LiveObjects[Generator[Any, None, None]] = LiveObjects(
     in_child=lambda iteration: None, at_exit=_close_iteration)
+
 
 def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[str] | None,
                  prefix: str | None, shards: str | Iterable[str] | None,

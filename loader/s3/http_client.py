@@ -8,6 +8,7 @@ custom endpoints with keys in the config (``usable``), other listings use aiobot
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import datetime
 import http.client
@@ -103,7 +104,7 @@ class HttpLister:
         first, self._first = self._first, None
         if first is not None and (token, start_after, delimiter) == (None, None, None) \
                 and first[0] == (bucket, prefix, page_size):
-            page = await anyio.to_thread.run_sync(first[1].result, limiter=self._limiter)
+            page = await asyncio.wrap_future(first[1])  # no worker thread to wait in; cancellable
             yield page
             if page.token is None:
                 return
@@ -191,7 +192,10 @@ class HttpLister:
         if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
             raise unreachable(self._endpoint, bucket, key, listing=listing,
                               reason=exc.strerror or str(exc)) from exc
-        raise failed_mid_request(bucket, key, type(exc).__name__, listing=listing) from exc
+        # with what it said, as the other transports do; a stall says how long it was waited out
+        said = f"no answer within {self._timeout:g} s" if isinstance(exc, TimeoutError) else str(exc)
+        detail = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+        raise failed_mid_request(bucket, key, detail, listing=listing) from exc
 
     async def aclose(self) -> None:
         with self._lock:
