@@ -453,6 +453,31 @@ def test_the_first_job_runs_alone_until_its_first_item(no_leaked_threads, monkey
     assert sorted(log) == list(range(8))
 
 
+def test_the_first_jobs_lead_counts_from_its_first_wait(no_leaked_threads, monkeypatch):
+    """A backend's set-up before its first request goes out (obstore builds its client, ~5 ms,
+    holding the loop) does not use up the lead: the others still wait for the first item."""
+    from loader.engine import core
+
+    monkeypatch.setattr(core, "FIRST_JOB_LEAD_SECONDS", 0.5)
+    log, seen_at_first_item = [], []
+
+    def job_for(position):
+        async def job(ctx):
+            log.append(position)
+            if position == 0:
+                time.sleep(0.7)  # synchronous set-up, longer than the lead
+                await anyio.sleep(0.01)  # the request itself
+                seen_at_first_item.extend(log)
+            await ctx.emit(position, 1)
+
+        return job
+
+    with FetchEngine([job_for(position) for position in range(8)], reusable(FakeStore()),
+                     limits=EngineLimits(max_inflight=4)) as engine:
+        assert list(engine) == list(range(8))
+    assert seen_at_first_item == [0], "the others started while the first job's request was out"
+
+
 def test_the_first_jobs_lead_ends_after_its_time_without_an_item(no_leaked_threads, monkeypatch):
     """A first read that stalls holds the others back for the lead only."""
     from loader.engine import core

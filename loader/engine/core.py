@@ -14,7 +14,7 @@ import anyio
 
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
-from .limits import FIRST_JOB_LEAD_SECONDS, GATHER_ITEMS, GATHER_SECONDS, EngineLimits
+from .limits import FIRST_ITEM_HANDOVER_SECONDS, FIRST_JOB_LEAD_SECONDS, GATHER_ITEMS, GATHER_SECONDS, EngineLimits
 from .tail import TailStore
 
 
@@ -166,6 +166,10 @@ class EngineCore:
         may come from another job."""
         if self.delivery == "scheduled":
             return
+        # The clock starts once the first job has gone as far as it can without waiting: a
+        # backend's set-up on its first request (obstore builds its client, ~5 ms, before the
+        # GET goes out) ate the whole lead, and the GET then shared the loop with 63 others.
+        await asyncio.sleep(0)
         with anyio.move_on_after(FIRST_JOB_LEAD_SECONDS):
             while not (self.buffered_items or self.delivered_items or self.jobs_done or self.failed):
                 await self.wait_change()
@@ -173,11 +177,12 @@ class EngineCore:
             # Let the consumer's take hand the item over before starting the others, and then let
             # the consumer's thread have the GIL: starting 63 jobs holds it for ~10 ms, and the
             # consumer, woken meanwhile, waited out the switch interval (5 ms) for its first
-            # sample. A few loop turns carry the take's result to the consumer's future; a zero
-            # sleep releases the GIL to a thread that waits for it.
+            # sample. A few loop turns carry the take's result to the consumer's future; a short
+            # sleep releases the GIL for long enough that the consumer, woken by that future,
+            # takes it (a zero sleep gave it back before the consumer's thread asked, often).
             for _ in range(3):
                 await asyncio.sleep(0)
-            time.sleep(0)
+            time.sleep(FIRST_ITEM_HANDOVER_SECONDS)
 
     async def runner(self) -> None:
         """Run launched jobs one after another, parking when there is none; return at the end.
