@@ -453,6 +453,31 @@ def test_the_first_job_runs_alone_until_its_first_item(no_leaked_threads, monkey
     assert sorted(log) == list(range(8))
 
 
+def test_a_lanes_next_job_sends_its_request_while_the_lanes_last_items_wait(no_leaked_threads):
+    """Interleaved delivery (shard mode): once a lane's job has fetched all it reads, the next
+    job starts (its request, the server's first byte) while the lane's items are still being
+    delivered, instead of after; its items wait for the lane, and the order is unchanged."""
+    log = []
+
+    def job_for(position):
+        async def job(ctx):
+            log.append(position)
+            for i in range(5):
+                await ctx.emit((position, i), 1)
+
+        return job
+
+    with FetchEngine([job_for(position) for position in range(6)], reusable(FakeStore()),
+                     limits=EngineLimits(max_inflight=2, queue_items=16, delivery="interleave")) as engine:
+        iterator = iter(engine)
+        out = [next(iterator)]  # one batch taken (at most 4 items): lanes 0 and 1 hold 5 each
+        wait_until(lambda: 2 in log and 3 in log, "the lanes' next jobs start before the lanes are drained")
+        out += iterator
+    lanes = [[(0, i) for i in range(5)] + [(2, i) for i in range(5)] + [(4, i) for i in range(5)],
+             [(1, i) for i in range(5)] + [(3, i) for i in range(5)] + [(5, i) for i in range(5)]]
+    assert out == [item for pair in zip(*lanes) for item in pair], "round robin over the two lanes"
+
+
 def test_the_first_jobs_lead_counts_from_its_first_wait(no_leaked_threads, monkeypatch):
     """A backend's set-up before its first request goes out (obstore builds its client, ~5 ms,
     holding the loop) does not use up the lead: the others still wait for the first item."""

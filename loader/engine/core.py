@@ -243,13 +243,17 @@ class EngineCore:
     def room_for(self, index: int, ahead: bool = False) -> bool:
         """Whether job ``index`` may start now (always in job order); ``ahead``: it fetches all
         it holds before its first item (within its reservation), so it may start while the
-        buffer is full, and before its lane takes it (emit() holds its items back until then)."""
+        buffer is full, and twice as many such jobs may run under interleaved delivery."""
         if self.delivery == "interleave":
             # Every job a lane holds must run, or the round robin could wait on one that never
             # starts; memory stays bounded because emit() waits while the buffer is full.
-            # Reading ahead starts with the first item delivered: before, it would share the
-            # connections with the reads the first sample waits for.
-            lookahead = self.limits.max_inflight if ahead and self.delivered_items else 0
+            # A job may start before its lane takes it, its first item held in emit() until then:
+            # when a lane's job has fetched all it reads, the next one sends its request while the
+            # lane's last items are delivered, instead of the lane waiting out the server's first
+            # byte (every shard). Jobs running stay within places(). This starts with the first
+            # item delivered: before, it would share the connections with the reads the first
+            # sample waits for.
+            lookahead = self.limits.max_inflight if self.delivered_items else 0
             return index < self.next_index + lookahead
         if self.delivery == "ordered" and index >= self.head + self.limits.queue_items:
             return False  # the reorder window
