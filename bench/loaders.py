@@ -7,7 +7,7 @@ here is module-level and picklable, so DataLoader workers can be forked or spawn
 
 Loaders (``LOADERS``):
 
-* ``ours-obj-aioboto3``, ``ours-obj-obstore``: ``AsyncS3Dataset.from_prefix``, ``max_inflight=64``;
+* ``ours-obj-aioboto3``, ``ours-obj-obstore``: ``AsyncS3Dataset.from_prefix``, ``limits=Limits(concurrency=64)``;
 * ``ours-shard-aioboto3``, ``ours-shard-obstore``: ``AsyncS3Dataset.from_shards`` (defaults);
 * ``s3tc-map``: s3torchconnector ``S3MapDataset.from_prefix`` (one GET per ``__getitem__``);
 * ``s3tc-iter``: s3torchconnector ``S3IterableDataset.from_prefix(enable_sharding=True)``;
@@ -119,9 +119,9 @@ class Target:
 
 
 def ours_objects(target: Target, workload: str, store: str) -> Any:
-    from loader import AsyncS3Dataset
+    from loader import AsyncS3Dataset, Limits
 
-    return AsyncS3Dataset.from_prefix(target.objects_uri, max_inflight=MAX_INFLIGHT, store=store,
+    return AsyncS3Dataset.from_prefix(target.objects_uri, limits=Limits(concurrency=MAX_INFLIGHT), store=store,
                                       config=target.s3_config(), transform=FromSample(workload))
 
 
