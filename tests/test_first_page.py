@@ -39,3 +39,60 @@ def test_the_first_page_is_asked_for_where_the_listing_runs_and_only_there(tmp_p
                         snapshot=Snapshot(path, create=True))
     assert list(again) == list(found)
     assert len(factory.sent) == 2, "a listing read from its snapshot asks for no page"
+
+
+def test_the_first_pages_thread_is_joined_when_the_lister_closes(monkeypatch):
+    """A short-lived listing thread still ending when the DataLoader forks right after the
+    listing once hung a forked worker: the thread that fetched the first page is joined by the
+    lister's close, not left to end on its own."""
+    import asyncio
+    import concurrent.futures
+    import http.server
+    import threading
+    import time
+
+    from loader.config import S3Config
+    from loader.s3 import http_client
+    from loader.s3.http_client import HttpLister
+
+    page = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bkt</Name>'
+            b"<Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>false</IsTruncated><Contents>"
+            b"<Key>p/a</Key><Size>1</Size><ETag>&quot;e&quot;</ETag></Contents></ListBucketResult>")
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    class SlowToEnd(concurrent.futures.Future):
+        """The answer handed over, then the thread lingers: what a thread ending looks like."""
+
+        def set_result(self, result):
+            super().set_result(result)
+            time.sleep(0.3)
+
+    monkeypatch.setattr(http_client.concurrent.futures, "Future", SlowToEnd)
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            config = S3Config(endpoint_url=f"http://127.0.0.1:{server.server_address[1]}",
+                              access_key_id="a", secret_access_key="b")
+            lister = HttpLister(config)
+            lister.send_first_page("bkt", "p/", 1000)
+
+            async def listing():
+                keys = [info.key async for page in lister.list_pages("bkt", "p/") for info in page.objects]
+                await lister.aclose()
+                return keys
+
+            assert asyncio.run(listing()) == ["p/a"]
+            assert not [t for t in threading.enumerate() if t.name == "loader-first-page"]
+        finally:
+            server.shutdown()

@@ -69,6 +69,7 @@ class HttpLister:
         self._closed = False
         # a first page asked for before the listing's event loop ran (``send_first_page``)
         self._first: tuple[tuple[str, str, int], concurrent.futures.Future[ListPage]] | None = None
+        self._first_fetch: tuple[threading.Thread, concurrent.futures.Future[ListPage]] | None = None
 
     def send_first_page(self, bucket: str, prefix: str, page_size: int = DEFAULT_PAGE_SIZE) -> None:
         """Ask for the listing's first page now, from a thread of its own, where no event loop
@@ -85,7 +86,9 @@ class HttpLister:
                 first.set_exception(exc)
 
         self._first = ((bucket, prefix, page_size), first)
-        threading.Thread(target=fetch, name="loader-first-page", daemon=True).start()
+        thread = threading.Thread(target=fetch, name="loader-first-page", daemon=True)
+        self._first_fetch = (thread, first)
+        thread.start()
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return objects_of(self.list_pages(bucket, prefix))
@@ -203,6 +206,13 @@ class HttpLister:
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
+        fetch, self._first_fetch = self._first_fetch, None
+        if fetch is not None and fetch[1].done():
+            # Its answer is in: the thread is ending (microseconds). Joined, it cannot still be
+            # tearing down when the DataLoader forks its workers right after the listing (a
+            # short-lived listing thread ending during fork() once hung a forked worker). One
+            # still waiting for its answer (the listing failed first) closes its own connection.
+            fetch[0].join()
 
     # Reads: whole objects and ranges (a shard index found beside the shards); not streams or
     # conditional reads, which the data path makes through the backends.
