@@ -1,6 +1,6 @@
 """GPU decode, and a ResNet-50 training step fed from S3: ``python -m bench.gpu`` (CUDA, torchvision).
 
-    python -m bench.gpu --objects 4096 --workers 4,8
+    python -m bench.gpu --objects 4096 --workers 2,4
 
 1. ``decode_images`` of a batch of 256 photo-like JPEGs to 224x224: on the GPU (nvJPEG, one
    call) against the CPU path (one image after another in this process), images/s.
@@ -9,7 +9,8 @@
    ``AsyncS3Dataset.from_keys`` over the embedded SeaweedFS server with 20 ms added before every
    request (the fault proxy of ``integration/faults``), raw bytes collated by ``collate_raw`` in
    ``num_workers`` DataLoader workers and decoded on the GPU by ``decode_images`` in the training
-   loop. The share is the fed step rate over the GPU's own.
+   loop (in series with the step), or by ``DeviceFeed`` (on a side stream, batches ahead);
+   from objects and from shards. The share is the fed step rate over the GPU's own.
 """
 
 from __future__ import annotations
@@ -118,18 +119,27 @@ def _proxy(upstream: str, latency: float) -> tuple[Any, str]:
     return process, process.stdout.readline().strip()
 
 
-def fed_step_rate(config: Any, bucket: str, keys: list[str], workers: int, epochs: int) -> tuple[float, int]:
-    """Steps/s of the same training step fed from S3, over ``epochs`` after a warm-up epoch."""
+def fed_step_rate(config: Any, bucket: str, source: dict[str, Any], workers: int, epochs: int,
+                  through_feed: bool) -> tuple[float, int, str]:
+    """Steps/s of the same training step fed from S3, over ``epochs`` after a warm-up epoch:
+    decoded in the loop (``decode_images`` then the step, one after the other on one stream) or
+    through ``DeviceFeed`` (decode on a side stream, two batches ahead). Also the feed's report."""
     import torch
     from torch.utils.data import DataLoader
 
-    from loader import AsyncS3Dataset
+    from loader import AsyncS3Dataset, DeviceFeed
     from loader.decode import collate_raw, decode_images
 
     _, _, step = _model()
-    dataset = AsyncS3Dataset.from_keys(bucket, keys, config=config)
+    if "shards" in source:
+        dataset = AsyncS3Dataset.from_shards([f"s3://{bucket}/{key}" for key in source["shards"]],
+                                             config=config)
+    else:
+        dataset = AsyncS3Dataset.from_keys(bucket, source["keys"], config=config)
     loader = DataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=collate_raw,
-                        persistent_workers=True, prefetch_factor=4, drop_last=True)
+                        persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
+                        drop_last=True)
+    feed = DeviceFeed(loader, SIZE, device="cuda", mean=None, std=None, label=None) if through_feed else None
     done = 0
     started = 0.0
     for epoch in range(epochs + 1):
@@ -137,20 +147,21 @@ def fed_step_rate(config: Any, bucket: str, keys: list[str], workers: int, epoch
         if epoch == 1:
             torch.cuda.synchronize()
             started = time.perf_counter()
-        for batch in loader:
-            pixels = decode_images(batch["jpg"], SIZE, device="cuda")
+        for batch in (feed if feed is not None else loader):
+            pixels = batch.images if feed is not None else decode_images(batch["jpg"], SIZE, device="cuda")
             labels = torch.randint(0, 1000, (pixels.shape[0],), device="cuda")
             step(pixels, labels)
             if epoch:
                 done += 1
     torch.cuda.synchronize()
-    return done / (time.perf_counter() - started), done
+    rate = done / (time.perf_counter() - started)
+    return rate, done, feed.report() if feed is not None else ""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--objects", type=int, default=4096)
-    parser.add_argument("--workers", default="4,8")
+    parser.add_argument("--workers", default="2,4")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--latency", type=float, default=0.02)
     args = parser.parse_args()
@@ -159,7 +170,7 @@ def main() -> None:
 
     from loader.testing import DevServer
 
-    from .data import photo_jpeg
+    from .data import make_shards, photo_jpeg
 
     assert torch.cuda.is_available(), "bench.gpu needs a CUDA device"
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs",
@@ -182,23 +193,37 @@ def main() -> None:
 
     bucket = "gpu-bench"
     keys = [f"photos/{i:06d}.jpg" for i in range(args.objects)]
+    samples = dict(zip(keys, images))
+    shards = make_shards(samples, max(1, args.objects // 512))  # ~512 samples, ~25 MB a shard
     with DevServer(buckets=[bucket]) as server:
         client = server.client()
         with concurrent.futures.ThreadPoolExecutor(32) as threads:
             list(threads.map(lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]),
-                             zip(keys, images)))
+                             [*samples.items(), *shards.items()]))
         proxy, endpoint = _proxy(server.config.endpoint_url, args.latency)
         try:
             import dataclasses
 
             config = dataclasses.replace(server.config, endpoint_url=endpoint)
-            print(f"| workers | steps/s fed from S3 (+{args.latency * 1000:.0f} ms) | images/s | "
-                  "share of the loop's rate from memory | share of the GPU's own step rate |")
-            print("|--:|--:|--:|--:|--:|")
-            for workers in (int(w) for w in args.workers.split(",")):
-                rate, steps = fed_step_rate(config, bucket, keys, workers, args.epochs)
-                print(f"| {workers} | {rate:.2f} ({steps} steps) | {rate * BATCH:,.0f} | "
-                      f"{rate / ram:.0%} | {rate / own:.0%} |", flush=True)
+            print(f"| data | decode | workers | steps/s fed from S3 (+{args.latency * 1000:.0f} ms) | "
+                  "images/s | share of the loop's rate from memory | share of the GPU's own step rate |")
+            print("|---|---|--:|--:|--:|--:|--:|")
+            reports = []
+            for data, source in (("objects", {"keys": keys}), ("shards", {"shards": sorted(shards)})):
+                for workers in (int(w) for w in args.workers.split(",")):
+                    for through_feed in (False, True):
+                        rate, steps, report = fed_step_rate(config, bucket, source, workers, args.epochs,
+                                                            through_feed)
+                        how = "DeviceFeed (side stream)" if through_feed else "in the loop"
+                        print(f"| {data} | {how} | {workers} | {rate:.2f} ({steps} steps) | "
+                              f"{rate * BATCH:,.0f} | {rate / ram:.0%} | {rate / own:.0%} |", flush=True)
+                        if report:
+                            reports.append(f"{data}, {workers} workers: {report}")
+            print("\nDeviceFeed.report():")
+            for line in reports:
+                print(f"- {line}")
+            print(f"\nGPU memory held by the feed: at most ahead + 2 = 4 batches of {BATCH}x3x"
+                  f"{SIZE[0]}x{SIZE[1]} uint8 ({4 * BATCH * 3 * SIZE[0] * SIZE[1] / 2**20:.0f} MiB)")
         finally:
             proxy.kill()
 

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, decode_sample
+from loader import AsyncS3Dataset, DeviceFeed, decode_sample
 from loader.decode import collate_raw, decode_images
 from loader.tools.demo import photo_jpeg
 
@@ -148,3 +148,45 @@ def test_the_demo_trains_on_decoded_images_and_keeps_them_for_the_next_run(tmp_p
     sizes = [re.search(r"uploaded 96 objects .*\(([\d.]+ MB) of JPEGs\)", out).group(1) for out in (first, second)]
     assert sizes[0] == sizes[1]  # the same images
     assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]  # no partial file left
+
+
+def test_the_device_feed_reads_a_whole_epoch_from_the_workers_shards_with_labels(s3_server, photos):
+    """``DeviceFeed`` over a DataLoader of 2 workers (the start method users get): every sample
+    once, decoded within the fidelity bound, labels from the shards' ``.cls``."""
+    bucket, images = photos
+    dataset = datasets(s3_server, bucket, shuffle=True, seed=3)["shards"]
+    loader = DataLoader(dataset, batch_size=16, num_workers=2, collate_fn=collate_raw, timeout=120)
+    seen = []
+    with DeviceFeed(loader, SIZE, mean=None, std=None) as feed:
+        for batch in feed:
+            assert batch.images.shape[1:] == (3, *SIZE)
+            assert batch.labels.tolist() == [number_of(key) % 3 for key in batch.keys]
+            for key, image in zip(batch.keys, batch.images.cpu()):
+                assert psnr(image, recipe(images[number_of(key)])) >= 35, key
+            seen += [number_of(key) for key in batch.keys]
+    assert sorted(seen) == list(range(N))
+    assert "over 6 steps" in feed.report()
+
+
+def test_a_run_stopped_after_the_feed_read_ahead_resumes_exactly(s3_server, photos):
+    """The feed decodes batches before the step takes them; what a checkpoint saves is the steps
+    the loop took (``feed.steps``), so the resumed run reads exactly the samples it never got."""
+    bucket, _ = photos
+    first = datasets(s3_server, bucket, shuffle=True, seed=5, batch_size=8)["objects"]
+    loader = DataLoader(first, batch_size=8, num_workers=2, collate_fn=collate_raw, timeout=120)
+    taken = []
+    feed = DeviceFeed(loader, SIZE, label=None, ahead=3)
+    for batch in feed:
+        taken += batch.keys
+        if feed.steps == 3:
+            break
+    seen = first.samples_seen(feed.steps)
+    feed.close()
+    assert seen == 24 == len(taken)
+    second = datasets(s3_server, bucket, shuffle=True, seed=5, batch_size=8)["objects"]
+    second.resume(epoch=0, samples_seen=seen)
+    rest = []
+    loader = DataLoader(second, batch_size=8, num_workers=2, collate_fn=collate_raw, timeout=120)
+    for batch in DeviceFeed(loader, SIZE, label=None):
+        rest += batch.keys
+    assert sorted(taken + rest) == sorted(f"img/{n:04d}" for n in range(N))

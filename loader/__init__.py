@@ -28,6 +28,7 @@ _PUBLIC = {
     "ListOptions": "loader.listing.keylist",
     **{name: "loader.datasets.groups" for name in ("Cache", "Limits", "Reading", "Split", "Store")},
     **{name: "loader.decode" for name in ("collate_raw", "decode_image", "decode_images", "decode_sample")},
+    "DeviceFeed": "loader.device_feed",
     "read_index": "loader.shard_index.read",
     "read_index_counts": "loader.shard_index.read",
     **{name: "loader.errors" for name in (
@@ -56,6 +57,7 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "AsyncS3MapDataset",
     "Cache",
     "ConfigError",
+    "DeviceFeed",
     "EmptyDatasetError",
     "EndpointUnreachableError",
     "InvalidRangeError",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .datasets.mix import mix
     from .datasets.options import LoaderOptions
     from .decode import collate_raw, decode_image, decode_images, decode_sample
+    from .device_feed import DeviceFeed
     from .errors import (
         AccessDeniedError,
         ConfigError,

@@ -16,7 +16,8 @@ PACKAGE = ROOT / "loader"
 # lower layers first: a module may import from its own layer or any layer below it
 LAYERS = ("foundation", "s3", "engine", "formats", "listing", "cache", "shard_index", "datasets", "checkpoint",
           "tools")
-FOUNDATION = {"config", "uri", "errors", "retry", "decode", "checks", "lifecycle", "topology", "_version"}
+FOUNDATION = {"config", "uri", "errors", "retry", "decode", "device_feed", "checks", "lifecycle", "topology",
+              "_version"}
 
 
 def modules() -> list[str]:
