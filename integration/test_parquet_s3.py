@@ -22,12 +22,14 @@ from test_mix_s3 import launch as mix_launch
 
 from loader import (
     AsyncS3Dataset,
+    Cache,
     ConfigError,
     EmptyDatasetError,
     Limits,
     ObjectChangedError,
     ParquetFormatError,
     Reading,
+    Store,
     decode_sample,
 )
 
@@ -222,3 +224,22 @@ def test_rows_are_exact_through_injected_faults(s3_server, store, read):
     assert sorted(row["n"] for row in got) == list(range(200)), "each row once"
     assert all(row["blob"] == blobs[row["n"]] for row in got), "each row whole"
     assert sum(counts.get(kind, 0) for kind in ("reset", "slowdown", "truncate", "stall")) > 0, counts
+
+
+@pytest.mark.parametrize("store", ["aioboto3", "obstore"])
+def test_later_epochs_read_parquet_from_the_disk_cache(s3_server, store, tmp_path):
+    """``Store(cache=Cache(...))`` keeps the column chunks a Parquet epoch reads, each range an
+    entry validated by the listed ETag: the second epoch sends no GET, and its rows are the
+    first's. Counted below the cache (``stats()["requests"]``: requests that reached the server)."""
+    bucket, minio = s3_server.new_bucket("pqcache"), s3_server.minio
+    for number in range(3):
+        put(minio, bucket, f"c/part-{number}.parquet", arrow_bytes(table(20, number), row_group_size=6))
+    ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/c/", columns=["label", "tokens"], config=s3_server.config,
+                                     store=Store(backend=store, cache=Cache(tmp_path / "cache")))
+    first = sorted((s["__key__"], s["label"]) for s in ds)
+    assert len(first) == 60 and ds.stats()["requests"] >= 3, ds.stats()
+    assert any((tmp_path / "cache").rglob("*")), "the first epoch filled the cache"
+    ds.set_epoch(1)
+    second = sorted((s["__key__"], s["label"]) for s in ds)
+    assert second == first
+    assert ds.stats()["requests"] == 0, ds.stats()

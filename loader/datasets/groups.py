@@ -223,6 +223,8 @@ def flat_options(mode: Mode, *, limits: Limits | None = None, split: Split | Non
              cache_dir=None if cache is None else cache.dir,
              cache_limit=None if cache is None else cache.limit,
              cache_validate=None if cache is None or cache.validate == DEFAULT_VALIDATE else cache.validate)
+    elif isinstance(store, Cache):
+        raise ConfigError(f"store={store!r}: a Cache goes inside a Store; pass store=Store(cache=Cache(...))")
     elif store is not None:
         grouped["store"] = store
     if reading is not None:

@@ -539,6 +539,9 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
 
     async def job(ctx: JobContext) -> None:
         pin = Pin(ref.etag)
+        in_parts = getattr(ctx.store, "cache_in_parts", None)  # a disk cache: keep each range read
+        if in_parts is not None:
+            in_parts(ref.bucket, ref.key)
 
         async def get(start: int, end: int) -> bytes:
             return await call_with_retries(lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
