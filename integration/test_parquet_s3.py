@@ -174,6 +174,13 @@ def test_a_file_overwritten_after_its_footer_was_read(s3_server):
     put(minio, bucket, "changing/rows.parquet", arrow_bytes(table(12, 5), row_group_size=6))
     with pytest.raises(ObjectChangedError, match="changing/rows.parquet was overwritten after its footer was read"):
         list(ds)
+    # The advice works as written: this dataset's next epoch fails the same way; a new one reads the new rows.
+    ds.set_epoch(1)
+    with pytest.raises(ObjectChangedError, match=r"Build the dataset again \(AsyncS3Dataset.from_parquet") as info:
+        list(ds)
+    assert "next epoch" not in str(info.value)
+    again = AsyncS3Dataset.from_parquet(f"s3://{bucket}/changing/", config=s3_server.config)
+    assert [s["label"] for s in again] == [(5 + i) % 7 for i in range(12)]
 
 
 @pytest.mark.server_sensitive

@@ -208,7 +208,7 @@ def parquet_rows(uri: str, objects: Sequence[ObjectInfo], *, config: S3Config | 
     """Rows and row groups from the footers of the listing's ``.parquet`` files (one ranged GET
     of each file's tail, as ``from_parquet`` reads them); a file whose footer does not read is
     named, not fatal: ``ls`` describes what is there."""
-    from ..datasets.parquet_source import read_footers
+    from ..datasets.parquet_source import read_footers_or_errors
     from ..formats.parquet import ParquetRef, parse_footer
 
     retry = RetryPolicy()
@@ -216,23 +216,13 @@ def parquet_rows(uri: str, objects: Sequence[ObjectInfo], *, config: S3Config | 
     bucket = parse_s3_uri(uri).bucket
     refs = [ParquetRef(bucket, info.key, info.size, info.etag) for info in objects
             if info.key.endswith(PARQUET_SUFFIX)]
-    unreadable: list[str] = []
-    try:
-        footers = list(zip(refs, read_footers(refs, factory, retry)))
-    except ParquetFormatError:  # one at a time, to name each file that does not read
-        footers = []
-        for ref in refs:
-            try:
-                footers.append((ref, read_footers([ref], factory, retry)[0]))
-            except ParquetFormatError as exc:
-                unreadable.append(str(exc))
     rows = groups = 0
-    for ref, footer in footers:
-        try:
-            meta = parse_footer(ref, footer)
-        except ParquetFormatError as exc:
-            unreadable.append(str(exc))
+    unreadable: list[str] = []
+    for ref, footer in zip(refs, read_footers_or_errors(refs, factory, retry)):
+        if isinstance(footer, ParquetFormatError):
+            unreadable.append(str(footer))
             continue
+        meta = parse_footer(ref, footer)
         rows += meta.num_rows
         groups += meta.num_row_groups
     return ParquetRows(rows, groups, tuple(unreadable))
