@@ -5,9 +5,9 @@ corrupt footer, a file overwritten after its footer was read, a budget too small
 from __future__ import annotations
 
 import collections
-import logging
 import io
 import json
+import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
