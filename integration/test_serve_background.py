@@ -154,3 +154,37 @@ def test_devserver_refuses_an_invalid_bucket_name_before_starting():
     with pytest.raises(ConfigError, match=r"DevServer bucket 'ft' is not a valid bucket name \(it has 2 "
                                           r"character\(s\)\); use 3-63 characters"):
         DevServer(buckets=["ft"])
+
+
+EXAMPLES_DIGEST = (  # every object of the bucket the docs read, as a user's script would see it
+    "import os, hashlib, boto3; s3 = boto3.client('s3', endpoint_url=os.environ['AWS_ENDPOINT_URL']); "
+    "keys = [o['Key'] for page in s3.get_paginator('list_objects_v2').paginate(Bucket='bucket') "
+    "for o in page.get('Contents', [])]; "
+    "print(len(keys), hashlib.sha256(b''.join(k.encode() + hashlib.sha256(s3.get_object(Bucket='bucket', "
+    "Key=k)['Body'].read()).digest() for k in sorted(keys))).hexdigest())"
+)
+
+
+def test_examples_creates_the_bucket_the_docs_read(tmp_path, shell_env):
+    """``serve --examples``, as the first page runs it on a fresh machine: the bucket ``bucket``
+    holds exactly the data every example of the docs reads (``loader.tools.examples``)."""
+    import hashlib
+
+    from loader.tools.examples import example_data
+
+    pidfile = tmp_path / "s3.pid"
+    script = (f'eval "$("$PYTHON" -m loader serve --background --pidfile {shlex.quote(str(pidfile))} --examples)" '
+              f'&& "$PYTHON" -c {shlex.quote(EXAMPLES_DIGEST)}')
+    try:
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=180,
+                              env=shell_env, cwd=REPO)
+    finally:
+        if pidfile.exists():
+            subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                           timeout=60, cwd=REPO, env=shell_env)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    data = example_data()
+    expected = hashlib.sha256(b"".join(key.encode() + hashlib.sha256(data[key]).digest()
+                                       for key in sorted(data))).hexdigest()
+    assert proc.stdout.split() == [str(len(data)), expected], proc.stdout
+    assert "holds the examples' data: 174 objects" in proc.stderr

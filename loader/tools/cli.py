@@ -60,6 +60,7 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                     "server is ready and returns, so a shell can eval them; --stop ends it.",
         epilog="examples:\n"
                "  loader serve --bucket train            # in its own terminal; Ctrl-C stops it\n"
+               "  eval \"$(loader serve --background --pidfile s3.pid --examples)\"   # the docs' data\n"
                "  eval \"$(loader serve --background --pidfile /tmp/s3.pid --bucket train)\"\n"
                "  loader serve --stop /tmp/s3.pid",
         formatter_class=_Formatter,
@@ -72,6 +73,10 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket", action="append", default=[], type=_bucket_name, metavar="NAME",
                    help="create this bucket at start (repeatable; 3-63 lowercase letters, digits, "
                         "dots, hyphens)")
+    p.add_argument("--examples", action="store_true",
+                   help="create the bucket `bucket` holding the data the documentation's examples "
+                        "read (JPEGs with class ids, class folders, tar shards, Parquet files); "
+                        "needs the image and parquet extras")
     p.add_argument("--background", action="store_true",
                    help="run detached: print the export lines once the server is ready, then "
                         "return (needs --pidfile)")
