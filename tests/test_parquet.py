@@ -520,3 +520,11 @@ def test_a_hub_class_label_names_the_classes():
 ])
 def test_class_label_names_from_the_huggingface_metadata(metadata, columns, names):
     assert class_label_names(metadata, columns) == names
+
+
+@pytest.mark.parametrize("entry,default", [("from_parquet", "32 MiB for Parquet"),
+                                           ("from_shards", "16 MiB for shards")])
+def test_a_part_size_below_the_floor_names_the_default_of_its_mode(entry, default):
+    uri = {"from_parquet": "s3://bucket/pq/", "from_shards": "s3://bucket/s-{0..1}.tar"}[entry]
+    with pytest.raises(ConfigError, match=rf"^part_size=10 is below the floor .* or leave the default \({default}\)$"):
+        getattr(AsyncS3Dataset, entry)(uri, store=reusable(FAKE), reading=Reading(part_size=10))

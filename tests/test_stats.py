@@ -102,7 +102,7 @@ def test_timed_measures_the_training_loops_wait_per_step():
     assert waited["step_wait_p50_s"] >= 0.04, "at least two 20 ms GETs per step, one at a time"
     assert waited["step_wait_p50_s"] <= waited["step_wait_p95_s"] <= waited["step_wait_p99_s"]
     assert waited["data_wait_fraction"] > 0.5 and waited["first_batch_s"] > 0
-    assert "raise max_inflight" in slow.report(), slow.report()
+    assert "raise Limits(concurrency=)" in slow.report(), slow.report()
 
     fast = AsyncS3Dataset.from_keys("bucket", sorted(objects),
                                     store=reusable(FakeStore.with_objects("bucket", objects)))
@@ -144,7 +144,7 @@ def test_report_advises_by_the_largest_share():
 
     assert "add DataLoader workers" in advice(transform_s=15.0)
     assert "hand over less" in advice(handoff_s=15.0)
-    assert "raise max_inflight" in advice(consumer_wait_s=15.0)
+    assert "raise Limits(concurrency=)" in advice(consumer_wait_s=15.0)
     assert "client's CPU per request" in advice(consumer_wait_s=15.0, inflight_limit=128)
     assert "keeps up" in advice(data_wait_fraction=0.01, transform_s=15.0)
     no_steps = {k: v for k, v in base.items() if not k.startswith(("step", "data_wait", "first"))}

@@ -95,13 +95,14 @@ class Split:
 
 @dataclasses.dataclass(frozen=True)
 class Cache:
-    """The disk cache: ``dir`` (a local folder), its size ``limit`` in bytes (default: see
-    ``loader.cache``), and when an entry may still answer (``validate``: ``"listing"`` when
-    the listing's ETag matches, ``"always"`` after a HEAD, ``"never"`` without asking)."""
+    """The disk cache: ``dir`` (a local folder), its size ``limit`` in bytes (None: 10 GiB; least
+    recently used entries are evicted first), and when an entry may still answer (``validate``:
+    ``"listing"`` when the listing's ETag matches, ``"always"`` after a conditional GET,
+    ``"never"`` without asking)."""
 
     dir: str | os.PathLike[str]
-    limit: int | None = None
-    validate: str = DEFAULT_VALIDATE
+    limit: int | None = None  # None: DEFAULT_CACHE_LIMIT, 10 GiB
+    validate: str = "listing"  # DEFAULT_VALIDATE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

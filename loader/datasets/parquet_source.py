@@ -42,7 +42,7 @@ from ..formats.parquet import (
     row_group_job,
     run_all,
 )
-from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
+from ..formats.shards import MIN_PART_SIZE, ShardAssignment, ShardOptions, ShardRef, part_size_too_small
 from ..listing.inputs import list_prefix
 from ..listing.keylist import KeyList, ListOptions
 from ..listing.sharing import once_per_job, raise_if_failed_before_fork, ticket, track
@@ -442,6 +442,9 @@ def parquet_options(options: Mapping[str, Any]) -> tuple[ShardOptions, dict[str,
         if rest.get("shuffle"):
             rest.setdefault("shuffle_bytes", budget // 4)
     rest.setdefault("part_size", DEFAULT_UNIT_BYTES)
+    part_size = rest["part_size"]
+    if isinstance(part_size, int) and not isinstance(part_size, bool) and 0 < part_size < MIN_PART_SIZE:
+        raise ConfigError(part_size_too_small(part_size, "32 MiB for Parquet"))
     if "row_groups_inflight" in rest:
         rest["shards_inflight"] = rest.pop("row_groups_inflight")
     known = ("shards_inflight", "shuffle_buffer", "part_size", "parts_inflight", "shuffle_bytes",

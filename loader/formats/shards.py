@@ -117,14 +117,19 @@ class ShardOptions:
             parse_s3_uri(self.index)
         if self.part_size < MIN_PART_SIZE:
             raise ConfigError(
-                f"part_size={self.part_size!r} is below the floor of {MIN_PART_SIZE} bytes: each part is "
-                "one ranged GET, and parts that small spend their time on requests, not bytes; give "
-                f"part_size={MIN_PART_SIZE} (1 MiB) or more, or leave the default (16 MiB)")
+                part_size_too_small(self.part_size, "16 MiB for shards"))
 
     @property
     def buffer_size(self) -> int:
         """The shuffle buffer in force where one applies (``shuffle_buffer`` or its default)."""
         return DEFAULT_SHUFFLE_BUFFER if self.shuffle_buffer is None else self.shuffle_buffer
+
+
+def part_size_too_small(part_size: int, default: str) -> str:
+    """What to say of a ``part_size`` (``Reading(part_size=)``) under ``MIN_PART_SIZE``; ``default``: the mode's."""
+    return (f"part_size={part_size!r} is below the floor of {MIN_PART_SIZE} bytes: each part is "
+            "one ranged GET, and parts that small spend their time on requests, not bytes; give "
+            f"part_size={MIN_PART_SIZE} (1 MiB) or more, or leave the default ({default})")
 
 
 class ShardRef(NamedTuple):
