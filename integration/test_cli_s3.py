@@ -251,8 +251,10 @@ def test_bench_reports_throughput_in_both_modes(s3_server, source):
     assert_ok(objects)
     assert "per-object" in objects.stdout and "samples/s" in objects.stdout and "MB/s" in objects.stdout
     lines = {line.split()[0]: line for line in objects.stdout.splitlines()[1:]}
-    # 300 samples of a .jpg and a .cls each
-    assert lines["samples"].split()[1] == "300" and lines["requests"].split()[1] == "600"
+    # 300 samples of a .jpg and a .cls each; on a busy machine a straggling GET may be hedged
+    # (at most 5 % of the requests, plus 8: docs/design/retry.md), each hedge one request more
+    requests = int(lines["requests"].split()[1].replace(",", ""))
+    assert lines["samples"].split()[1] == "300" and 600 <= requests <= 600 + 30 + 8, lines["requests"]
     assert "n/a" not in lines["latency"]
 
     packed = run_loader(s3_server, "shard", f"s3://{bucket}/train/", f"s3://{bucket}/bench-shards/",
