@@ -54,12 +54,12 @@ from ..uri import expand_braces, parse_s3_uri
 from .options import LoaderOptions
 from .shard_source import ShardSource
 
-log = logging.getLogger(__name__)
-
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
 # pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
 DEFAULT_UNIT_BYTES = 32 << 20
+
+log = logging.getLogger(__name__)
 
 
 def parquet_specs(spec: str | Iterable[str]) -> list[str]:
