@@ -363,7 +363,7 @@ def test_idle_upstream_connection_closed_by_upstream_is_reopened(no_leaked_threa
             assert conn.getresponse().read() == SMALL
             deadline = time.monotonic() + 10
             while quick.open_connections:  # the upstream drops its idle side of the connection
-                assert time.monotonic() < deadline, "the upstream kept its idle connection for 10 s"
+                assert time.monotonic() < deadline, "the upstream kept its idle connection for 10 s"  # hang guard
                 time.sleep(0.01)
         conn.close()
         assert proxy.counts == {"requests": 3}

@@ -135,7 +135,7 @@ def fails_fast(make, error, match, secret=None):
     started = time.monotonic()
     with pytest.raises(error, match=match) as info:
         list(make())
-    assert time.monotonic() - started < 60  # retried, it would take the 120 s retry deadline
+    assert time.monotonic() - started < 60  # hang guard: retried, it would take the 120 s retry deadline
     if secret:
         assert secret not in str(info.value) and secret not in repr(info.value)
     return info.value
