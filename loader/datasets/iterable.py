@@ -431,9 +431,8 @@ class AsyncS3Dataset(IterableDataset):
         """Count a sample that ``on_error`` skips, and say so as it asks."""
         self._samples_skipped += 1
         message = f"skipping {self.source.skipped(url, key)} (on_error={self.options.on_error!r}): {reason}"
-        if self.options.on_error == "warn":
+        if self.options.on_error == "warn":  # said once: a warning, not a log line as well
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-            log.warning(message)
         else:
             log.info(message)
 

@@ -208,9 +208,8 @@ class AsyncS3MapDataset(Dataset):
 
     def _skip(self, exc: Exception) -> None:
         message = f"skipping a sample (on_error={self.options.on_error!r}): {exc}"
-        if self.options.on_error == "warn":
+        if self.options.on_error == "warn":  # said once: a warning, not a log line as well
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-            log.warning(message)
         else:
             log.info(message)
 

@@ -275,7 +275,8 @@ def shard_job(
             message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
             if on_error == "warn":
                 warnings.warn(message, RuntimeWarning, stacklevel=1)
-            log.warning(message)
+            else:  # said once, one way or the other
+                log.warning(message)
             links = _warn_links(shard, parser)
             await ctx.emit(((position, END), ShardEnd(count, skipped=True, links=links)), 0)
             return
@@ -369,7 +370,8 @@ def _ranged_job(
                 message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
                 if on_error == "warn":
                     warnings.warn(message, RuntimeWarning, stacklevel=1)
-                log.warning(message)
+                else:  # said once, one way or the other
+                    log.warning(message)
                 skipped = True
                 break
             finally:
@@ -390,8 +392,7 @@ def _warn_links(shard: ShardRef, parser: TarStreamParser) -> int:
             "skipped and are not fields of any sample (webdataset skips them too). Pack the files "
             "themselves: GNU tar --hard-dereference / --dereference"
         )
-        warnings.warn(message, RuntimeWarning, stacklevel=1)
-        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=1)  # once: not logged as well
     return links
 
 
