@@ -252,3 +252,11 @@ def test_later_epochs_read_parquet_from_the_disk_cache(s3_server, store, tmp_pat
     second = sorted((s["__key__"], s["label"]) for s in ds)
     assert second == first
     assert ds.stats()["requests"] == 0, ds.stats()
+    if store == "obstore":  # its runtime does not survive fork() after the epochs above: spawn, or this
+        return
+    # DataLoader workers read what another process cached: the entries are files, shared
+    from torch.utils.data import DataLoader
+
+    ds.set_epoch(2)
+    third = sorted((s["__key__"], s["label"]) for s in DataLoader(ds, batch_size=None, num_workers=2))
+    assert third == first and ds.stats()["workers"] == 2 and ds.stats()["requests"] == 0, ds.stats()
