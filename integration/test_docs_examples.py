@@ -122,16 +122,21 @@ def test_every_block_is_runnable_or_says_why():
 def test_page_examples_run_as_written(page: Path, page_bucket: Path):
     namespace: dict = {"__name__": "__main__"}
     ran = 0
-    for block in blocks(page):
-        if block.language not in RUN_LANGUAGES or block.not_run is not None:
-            continue
-        if block.file is not None:
-            (page_bucket / block.file).write_text(block.code, encoding="utf-8")
-        elif block.language == "python":
-            run_python(block, namespace)
-        else:
-            run_bash(block, page_bucket)
-        ran += 1
+    try:
+        for block in blocks(page):
+            if block.language not in RUN_LANGUAGES or block.not_run is not None:
+                continue
+            if block.file is not None:
+                (page_bucket / block.file).write_text(block.code, encoding="utf-8")
+            elif block.language == "python":
+                run_python(block, namespace)
+            else:
+                run_bash(block, page_bucket)
+            ran += 1
+    finally:  # a page that failed before its `loader serve --stop` leaves no server running
+        for pidfile in page_bucket.glob("*.pid"):
+            subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                           capture_output=True, timeout=60)
     assert ran, f"{page.name}: no block ran"
 
 
