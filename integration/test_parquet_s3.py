@@ -158,6 +158,10 @@ def test_bad_inputs_name_the_file(spec, s3_server):
     put(minio, bucket, "bad/corrupt.parquet", good[: len(good) // 2])
     with pytest.raises(ParquetFormatError, match=rf"s3://{bucket}/bad/corrupt.parquet .*magic"):
         AsyncS3Dataset.from_parquet(f"s3://{bucket}/bad/", config=config).resolve()
+    # on_error="skip": the truncated file is left out, the good one beside it read whole
+    put(minio, bucket, "bad/good.parquet", good)
+    rows = list(AsyncS3Dataset.from_parquet(f"s3://{bucket}/bad/", config=config, on_error="skip"))
+    assert [row["__key__"] for row in rows] == [f"bad/good/{i}" for i in range(10)]
     put(minio, bucket, "empty/none.parquet", arrow_bytes(table(0, 0)))
     with pytest.raises(EmptyDatasetError, match="hold no rows"):
         AsyncS3Dataset.from_parquet(f"s3://{bucket}/empty/", config=config).resolve()
