@@ -28,8 +28,12 @@ IMAGE_SIZE = 48  # pixels a side: small noise JPEGs, ~5 KiB each
 
 def noise_jpeg(seed: int, size: int = IMAGE_SIZE, quality: int = 85) -> bytes:
     """A small random-noise RGB JPEG, the same for the same ``seed``."""
-    import numpy as np
-    from PIL import Image
+    try:
+        import numpy as np
+        from PIL import Image
+    except ImportError as exc:
+        raise ConfigError("the examples' JPEGs need Pillow and NumPy: "
+                          "pip install 's3stream-loader[image]'") from exc
 
     pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
     out = io.BytesIO()
