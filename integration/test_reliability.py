@@ -528,7 +528,7 @@ def test_server_gone_for_good_gives_up_clearly_within_the_deadline(running, mode
 
 
 # ---------------------------------------------------------------------------------- bad input
-# Each fails within 10 s with its type and a message that says what and where.
+# Each fails at once (a permanent error is not retried) with its type and a message that says what and where.
 
 
 @pytest.fixture
