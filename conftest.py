@@ -9,6 +9,13 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
+
+# No hypothesis deadlines anywhere: how long one example takes says nothing about its correctness,
+# and a busy machine (or the first example's imports) made a quick one fail (DeadlineExceeded).
+# A test's own @settings(...) inherits this, so a test that forgets deadline=None is covered too.
+settings.register_profile("loader", deadline=None)
+settings.load_profile("loader")
 
 
 @pytest.fixture(autouse=True, scope="session")

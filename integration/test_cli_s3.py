@@ -177,7 +177,7 @@ def test_a_killed_shard_run_finishes_on_a_rerun(s3_server, source):
     try:
         deadline = time.monotonic() + 60
         while not tar_keys(s3_server, bucket, "killed/") and proc.poll() is None:
-            assert time.monotonic() < deadline, "no shard appeared within 60 s"
+            assert time.monotonic() < deadline, "no shard appeared within 60 s"  # hang guard
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -251,8 +251,10 @@ def test_bench_reports_throughput_in_both_modes(s3_server, source):
     assert_ok(objects)
     assert "per-object" in objects.stdout and "samples/s" in objects.stdout and "MB/s" in objects.stdout
     lines = {line.split()[0]: line for line in objects.stdout.splitlines()[1:]}
-    # 300 samples of a .jpg and a .cls each
-    assert lines["samples"].split()[1] == "300" and lines["requests"].split()[1] == "600"
+    # 300 samples of a .jpg and a .cls each; on a busy machine a straggling GET may be hedged
+    # (at most 5 % of the requests, plus 8: docs/design/retry.md), each hedge one request more
+    requests = int(lines["requests"].split()[1].replace(",", ""))
+    assert lines["samples"].split()[1] == "300" and 600 <= requests <= 600 + 30 + 8, lines["requests"]
     assert "n/a" not in lines["latency"]
 
     packed = run_loader(s3_server, "shard", f"s3://{bucket}/train/", f"s3://{bucket}/bench-shards/",
@@ -338,3 +340,39 @@ def test_ls_of_a_whole_bucket_suggests_a_destination_that_works(s3_server):
     again = run_loader(s3_server, *command[0][1:3], command[0][3], "--target-size", "100k")
     assert_ok(again)
     assert "packed 400 objects" in again.stdout and "were already there" in again.stdout
+
+
+def test_ls_and_bench_read_a_prefix_of_parquet_files_as_rows(s3_server):
+    """A folder of Parquet files (and one truncated): `ls` counts rows and row groups from the
+    footers, points at from_parquet and gives no advice to pack them into tar shards; `bench`
+    reads rows, not each file as one sample."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bucket = s3_server.new_bucket("cli-pq")
+    files = {}
+    for number, rows in enumerate((30, 25)):
+        out = io.BytesIO()
+        pq.write_table(pa.table({"n": list(range(rows)), "blob": [bytes([number]) * 50] * rows}), out,
+                       row_group_size=10)
+        files[f"pq/part-{number}.parquet"] = out.getvalue()
+    upload_objects(s3_server.minio, bucket, files)
+    uri = f"s3://{bucket}/pq/"
+    listed = run_loader(s3_server, "ls", uri)
+    assert_ok(listed)
+    assert (f"these are Parquet files (2 of 2 objects, 55 rows in 6 row groups): read them with "
+            f"AsyncS3Dataset.from_parquet({uri!r})") in listed.stdout, listed.stdout
+    assert "loader shard" not in listed.stdout and "Pack them" not in listed.stdout
+
+    benched = run_loader(s3_server, "bench", uri, "--samples", "0", "--workers", "0", "--batch-size", "8")
+    assert_ok(benched)
+    assert "(Parquet rows," in benched.stdout.splitlines()[0], benched.stdout
+    lines = {line.split()[0]: line for line in benched.stdout.splitlines()[1:]}
+    assert lines["samples"].split()[1] == "55" and "of 55 rows in 2 Parquet files" in lines["samples"]
+    assert f"note: 2 of the 2 objects under {uri} are Parquet files: read as rows" in benched.stdout
+
+    upload_objects(s3_server.minio, bucket, {"pq/part-2.parquet": files["pq/part-0.parquet"][:-30]})
+    cut = run_loader(s3_server, "ls", uri)
+    assert_ok(cut)
+    assert "these are Parquet files (3 of 3 objects, 55 rows in 6 row groups)" in cut.stdout, cut.stdout
+    assert f"unreadable: s3://{bucket}/pq/part-2.parquet" in cut.stdout

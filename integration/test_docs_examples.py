@@ -19,42 +19,23 @@ import sys
 import warnings
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datasets import make_jpeg, upload_objects
+from loader.tools.examples import example_data
+
+from datasets import upload_objects
 from docs_blocks import LANGUAGES, RUN_LANGUAGES, Block, blocks, pages
-from shardsets import pack
 
 BUCKET = "bucket"  # the name the pages use: `s3://bucket/...` runs exactly as written
 
 
 def starting_data() -> dict[str, bytes]:
-    """What every page may read: ``train/`` (64 JPEGs, each with a ``.cls`` class id),
-    ``images/{cat,dog}/`` (class folders, 20 JPEGs each), ``wds/train-{0000..0003}.tar``
-    (four tar shards of 16 samples that another tool wrote, with no index) and
-    ``parquet/train-{00000..00001}-of-00002.parquet`` (40 rows in row groups of 10: a Hub-style
-    image column and a label)."""
-    items: dict[str, bytes] = {}
-    for i in range(64):
-        items[f"train/{i:06d}.jpg"] = make_jpeg(i)
-        items[f"train/{i:06d}.cls"] = str(i % 10).encode()
-    for n, label in enumerate(("cat", "dog")):
-        for i in range(20):
-            items[f"images/{label}/{i:03d}.jpg"] = make_jpeg(1000 * (n + 1) + i)
-    for shard in range(4):
-        samples = {f"s{shard * 16 + i:04d}": {"jpg": make_jpeg(5000 + shard * 16 + i),
-                                                 "cls": str(i % 10).encode()} for i in range(16)}
-        items[f"wds/train-{shard:04d}.tar"] = pack(samples)
-    for part in range(2):  # as the Hub publishes images: a struct column of bytes and path, and a label
-        rows = range(part * 20, part * 20 + 20)
-        table = pa.table({"image": [{"bytes": make_jpeg(7000 + i), "path": f"{i:05d}.jpg"} for i in rows],
-                          "label": pa.array([i % 10 for i in rows], pa.int64())})
-        out = io.BytesIO()
-        pq.write_table(table, out, row_group_size=10)
-        items[f"parquet/train-{part:05d}-of-00002.parquet"] = out.getvalue()
-    return items
+    """What every page may read: what ``loader serve --examples`` uploads (``loader.tools.examples``:
+    ``train/`` 64 JPEGs with a ``.cls`` class id each, ``images/{cat,dog}/`` class folders,
+    ``wds/train-{0000..0003}.tar`` and ``parquet/train-{00000..00001}-of-00002.parquet``), so the
+    pages run here on exactly the data a reader gets on a fresh machine."""
+    return example_data()
 
 
 @pytest.fixture(scope="module")
@@ -141,16 +122,21 @@ def test_every_block_is_runnable_or_says_why():
 def test_page_examples_run_as_written(page: Path, page_bucket: Path):
     namespace: dict = {"__name__": "__main__"}
     ran = 0
-    for block in blocks(page):
-        if block.language not in RUN_LANGUAGES or block.not_run is not None:
-            continue
-        if block.file is not None:
-            (page_bucket / block.file).write_text(block.code, encoding="utf-8")
-        elif block.language == "python":
-            run_python(block, namespace)
-        else:
-            run_bash(block, page_bucket)
-        ran += 1
+    try:
+        for block in blocks(page):
+            if block.language not in RUN_LANGUAGES or block.not_run is not None:
+                continue
+            if block.file is not None:
+                (page_bucket / block.file).write_text(block.code, encoding="utf-8")
+            elif block.language == "python":
+                run_python(block, namespace)
+            else:
+                run_bash(block, page_bucket)
+            ran += 1
+    finally:  # a page that failed before its `loader serve --stop` leaves no server running
+        for pidfile in page_bucket.glob("*.pid"):
+            subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                           capture_output=True, timeout=60)
     assert ran, f"{page.name}: no block ran"
 
 

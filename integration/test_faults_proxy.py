@@ -363,7 +363,7 @@ def test_idle_upstream_connection_closed_by_upstream_is_reopened(no_leaked_threa
             assert conn.getresponse().read() == SMALL
             deadline = time.monotonic() + 10
             while quick.open_connections:  # the upstream drops its idle side of the connection
-                assert time.monotonic() < deadline, "the upstream kept its idle connection for 10 s"
+                assert time.monotonic() < deadline, "the upstream kept its idle connection for 10 s"  # hang guard
                 time.sleep(0.01)
         conn.close()
         assert proxy.counts == {"requests": 3}
@@ -430,9 +430,19 @@ def test_latency_delays_each_request(target):
 
 
 def test_bandwidth_paces_each_answer_not_the_proxy(target):
-    """Each answer's body comes at most at ``bandwidth`` bytes/s; answers in parallel each get
-    that much (as S3 serves each connection), so two take no longer than one."""
+    """Each answer's body comes at most at ``bandwidth`` bytes/s; answers in parallel are paced
+    each on its own (as S3 serves each connection): their bodies arrive side by side, not one
+    after the other. (Orders and a lower bound: both hold however busy the machine is.)"""
     rate = 4 * len(target.big)  # a quarter of a second per answer of the big object
+    arrivals: list[str] = []  # who got the next MiB, in the order they came
+
+    def fetch(name: str, client) -> bytes:
+        body, got = client.get_object(Bucket=target.bucket, Key="big")["Body"], []
+        while chunk := body.read(1 << 20):
+            got.append(chunk)
+            arrivals.append(name)
+        return b"".join(got)
+
     with (FaultProxy(target.url, FaultPlan(bandwidth=rate)) as proxy,
           closing_client(target, proxy) as first, closing_client(target, proxy) as second):
         for client in (first, second):
@@ -441,16 +451,13 @@ def test_bandwidth_paces_each_answer_not_the_proxy(target):
         assert first.get_object(Bucket=target.bucket, Key="big")["Body"].read() == target.big
         one = time.perf_counter() - start
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            for _ in range(3):  # a busy machine slows a round by as much as the pacing takes: the best of 3
-                start = time.perf_counter()
-                bodies = list(pool.map(lambda c: c.get_object(Bucket=target.bucket, Key="big")["Body"].read(),
-                                       (first, second)))
-                two = time.perf_counter() - start
-                assert bodies == [target.big, target.big]
-                if two < 2 * one:
-                    break
+            bodies = list(pool.map(fetch, ("first", "second"), (first, second)))
+    assert bodies == [target.big, target.big]
     assert one >= 0.9 * len(target.big) / rate  # no faster than the bandwidth allows ...
-    assert two < 2 * one, (one, two)  # ... per answer: two in parallel, not one after the other
+    # ... per answer: each body began before the other ended (one after the other, either would
+    # have come whole before the other's first MiB).
+    last = {name: len(arrivals) - 1 - arrivals[::-1].index(name) for name in ("first", "second")}
+    assert arrivals.index("second") < last["first"] and arrivals.index("first") < last["second"], arrivals
 
 
 def test_reset_is_a_connection_error(target):
@@ -504,15 +511,16 @@ def test_truncate_breaks_off_the_body(target):
 
 
 def test_stall_is_a_read_timeout(target, no_leaked_threads):
-    plan = FaultPlan(stall=1.0, stall_seconds=3)
+    plan = FaultPlan(stall=1.0, stall_seconds=60)
     with FaultProxy(target.url, plan) as proxy, closing_client(target, proxy, read_timeout=1) as client:
         start = time.perf_counter()
         with pytest.raises(ReadTimeoutError):
             client.get_object(Bucket=target.bucket, Key="big")["Body"].read()
-        assert time.perf_counter() - start >= 0.9  # and a timeout, not the close after 3 s
+        assert time.perf_counter() - start >= 0.9  # the client's timeout, not sooner
         assert proxy.counts == {"requests": 1, "stall": 1}
-        start = time.perf_counter()
-    assert time.perf_counter() - start < 2  # stopping does not wait for stalls to end
+    # Leaving the block stopped the proxy: stop() raises if its thread outlives its 10 s, and
+    # the stall still had most of its 60 s to go, so stopping did not wait for it.
+    assert not proxy.running and not proxy.thread.is_alive()
 
 
 def test_faults_on_every_method_when_asked(target):
@@ -641,7 +649,11 @@ def test_many_keep_alive_connections_with_latency(upstream):
         elapsed = time.perf_counter() - start
         assert all(outcome == "ok" for outcomes in results for outcome in outcomes)
         assert proxy.counts == {"requests": 640, "latency": 640}
-    assert per_connection * latency <= elapsed < 10  # concurrent, not 64 x 10 x 50 ms = 32 s
+    assert per_connection * latency <= elapsed  # each connection's requests one after the other
+    # Concurrent across connections, not one connection at a time: the upstream's first 64
+    # requests came from many connections (served in turn, from the first 7).
+    first_requests = upstream.seen[seen_before:seen_before + connections]
+    assert len({s["peer_port"] for s in first_requests}) > connections // 2
     # Each client connection kept one upstream connection alive for all its requests.
     assert len({s["peer_port"] for s in upstream.seen[seen_before:]}) == connections
 
@@ -726,9 +738,8 @@ def test_stop_closes_connections_it_holds(upstream, no_leaked_threads):
     held = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
     held.sendall(b"GET /b/big HTTP/1.1\r\nHost: x\r\n\r\n")
     assert held.recv(12) == b"HTTP/1.1 200"
-    start = time.perf_counter()
-    proxy.stop()
-    assert time.perf_counter() - start < 10  # not the 60 s of the stall
+    proxy.stop()  # raises if its thread outlives 10 s: the stall had 60 s to go
+    assert not proxy.thread.is_alive()
     with contextlib.suppress(ConnectionResetError):
         while held.recv(1 << 20):
             pass

@@ -1,5 +1,5 @@
-"""Parquet data sets against the real server: row groups split exactly across 3 ranks x 2
-spawned DataLoader workers and resumed on 2 ranks x 3; Parquet mixed with objects and shards;
+"""Parquet data sets against the real server: row groups split exactly across 3 ranks x 1
+spawned DataLoader worker and resumed on 2 ranks x 2; Parquet mixed with objects and shards;
 a file written by DuckDB read as the same file written by pyarrow; images decoded from a Hub-style
 image column; and the bad inputs (a missing column, a corrupt or truncated footer, a file with
 zero rows, a file overwritten after its footer was read)."""
@@ -22,12 +22,14 @@ from test_mix_s3 import launch as mix_launch
 
 from loader import (
     AsyncS3Dataset,
+    Cache,
     ConfigError,
     EmptyDatasetError,
     Limits,
     ObjectChangedError,
     ParquetFormatError,
     Reading,
+    Store,
     decode_sample,
 )
 
@@ -99,11 +101,13 @@ def test_rows_split_on_three_ranks_then_resumed_on_two(spec, s3_server, s3_env, 
     expected = single_process_order(spec, s3_server.config)
     assert sorted(key for _, key in expected) == sorted(f"pq/part-{f}/{i}" for f, n in enumerate(ROWS)
                                                         for i in range(n))
-    head = launch(spec, s3_server.env, tmp_path / "head", world=3, workers=2, steps=2)
+    # 3 ranks x 1 worker, resumed on 2 ranks x 2: the topology changes in both counts, with 12
+    # processes to start (each spawned one imports torch again) where 3 x 2 then 2 x 3 took 17
+    head = launch(spec, s3_server.env, tmp_path / "head", world=3, workers=1, steps=2)
     assert [len(r["batches"]) for r in head] == [2, 2, 2]
     seen = head[0]["seen"]
     assert seen == 2 * 3 * parquet_worker.BATCH
-    tail = launch(spec, s3_server.env, tmp_path / "tail", world=2, workers=3, resume=seen)
+    tail = launch(spec, s3_server.env, tmp_path / "tail", world=2, workers=2, resume=seen)
     lengths = [sum(len(b) for b in r["batches"]) for r in tail]
     assert lengths == [r["length"] for r in tail] and len(set(lengths)) == 1, "equal ranks"
     got = global_order(head) + global_order(tail)
@@ -154,6 +158,10 @@ def test_bad_inputs_name_the_file(spec, s3_server):
     put(minio, bucket, "bad/corrupt.parquet", good[: len(good) // 2])
     with pytest.raises(ParquetFormatError, match=rf"s3://{bucket}/bad/corrupt.parquet .*magic"):
         AsyncS3Dataset.from_parquet(f"s3://{bucket}/bad/", config=config).resolve()
+    # on_error="skip": the truncated file is left out, the good one beside it read whole
+    put(minio, bucket, "bad/good.parquet", good)
+    rows = list(AsyncS3Dataset.from_parquet(f"s3://{bucket}/bad/", config=config, on_error="skip"))
+    assert [row["__key__"] for row in rows] == [f"bad/good/{i}" for i in range(10)]
     put(minio, bucket, "empty/none.parquet", arrow_bytes(table(0, 0)))
     with pytest.raises(EmptyDatasetError, match="hold no rows"):
         AsyncS3Dataset.from_parquet(f"s3://{bucket}/empty/", config=config).resolve()
@@ -172,6 +180,13 @@ def test_a_file_overwritten_after_its_footer_was_read(s3_server):
     put(minio, bucket, "changing/rows.parquet", arrow_bytes(table(12, 5), row_group_size=6))
     with pytest.raises(ObjectChangedError, match="changing/rows.parquet was overwritten after its footer was read"):
         list(ds)
+    # The advice works as written: this dataset's next epoch fails the same way; a new one reads the new rows.
+    ds.set_epoch(1)
+    with pytest.raises(ObjectChangedError, match=r"Build the dataset again \(AsyncS3Dataset.from_parquet") as info:
+        list(ds)
+    assert "next epoch" not in str(info.value)
+    again = AsyncS3Dataset.from_parquet(f"s3://{bucket}/changing/", config=s3_server.config)
+    assert [s["label"] for s in again] == [(5 + i) % 7 for i in range(12)]
 
 
 @pytest.mark.server_sensitive
@@ -222,3 +237,30 @@ def test_rows_are_exact_through_injected_faults(s3_server, store, read):
     assert sorted(row["n"] for row in got) == list(range(200)), "each row once"
     assert all(row["blob"] == blobs[row["n"]] for row in got), "each row whole"
     assert sum(counts.get(kind, 0) for kind in ("reset", "slowdown", "truncate", "stall")) > 0, counts
+
+
+@pytest.mark.parametrize("store", ["aioboto3", "obstore"])
+def test_later_epochs_read_parquet_from_the_disk_cache(s3_server, store, tmp_path):
+    """``Store(cache=Cache(...))`` keeps the column chunks a Parquet epoch reads, each range an
+    entry validated by the listed ETag: the second epoch sends no GET, and its rows are the
+    first's. Counted below the cache (``stats()["requests"]``: requests that reached the server)."""
+    bucket, minio = s3_server.new_bucket("pqcache"), s3_server.minio
+    for number in range(3):
+        put(minio, bucket, f"c/part-{number}.parquet", arrow_bytes(table(20, number), row_group_size=6))
+    ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/c/", columns=["label", "tokens"], config=s3_server.config,
+                                     store=Store(backend=store, cache=Cache(tmp_path / "cache")))
+    first = sorted((s["__key__"], s["label"]) for s in ds)
+    assert len(first) == 60 and ds.stats()["requests"] >= 3, ds.stats()
+    assert any((tmp_path / "cache").rglob("*")), "the first epoch filled the cache"
+    ds.set_epoch(1)
+    second = sorted((s["__key__"], s["label"]) for s in ds)
+    assert second == first
+    assert ds.stats()["requests"] == 0, ds.stats()
+    if store == "obstore":  # its runtime does not survive fork() after the epochs above: spawn, or this
+        return
+    # DataLoader workers read what another process cached: the entries are files, shared
+    from torch.utils.data import DataLoader
+
+    ds.set_epoch(2)
+    third = sorted((s["__key__"], s["label"]) for s in DataLoader(ds, batch_size=None, num_workers=2))
+    assert third == first and ds.stats()["workers"] == 2 and ds.stats()["requests"] == 0, ds.stats()

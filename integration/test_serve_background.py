@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -59,10 +58,8 @@ def test_eval_returns_once_ready_and_stop_ends_the_server(tmp_path, shell_env):
         f'eval "$("$PYTHON" -m loader serve --background --pidfile {shlex.quote(str(pidfile))} '
         f'--bucket train)" && "$PYTHON" -c {shlex.quote(LIST_BUCKET)}'
     )
-    started = time.monotonic()
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
                           env=shell_env, cwd=REPO)
-    took = time.monotonic() - started
     try:
         assert proc.returncode == 0, (proc.stdout, proc.stderr)
         words = proc.stdout.split()
@@ -75,7 +72,6 @@ def test_eval_returns_once_ready_and_stop_ends_the_server(tmp_path, shell_env):
             subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
                            timeout=60, cwd=REPO, env=shell_env)
         raise
-    assert took < 90, f"eval took {took:.0f} s"
 
     again = subprocess.run([sys.executable, "-m", "loader", "serve", "--background", "--pidfile",
                             str(pidfile)], capture_output=True, text=True, timeout=60, cwd=REPO,
@@ -140,17 +136,15 @@ def test_an_invalid_bucket_name_is_refused_before_the_server_starts(tmp_path, sh
     the name and the rule come first, in one line, and nothing is left running."""
     pidfile = tmp_path / "s3.pid"
     argv = [arg.format(pidfile=pidfile) for arg in argv]
-    started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "loader", "serve", *argv], capture_output=True,
                           text=True, timeout=60, cwd=REPO, env=shell_env)
-    took = time.monotonic() - started
     name = argv[-1]
     assert proc.returncode == 2 and proc.stdout == "", proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{name!r} is not a valid bucket name" in lines[0]
     assert "3-63 characters of lowercase letters, digits, dots and hyphens" in lines[0]
-    assert not pidfile.exists() and took < 30, took
+    assert not pidfile.exists()
 
 
 def test_devserver_refuses_an_invalid_bucket_name_before_starting():
@@ -160,3 +154,37 @@ def test_devserver_refuses_an_invalid_bucket_name_before_starting():
     with pytest.raises(ConfigError, match=r"DevServer bucket 'ft' is not a valid bucket name \(it has 2 "
                                           r"character\(s\)\); use 3-63 characters"):
         DevServer(buckets=["ft"])
+
+
+EXAMPLES_DIGEST = (  # every object of the bucket the docs read, as a user's script would see it
+    "import os, hashlib, boto3; s3 = boto3.client('s3', endpoint_url=os.environ['AWS_ENDPOINT_URL']); "
+    "keys = [o['Key'] for page in s3.get_paginator('list_objects_v2').paginate(Bucket='bucket') "
+    "for o in page.get('Contents', [])]; "
+    "print(len(keys), hashlib.sha256(b''.join(k.encode() + hashlib.sha256(s3.get_object(Bucket='bucket', "
+    "Key=k)['Body'].read()).digest() for k in sorted(keys))).hexdigest())"
+)
+
+
+def test_examples_creates_the_bucket_the_docs_read(tmp_path, shell_env):
+    """``serve --examples``, as the first page runs it on a fresh machine: the bucket ``bucket``
+    holds exactly the data every example of the docs reads (``loader.tools.examples``)."""
+    import hashlib
+
+    from loader.tools.examples import example_data
+
+    pidfile = tmp_path / "s3.pid"
+    script = (f'eval "$("$PYTHON" -m loader serve --background --pidfile {shlex.quote(str(pidfile))} --examples)" '
+              f'&& "$PYTHON" -c {shlex.quote(EXAMPLES_DIGEST)}')
+    try:
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=180,
+                              env=shell_env, cwd=REPO)
+    finally:
+        if pidfile.exists():
+            subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
+                           timeout=60, cwd=REPO, env=shell_env)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    data = example_data()
+    expected = hashlib.sha256(b"".join(key.encode() + hashlib.sha256(data[key]).digest()
+                                       for key in sorted(data))).hexdigest()
+    assert proc.stdout.split() == [str(len(data)), expected], proc.stdout
+    assert "holds the examples' data: 174 objects" in proc.stderr

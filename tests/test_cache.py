@@ -35,7 +35,7 @@ from loader.config import S3Config
 from loader.errors import InvalidRangeError, TransientStoreError
 from loader.retry import RetryPolicy
 from loader.s3 import StoreSpec
-from loader.s3.protocol import ObjectStore
+from loader.s3.protocol import ObjectStore, Pin
 
 from fakes import FakeStore
 
@@ -807,3 +807,36 @@ def test_forked_workers_after_cached_in_process_epochs_do_not_hang(tmp_path, no_
     assert fake.requests == 200
     loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60)
     assert sorted(s["bin"] for s in loader) == sorted(data.values())
+
+
+async def test_an_object_read_in_parts_caches_each_range_by_version(tmp_path):
+    """A reader that never covers an object whole (a Parquet file's column chunks) hints the
+    cache (``cache_in_parts``): each range is an entry of its own, read back with no request
+    while its version is the one pinned; a new version is fetched again, never mixed."""
+    data = blob(4, 5000)
+    fake = FakeStore.with_objects(BUCKET, {"rows.parquet": data})
+    ranges = [(100, 900), (2000, 2600), (4990, 5000)]
+    cache = new_cache(tmp_path)
+    with anyio.fail_after(DEADLINE):
+        async with session(fake, cache) as store:
+            store.cache_in_parts(BUCKET, "rows.parquet")
+            pin = Pin(fake.etag_of(BUCKET, "rows.parquet"))
+            for start, end in ranges:
+                assert await store.get_range(BUCKET, "rows.parquet", start, end, pin=pin) == data[start:end]
+            assert fake.requests == 3
+        fake.reset_counters()
+        async with session(fake, cache) as store:  # the next epoch: a new store, the same cache
+            store.cache_in_parts(BUCKET, "rows.parquet")
+            for start, end in ranges:
+                assert await store.get_range(BUCKET, "rows.parquet", start, end, pin=pin) == data[start:end]
+            assert fake.requests == 0 and store.hits == 3
+            assert await store.get_range(BUCKET, "rows.parquet", 0, 50) == data[:50]  # another range: asked
+            assert fake.requests == 1
+        changed = blob(5, 5000)
+        fake.objects[(BUCKET, "rows.parquet")] = changed
+        fake.reset_counters()
+        async with session(fake, cache) as store:
+            store.cache_in_parts(BUCKET, "rows.parquet")
+            new_pin = Pin(fake.etag_of(BUCKET, "rows.parquet"))
+            assert await store.get_range(BUCKET, "rows.parquet", 100, 900, pin=new_pin) == changed[100:900]
+            assert fake.requests == 1 and store.stale_refetches == 0 and store.misses == 1

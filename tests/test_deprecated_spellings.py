@@ -14,6 +14,7 @@ from loader import (
     AsyncS3Dataset,
     AsyncS3MapDataset,
     Cache,
+    ConfigError,
     Limits,
     ListOptions,
     Reading,
@@ -120,6 +121,14 @@ def test_a_cache_folder_as_before_and_as_a_cache_are_one(tmp_path):
         old = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE, cache_dir=tmp_path)
     new = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=Cache(tmp_path)))
     assert old.options.cache_dir == new.options.cache_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("entry", ["from_keys", "from_shards", "from_parquet"])
+def test_a_cache_where_a_store_goes_names_the_store_it_belongs_in(entry, tmp_path):
+    what = {"from_keys": ("bkt", ["a.jpg"]), "from_shards": ("s3://bkt/s-{0..1}.tar",),
+            "from_parquet": ("s3://bkt/pq/",)}[entry]
+    with pytest.raises(ConfigError, match=re.escape("a Cache goes inside a Store; pass store=Store(cache=Cache(...))")):
+        getattr(AsyncS3Dataset, entry)(*what, store=Cache(tmp_path))
 
 
 def test_resume_from_batches_is_resume_over_samples_seen():

@@ -224,7 +224,7 @@ def test_an_answer_that_stalls_times_out_after_read_timeout():
             started = asyncio.get_running_loop().time()
             with pytest.raises(TimeoutError, match="no byte received for 0.3 s"):
                 await _get(pool)
-            assert 0.25 < asyncio.get_running_loop().time() - started < 2
+            assert asyncio.get_running_loop().time() - started >= 0.25  # not sooner; the 3 s close would say "broken"
             await pool.aclose()
 
     asyncio.run(run())

@@ -71,7 +71,8 @@ def test_explicit_knobs_win_and_the_rest_is_derived():
 
 @pytest.mark.parametrize("options, match", [
     (dict(memory_budget=64 * MiB, shards_inflight=8, part_size=16 * MiB),
-     r"more than memory_budget=67108864.*shards_inflight=8 x \(2 x parts_inflight=\d+ \+ 1\) x part_size=16777216"),
+     r"more than Limits\(memory=67108864\).* 8 files read at once x \(2 x \d+ parts in flight \+ 1\) x "
+     r"Reading\(part_size=16777216\)"),
     (dict(memory_budget=64 * MiB, queue_bytes=64 * MiB), r"queue_bytes=67108864 leaves nothing"),
     (dict(memory_budget=1000), r"memory_budget=1000 must be .* at least"),
 ])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import io
+import json
+import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,7 +26,7 @@ from loader import (
     Reading,
     mix,
 )
-from loader.formats.parquet import SparseFile, merge_ranges, split_ranges
+from loader.formats.parquet import SparseFile, class_label_names, merge_ranges, split_ranges
 
 from fakes import FakeStore, payloads, reusable
 
@@ -439,3 +441,90 @@ def test_a_streamed_row_group_whose_pages_are_larger_than_a_piece_says_so():
                                      reading=Reading(part_size=1 << 20))
     with pytest.warns(RuntimeWarning, match=r"big/a.parquet: a page of \d+ bytes, larger than the pieces"):
         assert [row["blob"] for row in ds] == blobs
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt footer"])
+def test_on_error_skip_leaves_out_a_file_whose_footer_does_not_read(damage, caplog):
+    """A truncated file (its footer gone) or one whose footer does not decode: ``on_error="skip"``
+    reads the other files and says once which it left out; ``"warn"`` says it as a warning."""
+    fake = build_store()
+    good = fake.objects["bucket", "pq/part-2.parquet"]
+    fake.objects["bucket", "pq/part-2.parquet"] = (good[: len(good) // 2] if damage == "truncated"
+                                                   else good[:-20] + b"\xff" * 16 + good[-4:])
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        rows = list(dataset(store=reusable(fake), on_error="skip", columns=["label"]))
+    assert len(rows) == TOTAL - ROWS[2]
+    assert {row["__key__"].split("/")[1] for row in rows} == {"part-0", "part-3"}
+    said = [r.getMessage() for r in caplog.records if "part-2.parquet" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("skipping s3://bucket/pq/part-2.parquet (on_error='skip')"), said
+    caplog.clear()
+    with pytest.warns(RuntimeWarning, match=r"skipping s3://bucket/pq/part-2.parquet \(on_error='warn'\)") as seen:
+        assert len(list(dataset(store=reusable(fake), on_error="warn", columns=["label"]))) == TOTAL - ROWS[2]
+    assert len([w for w in seen if "part-2.parquet" in str(w.message)]) == 1
+    assert not [r for r in caplog.records if "part-2.parquet" in r.getMessage()], "said twice"
+
+
+def test_the_large_page_warning_is_said_once_not_logged_too(caplog):
+    blobs = [bytes([i % 256]) * 60_000 for i in range(200)]
+    out = io.BytesIO()
+    pq.write_table(pa.table({"blob": blobs}), out, row_group_size=200, compression="none", use_dictionary=False)
+    fake = FakeStore.with_objects("bucket", {"big/a.parquet": out.getvalue()})
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=24 << 20),
+                                     reading=Reading(part_size=1 << 20))
+    with caplog.at_level(logging.WARNING), pytest.warns(RuntimeWarning, match="larger than the pieces") as seen:
+        assert len(list(ds)) == 200
+    assert len([w for w in seen if "larger than the pieces" in str(w.message)]) == 1
+    assert not [r for r in caplog.records if "larger than the pieces" in r.getMessage()]
+
+
+HF_META = {"info": {"features": {"image": {"_type": "Image"},
+                                 "label": {"names": ["cat", "dog", "eel"], "_type": "ClassLabel"},
+                                 "x": {"dtype": "int64", "_type": "Value"}}}}
+
+
+def hub_file(metadata) -> bytes:
+    """A file as Hugging Face ``datasets`` writes one: its features as JSON in the schema's
+    ``huggingface`` metadata (the shape ``datasets`` 5.2 writes, copied from one of its files)."""
+    table = pa.table({"label": pa.array([0, 1, 2, 1], pa.int64()), "x": [1, 2, 3, 4]})
+    out = io.BytesIO()
+    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps(metadata)}), out)
+    return out.getvalue()
+
+
+def test_a_hub_class_label_names_the_classes():
+    fake = FakeStore.with_objects("bucket", {"hub/train-0.parquet": hub_file(HF_META)})
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/hub/", store=reusable(fake))
+    assert ds.classes == ["cat", "dog", "eel"] and ds.class_to_idx == {"cat": 0, "dog": 1, "eel": 2}
+    assert [ds.classes[row["label"]] for row in ds] == ["cat", "dog", "eel", "dog"]
+    only_x = AsyncS3Dataset.from_parquet("s3://bucket/hub/", columns=["x"], store=reusable(fake))
+    assert only_x.classes is None and only_x.class_to_idx is None  # the label column is not read
+    plain = FakeStore.with_objects("bucket", {"p/a.parquet": parquet_bytes(3, 0)})
+    assert AsyncS3Dataset.from_parquet("s3://bucket/p/", store=reusable(plain)).classes is None
+
+
+@pytest.mark.parametrize("metadata,columns,names", [
+    (None, None, None),
+    ({b"huggingface": b"not json"}, None, None),
+    ({b"huggingface": b'{"info": {"features": []}}'}, None, None),
+    ({b"huggingface": json.dumps(HF_META).encode()}, None, ["cat", "dog", "eel"]),
+    ({b"huggingface": json.dumps(HF_META).encode()}, ["x"], None),
+    ({b"huggingface": json.dumps({"info": {"features": {
+        "a": {"_type": "ClassLabel", "names": ["p"]}, "b": {"_type": "ClassLabel", "names": ["q"]}}}}).encode()},
+     None, None),  # two class columns, neither called label: which one is meant is not known
+    ({b"huggingface": json.dumps({"info": {"features": {
+        "fine": {"_type": "ClassLabel", "names": ["p"]}, "label": {"_type": "ClassLabel", "names": ["q"]}}}}).encode()},
+     None, ["q"]),
+    ({b"huggingface": json.dumps({"info": {"features": {
+        "fine": {"_type": "ClassLabel", "names": ["p"]}, "label": {"_type": "ClassLabel", "names": ["q"]}}}}).encode()},
+     ["fine", "x"], ["p"]),
+])
+def test_class_label_names_from_the_huggingface_metadata(metadata, columns, names):
+    assert class_label_names(metadata, columns) == names
+
+
+@pytest.mark.parametrize("entry,default", [("from_parquet", "32 MiB for Parquet"),
+                                           ("from_shards", "16 MiB for shards")])
+def test_a_part_size_below_the_floor_names_the_default_of_its_mode(entry, default):
+    uri = {"from_parquet": "s3://bucket/pq/", "from_shards": "s3://bucket/s-{0..1}.tar"}[entry]
+    with pytest.raises(ConfigError, match=rf"^part_size=10 is below the floor .* or leave the default \({default}\)$"):
+        getattr(AsyncS3Dataset, entry)(uri, store=reusable(FAKE), reading=Reading(part_size=10))

@@ -138,6 +138,7 @@ class CachedStore:
         self._puts: dict[str, int] = {}  # name -> puts seen, so a read racing a put caches nothing
         self._closed = False
         self._warned = False
+        self._in_parts: set[str] = set()  # objects whose ranges are cached as entries of their own
 
     def statistics(self) -> CacheStats:
         return CacheStats(self.hits, self.misses, self.bytes_read_from_cache, self.evictions,
@@ -168,6 +169,14 @@ class CachedStore:
                 self._cache_failed(exc, bucket, key)
         return data
 
+    def cache_in_parts(self, bucket: str, key: str) -> None:
+        """A hint from a reader that reads ``bucket/key`` by ranges that never cover it whole (a
+        Parquet file's selected column chunks): each range it asks for becomes a cache entry of
+        its own, kept and validated like a whole object, and read back when the same range is
+        asked again (the next epoch asks the same ones). The hint reaches this store through
+        the wrappers that forward attributes; without a cache nobody answers it."""
+        self._in_parts.add(self._name(bucket, key))
+
     async def get_range(
         self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
     ) -> bytes:
@@ -177,6 +186,8 @@ class CachedStore:
         data = await self._cached(name, bucket, key, start, end, pin)
         if data is not None:
             return data
+        if name in self._in_parts:
+            return await self._get_part(bucket, key, start, end, pin)
         self.misses += 1
         assembly = self._assembly(name, create=True)
         if assembly is None:
@@ -201,6 +212,25 @@ class CachedStore:
         await self._tee(assembly, start, data, used.etag)
         if size is not None:
             await self._ended(assembly, size)
+        return data
+
+    async def _get_part(self, bucket: str, key: str, start: int, end: int | None, pin: Pin | None) -> bytes:
+        """Bytes ``[start, end)`` of an object read in parts: its own entry for that range, or
+        one ranged GET that fills it (with the version it came from, as every entry)."""
+        part = self.cache.name_for(self.endpoint_id, bucket, f"{key}\0bytes={start}-{'' if end is None else end}")
+        data = await self._cached(part, bucket, key, 0, None, pin)
+        if data is not None:
+            return data
+        self.misses += 1
+        puts = self._puts.get(self._name(bucket, key), 0)
+        used = Pin() if pin is None else pin
+        data = await self.inner.get_range(bucket, key, start, end, pin=used)
+        if self.cache.fits(len(data)) and self._puts.get(self._name(bucket, key), 0) == puts:
+            try:
+                evicted = await anyio.to_thread.run_sync(self.cache.put, part, data, used.etag)
+                self.evictions += evicted or 0
+            except OSError as exc:
+                self._cache_failed(exc, bucket, key)
         return data
 
     async def stream(

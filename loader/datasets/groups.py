@@ -95,13 +95,14 @@ class Split:
 
 @dataclasses.dataclass(frozen=True)
 class Cache:
-    """The disk cache: ``dir`` (a local folder), its size ``limit`` in bytes (default: see
-    ``loader.cache``), and when an entry may still answer (``validate``: ``"listing"`` when
-    the listing's ETag matches, ``"always"`` after a HEAD, ``"never"`` without asking)."""
+    """The disk cache: ``dir`` (a local folder), its size ``limit`` in bytes (None: 10 GiB; least
+    recently used entries are evicted first), and when an entry may still answer (``validate``:
+    ``"listing"`` when the listing's ETag matches, ``"always"`` after a conditional GET,
+    ``"never"`` without asking)."""
 
     dir: str | os.PathLike[str]
-    limit: int | None = None
-    validate: str = DEFAULT_VALIDATE
+    limit: int | None = None  # None: DEFAULT_CACHE_LIMIT, 10 GiB
+    validate: str = "listing"  # DEFAULT_VALIDATE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -223,6 +224,8 @@ def flat_options(mode: Mode, *, limits: Limits | None = None, split: Split | Non
              cache_dir=None if cache is None else cache.dir,
              cache_limit=None if cache is None else cache.limit,
              cache_validate=None if cache is None or cache.validate == DEFAULT_VALIDATE else cache.validate)
+    elif isinstance(store, Cache):
+        raise ConfigError(f"store={store!r}: a Cache goes inside a Store; pass store=Store(cache=Cache(...))")
     elif store is not None:
         grouped["store"] = store
     if reading is not None:

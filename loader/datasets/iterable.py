@@ -43,7 +43,7 @@ from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
 log = logging.getLogger(__name__)
 stats_log = logging.getLogger("loader.stats")
-"""One line per worker and pass, at INFO, when this logger's level is set (or ``log_stats``)."""
+"""One line per worker and pass, at INFO, when this logger's level is set."""
 
 STATE_VERSION = 2
 """2: shuffled orders of more than ``partition.SMALL_ORDER`` items are a keyed permutation
@@ -54,10 +54,10 @@ class AsyncS3Dataset(IterableDataset):
     """Stream samples from S3 with many requests in flight. Build it with a constructor:
 
     * ``from_prefix("s3://b/train/")``, ``from_keys(bucket, keys)``, ``from_manifest(path)``:
-      objects sharing a stem (``a/1.jpg``, ``a/1.cls``) form one sample, ``max_inflight``
+      objects sharing a stem (``a/1.jpg``, ``a/1.cls``) form one sample, ``Limits(concurrency=)``
       samples fetched at a time; ``label_from="parent"`` adds the class index as ``"cls"``;
     * ``from_shards("s3://b/train-{0000..0127}.tar")``: WebDataset tar shards streamed and
-      parsed on the fly, ``shards_inflight`` at a time, mixed by a shuffle buffer;
+      parsed on the fly, ``Limits(concurrency=) // 4`` at a time, mixed by a shuffle buffer;
     * ``from_parquet("s3://b/data/", columns=[...])``: rows of Parquet files, row group by row
       group, only the selected columns fetched.
 
@@ -431,9 +431,8 @@ class AsyncS3Dataset(IterableDataset):
         """Count a sample that ``on_error`` skips, and say so as it asks."""
         self._samples_skipped += 1
         message = f"skipping {self.source.skipped(url, key)} (on_error={self.options.on_error!r}): {reason}"
-        if self.options.on_error == "warn":
+        if self.options.on_error == "warn":  # said once: a warning, not a log line as well
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-            log.warning(message)
         else:
             log.info(message)
 
@@ -538,7 +537,7 @@ class AsyncS3Dataset(IterableDataset):
 
         ``samples_seen`` is what ``samples_seen(steps)`` said at the checkpoint. The rest of the
         epoch is dealt in blocks over the new ranks and workers (its end padded or dropped as
-        ``pad_policy`` says); ``batch_size`` may change too. Call it before the DataLoader
+        ``Split(pad=)`` says); ``batch_size`` may change too. Call it before the DataLoader
         starts its workers: persistent workers keep the plan they were started with. A source
         that fixes each rank's epoch length (shards with ``samples_per_epoch=N``) counts
         ``samples_seen`` per rank: every rank then yields the ``N - samples_seen`` left.

@@ -1,7 +1,7 @@
 """``AsyncS3MapDataset``: a map-style ``Dataset`` whose batches become concurrent GETs.
 
 The sampler decides order; ``__getitems__`` fetches a batch of indices with up to
-``max_inflight`` GETs in flight and returns the samples in index order. Calls arrive one batch
+``Limits(concurrency=)`` GETs in flight and returns the samples in index order. Calls arrive one batch
 at a time with no end in sight, so each reading process keeps one loop thread and store open
 between calls (created lazily, never pickled, closed by ``close()``, garbage collection or exit,
 and disowned in a forked child). Why, and its lifetime: docs/design/map-dataset.md.
@@ -170,7 +170,7 @@ class AsyncS3MapDataset(Dataset):
         return self._fetch([index], skip=False)[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices``, in that order, fetched concurrently (``max_inflight``).
+        """The samples at ``indices``, in that order, fetched concurrently (up to ``Limits(concurrency=)``).
 
         The DataLoader calls this with each batch of sampler indices. An index that appears
         more than once is fetched once and transformed once per appearance. The first failed
@@ -208,9 +208,8 @@ class AsyncS3MapDataset(Dataset):
 
     def _skip(self, exc: Exception) -> None:
         message = f"skipping a sample (on_error={self.options.on_error!r}): {exc}"
-        if self.options.on_error == "warn":
+        if self.options.on_error == "warn":  # said once: a warning, not a log line as well
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-            log.warning(message)
         else:
             log.info(message)
 

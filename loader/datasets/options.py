@@ -277,10 +277,9 @@ def check_budget(options: LoaderOptions, shard_options: ShardOptions | None) -> 
     total = options.queue_bytes + shuffle + reads
     if total > budget:
         raise ConfigError(
-            f"these settings hold up to {total} bytes, more than memory_budget={budget}: "
-            f"queue_bytes={options.queue_bytes} + shuffle_bytes={shuffle} + shards_inflight="
-            f"{s.shards_inflight} x (2 x parts_inflight={s.parts_inflight} + 1) x part_size="
-            f"{s.part_size} for the shards being read (a part is held twice while it arrives). "
-            "Lower the knobs you set (or drop them and "
-            "let the budget decide), or raise the budget"
+            f"these settings hold up to {total} bytes, more than Limits(memory={budget}): the queue's "
+            f"{options.queue_bytes} + the shuffle buffer's {shuffle} + {s.shards_inflight} files read at "
+            f"once x (2 x {s.parts_inflight} parts in flight + 1) x Reading(part_size={s.part_size}) "
+            "(a part is held twice while it arrives). Lower what you set (Limits(concurrency=), "
+            "Reading(part_size=), or drop them and let the budget decide), or raise Limits(memory=)"
         )

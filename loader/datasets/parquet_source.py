@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import posixpath
 import struct
+import warnings
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..engine.fetch import Delivery, EngineLimits, Job
-from ..errors import ConfigError, EmptyDatasetError, NoSuchKeyError
+from ..errors import ConfigError, EmptyDatasetError, NoSuchKeyError, ParquetFormatError
 from ..formats.parquet import (
     PARQUET_SUFFIX,
     RANGE_BYTES,
@@ -31,6 +33,7 @@ from ..formats.parquet import (
     ParquetRef,
     RowGroupPlan,
     RowGroupRead,
+    class_label_names,
     coalesce,
     parse_footer,
     plan_row_groups,
@@ -39,7 +42,7 @@ from ..formats.parquet import (
     row_group_job,
     run_all,
 )
-from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
+from ..formats.shards import MIN_PART_SIZE, ShardAssignment, ShardOptions, ShardRef, part_size_too_small
 from ..listing.inputs import list_prefix
 from ..listing.keylist import KeyList, ListOptions
 from ..listing.sharing import once_per_job, raise_if_failed_before_fork, ticket, track
@@ -55,6 +58,8 @@ FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
 # pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
 DEFAULT_UNIT_BYTES = 32 << 20
+
+log = logging.getLogger(__name__)
 
 
 def parquet_specs(spec: str | Iterable[str]) -> list[str]:
@@ -100,18 +105,57 @@ def resolve_files(specs: Sequence[str], *, factory: StoreFactory, retry: RetryPo
 
 
 def read_footers(files: Sequence[ParquetRef], factory: StoreFactory, retry: RetryPolicy) -> list[Footer]:
-    """Every file's footer, ``FOOTERS_INFLIGHT`` ranged GETs at a time, on a short-lived loop."""
+    """Every file's footer, ``FOOTERS_INFLIGHT`` ranged GETs at a time, on a short-lived loop;
+    the first file whose footer does not read raises its ``ParquetFormatError``."""
+    footers = read_footers_or_errors(files, factory, retry)
+    for footer in footers:
+        if isinstance(footer, ParquetFormatError):
+            raise footer
+    return [footer for footer in footers if isinstance(footer, Footer)]
 
-    async def use(store: ObjectStore) -> list[Footer]:
-        out: list[Footer | None] = [None] * len(files)
+
+def read_footers_or_errors(files: Sequence[ParquetRef], factory: StoreFactory,
+                           retry: RetryPolicy) -> list[Footer | ParquetFormatError]:
+    """Every file's footer, or the ``ParquetFormatError`` that says why it does not read (a
+    truncated or corrupt file; one whose footer does not parse too), in the files' order."""
+
+    async def use(store: ObjectStore) -> list[Footer | ParquetFormatError]:
+        out: list[Footer | ParquetFormatError | None] = [None] * len(files)
 
         async def one(number: int) -> None:
-            out[number] = await read_footer(store, files[number], retry)
+            try:
+                footer = await read_footer(store, files[number], retry)
+                parse_footer(files[number], footer)  # a footer that does not decode fails here, named
+                out[number] = footer
+            except ParquetFormatError as exc:
+                out[number] = exc
 
         await run_all([functools.partial(one, number) for number in range(len(files))], FOOTERS_INFLIGHT)
         return [footer for footer in out if footer is not None]
 
     return run_async(functools.partial(with_store, factory, use))
+
+
+def without_unreadable(files: Sequence[ParquetRef], footers: Sequence[Footer | ParquetFormatError],
+                       on_error: str) -> tuple[list[ParquetRef], list[Footer]]:
+    """``on_error="skip"``/``"warn"``: the files whose footers read, the others left out, each
+    said once (a warning for ``"warn"``, a log line for ``"skip"``); ``"raise"``: the first
+    error."""
+    kept: list[ParquetRef] = []
+    read: list[Footer] = []
+    for ref, footer in zip(files, footers, strict=True):
+        if isinstance(footer, Footer):
+            kept.append(ref)
+            read.append(footer)
+            continue
+        if on_error == "raise":
+            raise footer
+        message = f"skipping {ref.url} (on_error={on_error!r}): {footer}"
+        if on_error == "warn":
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        else:
+            log.warning(message)
+    return kept, read
 
 
 # One file's entry in the shared list: footer start, then the lengths of bucket, key and ETag
@@ -239,7 +283,8 @@ class ParquetSource(ShardSource):
             alone = dataclasses.replace(listing, once_per_job=False)  # shared below, with the footers
             files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.retry,
                                   options=alone, ticket=self._listing_ticket)
-            return pack_footers(files, read_footers(files, self.options.listing_factory(), self.options.retry))
+            footers = read_footers_or_errors(files, self.options.listing_factory(), self.options.retry)
+            return pack_footers(*without_unreadable(files, footers, self.options.on_error))
 
         if not listing.once_per_job:
             return produce()
@@ -298,6 +343,18 @@ class ParquetSource(ShardSource):
             files, footers = self._unpacked()
             meta = self._metas[number] = parse_footer(files[number], footers[number])
         return meta
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names by index from a Hugging Face ``ClassLabel`` column (the first file's
+        ``huggingface`` metadata); None without one. Lists and reads the footers if not yet."""
+        self.plans()
+        return class_label_names(self.meta(0).metadata, self.columns)
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        names = self.classes
+        return None if names is None else {name: i for i, name in enumerate(names)}
 
     def shards(self) -> list[ShardRef]:
         """The Parquet files (as ``ShardRef``s: bucket, key, size, ETag)."""
@@ -385,6 +442,9 @@ def parquet_options(options: Mapping[str, Any]) -> tuple[ShardOptions, dict[str,
         if rest.get("shuffle"):
             rest.setdefault("shuffle_bytes", budget // 4)
     rest.setdefault("part_size", DEFAULT_UNIT_BYTES)
+    part_size = rest["part_size"]
+    if isinstance(part_size, int) and not isinstance(part_size, bool) and 0 < part_size < MIN_PART_SIZE:
+        raise ConfigError(part_size_too_small(part_size, "32 MiB for Parquet"))
     if "row_groups_inflight" in rest:
         rest["shards_inflight"] = rest.pop("row_groups_inflight")
     known = ("shards_inflight", "shuffle_buffer", "part_size", "parts_inflight", "shuffle_bytes",

@@ -233,8 +233,7 @@ def _advice(stats: dict[str, Any], parts: dict[str, float], inflight_limit: int 
     peak = stats.get("peak_inflight") or 0
     if inflight_limit is not None and peak >= inflight_limit:
         return (f"fetching is the limit with all {inflight_limit} requests in flight: raise "
-                "max_inflight (per-object) or shards_inflight (shards), or pack small objects into "
-                "shards (`loader shard`)")
+                "Limits(concurrency=), or pack small objects into shards (`loader shard`)")
     return ("fetching is the limit though requests are free to fly: the client's CPU per request is "
             "(add DataLoader workers, use store='obstore', or pack small objects into shards)")
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 import logging
 import warnings
-from collections.abc import Awaitable, Callable, Container, Generator, Sequence
+from collections.abc import Awaitable, Callable, Container, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
@@ -209,6 +210,30 @@ def parse_footer(ref: ParquetRef, footer: Footer) -> pq.FileMetaData:
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ParquetFormatError(f"{ref.url}: its Parquet footer does not decode ({exc}); the file is "
                                  "corrupt or truncated", url=ref.url) from exc
+
+
+def class_label_names(metadata: Mapping[bytes, bytes] | None, columns: Sequence[str] | None) -> list[str] | None:
+    """The class names of a Hugging Face ``ClassLabel`` column, from the ``huggingface`` entry of
+    a file's key-value metadata (``{"info": {"features": {column: {"_type": "ClassLabel",
+    "names": [...]}}}}``, as ``datasets`` writes it): the one such column among ``columns`` (None:
+    all), or the one named ``label`` when there are several; None when there is none."""
+    raw = (metadata or {}).get(b"huggingface")
+    if raw is None:
+        return None
+    try:
+        features = json.loads(raw)["info"]["features"]
+    except (ValueError, KeyError, TypeError):
+        return None  # metadata of another shape: no classes, nothing to fail on
+    if not isinstance(features, dict):
+        return None
+    labels = {name: feature["names"] for name, feature in features.items()
+              if isinstance(feature, dict) and feature.get("_type") == "ClassLabel"
+              and isinstance(feature.get("names"), list) and (columns is None or name in columns)}
+    if len(labels) > 1:
+        labels = {name: names for name, names in labels.items() if name == "label"}
+    if len(labels) != 1:
+        return None
+    return [str(name) for name in next(iter(labels.values()))]
 
 
 def top_level_names(meta: pq.FileMetaData) -> list[str]:
@@ -449,8 +474,7 @@ class StreamedFile(_RangesFile):
                        "bytes it is streamed in, is held whole (with its copy), past what the memory "
                        "budget reserved; write smaller pages (pyarrow: data_page_size= and a smaller "
                        "write_batch_size=) for streamed reads to stay within it")
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)  # once: not logged as well
         out = []
         while self._at < end:
             begin, stop = self._chunk(self._at)
@@ -532,13 +556,20 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
     ref = read.ref
 
     def changed(exc: ObjectChangedError) -> ObjectChangedError:
+        # Not the store's own advice ("read it again, the next epoch"): this dataset's later epochs
+        # read with the footers it read when it listed, so only a new dataset reads the new version.
         return ObjectChangedError(
-            f"{ref.url} was overwritten after its footer was read (ETag {ref.etag}): its row "
-            f"groups no longer lie where the footer said ({exc}); build the dataset again to read "
-            "the new version", bucket=ref.bucket, key=ref.key)
+            f"{ref.url} was overwritten after its footer was read (the version read, ETag "
+            f"{ref.etag}, is gone): its row groups no longer lie where that footer said, and "
+            "this dataset's later epochs read with the same footers, so they fail the same way. "
+            "Build the dataset again (AsyncS3Dataset.from_parquet(...)) to read the new version, "
+            "and avoid overwriting files that a running job reads", bucket=ref.bucket, key=ref.key)
 
     async def job(ctx: JobContext) -> None:
         pin = Pin(ref.etag)
+        in_parts = getattr(ctx.store, "cache_in_parts", None)  # a disk cache: keep each range read
+        if in_parts is not None:
+            in_parts(ref.bucket, ref.key)
 
         async def get(start: int, end: int) -> bytes:
             return await call_with_retries(lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
@@ -594,7 +625,8 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
             message = f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
             if on_error == "warn":
                 warnings.warn(message, RuntimeWarning, stacklevel=1)
-            log.warning(message)
+            else:  # said once, one way or the other
+                log.warning(message)
             await ctx.emit(((position, END), ShardEnd(index, skipped=True)), 0)
             return
         finally:

@@ -117,14 +117,19 @@ class ShardOptions:
             parse_s3_uri(self.index)
         if self.part_size < MIN_PART_SIZE:
             raise ConfigError(
-                f"part_size={self.part_size!r} is below the floor of {MIN_PART_SIZE} bytes: each part is "
-                "one ranged GET, and parts that small spend their time on requests, not bytes; give "
-                f"part_size={MIN_PART_SIZE} (1 MiB) or more, or leave the default (16 MiB)")
+                part_size_too_small(self.part_size, "16 MiB for shards"))
 
     @property
     def buffer_size(self) -> int:
         """The shuffle buffer in force where one applies (``shuffle_buffer`` or its default)."""
         return DEFAULT_SHUFFLE_BUFFER if self.shuffle_buffer is None else self.shuffle_buffer
+
+
+def part_size_too_small(part_size: int, default: str) -> str:
+    """What to say of a ``part_size`` (``Reading(part_size=)``) under ``MIN_PART_SIZE``; ``default``: the mode's."""
+    return (f"part_size={part_size!r} is below the floor of {MIN_PART_SIZE} bytes: each part is "
+            "one ranged GET, and parts that small spend their time on requests, not bytes; give "
+            f"part_size={MIN_PART_SIZE} (1 MiB) or more, or leave the default ({default})")
 
 
 class ShardRef(NamedTuple):
@@ -270,7 +275,8 @@ def shard_job(
             message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
             if on_error == "warn":
                 warnings.warn(message, RuntimeWarning, stacklevel=1)
-            log.warning(message)
+            else:  # said once, one way or the other
+                log.warning(message)
             links = _warn_links(shard, parser)
             await ctx.emit(((position, END), ShardEnd(count, skipped=True, links=links)), 0)
             return
@@ -364,7 +370,8 @@ def _ranged_job(
                 message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
                 if on_error == "warn":
                     warnings.warn(message, RuntimeWarning, stacklevel=1)
-                log.warning(message)
+                else:  # said once, one way or the other
+                    log.warning(message)
                 skipped = True
                 break
             finally:
@@ -385,8 +392,7 @@ def _warn_links(shard: ShardRef, parser: TarStreamParser) -> int:
             "skipped and are not fields of any sample (webdataset skips them too). Pack the files "
             "themselves: GNU tar --hard-dereference / --dereference"
         )
-        warnings.warn(message, RuntimeWarning, stacklevel=1)
-        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=1)  # once: not logged as well
     return links
 
 

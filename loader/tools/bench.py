@@ -2,7 +2,8 @@
 
 A ``DataLoader`` over ``AsyncS3Dataset`` as a training script runs it, with a collate function
 that only counts, then ``stats()``'s requests and latency percentiles: a seeded subset of keys in
-per-object mode, the first ``samples`` samples in shard mode (docs/design/cli.md).
+per-object mode, the first ``samples`` samples in shard mode, the first ``samples`` rows of
+Parquet files (docs/design/cli.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..config import S3Config
 from ..errors import ConfigError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name
 from ..uri import parse_s3_uri
-from .ls import looks_like_shards, shards_among
+from .ls import looks_like_parquet, looks_like_shards, parquet_among, shards_among
 from .sizes import format_size
 
 DEFAULT_SAMPLES = 5000
@@ -51,10 +52,22 @@ def names_shards(uri: str) -> bool:
     return is_shard_name(uri) or ("{" in uri and any(suffix in uri for suffix in SHARD_SUFFIXES))
 
 
+def names_parquet(uri: str) -> bool:
+    """A URI that names Parquet files (one, or a brace pattern of them) rather than a prefix."""
+    return uri.endswith(".parquet") or ("{" in uri and ".parquet" in uri)
+
+
+def _payload(value: Any) -> int:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, dict):  # a Parquet struct, as the Hub's image column: {"bytes": ..., "path": ...}
+        return sum(len(v) for v in value.values() if isinstance(v, (bytes, bytearray, memoryview)))
+    return 0
+
+
 def count_batch(batch: list[dict[str, Any]]) -> tuple[int, int]:
     """The bench's collate function: (samples, payload bytes) of a batch, nothing copied."""
-    return len(batch), sum(len(v) for sample in batch for v in sample.values()
-                           if isinstance(v, (bytes, bytearray, memoryview)))
+    return len(batch), sum(_payload(v) for sample in batch for v in sample.values())
 
 
 def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | None = None,
@@ -67,7 +80,12 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     from ..datasets.iterable import AsyncS3Dataset
 
     options = options or BenchOptions()
-    mode = "shards" if options.shards or (names_shards(uri) and not options.objects) else "objects"
+    if options.shards or (names_shards(uri) and not options.objects):
+        mode = "shards"
+    elif names_parquet(uri) and not options.objects:
+        mode = "parquet"
+    else:
+        mode = "objects"
     common: dict[str, Any] = dict(shuffle=True, seed=options.seed, store=options.store, config=config,
                                   limits=Limits(concurrency=options.concurrency))
     total: int | None
@@ -75,7 +93,12 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     if mode == "objects":
         dataset = AsyncS3Dataset.from_prefix(uri, **common)
         keys = dataset.keys()  # listing happens here, outside the measured time
-        if not options.objects and looks_like_shards(keys):
+        if not options.objects and looks_like_parquet(keys):
+            mode = "parquet"
+            note = (f"{parquet_among(keys)[0]:,} of the {len(keys):,} objects under {uri} are Parquet files: "
+                    f"read as rows, as AsyncS3Dataset.from_parquet({uri!r}) reads them (--objects reads "
+                    "each object as one sample)")
+        elif not options.objects and looks_like_shards(keys):
             mode = "shards"
             note = (f"{shards_among(keys)[0]:,} of the {len(keys):,} objects under {uri} are tar shards: read "
                     f"in shard mode, as AsyncS3Dataset.from_shards({uri!r}) reads them (--objects reads "
@@ -90,6 +113,15 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
             index = dataset.samples()
         total = len(index)
         listed = f"{total:,} samples ({len(index.keys):,} objects)"
+    elif mode == "parquet":
+        from ..datasets.parquet_source import ParquetSource
+
+        dataset = AsyncS3Dataset.from_parquet(uri, **common)
+        source = dataset.source
+        assert isinstance(source, ParquetSource)
+        rows = sum(plan.rows for plan in source.plans())  # listing and footers here, outside the measured time
+        total = min(options.samples, rows) if options.samples else rows
+        listed = f"{rows:,} rows in {len(source.files()):,} Parquet files"
     else:
         dataset = AsyncS3Dataset.from_shards(uri, **common)
         shards = dataset.shards()
@@ -140,7 +172,7 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
     def count(value: int | None) -> str:
         return "n/a" if value is None else f"{value:,}"
 
-    mode = "per-object" if result["mode"] == "objects" else "shards"
+    mode = {"objects": "per-object", "shards": "shards", "parquet": "Parquet rows"}[result["mode"]]
     first = result["first_batch_s"]
     rows = [
         ("samples", f"{result['samples']:,}", f"of {result['listed']}"),
@@ -152,7 +184,8 @@ def bench_lines(result: dict[str, Any]) -> list[str]:
          f"{count(result['request_errors'])} failed, {count(result['retries'])} retried"),
         ("latency p50/p90/p99",
          f"{ms(result['latency_p50_s'])} / {ms(result['latency_p90_s'])} / {ms(result['latency_p99_s'])} ms",
-         "time to first byte for streamed shards" if result["mode"] == "shards" else "per GET"),
+         {"shards": "time to first byte for streamed shards", "parquet": "per ranged GET of a row group's "
+          "column chunks"}.get(result["mode"], "per GET")),
     ]
     lines = [f"loader bench {result['uri']} ({mode}, store {result['store']}, {result['workers']} "
              f"workers, batch {result['batch_size']}, concurrency {result['concurrency'] or 'default'})"]

@@ -60,6 +60,7 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
                     "server is ready and returns, so a shell can eval them; --stop ends it.",
         epilog="examples:\n"
                "  loader serve --bucket train            # in its own terminal; Ctrl-C stops it\n"
+               "  eval \"$(loader serve --background --pidfile s3.pid --examples)\"   # the docs' data\n"
                "  eval \"$(loader serve --background --pidfile /tmp/s3.pid --bucket train)\"\n"
                "  loader serve --stop /tmp/s3.pid",
         formatter_class=_Formatter,
@@ -72,6 +73,10 @@ def register_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket", action="append", default=[], type=_bucket_name, metavar="NAME",
                    help="create this bucket at start (repeatable; 3-63 lowercase letters, digits, "
                         "dots, hyphens)")
+    p.add_argument("--examples", action="store_true",
+                   help="create the bucket `bucket` holding the data the documentation's examples "
+                        "read (JPEGs with class ids, class folders, tar shards, Parquet files); "
+                        "needs the image and parquet extras")
     p.add_argument("--background", action="store_true",
                    help="run detached: print the export lines once the server is ready, then "
                         "return (needs --pidfile)")
@@ -136,8 +141,10 @@ def register_ls(subparsers: argparse._SubParsersAction) -> None:
         "ls", help="count, total size and size histogram of the objects under a prefix",
         description="List s3://BUCKET/PREFIX once and print the object count, total size, size "
                     "statistics, the extensions and a histogram of object sizes in power-of-two "
-                    "buckets. When the median object is small (< 1 MiB) it suggests packing them "
-                    "into tar shards with `loader shard`. " + ENV_HELP,
+                    "buckets, and how to read them: tar shards with from_shards, Parquet files "
+                    "(rows and row groups counted from their footers) with from_parquet; when the "
+                    "median object is small (< 1 MiB) it suggests packing them into tar shards "
+                    "with `loader shard`. " + ENV_HELP,
         epilog="examples:\n  loader ls s3://my-bucket/train/\n  loader ls s3://my-bucket/shards/",
         formatter_class=_Formatter,
     )
@@ -269,13 +276,16 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
             "requests and request latency percentiles. A prefix of objects is read in per-object "
             "mode (a seeded random subset of N samples); tar shards (a .tar/.tar.gz/.tar.zst URI, "
             "a brace pattern, or a prefix where `loader ls` sees shards) are read in shard mode, "
-            "stopping after N samples. --shards or --objects decides instead. " + ENV_HELP
+            "stopping after N samples; Parquet files (a .parquet URI, or a prefix where `loader ls` "
+            "sees Parquet) are read as rows, stopping after N rows. --shards or --objects decides "
+            "instead. " + ENV_HELP
         ),
         epilog=(
             "examples:\n"
             "  loader bench s3://data/train/ --samples 5000 --workers 4\n"
             "  loader bench 's3://data/shards/shard-{00000..00099}.tar' --workers 8\n"
-            "  loader bench s3://data/shards/ --store obstore   # a prefix of shards: shard mode"
+            "  loader bench s3://data/shards/ --store obstore   # a prefix of shards: shard mode\n"
+            "  loader bench s3://data/parquet/                  # a prefix of Parquet files: rows"
         ),
         formatter_class=_Formatter,
     )

@@ -27,9 +27,7 @@ from .._version import install_hint
 from ..config import S3Config
 from ..datasets.iterable import AsyncS3Dataset
 from ..decode import decode_image
-from ..retry import RetryPolicy
-from ..s3 import open_store
-from ..s3.blocking import run_async
+from .examples import put_all
 
 BUCKET = "demo"
 QUALITY = 90
@@ -94,22 +92,7 @@ def pack_shards(samples: dict[str, bytes], per_shard: int, labels: dict[str, int
 def upload(config: S3Config, objects: dict[str, bytes], bucket: str = BUCKET,
            concurrency: int = 32) -> None:
     """PUT every object concurrently through the project's own store."""
-    import anyio
-
-    async def run() -> None:
-        store = await open_store("aioboto3", config, max_connections=concurrency, retry=RetryPolicy())
-        limiter = anyio.Semaphore(concurrency)
-        try:
-            async with anyio.create_task_group() as tg:
-                for key, data in objects.items():
-                    async def put(key: str = key, data: bytes = data) -> None:
-                        async with limiter:
-                            await store.put(bucket, key, data)
-                    tg.start_soon(put)
-        finally:
-            await store.aclose()
-
-    run_async(run)
+    put_all(config, objects, bucket, concurrency)
 
 
 def cache_home() -> Path:

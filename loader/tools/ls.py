@@ -1,4 +1,5 @@
-"""``loader ls``: what is under a prefix (count, total size, size histogram) and whether to shard it.
+"""``loader ls``: what is under a prefix (count, total size, size histogram), how to read it
+(objects, tar shards, Parquet files with their row counts) and whether to shard it.
 
 The listing is I/O (one paged LIST through the project's store, ``sources.list_prefix``); the
 summary and the text histogram are pure functions of the sizes, tested without a server.
@@ -14,10 +15,11 @@ from typing import IO, NamedTuple
 
 from ..config import S3Config
 from ..datasets.object_samples import sample_notes
-from ..errors import EmptyDatasetError
+from ..errors import EmptyDatasetError, ParquetFormatError
 from ..formats.compression import is_shard_name
 from ..formats.grouping import split_key
 from ..formats.packing import PROGRESS_NAME
+from ..formats.parquet import PARQUET_SUFFIX
 from ..listing.inputs import list_prefix, snapshot_notes
 from ..listing.snapshots import save_snapshot, snapshot_option
 from ..retry import RetryPolicy
@@ -48,6 +50,33 @@ def looks_like_shards(keys: Iterable[str]) -> bool:
     are shards) rather than objects to read one per sample: what ``ls`` and ``bench`` both go by."""
     shards, others = shards_among(keys)
     return shards > 0 and shards >= others
+
+
+def parquet_among(keys: Iterable[str]) -> tuple[int, int]:
+    """``(Parquet files, other objects)`` of a listing, the index files of shards aside."""
+    files = others = 0
+    for key in keys:
+        if key.endswith(PARQUET_SUFFIX):
+            files += 1
+        elif not key.endswith((INDEX_NAME, PROGRESS_NAME)):
+            others += 1
+    return files, others
+
+
+def looks_like_parquet(keys: Iterable[str]) -> bool:
+    """Whether a listing is Parquet files to read with ``from_parquet`` (at least half of its
+    objects are ``.parquet``): what ``ls`` and ``bench`` both go by."""
+    files, others = parquet_among(keys)
+    return files > 0 and files >= others
+
+
+class ParquetRows(NamedTuple):
+    """What the footers of a listing's Parquet files say: rows and row groups in all, and the
+    files whose footer did not read (corrupt or truncated), by URL with the reason."""
+
+    rows: int
+    row_groups: int
+    unreadable: tuple[str, ...] = ()
 
 
 def shard_destination(uri: str) -> str:
@@ -104,8 +133,10 @@ def _row(b: Bucket, bar: str, width: int) -> str:
     return f"  {label:>21}  {bar:<{width}}  {b.objects:,}"
 
 
-def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions: int = 6) -> list[str]:
-    """The report ``loader ls`` prints for a listing (not empty)."""
+def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions: int = 6,
+                      parquet: ParquetRows | None = None) -> list[str]:
+    """The report ``loader ls`` prints for a listing (not empty); ``parquet``: what the footers
+    of its Parquet files say, when it looks like Parquet (``parquet_rows`` reads them)."""
     sizes = [info.size for info in objects]
     total = sum(sizes)
     median = statistics.median(sizes)
@@ -121,14 +152,21 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
     lines.append("size histogram (log2 buckets):")
     lines.extend(render_histogram(log2_histogram(sizes)))
     shards, _ = shards_among(info.key for info in objects)
-    if looks_like_shards(info.key for info in objects):
+    if looks_like_parquet(info.key for info in objects):
+        files, _ = parquet_among(info.key for info in objects)
+        counted = "" if parquet is None else f", {parquet.rows:,} rows in {parquet.row_groups:,} row groups"
+        lines.append(f"these are Parquet files ({files:,} of {len(objects):,} objects{counted}): read them "
+                     f"with AsyncS3Dataset.from_parquet({uri!r}); `loader bench {uri}` measures them")
+        for problem in () if parquet is None else parquet.unreadable:
+            lines.append(f"  unreadable: {problem}")
+    elif looks_like_shards(info.key for info in objects):
         lines.append(f"these look like tar shards ({shards:,} of {len(objects):,} objects): read them with "
                      f"AsyncS3Dataset.from_shards({uri!r}); `loader bench {uri}` measures them")
     elif median < SMALL_OBJECT:
         dst = shard_destination(uri)
         lines.append(
             f"hint: the median object is {format_size(median)}; per-object loading pays one request "
-            "per sample and tops out near max_inflight / latency samples/s. Pack them into tar "
+            "per sample and tops out near Limits(concurrency=) / latency samples/s. Pack them into tar "
             "shards and read those with from_shards():"
         )
         lines.append(f"  loader shard {uri} {dst} --target-size 256MB")
@@ -156,12 +194,38 @@ def run_ls(args: argparse.Namespace, out: IO[str]) -> int:
         # an empty listing is an answer, not a failure: a new bucket is empty until the first upload
         print(empty_listing(args.uri), file=out)
         return 0
-    for line in summarize_listing(args.uri, objects):
+    rows = parquet_rows(args.uri, objects) if looks_like_parquet(info.key for info in objects) else None
+    for line in summarize_listing(args.uri, objects, parquet=rows):
         print(line, file=out)
     if save:
         print(f"saved the listing to {save}: AsyncS3Dataset.from_manifest({save!r}) reads it "
               "back without listing", file=out)
     return 0
+
+
+def parquet_rows(uri: str, objects: Sequence[ObjectInfo], *, config: S3Config | None = None,
+                 store: str | None = None) -> ParquetRows:
+    """Rows and row groups from the footers of the listing's ``.parquet`` files (one ranged GET
+    of each file's tail, as ``from_parquet`` reads them); a file whose footer does not read is
+    named, not fatal: ``ls`` describes what is there."""
+    from ..datasets.parquet_source import read_footers_or_errors
+    from ..formats.parquet import ParquetRef, parse_footer
+
+    retry = RetryPolicy()
+    factory = StoreSpec.of(store, config).opener(max_connections=4, retry=retry)
+    bucket = parse_s3_uri(uri).bucket
+    refs = [ParquetRef(bucket, info.key, info.size, info.etag) for info in objects
+            if info.key.endswith(PARQUET_SUFFIX)]
+    rows = groups = 0
+    unreadable: list[str] = []
+    for ref, footer in zip(refs, read_footers_or_errors(refs, factory, retry)):
+        if isinstance(footer, ParquetFormatError):
+            unreadable.append(str(footer))
+            continue
+        meta = parse_footer(ref, footer)
+        rows += meta.num_rows
+        groups += meta.num_row_groups
+    return ParquetRows(rows, groups, tuple(unreadable))
 
 
 def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None,

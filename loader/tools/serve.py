@@ -45,11 +45,23 @@ def serve(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | N
         out.flush()
         err.write(status.replace("Ctrl-C to stop", f"stop it with `loader serve --stop {pidfile}`"))
         return EXIT_OK
-    server = DevServer(data_dir=args.data_dir, port=args.port, buckets=args.bucket)
+    examples = getattr(args, "examples", False)
+    if examples:
+        from .examples import EXAMPLES_BUCKET, example_data
+
+        data = example_data()  # before the server starts: a missing extra fails at once
+    buckets = [*args.bucket, EXAMPLES_BUCKET] if examples and EXAMPLES_BUCKET not in args.bucket else args.bucket
+    server = DevServer(data_dir=args.data_dir, port=args.port, buckets=buckets)
     with _stop_on_sigterm():
         try:
             version = weed_version()
             server.start()
+            if examples:
+                from .examples import put_all
+
+                put_all(server.config, data, EXAMPLES_BUCKET)
+                print(f"# s3://{EXAMPLES_BUCKET}/ holds the examples' data: {len(data)} objects under "
+                      "train/, images/, wds/ and parquet/", file=err, flush=True)
             if args.detached and pidfile is not None:
                 background.write_pidfile(pidfile, server.endpoint_url)
             _print_exports(server.env, out)
@@ -74,6 +86,8 @@ def _serve_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--port", str(args.port)]
     for bucket in args.bucket:
         argv += ["--bucket", bucket]
+    if getattr(args, "examples", False):
+        argv.append("--examples")
     return argv
 
 
