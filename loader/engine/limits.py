@@ -13,10 +13,6 @@ DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_QUEUE_ITEMS = 1024
 TAKE_BATCH = 256  # items handed across the thread boundary per call: amortises the portal hop
-GATHER_ITEMS = 16  # a consumer that waits lets items gather for GATHER_SECONDS unless this many are in
-GATHER_SECONDS = 0.004  # (EngineCore.gather)
-FIRST_JOB_LEAD_SECONDS = 0.003  # the first job runs alone until its first item, or this long
-FIRST_ITEM_HANDOVER_SECONDS = 0.0003  # then the loop thread lets the consumer's thread run this long
 Delivery = Literal["ordered", "interleave", "completed", "scheduled"]
 DELIVERIES = ("ordered", "interleave", "completed", "scheduled")
 
