@@ -17,7 +17,7 @@ import anyio
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from .delivery import DeliveryPolicy, Entry, Slot, delivery_for
-from .limits import EngineLimits
+from .limits import Counts, EngineLimits
 from .tail import TailStore
 from .tuning import TUNING, Tuning
 
@@ -66,24 +66,6 @@ class Job:
 
 
 AnyJob = Job | JobFn
-
-
-@dataclasses.dataclass(slots=True)
-class Counts:
-    """The core's counters; ``FetchEngine.statistics()`` reads them from another thread
-    (plain ints: approximately consistent, which is all statistics need)."""
-
-    launched: int = 0
-    jobs_done: int = 0
-    inflight: int = 0
-    peak_inflight: int = 0
-    buffered_items: int = 0
-    buffered_bytes: int = 0
-    peak_buffered_bytes: int = 0
-    delivered_items: int = 0
-    delivered_bytes: int = 0
-    retries: int = 0
-    peak_reserved_bytes: int = 0
 
 
 class Budget:

@@ -1,19 +1,19 @@
 """The delivery orders: which job may start, where its items wait, which item goes next.
 
 One class per ``EngineLimits.delivery`` mode, each readable alone; ``DeliveryPolicy`` holds what they
-share and the defaults. A policy sees the core (``core.EngineCore``) through a few fields and
-methods: the slots, the buffer's fullness, the consumer's wait, ``account`` for an item handed
-over and ``take_more`` for the batch's bounds. Runs only in the engine's loop thread.
+share and the defaults. A policy sees the core (``core.EngineCore``) through ``Core``: the slots,
+the counters, the buffer's fullness, the consumer's wait, ``account`` for an item handed over
+and ``take_more`` for the batch's bounds. Runs only in the engine's loop thread.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from .core import EngineCore
+from .limits import Counts, EngineLimits
+from .tuning import Tuning
 
 Entry = tuple[Any, int]
 """An item and its bytes."""
@@ -32,6 +32,22 @@ class Slot:
         self.reserved = 0  # bytes of ``inflight_bytes`` this job holds while it runs
 
 
+class Core(Protocol):
+    """What a delivery policy sees of the core."""
+
+    limits: EngineLimits
+    tuning: Tuning
+    counts: Counts
+    slots: dict[int, Slot]  # launched and not yet drained
+    launch_done: bool  # no job will start any more
+    waiting: bool  # the consumer is parked in take(), holding nothing
+
+    def full(self) -> bool: ...
+    def notify(self) -> None: ...
+    def take_more(self, out: list[Any], max_items: int) -> bool: ...
+    def account(self, entry: Entry) -> Any: ...
+
+
 class DeliveryPolicy:
     """What every order shares: items wait in their job's slot, a job starts while the buffer has
     room (one that fetches all it holds first, ``ahead``, at any time), and the job the consumer
@@ -41,7 +57,7 @@ class DeliveryPolicy:
     lead = True  # the first job's item is the first delivered: it may run alone a moment
     gathers = True  # a waiting consumer may let a few items gather (``Tuning.gather_s``)
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: Core) -> None:
         self.core = core
         self.wanted = 0  # the job whose next item the consumer is waiting for
 
@@ -87,7 +103,7 @@ class Ordered(DeliveryPolicy):
     """Every item of job 0, then of job 1, ...; jobs start at most ``queue_items`` ahead of the
     one being delivered (the reorder window)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.head = 0  # the job being delivered
 
@@ -97,7 +113,7 @@ class Ordered(DeliveryPolicy):
         return super().may_start(index, ahead)
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: EngineCore, list[Any]
+        core, out = self.core, []  # type: Core, list[Any]
         while core.take_more(out, max_items):
             self.wanted = self.head
             slot = core.slots.get(self.head)
@@ -124,7 +140,7 @@ class Interleaved(DeliveryPolicy):
     the buffer is full. A lane's next job may start before the lane takes it
     (``Tuning.lane_lookahead``, ``Tuning.ahead_places``), its items held until then."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.lanes = list(range(core.limits.max_inflight))  # the job of each lane
         self.cursor = 0  # the lane whose turn it is
@@ -146,7 +162,7 @@ class Interleaved(DeliveryPolicy):
         return slot.index >= self.next_index  # read ahead of its lane: its items would take the room
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: EngineCore, list[Any]
+        core, out = self.core, []  # type: Core, list[Any]
         while core.take_more(out, max_items) and self.lanes:
             self.cursor %= len(self.lanes)
             index = self.wanted = self.lanes[self.cursor]
@@ -175,7 +191,7 @@ class Completed(DeliveryPolicy):
     """Items as they arrive, from any job (fastest, not repeatable); a job's error takes its
     place among them."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.ready: deque[Entry] = deque()
 
@@ -192,7 +208,7 @@ class Completed(DeliveryPolicy):
         del self.core.slots[slot.index]
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: EngineCore, list[Any]
+        core, out = self.core, []  # type: Core, list[Any]
         while self.ready and core.take_more(out, max_items):
             item, _ = self.ready[0]
             if isinstance(item, _Failure):
@@ -217,7 +233,7 @@ class Scheduled(DeliveryPolicy):
     lead = False
     gathers = False
 
-    def __init__(self, core: EngineCore, schedule: Iterable[int]) -> None:
+    def __init__(self, core: Core, schedule: Iterable[int]) -> None:
         super().__init__(core)
         self.schedule = iter(schedule)
         self.entry: int | None = None  # the schedule's current entry
@@ -227,7 +243,7 @@ class Scheduled(DeliveryPolicy):
         return index <= self.wanted
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: EngineCore, list[Any]
+        core, out = self.core, []  # type: Core, list[Any]
         while core.take_more(out, max_items):
             if self.entry is None:
                 self.entry = next(self.schedule, None)
@@ -265,7 +281,7 @@ class Scheduled(DeliveryPolicy):
         return self.done and core.launch_done and core.counts.jobs_done == core.counts.launched
 
 
-def delivery_for(core: EngineCore, schedule: Iterable[int] | None) -> DeliveryPolicy:
+def delivery_for(core: Core, schedule: Iterable[int] | None) -> DeliveryPolicy:
     """The policy of ``core.limits.delivery``."""
     mode = core.limits.delivery
     if mode == "scheduled":

@@ -1,5 +1,5 @@
 """What an engine is told (``EngineLimits``: concurrency, buffer bounds, delivery order) and
-what it reports (``EngineStats``); plain values, checked on construction."""
+what it reports (``EngineStats``, from the live ``Counts``); plain values, checked on construction."""
 
 from __future__ import annotations
 
@@ -62,3 +62,21 @@ class EngineStats(NamedTuple):
     throttled: int = 0  # requests answered SlowDown/503/429 (engine/tail.py)
     hedged: int = 0  # straggling requests sent a second time
     hedges_won: int = 0  # ... of which the second answered first
+
+
+@dataclasses.dataclass(slots=True)
+class Counts:
+    """The core's counters; ``FetchEngine.statistics()`` reads them from another thread
+    (plain ints: approximately consistent, which is all statistics need)."""
+
+    launched: int = 0
+    jobs_done: int = 0
+    inflight: int = 0
+    peak_inflight: int = 0
+    buffered_items: int = 0
+    buffered_bytes: int = 0
+    peak_buffered_bytes: int = 0
+    delivered_items: int = 0
+    delivered_bytes: int = 0
+    retries: int = 0
+    peak_reserved_bytes: int = 0
