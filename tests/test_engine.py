@@ -511,3 +511,27 @@ def test_the_first_jobs_lead_ends_after_its_time_without_an_item(no_leaked_threa
                 gate.set()
             assert first.result(timeout=10) == 0
         assert list(iterator) == list(range(1, 8))
+
+
+def test_the_first_items_hand_over_leaves_the_loop_running(no_leaked_threads):
+    """After the lead, the loop idles a moment for the consumer's thread before the other jobs
+    start; it is an asyncio sleep, not a blocking one: the first job's own callbacks (its next
+    read, here a timer) still run meanwhile, before any other job starts."""
+    log = []
+
+    def job_for(position):
+        async def job(ctx):
+            log.append(("start", position))
+            await ctx.emit((position, 0), 1)
+            if position == 0:
+                await anyio.sleep(0.01)  # due long before the hand-over ends
+                log.append(("read", 0))
+                await ctx.emit((0, 1), 1)
+
+        return job
+
+    tuning = Tuning(first_job_lead_s=5.0, handover_s=1.0)
+    with FetchEngine([job_for(position) for position in range(4)], reusable(FakeStore()),
+                     limits=EngineLimits(max_inflight=4), tuning=tuning) as engine:
+        assert list(engine) == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0)]
+    assert log.index(("read", 0)) < log.index(("start", 1)), "the loop was blocked during the hand-over"
