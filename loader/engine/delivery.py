@@ -113,7 +113,8 @@ class Ordered(DeliveryPolicy):
         return super().may_start(index, ahead)
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: Core, list[Any]
+        core = self.core
+        out: list[Any] = []
         while core.take_more(out, max_items):
             self.wanted = self.head
             slot = core.slots.get(self.head)
@@ -162,7 +163,8 @@ class Interleaved(DeliveryPolicy):
         return slot.index >= self.next_index  # read ahead of its lane: its items would take the room
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: Core, list[Any]
+        core = self.core
+        out: list[Any] = []
         while core.take_more(out, max_items) and self.lanes:
             self.cursor %= len(self.lanes)
             index = self.wanted = self.lanes[self.cursor]
@@ -208,7 +210,8 @@ class Completed(DeliveryPolicy):
         del self.core.slots[slot.index]
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: Core, list[Any]
+        core = self.core
+        out: list[Any] = []
         while self.ready and core.take_more(out, max_items):
             item, _ = self.ready[0]
             if isinstance(item, _Failure):
@@ -243,7 +246,8 @@ class Scheduled(DeliveryPolicy):
         return index <= self.wanted
 
     def pop(self, max_items: int) -> list[Any]:
-        core, out = self.core, []  # type: Core, list[Any]
+        core = self.core
+        out: list[Any] = []
         while core.take_more(out, max_items):
             if self.entry is None:
                 self.entry = next(self.schedule, None)
