@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from loader import AsyncS3Dataset
 from loader.datasets.object_samples import object_job, object_sample
-from loader.engine.fetch import DEFAULT_MAX_INFLIGHT, EngineLimits, FetchEngine, Job, JobContext
+from loader.engine.fetch import DEFAULT_MAX_INFLIGHT, EngineLimits, FetchEngine, JobContext, JobFn
 from loader.formats.shards import DEFAULT_SHARDS_INFLIGHT
 from loader.s3.protocol import ObjectInfo
 
@@ -158,7 +158,7 @@ def _median_split(runs: list[CpuSplit]) -> CpuSplit:
     return sorted(runs, key=lambda r: r.process_us)[len(runs) // 2]
 
 
-def shard_like_job(bucket: str, key: str, position: int, items: int) -> Job:
+def shard_like_job(bucket: str, key: str, position: int, items: int) -> JobFn:
     """A job like a shard's: one GET, then ``items`` samples emitted one by one (no tar parsing,
     so that what is measured is the engine's hand-off of many items per job)."""
 

@@ -1,4 +1,4 @@
-"""One per-object measurement of whichever ``loader`` is first on ``sys.path`` (``bench.revisions``).
+"""One measurement (per object, or tar shards) of whichever ``loader`` is first on ``sys.path`` (``bench.revisions``).
 
 Run as a script (``python bench/revision_child.py``) with the revision's checkout first on
 ``PYTHONPATH``, so that ``import loader`` finds that revision, not this one. It uses only the
@@ -47,8 +47,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     config = S3Config(endpoint_url=spec["endpoint_url"], region=spec["region"],
                       access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
                       secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], addressing_style="path")
-    dataset = AsyncS3Dataset.from_prefix(spec["uri"], max_inflight=spec["max_inflight"],
-                                         store=spec["store"], config=config, transform=raw)
+    if spec.get("mode") == "shards":  # the defaults, as bench.shards reads them
+        dataset = AsyncS3Dataset.from_shards(spec["uri"], store=spec["store"], config=config, transform=raw)
+    else:
+        dataset = AsyncS3Dataset.from_prefix(spec["uri"], max_inflight=spec["max_inflight"],
+                                             store=spec["store"], config=config, transform=raw)
     dataset.resolve()  # list before the DataLoader forks (bench/README.md says why)
     workers = spec["workers"]
     dl = DataLoader(dataset, batch_size=spec["batch_size"], num_workers=workers,

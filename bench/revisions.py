@@ -12,6 +12,7 @@ medians, the range and the per-round ratios; writes ``bench/results/revisions-<d
     python -m bench.revisions --base 8e8352e                 # the previous release vs this tree
     python -m bench.revisions --base 8e8352e --head d94c5c2 --head main --head .
     python -m bench.revisions --base main --store aioboto3 --rounds 4
+    python -m bench.revisions --base main --mode shards --latency 0   # the same samples in 8 tar shards
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
                    help="added time to first byte in seconds (default 0.02)")
     p.add_argument("--workers", type=_ints, default=(2,), help="DataLoader workers (default 2)")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per measurement, median (default 3)")
+    p.add_argument("--mode", choices=("objects", "shards"), default="objects",
+                   help="objects (from_prefix, the default) or the same samples in tar shards (from_shards)")
+    p.add_argument("--shards", type=int, default=8, help="tar shards in --mode shards (default 8)")
     p.add_argument("--max-inflight", type=int, default=64, help="max_inflight (default 64)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output directory (default {RESULTS_DIR})")
     return p
@@ -140,6 +144,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         samples = data.make_samples(args.objects)
         from loader.tools.demo import upload
 
+        if args.mode == "shards":
+            samples = data.make_shards(samples, args.shards)
+            uri = f"s3://{data.BUCKET}/{data.SHARDS_PREFIX}train-{{0000..{args.shards - 1:04d}}}.tar"
+        else:
+            uri = f"s3://{data.BUCKET}/{data.OBJECTS_PREFIX}"
         upload(config, samples, bucket=data.BUCKET)
         endpoints = {}
         for latency in args.latency:
@@ -162,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for store, latency, workers in cases:
                     for rev in rounds_order(revisions, round_):
                         spec = dict(endpoint_url=endpoints[latency], region=config.region,
-                                    uri=f"s3://{data.BUCKET}/{data.OBJECTS_PREFIX}", store=store,
+                                    uri=uri, mode=args.mode, store=store,
                                     workers=workers, epochs=args.epochs, batch_size=32,
                                     max_inflight=args.max_inflight, objects=args.objects)
                         result = measure(where[rev], spec, env, log)
@@ -174,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               f"{store} {round(latency * 1000)}ms w{workers} {rev}: {shown}",
                               file=sys.stderr, flush=True)
                         log.flush()
-    meta = dict(started=time.strftime("%Y-%m-%d %H:%M"), base=args.base, revisions=revisions,
+    meta = dict(started=time.strftime("%Y-%m-%d %H:%M"), base=args.base, mode=args.mode, shards=args.shards, revisions=revisions,
                 labels=labels, objects=args.objects, epochs=args.epochs, rounds=args.rounds,
                 max_inflight=args.max_inflight, cpus=os.cpu_count(), load_avg=os.getloadavg(),
                 seconds=time.perf_counter() - began)
@@ -210,9 +219,13 @@ def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
+    if meta.get("mode") == "shards":
+        mode_title, what = "Tar shards", f"{meta['objects']} samples (~110 KiB JPEGs) in {meta['shards']} tar shards"
+    else:
+        mode_title, what = "Per-object", f"{meta['objects']} objects (~110 KiB JPEGs)"
     lines = [
-        f"# Per-object, revisions side by side ({meta['started']})", "",
-        f"`python -m bench.revisions`: {meta['objects']} objects (~110 KiB JPEGs), batch 32, "
+        f"# {mode_title}, revisions side by side ({meta['started']})", "",
+        f"`python -m bench.revisions`: {what}, batch 32, "
         f"max_inflight {meta['max_inflight']}, {meta['epochs']} timed epochs per measurement (median), "
         f"{meta['rounds']} alternated rounds; one embedded SeaweedFS server, one data set, latency "
         f"proxy in the harness process. {meta['cpus']} cores, load average at the end "

@@ -17,7 +17,7 @@ import anyio
 import pytest
 import torch
 
-from loader import checkpoint
+from loader import Limits, checkpoint
 from loader.errors import AccessDeniedError, NoSuchBucketError, NoSuchKeyError, StoreError
 from loader.s3.aioboto3_store import Aioboto3Store
 
@@ -179,7 +179,7 @@ def test_refused_part_aborts_the_upload(s3_server):
 
     with pytest.raises(AccessDeniedError, match="part 3 refused") as info:
         checkpoint.save(big_state(), uri, store=hooked(s3_server.config, refuse_third),
-                        part_size=SMALL_PART, parts_inflight=2)
+                        part_size=SMALL_PART, limits=Limits(concurrency=2))
     assert uri in str(info.value)
     assert max(started) < 8
     assert_nothing_left(s3_server, bucket, "run/refused.pt")
@@ -225,7 +225,7 @@ def test_keyboard_interrupt_midway_aborts(s3_server, sigint_raises):
 
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(big_state(12), uri, store=hooked(s3_server.config, interrupt_at_third),
-                        part_size=SMALL_PART, parts_inflight=2)
+                        part_size=SMALL_PART, limits=Limits(concurrency=2))
     assert max(started) < 12
     assert_nothing_left(s3_server, bucket, "run/interrupted.pt")
 

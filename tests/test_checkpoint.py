@@ -12,7 +12,7 @@ import anyio
 import pytest
 import torch
 
-from loader import checkpoint
+from loader import Limits, RetryPolicy, Store, checkpoint
 from loader.errors import (
     AccessDeniedError,
     ConfigError,
@@ -89,13 +89,13 @@ def test_small_checkpoint_is_one_put_and_round_trips():
 def test_multipart_round_trip_is_exact():
     fake = new_fake()
     sd = state_dict()
-    checkpoint.save(sd, URI, store=reusable(fake), part_size=PART, parts_inflight=3)
+    checkpoint.save(sd, URI, store=reusable(fake), part_size=PART, limits=Limits(concurrency=3))
     size = len(fake.objects[BUCKET, KEY])
     assert size > 10 * PART
     assert fake.multipart_created == fake.completed == 1 and fake.puts == 0
     assert fake.parts_uploaded == -(-size // PART)
     nothing_left(fake)
-    loaded = checkpoint.load(URI, store=reusable(fake), part_size=PART, parts_inflight=3)
+    loaded = checkpoint.load(URI, store=reusable(fake), part_size=PART, limits=Limits(concurrency=3))
     assert_same(loaded, sd)
     # storage sharing survives, as with torch.load from a file
     assert loaded["view"].untyped_storage().data_ptr() == loaded["layer0.weight"].untyped_storage().data_ptr()
@@ -170,7 +170,7 @@ class Opaque:
 def test_save_keeps_parts_inflight(inflight):
     fake = new_fake(latency=0.005)
     sd = state_dict(n=8)
-    checkpoint.save(sd, URI, store=reusable(fake), part_size=PART, parts_inflight=inflight)
+    checkpoint.save(sd, URI, store=reusable(fake), part_size=PART, limits=Limits(concurrency=inflight))
     assert fake.peak_parts_inflight == inflight
     assert_same(checkpoint.load(URI, store=reusable(fake)), sd)
 
@@ -182,7 +182,7 @@ def test_load_keeps_requests_inflight(inflight):
     checkpoint.save(sd, URI, store=reusable(fake), part_size=PART)
     fake.latency = 0.005
     fake.reset_counters()
-    out = checkpoint.load(URI, store=reusable(fake), part_size=PART, parts_inflight=inflight)
+    out = checkpoint.load(URI, store=reusable(fake), part_size=PART, limits=Limits(concurrency=inflight))
     assert_same(out, sd)
     assert fake.peak_inflight == inflight
     size = len(fake.objects[BUCKET, KEY])
@@ -214,7 +214,7 @@ def test_save_blocks_the_writer_when_every_slot_is_busy(monkeypatch):
 
     def run() -> None:
         try:
-            checkpoint.save(sd, URI, store=reusable(fake), part_size=PART, parts_inflight=inflight)
+            checkpoint.save(sd, URI, store=reusable(fake), part_size=PART, limits=Limits(concurrency=inflight))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -291,7 +291,7 @@ def test_keyboard_interrupt_midway_aborts(sigint_raises):
     assert threading.current_thread() is threading.main_thread()
     fake = new_fake(on_part=interrupt, latency=0.01)
     with pytest.raises(KeyboardInterrupt) as info:
-        checkpoint.save(state_dict(n=12), URI, store=reusable(fake), part_size=PART, parts_inflight=2)
+        checkpoint.save(state_dict(n=12), URI, store=reusable(fake), part_size=PART, limits=Limits(concurrency=2))
     assert any(URI in note for note in info.value.__notes__)
     assert fake.multipart_created == fake.aborted == 1 and fake.completed == 0
     assert fake.parts_started < 30  # it stopped early, not after writing everything
@@ -375,7 +375,12 @@ def test_load_of_a_non_checkpoint_names_the_uri():
         (lambda: checkpoint.load("http://bucket-x/a.pt", store=reusable(new_fake())), "not an S3 URI"),
         (lambda: checkpoint.save({}, URI, part_size=0, store=reusable(new_fake())), "part_size=0"),
         (lambda: checkpoint.save({}, URI, part_size=6 << 30, store=reusable(new_fake())), "part_size="),
-        (lambda: checkpoint.load(URI, parts_inflight=0, store=reusable(new_fake())), "parts_inflight=0"),
+        (lambda: checkpoint.load(URI, limits=Limits(concurrency=0), store=reusable(new_fake())),
+         "Limits.concurrency=0"),
+        (lambda: checkpoint.load(URI, limits=Limits(memory=8 << 20), part_size=4 << 20,
+                                 store=reusable(new_fake())), r"Limits\(memory=8388608\) holds no part"),
+        (lambda: checkpoint.save({}, URI, store=Store(backend=reusable(new_fake()), cache="/tmp/c")),
+         "checkpoints are not cached"),
         (lambda: checkpoint.save({}, URI, store="s3fs"), "store='s3fs' is not a known backend"),
     ],
 )
@@ -495,3 +500,39 @@ def test_the_next_save_aborts_what_a_killed_save_left_open(caplog, multipart):
         f"aborted 1 unfinished multipart upload(s) of {URI} left by an earlier save that was killed "
         "before it could abort (their parts were stored and billed out of sight); a bucket lifecycle "
         "rule AbortIncompleteMultipartUpload cleans up those of keys never saved again (docs/design/checkpoint.md)"]
+
+
+# ------------------------------------------------------------------------------ the old spellings
+
+
+def test_the_old_spellings_still_work_and_name_the_new_ones():
+    """``parts_inflight=`` and ``retry=`` were the datasets' old spellings too: they still land
+    where they did, with a DeprecationWarning naming ``Limits`` and ``Store``."""
+    fake = new_fake(latency=0.005)
+    sd = state_dict(n=8)
+    with pytest.warns(DeprecationWarning, match=r"parts_inflight= .* limits=Limits\(concurrency=\.\.\.\)"):
+        checkpoint.save(sd, URI, store=reusable(fake), part_size=PART, parts_inflight=2)
+    assert fake.peak_parts_inflight == 2
+    fake.reset_counters()
+    with pytest.warns(DeprecationWarning, match=r"retry= .* store=Store\(retry=\.\.\.\)"):
+        out = checkpoint.load(URI, store=reusable(fake), part_size=PART, retry=RetryPolicy(max_attempts=2))
+    assert_same(out, sd)
+    with pytest.raises(ConfigError, match="parts_inflight=0"), pytest.warns(DeprecationWarning):
+        checkpoint.load(URI, parts_inflight=0, store=reusable(fake))
+
+
+def test_the_groups_set_parts_and_retries():
+    """``Limits(concurrency=)`` is the parts in flight, ``Limits(memory=)`` lowers them to fit
+    (a save holds ``parts + 1`` parts), ``Store(retry=)`` the retry policy."""
+    fake = new_fake(latency=0.005)
+    sd = state_dict(n=8)
+    checkpoint.save(sd, URI, store=Store(backend=reusable(fake)), part_size=PART,
+                    limits=Limits(concurrency=5, memory=3 * PART + (8 << 20)))
+    assert fake.peak_parts_inflight == 5, "memory enough for more: concurrency decides"
+    big = {"big": torch.randn(6 << 18, generator=torch.Generator().manual_seed(2))}  # 6 MiB
+    checkpoint.save(big, URI, store=reusable(fake), part_size=1 << 20)
+    fake.reset_counters()
+    out = checkpoint.load(URI, store=Store(backend=reusable(fake), retry=RetryPolicy(max_attempts=1)),
+                          part_size=1 << 20, limits=Limits(memory=8 << 20))
+    assert_same(out, big)
+    assert fake.peak_inflight == 2, "a load holds about 3 parts per GET in flight: 2 of 1 MiB fit in 8 MiB"

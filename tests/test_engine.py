@@ -13,7 +13,7 @@ import time
 import anyio
 import pytest
 
-from loader.engine.fetch import EngineLimits, FetchEngine, live_engines
+from loader.engine.fetch import EngineLimits, FetchEngine, Job, Tuning, live_engines
 from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError
 
 from fakes import FakeStore, payloads, reusable
@@ -320,8 +320,7 @@ def reading_ahead_jobs(lengths, log, fetch=0.02):
                 await ctx.emit((position, i), 1)
             running.discard(position)
 
-        job.reads_ahead = True
-        return job
+        return Job(job, reads_ahead=True)
 
     return [job_for(position, length) for position, length in enumerate(lengths)]
 
@@ -357,10 +356,9 @@ def test_reading_ahead_waits_for_the_first_item(no_leaked_threads):
 
     async def held(ctx):
         await anyio.to_thread.run_sync(gate.wait)
-        await first(ctx)
+        await first.run(ctx)
 
-    held.reads_ahead = True
-    jobs[0] = held
+    jobs[0] = Job(held, reads_ahead=True)
     limits = EngineLimits(max_inflight=2, delivery="interleave")
     engine = FetchEngine(jobs, reusable(FakeStore()), limits=limits)
     iterator = iter(engine)
@@ -385,8 +383,6 @@ def test_a_waiting_consumer_gets_items_gathered_but_its_first_item_at_once(no_le
     to the consumer a few at a time, in order."""
     from loader.engine import core
 
-    monkeypatch.setattr(core, "GATHER_SECONDS", 0.3)
-
     sizes: list[int] = []
     take = core.EngineCore.take
 
@@ -407,7 +403,8 @@ def test_a_waiting_consumer_gets_items_gathered_but_its_first_item_at_once(no_le
 
         return (job_for(position) for position in range(n))
 
-    with FetchEngine(paced(200), reusable(FakeStore()), limits=EngineLimits(max_inflight=256)) as engine:
+    with FetchEngine(paced(200), reusable(FakeStore()), limits=EngineLimits(max_inflight=256),
+                     tuning=Tuning(gather_s=0.3)) as engine:
         assert list(engine) == list(range(200))
     assert sizes[0] == 1, "the first item is handed over alone: nothing delays the first sample"
     assert sizes[-1] == 0, "the end"
@@ -433,12 +430,10 @@ def gated_jobs(n, gate, log):
 def test_the_first_job_runs_alone_until_its_first_item(no_leaked_threads, monkeypatch, delivery):
     """Started together, the first read shared the server and the loop with 63 others and the
     first sample came ~20 ms later: the others wait for its item (here the lead is long)."""
-    from loader.engine import core
-
-    monkeypatch.setattr(core, "FIRST_JOB_LEAD_SECONDS", 30.0)
+    lead = Tuning(first_job_lead_s=30.0)
     gate, log = threading.Event(), []
     with FetchEngine(gated_jobs(8, gate, log), reusable(FakeStore()),
-                     limits=EngineLimits(max_inflight=4, delivery=delivery)) as engine:
+                     limits=EngineLimits(max_inflight=4, delivery=delivery), tuning=lead) as engine:
         iterator = iter(engine)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(next, iterator)
@@ -481,9 +476,7 @@ def test_a_lanes_next_job_sends_its_request_while_the_lanes_last_items_wait(no_l
 def test_the_first_jobs_lead_counts_from_its_first_wait(no_leaked_threads, monkeypatch):
     """A backend's set-up before its first request goes out (obstore builds its client, ~5 ms,
     holding the loop) does not use up the lead: the others still wait for the first item."""
-    from loader.engine import core
-
-    monkeypatch.setattr(core, "FIRST_JOB_LEAD_SECONDS", 0.5)
+    lead = Tuning(first_job_lead_s=0.5)
     log, seen_at_first_item = [], []
 
     def job_for(position):
@@ -498,19 +491,17 @@ def test_the_first_jobs_lead_counts_from_its_first_wait(no_leaked_threads, monke
         return job
 
     with FetchEngine([job_for(position) for position in range(8)], reusable(FakeStore()),
-                     limits=EngineLimits(max_inflight=4)) as engine:
+                     limits=EngineLimits(max_inflight=4), tuning=lead) as engine:
         assert list(engine) == list(range(8))
     assert seen_at_first_item == [0], "the others started while the first job's request was out"
 
 
 def test_the_first_jobs_lead_ends_after_its_time_without_an_item(no_leaked_threads, monkeypatch):
     """A first read that stalls holds the others back for the lead only."""
-    from loader.engine import core
-
-    monkeypatch.setattr(core, "FIRST_JOB_LEAD_SECONDS", 0.05)
+    lead = Tuning(first_job_lead_s=0.05)
     gate, log = threading.Event(), []
     with FetchEngine(gated_jobs(8, gate, log), reusable(FakeStore()),
-                     limits=EngineLimits(max_inflight=4)) as engine:
+                     limits=EngineLimits(max_inflight=4), tuning=lead) as engine:
         iterator = iter(engine)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(next, iterator)
@@ -520,3 +511,27 @@ def test_the_first_jobs_lead_ends_after_its_time_without_an_item(no_leaked_threa
                 gate.set()
             assert first.result(timeout=10) == 0
         assert list(iterator) == list(range(1, 8))
+
+
+def test_the_first_items_hand_over_leaves_the_loop_running(no_leaked_threads):
+    """After the lead, the loop idles a moment for the consumer's thread before the other jobs
+    start; it is an asyncio sleep, not a blocking one: the first job's own callbacks (its next
+    read, here a timer) still run meanwhile, before any other job starts."""
+    log = []
+
+    def job_for(position):
+        async def job(ctx):
+            log.append(("start", position))
+            await ctx.emit((position, 0), 1)
+            if position == 0:
+                await anyio.sleep(0.01)  # due long before the hand-over ends
+                log.append(("read", 0))
+                await ctx.emit((0, 1), 1)
+
+        return job
+
+    tuning = Tuning(first_job_lead_s=5.0, handover_s=1.0)
+    with FetchEngine([job_for(position) for position in range(4)], reusable(FakeStore()),
+                     limits=EngineLimits(max_inflight=4), tuning=tuning) as engine:
+        assert list(engine) == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0)]
+    assert log.index(("read", 0)) < log.index(("start", 1)), "the loop was blocked during the hand-over"

@@ -12,6 +12,7 @@ load reads one version (``If-Match``) or fails. How and why: docs/design/checkpo
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import IO, Any, cast
 
@@ -20,6 +21,7 @@ from anyio.from_thread import start_blocking_portal
 
 from ..checks import check_int
 from ..config import S3Config
+from ..datasets.groups import Limits, Store
 from ..errors import ConfigError
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore, Pin, StoreSpec
@@ -36,7 +38,8 @@ DEFAULT_LOAD_PART_SIZE = 8 << 20  # a response in flight costs twice its size (d
 DEFAULT_PARTS_INFLIGHT = 4
 _PORTAL_NAME = "loader-checkpoint"
 
-StoreArg = str | Callable[[], Awaitable[ObjectStore]] | None
+StoreArg = Store | str | Callable[[], Awaitable[ObjectStore]] | None
+_NOT_GIVEN: Any = object()  # a deprecated keyword left out
 
 
 def save(
@@ -45,30 +48,34 @@ def save(
     *,
     config: S3Config | None = None,
     part_size: int = DEFAULT_PART_SIZE,
-    parts_inflight: int = DEFAULT_PARTS_INFLIGHT,
+    limits: Limits | None = None,
     store: StoreArg = None,
-    retry: RetryPolicy | None = None,
+    parts_inflight: int = _NOT_GIVEN,
+    retry: RetryPolicy | None = _NOT_GIVEN,
 ) -> None:
     """``torch.save(obj)`` into the object at ``uri`` (``s3://bucket/key``), streamed in parts.
 
     ``part_size`` bytes per part (S3 needs at least 5 MiB for every part but the last), up to
-    ``parts_inflight`` uploading at once; memory beyond ``obj`` stays within
-    ``(parts_inflight + 1) * part_size``. The object appears atomically when the upload
-    completes; on any failure, ``KeyboardInterrupt`` included, the upload is aborted and the
-    error names ``uri``. ``store``: a backend name or an async store factory; ``"obstore"`` has no
-    multipart upload and saves through aioboto3 (docs/design/checkpoint.md). ``retry`` governs each
-    request (default ``RetryPolicy()``).
+    ``limits=Limits(concurrency=)`` uploading at once (default 4); memory beyond ``obj`` stays
+    within ``(concurrency + 1) * part_size`` (``Limits(memory=)`` lowers the concurrency to fit).
+    The object appears atomically when the upload completes; on any failure,
+    ``KeyboardInterrupt`` included, the upload is aborted and the error names ``uri``.
+    ``store=Store(backend=, retry=)`` as for the datasets (a backend's name or an async store
+    factory alone is the short form); ``"obstore"`` has no multipart upload and saves through
+    aioboto3 (docs/design/checkpoint.md). ``parts_inflight=`` and ``retry=`` are the deprecated
+    spellings of ``limits=Limits(concurrency=)`` and ``store=Store(retry=)``.
     """
     bucket, key = _object_uri(uri)
+    parts_inflight, policy, backend = _options(limits, store, parts_inflight, retry, part_size,
+                                               per_part=1, spare=1)
     _check_sizes(part_size, parts_inflight)
-    policy = retry or RetryPolicy()
-    factory = _store_factory(store, config, parts_inflight + 1, policy)
+    factory = _store_factory(backend, config, parts_inflight + 1, policy)
     outer = sys.exc_info()[1]  # e.g. the KeyboardInterrupt a caller saves on: not ours
     with start_blocking_portal(name=_PORTAL_NAME) as portal:
         with _naming(uri, "saving checkpoint to"):
             opened = portal.call(factory)
         try:
-            _check_multipart(opened, part_size, store)
+            _check_multipart(opened, part_size, backend)
             upload: _Upload = portal.call(
                 lambda: _Upload(opened, bucket, key, policy, parts_inflight)
             )
@@ -101,22 +108,27 @@ def load(
     config: S3Config | None = None,
     weights_only: bool = True,
     store: StoreArg = None,
-    parts_inflight: int = DEFAULT_PARTS_INFLIGHT,
+    limits: Limits | None = None,
     part_size: int = DEFAULT_LOAD_PART_SIZE,
-    retry: RetryPolicy | None = None,
+    parts_inflight: int = _NOT_GIVEN,
+    retry: RetryPolicy | None = _NOT_GIVEN,
 ) -> Any:
-    """``torch.load`` the object at ``uri``, read with up to ``parts_inflight`` ranged GETs at once.
+    """``torch.load`` the object at ``uri``, read with up to ``limits=Limits(concurrency=)``
+    ranged GETs at once (default 4).
 
     ``map_location`` and ``weights_only`` go to ``torch.load``. Tensor bytes go straight from the
     responses into the tensors, ``part_size`` bytes per GET: peak memory is the result plus about
-    ``3 * parts_inflight * part_size`` (docs/design/checkpoint.md); no temporary file is written.
-    A missing object raises ``NoSuchKeyError``, a missing bucket ``NoSuchBucketError``, both
-    naming ``uri``. ``store="obstore"`` reads through aioboto3 (docs/design/checkpoint.md).
+    ``3 * concurrency * part_size`` (docs/design/checkpoint.md; ``Limits(memory=)`` lowers the
+    concurrency to fit); no temporary file is written. A missing object raises
+    ``NoSuchKeyError``, a missing bucket ``NoSuchBucketError``, both naming ``uri``.
+    ``store=Store(backend=, retry=)`` as in ``save``; ``"obstore"`` reads through aioboto3
+    (docs/design/checkpoint.md). ``parts_inflight=`` and ``retry=`` are deprecated as in ``save``.
     """
     bucket, key = _object_uri(uri)
+    parts_inflight, policy, backend = _options(limits, store, parts_inflight, retry, part_size,
+                                               per_part=3, spare=0)
     _check_sizes(part_size, parts_inflight)
-    policy = retry or RetryPolicy()
-    factory = _store_factory(store, config, parts_inflight + 1, policy)
+    factory = _store_factory(backend, config, parts_inflight + 1, policy)
     outer = sys.exc_info()[1]
     with start_blocking_portal(name=_PORTAL_NAME) as portal:
         with _naming(uri, "loading checkpoint from"):
@@ -137,6 +149,40 @@ def load(
         finally:
             portal.call(opened.aclose)
 
+
+
+def _options(
+    limits: Limits | None, store: StoreArg, parts_inflight: int, retry: RetryPolicy | None,
+    part_size: int, *, per_part: int, spare: int,
+) -> tuple[int, RetryPolicy, str | Callable[[], Awaitable[ObjectStore]] | None]:
+    """Parts in flight, the retry policy and the backend, from the option groups the datasets
+    take (``Limits``, ``Store``) or the deprecated flat keywords (which warn and still win).
+    Memory is about ``(per_part * parts + spare) * part_size``."""
+    if limits is not None and not isinstance(limits, Limits):
+        raise ConfigError(f"limits={limits!r} must be a loader.Limits(concurrency=..., memory=...)")
+    group = store if isinstance(store, Store) else Store(backend=store)
+    if group.cache is not None:
+        raise ConfigError(f"store=Store(cache={group.cache!r}): checkpoints are not cached; leave cache out")
+    parts = DEFAULT_PARTS_INFLIGHT
+    if limits is not None and limits.concurrency is not None:
+        parts = limits.concurrency
+    if limits is not None and limits.memory is not None:
+        fit = (limits.memory // part_size - spare) // per_part
+        if fit < 1:
+            raise ConfigError(
+                f"Limits(memory={limits.memory!r}) holds no part of part_size={part_size!r} in flight "
+                f"(it needs about {(per_part + spare) * part_size} bytes); give more memory or a smaller part_size")
+        parts = min(parts, fit)
+    if parts_inflight is not _NOT_GIVEN:
+        warnings.warn("parts_inflight= is deprecated and will be removed in the next release: write "
+                      "limits=Limits(concurrency=...)", DeprecationWarning, stacklevel=3)
+        parts = parts_inflight
+    policy = group.retry
+    if retry is not _NOT_GIVEN:
+        warnings.warn("retry= is deprecated and will be removed in the next release: write "
+                      "store=Store(retry=...)", DeprecationWarning, stacklevel=3)
+        policy = retry or RetryPolicy()
+    return parts, policy, group.backend
 
 
 def _check_multipart(store: Any, part_size: int, given: StoreArg) -> None:
@@ -173,7 +219,8 @@ def _check_sizes(part_size: int, parts_inflight: int) -> None:
 
 
 def _store_factory(
-    store: StoreArg, config: S3Config | None, connections: int, retry: RetryPolicy
+    store: str | Callable[[], Awaitable[ObjectStore]] | None, config: S3Config | None, connections: int,
+    retry: RetryPolicy,
 ) -> Callable[[], Awaitable[Any]]:
     """An async factory for the store: a user-given one, else aioboto3 (obstore included: the
     multipart uploads go through botocore)."""

@@ -23,7 +23,7 @@ from torch.utils.data import IterableDataset
 from .. import topology
 from ..cache.store import CacheStats
 from ..config import S3Config
-from ..engine.fetch import EngineLimits, FetchEngine, Job
+from ..engine.fetch import AnyJob, EngineLimits, FetchEngine
 from ..errors import ConfigError, SampleError
 from ..formats.shards import ShardOptions, ShardRef
 from ..lifecycle import LiveObjects
@@ -436,7 +436,7 @@ class AsyncS3Dataset(IterableDataset):
         else:
             log.info(message)
 
-    def _run(self, jobs: Iterable[Job], limits: EngineLimits,
+    def _run(self, jobs: Iterable[AnyJob], limits: EngineLimits,
              schedule: Iterable[int] | None = None) -> Generator[Any, None, None]:
         """Run a source's jobs in one engine, closed when the iteration ends."""
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from ..checks import check_int
 from ..config import S3Config
 from ..decode import apply_transform
-from ..engine.fetch import Job, JobContext
+from ..engine.fetch import AnyJob, Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
 from ..listing.versions import Versions, first_known
 from ..retry import RetryPolicy
@@ -139,7 +139,7 @@ class MixSource:
             if part.sampling == "epoch":
                 stream_pass += slot.epoch * (-(-shares[s] // sizes[s]))  # fresh passes each epoch
             groups.setdefault((s, stream_pass), []).append((tag, at))
-        jobs: list[tuple[int, Job]] = []  # (first tag, job)
+        jobs: list[tuple[int, AnyJob]] = []  # (first tag, job)
         owner: dict[int, int] = {}  # tag -> index into jobs (before sorting)
         for (s, stream_pass), entries in groups.items():
             part = self.parts[s]
@@ -203,11 +203,12 @@ class _Context:
 
 
 def _labelled(read: Read, tags: list[int], part: Part) -> Job:
-    async def job(ctx: JobContext) -> None:
-        await read.job(_Context(ctx, tags, read, part.name))  # type: ignore[arg-type]
+    inner = Job.of(read.job)
 
-    job.reserve = read.reserve  # type: ignore[attr-defined]  # what the engine's budget counts
-    return job
+    async def job(ctx: JobContext) -> None:
+        await inner.run(_Context(ctx, tags, read, part.name))  # type: ignore[arg-type]
+
+    return Job(job, reserve=read.reserve)  # what the engine's budget counts
 
 
 def source_seed(seed: int, name: str) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 import anyio
 
-from ..engine.fetch import Job, JobContext
+from ..engine.fetch import JobContext, JobFn
 from ..errors import ConfigError, NoSuchKeyError, ObjectChangedError, SampleError
 from ..formats.grouping import NO_EXTENSION_FIELD, split_key
 from ..listing.keyfile import origin
@@ -380,7 +380,7 @@ def object_sample(bucket: str, key: str, data: bytes) -> dict[str, Any]:
     return {"__key__": stem, "__url__": object_url(bucket, key), ext or NO_EXTENSION_FIELD: data}
 
 
-def object_job(bucket: str, key: str, position: int) -> Job:
+def object_job(bucket: str, key: str, position: int) -> JobFn:
     """Fetch ``s3://bucket/key`` with one GET (retried) and emit ``(position, sample)``.
 
     One request cannot mix versions, so nothing is pinned.
@@ -456,7 +456,7 @@ async def get_pinned(store: Any, bucket: str, key: str, etag: str | None) -> byt
 
 
 def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
-               on_error: OnError = "raise") -> Job:
+               on_error: OnError = "raise") -> JobFn:
     """Fetch the objects of sample ``sample`` concurrently and emit ``(position, sample dict)``.
 
     With ``on_error`` other than ``"raise"``, an object gone since the listing (404) emits
@@ -471,7 +471,7 @@ def sample_job(index: SampleIndex, bucket: str, sample: int, position: int,
 
 
 def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
-                 on_error: OnError) -> Job:
+                 on_error: OnError) -> JobFn:
     """``sample_job`` for a sample of several objects, fetched concurrently, or of a pinned
     index (a snapshot's key list, whose ETags each GET asks for)."""
     keys = index.objects(sample)
@@ -493,7 +493,7 @@ def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
 
 
 def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int, on_error: OnError,
-                    at: int) -> Job:
+                    at: int) -> JobFn:
     """``sample_job`` for a sample of one object, the usual case: one GET, without the task group
     and key maps that several objects need (about half the CPU per sample).
 

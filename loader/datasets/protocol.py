@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from ..engine.fetch import EngineLimits, Job
+from ..engine.fetch import AnyJob, EngineLimits
 from ..listing.versions import Versions
 from .partition import PadPolicy
 
@@ -23,7 +23,7 @@ class Run(Protocol):
     """Runs jobs in the dataset's engine and yields what they emit, in the order the limits ask
     (``schedule``: the job of every item, for ``delivery="scheduled"``)."""
 
-    def __call__(self, jobs: Iterable[Job], limits: EngineLimits,
+    def __call__(self, jobs: Iterable[AnyJob], limits: EngineLimits,
                  schedule: Iterable[int] | None = None) -> Generator[Any, None, None]: ...
 
 
@@ -65,7 +65,7 @@ class Read(NamedTuple):
     ``is_sample`` refuses are bookkeeping (an end-of-shard marker) and carry no position.
     ``reserve``: the bytes the job holds while it runs, when known (the engine's budget)."""
 
-    job: Job
+    job: AnyJob
     size: int
     is_sample: Callable[[Any], bool] = _always
     reserve: int | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..checks import check_int
 from ..decode import apply_transform
-from ..engine.fetch import Delivery, EngineLimits, Job, JobContext
+from ..engine.fetch import AnyJob, Delivery, EngineLimits, JobContext, JobFn
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.shards import (
     END,
@@ -284,7 +284,7 @@ class ShardSource:
         delivered = {p: Watermark.from_state(mark.to_state()) for p, mark in progress.shards.items()}
         ended = dict(progress.shard_samples)
 
-        def jobs() -> Generator[Job, None, None]:
+        def jobs() -> Generator[AnyJob, None, None]:
             earlier, this_pass = False, 0  # whether a resumed state delivered samples of this pass
             for position, (number, a) in enumerate(plan):
                 if number != this_pass:
@@ -345,7 +345,7 @@ class ShardSource:
     # (a source of other units dealt like shards, such as Parquet row groups, overrides these)
 
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
-            offsets: bool = True) -> Job:
+            offsets: bool = True) -> AnyJob:
         """The engine job that reads ``assignment``'s samples as plan position ``position``,
         less ``skip``; ``offsets``: ranged reads from the index's offsets where they apply."""
         shard, counts = self.shards()[assignment.shard], self.counts()
@@ -407,7 +407,7 @@ def slot_rng(slot: Slot) -> random.Random:
 _PASS_END = -2  # the sample index that tags the end of a pass (``samples_per_epoch``)
 
 
-def _pass_marker(earlier: bool) -> Job:
+def _pass_marker(earlier: bool) -> JobFn:
     """A job that marks the end of a pass (``earlier``: a resumed state delivered some of it)."""
 
     async def job(ctx: JobContext) -> None:

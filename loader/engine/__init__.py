@@ -14,9 +14,11 @@ from .fetch import (
     FetchEngine,
     Job,
     JobContext,
+    JobFn,
+    Tuning,
 )
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT", "DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_ITEMS", "Delivery", "EngineLimits",
-    "EngineStats", "FetchEngine", "Job", "JobContext",
+    "EngineStats", "FetchEngine", "Job", "JobContext", "JobFn", "Tuning",
 ]

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
-from .core import EngineCore, Job, JobContext
+from .core import AnyJob, EngineCore, Job, JobContext, JobFn
 from .limits import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_QUEUE_BYTES,
@@ -34,10 +34,12 @@ from .limits import (
     EngineStats,
 )
 from .loopthread import LoopThread
+from .tuning import TUNING, Tuning
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT", "DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_ITEMS", "DELIVERIES", "Delivery",
-    "EngineLimits", "EngineStats", "FetchEngine", "Job", "JobContext", "live_engines",
+    "AnyJob", "EngineLimits", "EngineStats", "FetchEngine", "Job", "JobContext", "JobFn", "Tuning",
+    "live_engines",
 ]
 
 
@@ -45,7 +47,8 @@ class FetchEngine:
     """Runs ``jobs`` with bounded concurrency in a background event loop; iterate for the items.
 
     ``store_factory`` is awaited inside the loop to create the one store all jobs share; the
-    engine closes it. Errors raised by a job reach the consumer (in order, after the items
+    engine closes it. ``tuning``: the start-up heuristics (``tuning.Tuning``; tests pass their
+    own). Errors raised by a job reach the consumer (in order, after the items
     emitted before them when ``ordered``); the engine then stops starting new jobs.
 
     The loop thread holds only the ``EngineCore`` (buffer, counters, tasks), never this handle, so
@@ -54,13 +57,14 @@ class FetchEngine:
 
     def __init__(
         self,
-        jobs: Iterable[Job],
+        jobs: Iterable[AnyJob],
         store_factory: Callable[[], Awaitable[ObjectStore]],
         *,
         limits: EngineLimits | None = None,
         retry: RetryPolicy | None = None,
         name: str = "loader-engine",
         schedule: Iterable[int] | None = None,
+        tuning: Tuning = TUNING,
     ) -> None:
         self._loop: LoopThread | None = None
         self._closed = False
@@ -68,7 +72,7 @@ class FetchEngine:
         self.retry = retry or RetryPolicy()
         if (schedule is None) == (self.limits.delivery == "scheduled"):
             raise ConfigError("a schedule= goes with delivery='scheduled', and only with it")
-        self._core = EngineCore(jobs, store_factory, self.limits, self.retry, schedule)
+        self._core = EngineCore(jobs, store_factory, self.limits, self.retry, schedule, tuning)
         self._name = name
         self._pid = os.getpid()
         self._consumer_wait = 0.0
@@ -133,21 +137,20 @@ class FetchEngine:
 
     def statistics(self) -> EngineStats:
         """Counters for ``dataset.stats()`` and for tests that measure the bounds."""
-        core = self._core
-        tail = core.tail
+        counts, tail = self._core.counts, self._core.tail
         return EngineStats(
-            jobs_started=core.launched,
-            jobs_done=core.jobs_done,
-            inflight=core.inflight,
-            peak_inflight=core.peak_inflight,
-            buffered_items=core.buffered_items,
-            buffered_bytes=core.buffered_bytes,
-            peak_buffered_bytes=core.peak_buffered_bytes,
-            delivered_items=core.delivered_items,
-            delivered_bytes=core.delivered_bytes,
-            retries=core.retries,
+            jobs_started=counts.launched,
+            jobs_done=counts.jobs_done,
+            inflight=counts.inflight,
+            peak_inflight=counts.peak_inflight,
+            buffered_items=counts.buffered_items,
+            buffered_bytes=counts.buffered_bytes,
+            peak_buffered_bytes=counts.peak_buffered_bytes,
+            delivered_items=counts.delivered_items,
+            delivered_bytes=counts.delivered_bytes,
+            retries=counts.retries,
             consumer_wait_s=self._consumer_wait,
-            peak_reserved_bytes=core.peak_reserved_bytes,
+            peak_reserved_bytes=counts.peak_reserved_bytes,
             throttled=tail.throttled if tail else 0,
             hedged=tail.hedged if tail else 0,
             hedges_won=tail.hedges_won if tail else 0,

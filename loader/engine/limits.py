@@ -1,5 +1,5 @@
 """What an engine is told (``EngineLimits``: concurrency, buffer bounds, delivery order) and
-what it reports (``EngineStats``); plain values, checked on construction."""
+what it reports (``EngineStats``, from the live ``Counts``); plain values, checked on construction."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_QUEUE_BYTES = 256 << 20
 DEFAULT_QUEUE_ITEMS = 1024
 TAKE_BATCH = 256  # items handed across the thread boundary per call: amortises the portal hop
-GATHER_ITEMS = 16  # a consumer that waits lets items gather for GATHER_SECONDS unless this many are in
-GATHER_SECONDS = 0.004  # (EngineCore.gather)
-FIRST_JOB_LEAD_SECONDS = 0.003  # the first job runs alone until its first item, or this long
-FIRST_ITEM_HANDOVER_SECONDS = 0.0003  # then the loop thread lets the consumer's thread run this long
 Delivery = Literal["ordered", "interleave", "completed", "scheduled"]
 DELIVERIES = ("ordered", "interleave", "completed", "scheduled")
 
@@ -66,3 +62,21 @@ class EngineStats(NamedTuple):
     throttled: int = 0  # requests answered SlowDown/503/429 (engine/tail.py)
     hedged: int = 0  # straggling requests sent a second time
     hedges_won: int = 0  # ... of which the second answered first
+
+
+@dataclasses.dataclass(slots=True)
+class Counts:
+    """The core's counters; ``FetchEngine.statistics()`` reads them from another thread
+    (plain ints: approximately consistent, which is all statistics need)."""
+
+    launched: int = 0
+    jobs_done: int = 0
+    inflight: int = 0
+    peak_inflight: int = 0
+    buffered_items: int = 0
+    buffered_bytes: int = 0
+    peak_buffered_bytes: int = 0
+    delivered_items: int = 0
+    delivered_bytes: int = 0
+    retries: int = 0
+    peak_reserved_bytes: int = 0

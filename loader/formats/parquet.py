@@ -638,6 +638,5 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
 
     # what the engine's budget counts; a job that fetches all before it emits may start while
     # the buffer is full, and ahead of its lane (engine/core.py); a streamed one fetches as it emits
-    job.reserve = plan.streamed_need(read.part_size) if read.streamed else plan.need  # type: ignore[attr-defined]
-    job.reads_ahead = not read.streamed  # type: ignore[attr-defined]
-    return job
+    return Job(job, reserve=plan.streamed_need(read.part_size) if read.streamed else plan.need,
+               reads_ahead=not read.streamed)

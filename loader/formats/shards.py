@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import anyio
 
 from ..checks import check_int
-from ..engine.fetch import Job, JobContext
+from ..engine.fetch import JobContext, JobFn
 from ..errors import (
     ConfigError,
     InvalidRangeError,
@@ -205,7 +205,7 @@ def shard_job(
     on_error: str = "raise",
     offsets: Sequence[int] | None = None,
     expect: Expect | None = None,
-) -> Job:
+) -> JobFn:
     """Stream one shard; emit ``((position, index), sample)`` for each sample the slot keeps
     (and has not delivered before a resume), then ``((position, END), ShardEnd)``.
 
@@ -295,7 +295,7 @@ def _ranged_job(
     on_error: str,
     offsets: Sequence[int],
     expect: Expect | None,
-) -> Job:
+) -> JobFn:
     """``shard_job`` for sample ranges whose byte offsets are known: one GET per range, from the
     range's first sample's first header to the next sample's (at most ``part_size`` bytes held;
     a longer range, or one that runs to the shard's end, is streamed and cut after its last

@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import AsyncGenerator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import obstore
 from obstore import exceptions as obe
@@ -58,13 +58,6 @@ __all__ = ["ObstoreStore", "forked_after_use", "translate_error"]
 
 # S3 error codes that say what happened even when object_store's text carries no status
 _ANSWERED_WITHOUT_STATUS = {"NoSuchBucket", "NoSuchKey", "NotFound", "InvalidRange"} | DENIED_CODES
-_STATUS_RE = re.compile(r"non-2xx status code: (\d{3})|\bstatus: (\d{3})\b")
-_CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
-_KIND_RE = re.compile(r"HttpError \{\s*kind: (\w+)")
-_OS_MESSAGE_RE = re.compile(r'message: "([^"]{1,200})"')
-# rustls's verdict on the server's certificate, e.g. InvalidCertificate(UnknownIssuer) or
-# InvalidCertificate(Other(OtherError(CaUsedAsEndEntity)))
-_CERT_RE = re.compile(r"InvalidCertificate\(\s*(\w+)(?:\(\s*(?:\w+\(\s*)?(\w+))?")
 _CERT_REASONS = {
     "UnknownIssuer": "signed by a CA that is not trusted",
     "NotValidForName": "not issued for this host name",
@@ -74,12 +67,7 @@ _CERT_REASONS = {
     "BadSignature": "bad signature",
     "CaUsedAsEndEntity": "a CA certificate used as the server's own certificate",
 }
-# object_store's complaints about a 206 that is not the range it asked for (or a 200 instead)
-_RANGE_NOT_HONOURED_RE = re.compile(
-    r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
-)
 _TO_THE_END = 1 << 62  # a range end past any object: S3 clips it to the object's size
-_PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
 
 # pid of the process whose tokio runtime our requests started (None: no request made yet)
 _runtime_pid: int | None = None
@@ -225,8 +213,9 @@ class ObstoreStore:
                 answered(self._endpoint)
                 return data
             except Exception as exc:
-                status = _status_of(exc)
-                if status is None and _RANGE_NOT_HONOURED_RE.search(str(exc)):
+                facts = read_error_text(str(exc))
+                status = facts.status
+                if status is None and facts.range_not_honoured:
                     self._whole_by_range = False
                 elif status != 416:  # a 416 to a range from byte 0: the object is empty
                     raise self._translate(exc, bucket, key) from exc
@@ -443,18 +432,16 @@ def translate_error(
 ) -> BaseException:
     """The one place where obstore's errors become ours (same wording as the aioboto3 backend).
 
-    obstore raises ``FileNotFoundError`` (404), ``PermissionDeniedError`` (403),
-    ``UnauthenticatedError`` (401, or no credentials), ``GenericError`` (everything else,
-    including 5xx, 416, refused connections, timeouts and bodies cut short) and ``ValueError``
-    (a key ``object_store`` cannot express as a path). Only the text says which status, S3 error
-    code and reqwest error kind was met, so that is what is read.
+    By class first: ``FileNotFoundError``/``NotFoundError`` (404), ``PermissionDeniedError``
+    (403), ``UnauthenticatedError`` (401, or no credentials), ``InvalidPathError`` and
+    ``ValueError`` (a key ``object_store`` cannot express as a path); ``GenericError`` is
+    everything else (5xx, 416, refused connections, timeouts, bodies cut short), and for it, as
+    for an S3 error code the classes do not carry, only the text says more: ``read_error_text``.
     """
     if isinstance(exc, (StoreError, ConfigError, asyncio.CancelledError)):
         return exc
-    text = str(exc)
-    status = _status_of(exc)
-    code_match = _CODE_RE.search(text)
-    code = code_match.group(1) if code_match else ""
+    facts = read_error_text(str(exc))
+    status, code = facts.status, facts.code
     if status is None and code != "NoSuchBucket":  # the exception's class is all there is
         if isinstance(exc, (FileNotFoundError, obe.NotFoundError)):
             status = 404
@@ -465,26 +452,17 @@ def translate_error(
     if status is not None or code in _ANSWERED_WITHOUT_STATUS:
         return error_for_answer(code, status or 0, bucket=bucket, key=key, endpoint=endpoint,
                                 listing=listing)
-    kind_match = _KIND_RE.search(text)
-    kind = kind_match.group(1) if kind_match else ""
-    cert = _CERT_RE.search(text)
-    if cert is not None:
-        name = cert.group(2) if cert.group(1) == "Other" and cert.group(2) else cert.group(1)
-        name = name.removesuffix("Context")  # rustls 0.23: NotValidForNameContext { .. }
-        return certificate_rejected(endpoint, bucket, key, _CERT_REASONS.get(name, name),
+    if facts.certificate is not None:
+        return certificate_rejected(endpoint, bucket, key, _CERT_REASONS.get(facts.certificate, facts.certificate),
                                     listing=listing)
-    if "InvalidContentType" in text:  # a TLS handshake answered with plain HTTP
+    if facts.plain_http:  # a TLS handshake answered with plain HTTP
         return plain_http_server(endpoint, bucket, key, listing=listing)
-    if kind == "Connect":
-        reason = _OS_MESSAGE_RE.search(text)
-        return unreachable(endpoint, bucket, key, listing=listing,
-                           reason=reason.group(1) if reason else None)
-    if kind in ("Timeout", "Interrupted", "Request", "Decode") or "IncompleteBody" in text:
-        return failed_mid_request(bucket, key, _failure(text, kind), listing=listing)
+    if facts.kind == "Connect":
+        return unreachable(endpoint, bucket, key, listing=listing, reason=facts.os_message)
+    if facts.failure is not None:
+        return failed_mid_request(bucket, key, facts.failure, listing=listing)
     what = target(bucket, key, listing=listing)
-    if isinstance(exc, (ValueError, obe.InvalidPathError)) and any(
-        marker in text for marker in _PATH_ERROR_MARKERS
-    ):
+    if isinstance(exc, (ValueError, obe.InvalidPathError)) and facts.unaddressable:
         return StoreError(
             f"{what}: store='obstore' cannot address this key ({_summary(exc)}); object_store "
             "rejects keys with empty segments ('//'), '.' or '..' segments, or control "
@@ -495,28 +473,85 @@ def translate_error(
                       bucket=bucket, key=key)
 
 
-# ----------------------------------------------------------------------------- pure helpers
+# ------------------------------------------------------------- what obstore's text says
+
+OBSTORE_TEXT_VERSION = "0.12.1"
+"""The obstore release whose error texts ``read_error_text`` was checked against, message by
+message (tests/test_obstore_text.py, which fails on another release until it is checked again)."""
+
+_STATUS_RE = re.compile(r"non-2xx status code: (\d{3})|\bstatus: (\d{3})\b")
+_CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
+_KIND_RE = re.compile(r"HttpError \{\s*kind: (\w+)")
+_OS_MESSAGE_RE = re.compile(r'message: "([^"]{1,200})"')
+# rustls's verdict on the server's certificate, e.g. InvalidCertificate(UnknownIssuer) or
+# InvalidCertificate(Other(OtherError(CaUsedAsEndEntity)))
+_CERT_RE = re.compile(r"InvalidCertificate\(\s*(\w+)(?:\(\s*(?:\w+\(\s*)?(\w+))?")
+# object_store's complaints about a 206 that is not the range it asked for (or a 200 instead)
+_RANGE_NOT_HONOURED_RE = re.compile(
+    r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
+)
+_PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
+
+
+class ErrorText(NamedTuple):
+    """What an obstore error's text says beyond its class."""
+
+    status: int | None  # the HTTP status of an answer
+    code: str  # the S3 error code in the answer's XML ("" when none)
+    kind: str  # reqwest's error kind (Connect, Timeout, Request, Decode, Body, ...; "" when none)
+    os_message: str | None  # the OS's words for a failed connection
+    certificate: str | None  # rustls's verdict on the server's certificate (UnknownIssuer, ...)
+    plain_http: bool  # a TLS handshake answered with plain HTTP
+    failure: str | None  # how a request failed mid-way, in a few words (None: it did not)
+    range_not_honoured: bool  # a 200 or another range where a range was asked for
+    unaddressable: bool  # a key object_store cannot express as a path
+
+
+def read_error_text(text: str) -> ErrorText:
+    """The facts in an obstore error's text: obstore (0.12) raises classes but exposes no
+    status, S3 code or cause on them, so the Rust debug print is all there is. The one place
+    that reads it, checked message by message against ``OBSTORE_TEXT_VERSION``."""
+    status = _STATUS_RE.search(text)
+    code = _CODE_RE.search(text)
+    kind_match = _KIND_RE.search(text)
+    kind = kind_match.group(1) if kind_match else ""
+    os_message = _OS_MESSAGE_RE.search(text)
+    cert = _CERT_RE.search(text)
+    certificate = None
+    if cert is not None:
+        name = cert.group(2) if cert.group(1) == "Other" and cert.group(2) else cert.group(1)
+        certificate = name.removesuffix("Context")  # rustls 0.23: NotValidForNameContext { .. }
+    failure = None
+    if "IncompleteBody" in text:
+        failure = "the body ended before its Content-Length"
+    elif kind in ("Timeout", "Interrupted", "Request", "Decode"):
+        if "TimedOut" in text or kind == "Timeout":
+            failure = "timed out"
+        elif "ConnectionReset" in text:
+            failure = "connection reset"
+        elif "IncompleteMessage" in text:
+            failure = "connection closed before a response"
+        else:
+            failure = kind
+    return ErrorText(
+        status=int(status.group(1) or status.group(2)) if status else None,
+        code=code.group(1) if code else "",
+        kind=kind,
+        os_message=os_message.group(1) if os_message else None,
+        certificate=certificate,
+        plain_http="InvalidContentType" in text,
+        failure=failure,
+        range_not_honoured=_RANGE_NOT_HONOURED_RE.search(text) is not None,
+        unaddressable=any(marker in text for marker in _PATH_ERROR_MARKERS),
+    )
 
 
 def _status_of(exc: BaseException | None) -> int | None:
-    """The HTTP status a response error carries in its text, if any."""
-    match = _STATUS_RE.search(str(exc))
-    if match is None:
-        return None
-    return int(match.group(1) or match.group(2))
+    """The HTTP status an obstore error's text carries, if any."""
+    return read_error_text(str(exc)).status
 
 
-def _failure(text: str, kind: str) -> str:
-    """A few words on how a request failed, for the message."""
-    if "IncompleteBody" in text:
-        return "the body ended before its Content-Length"
-    if "TimedOut" in text or kind == "Timeout":
-        return "timed out"
-    if "ConnectionReset" in text:
-        return "connection reset"
-    if "IncompleteMessage" in text:
-        return "connection closed before a response"
-    return kind or "body error"
+# ----------------------------------------------------------------------------- pure helpers
 
 
 def _summary(exc: BaseException, limit: int = 300) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import S3Config, resolve_config
-from ..engine.fetch import EngineLimits, FetchEngine, Job, JobContext
+from ..engine.fetch import EngineLimits, FetchEngine, JobContext, JobFn
 from ..errors import ConfigError, NoSuchKeyError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name
 from ..formats.grouping import SampleGrouper
@@ -208,7 +208,7 @@ def _current(entry: IndexEntry | None, ref: ShardRef) -> bool:
     return entry.size is not None and entry.size == ref.size
 
 
-def _index_job(shard: ShardRef, options: ShardOptions) -> Job:
+def _index_job(shard: ShardRef, options: ShardOptions) -> JobFn:
     """Read one shard to its end: emit ``("bytes", n)`` as it goes, then ``("done", (shard,
     entry, bytes not yet reported))``. The read is pinned to the listed version."""
 
