@@ -29,6 +29,21 @@ _SETTINGS_NOT_SERVED = {  # botocore reads these from the environment; the signe
 }
 
 
+class NotServed(Exception):
+    """The signed path cannot serve this request (a region redirect, an S3 Express bucket):
+    botocore's path will, once the caller has said why (``reason``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def region_redirect(bucket: str, region: str, configured: str) -> str:
+    """The reason a 301 answer with ``x-amz-bucket-region`` gives."""
+    return (f"a region redirect: bucket {bucket!r} is in {region!r}, not {configured!r} "
+            f"(set AWS_REGION={region} to skip it)")
+
+
 class Origin(NamedTuple):
     """A scheme, host and port that connections are made to (and pooled by)."""
 
@@ -146,17 +161,19 @@ def proxy_for(origin: Origin) -> Proxy | None:
     or ``NO_PROXY`` bypasses it: botocore's rule (``botocore.utils.get_environ_proxies``), on the
     standard library's own reading of those variables (either case; lower case wins)."""
     proxies = urllib.request.getproxies_environment()
-    bypass = urllib.request.proxy_bypass(_netloc(origin.host, origin.port))
+    default = 443 if origin.https else 80  # the URL's netloc, as botocore hands it over
+    bypass = urllib.request.proxy_bypass(
+        _netloc(origin.host, origin.port) if origin.port != default else origin.host)
     url = proxies.get(origin.scheme)
     if not url or bypass:
         return None
-    if "://" not in url:  # botocore's fix-up of a bare host:port
-        url = "http://" + url
+    if not url.startswith(("http:", "https:")):  # botocore's fix-up of a bare host:port
+        url = ("http:" if url.startswith("//") else "http://") + url
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.lower()
     port = parts.port or (443 if scheme == "https" else 80)
     authorization = None
-    if parts.username is not None:
+    if parts.username and parts.password:  # botocore sends both or nothing
         user = urllib.parse.unquote(parts.username)
         password = urllib.parse.unquote(parts.password or "")
         authorization = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()

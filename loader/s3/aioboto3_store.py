@@ -30,8 +30,9 @@ from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, answered
 from ..uri import object_url
+from .addressing import NotServed
 from .credentials import credentials_error, no_credentials_found
-from .direct import NotServed, SignedGetter
+from .direct import SignedGetter
 from .error_answers import (
     certificate_rejected,
     error_for_answer,

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..config import S3Config
 from ..retry import RetryPolicy, answered
-from .addressing import Address, Origin, bucket_address, proxy_for, unserved
+from .addressing import Address, NotServed, Origin, bucket_address, proxy_for, region_redirect, unserved
 from .error_answers import answer_code, error_for_answer
 from .http1 import ConnectionPool, Response
 from .list_xml import list_query, parse_list_page
@@ -39,25 +39,6 @@ Credentials = Any  # botocore ReadOnlyCredentials: .access_key, .secret_key, .to
 Conditions = dict[str, str] | None  # conditional request headers: If-Match, If-None-Match
 NOT_MODIFIED = 304  # the answer to If-None-Match when the object still has that ETag
 MOVED_PERMANENTLY = 301  # S3's answer in another region than the bucket's (x-amz-bucket-region)
-
-
-def object_path(base: str, bucket: str, key: str) -> str:
-    """``base/bucket/key`` with the key percent-encoded the way botocore encodes it for S3; ``base``
-    is the endpoint's own path (usually empty).
-
-    The path is sent byte for byte (no ``..`` or ``//`` folding), so that what is signed is what
-    is sent, and a key like ``a/../b`` names that key, not ``b``.
-    """
-    return base + "/" + urllib.parse.quote(bucket, safe="") + "/" + urllib.parse.quote(key, safe="/~")
-
-
-class NotServed(Exception):
-    """The signed path cannot serve this request (a region redirect): botocore's path will,
-    once the caller has said why (``reason``)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 def ssl_setting(config: S3Config) -> ssl.SSLContext | None:
@@ -211,8 +192,7 @@ class SignedGetter:
         region = response.headers.get("x-amz-bucket-region")
         if response.status == MOVED_PERMANENTLY and region:
             response.close()
-            raise NotServed(f"a region redirect: bucket {bucket!r} is in {region!r}, "
-                            f"not {self._region!r} (set AWS_REGION={region} to skip it)")
+            raise NotServed(region_redirect(bucket, region, self._region))
         return response
 
     async def _raise_for_error(self, response: Response, bucket: str, key: str, *,
