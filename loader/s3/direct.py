@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import functools
 import ssl
-import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
