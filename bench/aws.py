@@ -53,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loaders",
                    default="ours-aioboto3,ours-obstore,before-aioboto3,before-obstore,litdata,s3tc-map")
     p.add_argument("--before", default="1e9950c", help="the revision whose package is 'before'")
+    p.add_argument("--after", default=".", help="the revision measured as 'ours' (default: this checkout as it is)")
     p.add_argument("--peer-cap", type=int, default=320, help="samples per epoch of s3torchconnector")
     p.add_argument("--slowdown", type=float, default=0.01, help="share of GETs answered SlowDown")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
@@ -108,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                        capture_output=True)
         stack.callback(subprocess.run, ["git", "worktree", "remove", "--force", str(before)], cwd=REPO,
                        capture_output=True)
+        after = REPO
+        if args.after != ".":  # a committed revision: edits to this checkout during the run do not leak in
+            after = tmp / "after"
+            subprocess.run(["git", "worktree", "add", "--detach", str(after), args.after], cwd=REPO, check=True,
+                           capture_output=True)
+            stack.callback(subprocess.run, ["git", "worktree", "remove", "--force", str(after)], cwd=REPO,
+                           capture_output=True)
         pki = make_pki(tmp)
         server = stack.enter_context(DevServer(data_dir=tmp / "data", buckets=[BUCKET], domain=DOMAIN))
         client = server.client()
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = dict(loader=loader.replace("before-", "ours-"), bucket=BUCKET, keys=keys, workers=w,
                             config=where["config"], domain=where["domain"],
                             limit=args.peer_cap if loader == "s3tc-map" else None)
-                tree = before if loader.startswith("before-") else REPO
+                tree = before if loader.startswith("before-") else after
                 aws.reset_counts()
                 out = run_child(tree, spec, child_env)
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
@@ -202,7 +210,7 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
     path.write_text(
         f"# Per object on an AWS-shaped endpoint and on the lab path, {stamp}\n\n"
         f"`python -m bench.aws --objects {args.objects} --rounds {args.rounds} --workers {args.workers}"
-        f" --before {args.before}`: {args.objects} ~110 KiB JPEGs on the embedded SeaweedFS. **lab**: plain http, "
+        f" --before {args.before} --after {args.after}`: {args.objects} ~110 KiB JPEGs on the embedded SeaweedFS. **lab**: plain http, "
         "path-style, 127.0.0.1, +20 ms to first byte. **aws**: https with a private CA, +20 ms to first byte, "
         f"90 MB/s per connection, {args.slowdown:.0%} of GETs answered 503 SlowDown with Connection: close; "
         f"virtual-hosted (`<bucket>.{DOMAIN}`, resolved to 127.0.0.1 in the measuring process) for this "
