@@ -135,10 +135,10 @@ class HttpLister:
     async def _aioboto3(self) -> Any:
         """The aioboto3 backend, for what this client cannot serve (opened once, closed with it)."""
         if self._fallback is None:
-            from . import open_store
+            from .aioboto3_store import Aioboto3Store
 
-            self._fallback = await open_store("aioboto3", self._config,
-                                              max_connections=self._max_connections, retry=self._retry)
+            self._fallback = await Aioboto3Store.open(self._config, max_connections=self._max_connections,
+                                                      retry=self._retry)
         return self._fallback
 
     async def _own_pages(self, bucket: str, prefix: str, *, token: str | None,
