@@ -261,3 +261,22 @@ def test_a_region_redirect_is_named_once_and_botocore_reads_the_rest(lab, clean_
     gets = [entry for entry in proxy.log if "list-type=2" not in entry.target]
     botocore_gets = [entry for entry in gets if "Botocore" in entry.user_agent]
     assert len(botocore_gets) == len(digests), "after the redirect, every GET through botocore"
+
+
+def test_obstore_takes_the_proxy_and_no_proxy_as_botocore_does(lab, clean_env):
+    """obstore's own client (reqwest) reads the same variables: GETs and LISTs through the proxy,
+    none with ``NO_PROXY`` naming the host (path-style at 127.0.0.1: its resolver is its own)."""
+    server, digests = lab
+    config = S3Config(endpoint_url=server.http_endpoint_url, region=server.config.region,
+                      access_key_id=server.config.access_key_id,
+                      secret_access_key=server.config.secret_access_key)
+    with ForwardProxy() as proxy:
+        clean_env.setenv("HTTP_PROXY", proxy.url)
+        assert read_all(config, "obstore") == digests
+        through = list(proxy.log)
+        clean_env.setenv("NO_PROXY", "127.0.0.1")
+        assert read_all(config, "obstore") == digests
+    gets = [entry for entry in through if "list-type=2" not in entry.target]
+    assert len(gets) == len(digests) and all("object_store" in entry.user_agent for entry in gets)
+    assert any("list-type=2" in entry.target for entry in through), "the listing went through it too"
+    assert proxy.log == through, "nothing through the proxy with NO_PROXY naming the host"
