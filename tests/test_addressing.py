@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader import S3Config
-from loader.s3.addressing import Origin, bucket_address, proxy_for, unserved, virtual_hostable
+from loader.s3.addressing import Origin, bucket_address, proxy_for, redirected, unserved, virtual_hostable
 
 CREDS = dict(access_key_id="AK", secret_access_key="SK")
 buckets = st.one_of(
@@ -149,3 +149,14 @@ def monkeypatch_module():
     with pytest.MonkeyPatch.context() as patch:
         yield patch
 
+
+
+def test_redirects_are_read_as_botocores_redirector_reads_them():
+    region = {"x-amz-bucket-region": "eu-west-1"}
+    assert "region redirect" in redirected(301, region, "data", "us-east-1")
+    assert "AWS_REGION=eu-west-1" in redirected(400, region, "data", "us-east-1"), "a signature for the wrong region"
+    assert redirected(400, {}, "data", "us-east-1") is None, "a plain bad request is an error, not a redirect"
+    assert redirected(403, region, "data", "us-east-1") is None
+    assert redirected(301, region, "data", "eu-west-1") is None, "already the bucket's region: not a redirect"
+    assert "temporary redirect" in redirected(307, {"location": "https://data.s3-eu-west-1.amazonaws.com/k"},
+                                              "data", "us-east-1")

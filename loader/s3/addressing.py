@@ -17,6 +17,7 @@ import os
 import re
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from ..config import S3Config
@@ -38,10 +39,18 @@ class NotServed(Exception):
         self.reason = reason
 
 
-def region_redirect(bucket: str, region: str, configured: str) -> str:
-    """The reason a 301 answer with ``x-amz-bucket-region`` gives."""
-    return (f"a region redirect: bucket {bucket!r} is in {region!r}, not {configured!r} "
-            f"(set AWS_REGION={region} to skip it)")
+def redirected(status: int, headers: Mapping[str, str], bucket: str, configured: str) -> str | None:
+    """Why an answer sends the request elsewhere, as botocore's ``S3RegionRedirector`` reads it,
+    or None: a region redirect (301, or 400 with ``x-amz-bucket-region``: a signature for the
+    wrong region) or a temporary redirect (307, a new bucket's DNS not yet everywhere).
+    ``headers``: names in lower case."""
+    region = headers.get("x-amz-bucket-region")
+    if status in (301, 400) and region and region != configured:
+        return (f"a region redirect: bucket {bucket!r} is in {region!r}, not {configured!r} "
+                f"(set AWS_REGION={region} to skip it)")
+    if status == 307:
+        return f"a temporary redirect to {headers.get('location', '(no Location)')!r}"
+    return None
 
 
 class Origin(NamedTuple):

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config import S3Config
 from ..retry import RetryPolicy, answered
-from .addressing import Address, NotServed, Origin, bucket_address, proxy_for, region_redirect, unserved
+from .addressing import Address, NotServed, Origin, bucket_address, proxy_for, redirected, unserved
 from .error_answers import answer_code, error_for_answer
 from .http1 import ConnectionPool, Response
 from .list_xml import list_query, parse_list_page
@@ -37,7 +37,6 @@ _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: ke
 Credentials = Any  # botocore ReadOnlyCredentials: .access_key, .secret_key, .token
 Conditions = dict[str, str] | None  # conditional request headers: If-Match, If-None-Match
 NOT_MODIFIED = 304  # the answer to If-None-Match when the object still has that ETag
-MOVED_PERMANENTLY = 301  # S3's answer in another region than the bucket's (x-amz-bucket-region)
 
 
 def ssl_setting(config: S3Config) -> ssl.SSLContext | None:
@@ -188,10 +187,10 @@ class SignedGetter:
             f"{name}: {value}\r\n" for name, value in headers.items()) + pool.proxy_headers + "\r\n"
         response = await pool.get(head.encode())
         answered(self._endpoint)
-        region = response.headers.get("x-amz-bucket-region")
-        if response.status == MOVED_PERMANENTLY and region:
+        reason = redirected(response.status, response.headers, bucket, self._region)
+        if reason is not None:
             response.close()
-            raise NotServed(region_redirect(bucket, region, self._region))
+            raise NotServed(reason)
         return response
 
     async def _raise_for_error(self, response: Response, bucket: str, key: str, *,

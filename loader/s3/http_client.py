@@ -28,7 +28,7 @@ import anyio.to_thread
 from ..config import S3Config
 from ..errors import StoreError
 from ..retry import RetryPolicy, answered
-from .addressing import NotServed, Origin, Proxy, bucket_address, proxy_for, region_redirect, unserved
+from .addressing import NotServed, Origin, Proxy, bucket_address, proxy_for, redirected, unserved
 from .credentials import resolve_credentials
 from .error_answers import (
     answer_code,
@@ -193,9 +193,10 @@ class HttpLister:
                 connection.close()
             else:
                 self._idle.setdefault(address.origin, []).append(connection)
-        if response.status == 301 and response.getheader("x-amz-bucket-region"):
-            raise NotServed(region_redirect(bucket, response.getheader("x-amz-bucket-region", ""),
-                                            self._config.region))
+        reason = redirected(response.status, {name.lower(): value for name, value in response.getheaders()},
+                            bucket, self._config.region)
+        if reason is not None:
+            raise NotServed(reason)
         if response.status >= 300:
             raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
                                    endpoint=self._endpoint, listing=listing)
