@@ -191,7 +191,7 @@ def report(objects: int, workers: list[int], results: dict[tuple[str, int], list
     if 0 in workers:
         lines += ["", "Where the time goes at w=0 (this project, medians):", "",
                   "| backend | construct | listing (store open + LIST, backend import beside; saved: file read) "
-                  "| rest (engine, first GET; saved: backend import) | total |",
+                  "| rest (the imports, engine, first GET; saved: backend import) | total |",
                   "|---|--:|--:|--:|--:|"]
         for name, who, _ in RUNS:
             if who != "ours" or name not in {n for n, _ in results}:
