@@ -155,14 +155,30 @@ def main(argv: list[str] | None = None) -> int:
                             limit=args.peer_cap if loader == "s3tc-map" else None)
                 tree = before if loader.startswith("before-") else after
                 aws.reset_counts()
+                proxy = aws if shape == "aws" else lab
+                before_cpu = _thread_cpu(proxy)
                 out = run_child(tree, spec, child_env)
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
+                # the proxy's own CPU (a thread of this process: TLS, pacing) per sample read through
+                # it, both epochs: near a core's worth at the rate measured, the proxy was the bound
+                if "samples" in out:
+                    out["proxy_cpu"] = (_thread_cpu(proxy) - before_cpu) / (2 * out["samples"])
                 results.setdefault(f"{loader}|{shape}|{w}", []).append(out)
                 rate = out["samples"] / out["seconds"] if "samples" in out else float("nan")
                 cpu = out["cpu"] / out["samples"] * 1e6 if "samples" in out else float("nan")
+                proxy_us = out.get("proxy_cpu", float("nan")) * 1e6
                 print(f"round {round_} {loader:<16} {shape:<4} w={w} {rate:8.0f}/s {cpu:7.0f} us/sample"
+                      f"  proxy {proxy_us:5.0f} us/sample ({proxy_us * rate / 1e6:.0%} of a core)"
                       + (f"  {out['error']}" if "error" in out else ""), flush=True)
     return report(args, loaders, workers, results)
+
+
+def _thread_cpu(proxy: Any) -> float:
+    """CPU seconds of the proxy's thread so far."""
+    import psutil
+
+    native = proxy._thread.native_id
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == native)
 
 
 def _median(runs: list[dict[str, Any]], what: str) -> float | None:
