@@ -207,6 +207,8 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
                 lab_rate = _median(results.get(f"{loader}|lab|{w}", []), "rate")
                 lab_cpu = _median(results.get(f"{loader}|lab|{w}", []), "cpu")
                 errors = {r["error"] for r in runs if "error" in r}
+                if not runs:
+                    continue  # not run on this endpoint
                 if rate is None:
                     lines.append(f"| {loader} | {shape} | {w} | - | - | - | - | - |"
                                  + (f" {'; '.join(errors)}" if errors else ""))
@@ -223,7 +225,28 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
                 theirs = _median(results.get(f"{peer}|{shape}|{w}", []), "rate")
                 if ours and theirs:
                     ratios.append(f"| {peer} | {shape} | {w} | {ours / theirs:.2f}x |")
-    table = "\n".join(lines + ratios) + "\n"
+    regression = ["", "| this tree against the base revision, same backend | endpoint | w | ratio of medians | "
+                  "CPU per sample, after / before |", "|---|---|--:|--:|--:|"]
+    for backend in ("aioboto3", "obstore"):
+        for shape in ("lab", "aws"):
+            for w in workers:
+                after = results.get(f"ours-{backend}|{shape}|{w}", [])
+                before = results.get(f"before-{backend}|{shape}|{w}", [])
+                ours, theirs = _median(after, "rate"), _median(before, "rate")
+                ours_cpu, their_cpu = _median(after, "cpu"), _median(before, "cpu")
+                if ours and theirs and ours_cpu and their_cpu:
+                    regression.append(f"| {backend} | {shape} | {w} | {ours / theirs:.2f}x | {ours_cpu / their_cpu:.2f}x |")
+    proxy = ["", "| proxy thread (TLS, pacing: in the harness process) | endpoint | w | µs per sample | "
+             "share of a core at the median rate |", "|---|---|--:|--:|--:|"]
+    for loader in loaders:
+        for shape in ("lab", "aws"):
+            for w in workers:
+                runs = [r for r in results.get(f"{loader}|{shape}|{w}", []) if "proxy_cpu" in r]
+                rate = _median(runs, "rate")
+                if runs and rate:
+                    cost = statistics.median(r["proxy_cpu"] for r in runs) * 1e6
+                    proxy.append(f"| {loader} | {shape} | {w} | {cost:,.0f} | {cost * rate / 1e6:.0%} |")
+    table = "\n".join(lines + ratios + regression + (proxy if len(proxy) > 3 else [])) + "\n"
     print()
     print(table)
     stamp = datetime.date.today().isoformat()
