@@ -227,10 +227,12 @@ def test_no_proxy_bypasses_the_proxy(lab, clean_env, bypass):
     assert proxy.log == []
 
 
-def test_botocore_takes_the_same_proxy(lab, clean_env):
-    """The reference the signed path follows: botocore's own pipeline goes through the proxy too."""
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_botocore_takes_the_same_proxy(lab, clean_env, scheme):
+    """The reference the signed path follows: botocore's own pipeline (urllib3's rules, aiohttp's
+    CONNECT) goes through the same proxy the same way, absolute-form for http, a tunnel for https."""
     server, digests = lab
-    config = vhost_config(server, "http")
+    config = vhost_config(server, scheme)
 
     async def main() -> bytes:
         store = await Aioboto3Store.open(config, max_connections=2, retry=QUICK, direct_gets=False)
@@ -241,9 +243,14 @@ def test_botocore_takes_the_same_proxy(lab, clean_env):
 
     with ForwardProxy() as proxy:
         clean_env.setenv("HTTP_PROXY", proxy.url)
+        clean_env.setenv("HTTPS_PROXY", proxy.url)
         data = asyncio.run(main())
     assert hashlib.sha256(data).hexdigest() == digests["train/000000.jpg"]
-    assert [entry.method for entry in proxy.log] == ["GET"] and "Botocore" in proxy.log[0].user_agent
+    if scheme == "http":
+        assert [entry.method for entry in proxy.log] == ["GET"] and "Botocore" in proxy.log[0].user_agent
+    else:
+        assert [(entry.method, entry.target) for entry in proxy.log] == [
+            ("CONNECT", f"{BUCKET}.{DOMAIN}:{server.ports.s3_https}")]
 
 
 def test_a_region_redirect_is_named_once_and_botocore_reads_the_rest(lab, clean_env):
