@@ -9,8 +9,10 @@ and in a fresh process per run measures, from ``from_prefix(...)`` to the first 
   which reads the file instead of listing (a restarted job);
 * s3torchconnector's ``S3IterableDataset.from_prefix(uri, enable_sharding=True)``.
 
-Imports happen before the clock starts and are reported apart (``import``), and for this project
-with ``w=0`` the time is broken down: the dataset's construction, the listing (store opening
+The clock starts before the script's own imports, ours and the peer's alike (torch's excepted:
+the DataLoader needs it whoever loads): each child is a bare ``python -c`` script that imports
+nothing else before its clock (``import`` reports their share). For this project with ``w=0``
+the time is broken down: the dataset's construction, the listing (store opening
 and LIST requests, with the backend's import beside them; saved: the file read), and the rest
 (the backend's import where nothing was listed, engine start, first GET). Median of
 ``--repeats``; ratios are ours / s3torchconnector's iterable dataset, same server, same data,
@@ -33,7 +35,7 @@ import time
 from typing import Any
 
 BUCKET = "first"
-CHILD = "bench.first_sample"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def upload(config: Any, prefix: str, count: int, empty: bool, concurrency: int = 32) -> None:
@@ -58,59 +60,22 @@ def upload(config: Any, prefix: str, count: int, empty: bool, concurrency: int =
     asyncio.run(main())
 
 
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One measurement in this (fresh) process."""
-    started = time.perf_counter()
-    import torch  # noqa: F401 - the DataLoader's import, before anyone's clock
-    from torch.utils.data import DataLoader
+# The child: nothing but ``json``, ``sys`` and ``time`` before torch and then the clock; its
+# module imports nothing more (this one's imports, asyncio's among them, would be paid unseen).
+CHILD_SCRIPT = """
+import json, sys, time
+started = time.perf_counter()
+import torch
+torch_import = time.perf_counter() - started
+sys.path.insert(0, sys.argv[2])
+from bench.first_sample_child import child
+print(json.dumps(child(json.loads(sys.argv[1]), torch_import)))
+"""
 
-    torch_import = time.perf_counter() - started
-    uri, workers = spec["uri"], spec["workers"]
-    phases: dict[str, float] = {}
-    started = time.perf_counter()
-    if spec["who"] == "s3tc":
-        from s3torchconnector import S3ClientConfig, S3IterableDataset
-
-        imported = time.perf_counter() - started
-        started = time.perf_counter()
-        dataset: Any = S3IterableDataset.from_prefix(
-            uri, region=spec["region"], endpoint=spec["endpoint"], enable_sharding=True,
-            s3client_config=S3ClientConfig(force_path_style=True))
-    else:
-        from loader import AsyncS3Dataset
-        from loader.config import S3Config
-        from loader.listing import inputs
-
-        imported = time.perf_counter() - started
-        if workers == 0:  # where the time goes: the listing, timed where it runs
-            listed = inputs.list_prefix
-
-            def timed_list(*args: Any, **kwargs: Any) -> Any:
-                begun = time.perf_counter()
-                try:
-                    return listed(*args, **kwargs)
-                finally:
-                    phases["listing"] = time.perf_counter() - begun
-
-            inputs.list_prefix = timed_list  # type: ignore[assignment]
-        started = time.perf_counter()
-        if spec.get("saved"):
-            dataset = AsyncS3Dataset.from_manifest(spec["saved"], shuffle=True, store=spec["store"],
-                                                   config=S3Config.from_env())
-        else:
-            dataset = AsyncS3Dataset.from_prefix(uri, shuffle=True, store=spec["store"],
-                                                 config=S3Config.from_env())
-        phases["construct"] = time.perf_counter() - started
-    loader = DataLoader(dataset, num_workers=workers, batch_size=None)
-    batches = iter(loader)  # kept: dropping it would time the loader's shutdown too
-    first = next(batches)
-    took = time.perf_counter() - started
-    assert first is not None
-    return {"import": imported, "torch": torch_import, "first": took, **phases}
 
 
 def run_child(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", CHILD, "--child", json.dumps(spec)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD_SCRIPT, json.dumps(spec), REPO], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{spec}: exit {out.returncode}\n{out.stderr[-3000:]}")
@@ -132,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="empty objects (quick to make by the 100,000)")
     parser.add_argument("--only", nargs="*", default=None,
                         help="runs whose name holds one of these words (default all; e.g. saved s3torchconnector)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return 0
     from loader.tools.devserver import DevServer
 
     compile_loader()
@@ -217,7 +178,7 @@ def report(objects: int, workers: list[int], results: dict[tuple[str, int], list
         return statistics.median(values) if values else None
 
     lines = [f"### Time to first sample, {objects:,} objects", "",
-             "| loader | w | from_prefix to first sample | vs s3torchconnector | import (before) |",
+             "| loader | w | script's imports to first sample | vs s3torchconnector | of which imports |",
              "|---|--:|--:|--:|--:|"]
     for w in workers:
         theirs = med(RUNS[-1][0], w, "first") or float("nan")
@@ -230,7 +191,7 @@ def report(objects: int, workers: list[int], results: dict[tuple[str, int], list
     if 0 in workers:
         lines += ["", "Where the time goes at w=0 (this project, medians):", "",
                   "| backend | construct | listing (store open + LIST, backend import beside; saved: file read) "
-                  "| rest (engine, first GET; saved: backend import) | total |",
+                  "| rest (the imports, engine, first GET; saved: backend import) | total |",
                   "|---|--:|--:|--:|--:|"]
         for name, who, _ in RUNS:
             if who != "ours" or name not in {n for n, _ in results}:

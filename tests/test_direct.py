@@ -1,4 +1,4 @@
-"""Pure parts of ``loader.s3.direct``: which configs it serves, request paths, TLS settings."""
+"""Pure parts of ``loader.s3.direct``: request paths, TLS settings."""
 
 from __future__ import annotations
 
@@ -11,30 +11,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loader import S3Config
-from loader.s3.direct import can_sign_directly, object_path, ssl_setting
+from loader.s3.addressing import bucket_address
+from loader.s3.direct import ssl_setting
 
 CREDS = dict(access_key_id="AK", secret_access_key="SK")
 
 
-def test_only_path_style_custom_endpoints_sign_directly():
-    assert can_sign_directly(S3Config(endpoint_url="http://127.0.0.1:9000", **CREDS))
-    assert not can_sign_directly(S3Config(**CREDS)), "AWS's endpoints need botocore's rules"
-    assert not can_sign_directly(
-        S3Config(endpoint_url="http://127.0.0.1:9000", addressing_style="virtual", **CREDS))
-
-
 @given(key=st.text(min_size=1, max_size=300), bucket=st.from_regex(r"[a-z0-9][a-z0-9.-]{2,20}", fullmatch=True))
 def test_the_url_path_names_exactly_the_bucket_and_key(key, bucket):
-    path = object_path("", bucket, key)
+    path = bucket_address(S3Config(endpoint_url="http://127.0.0.1:9000", **CREDS), bucket).path(key)
     assert path == "/" + bucket + "/" + urllib.parse.quote(key, safe="/~")
     assert urllib.parse.unquote(path) == f"/{bucket}/{key}", "no segment folded or dropped"
     assert "?" not in path and "#" not in path, "'?' and '#' stay in the key, escaped"
-    assert object_path("/s3", bucket, key) == "/s3" + path, "an endpoint's own path comes first"
 
 
 def test_dot_segments_and_double_slashes_are_sent_as_written():
+    address = bucket_address(S3Config(endpoint_url="http://127.0.0.1:9000", **CREDS), "bkt")
     for key in ("a/../b", "./x", "a//b", "/lead"):
-        assert object_path("", "bkt", key) == "/bkt/" + key
+        assert address.path(key) == "/bkt/" + key
 
 
 def test_tls_settings_follow_the_endpoint_and_verify():

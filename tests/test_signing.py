@@ -22,7 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loader import S3Config
+from loader.retry import RetryPolicy
 from loader.s3 import signing
+from loader.s3.addressing import bucket_address
 from loader.s3.aioboto3_store import _Keys
 from loader.s3.direct import SignedGetter
 from loader.s3.http_client import HttpLister
@@ -36,7 +38,8 @@ tokens = st.one_of(st.none(), st.text("abcXYZ123/+=", min_size=1, max_size=40))
 secrets = st.text("abcXYZ123/+=", min_size=1, max_size=40)
 regions = st.sampled_from(["us-east-1", "eu-west-3", "ap-southeast-2"])
 endpoints = st.sampled_from(["http://127.0.0.1:9000", "https://127.0.0.1:9443", "http://localhost",
-                             "https://s3.example.com:443", "http://[::1]:8333"])
+                             "https://s3.example.com:443", "http://[::1]:8333", None])
+styles = st.sampled_from(["auto", "path", "virtual"])
 ranges = st.one_of(st.none(), st.builds(lambda a, n: f"bytes={a}-" if n is None else f"bytes={a}-{a + n}",
                                         st.integers(0, 1 << 40), st.one_of(st.none(), st.integers(0, 1 << 30))))
 etags = st.one_of(st.none(), st.from_regex(r'"[0-9a-f]{32}(-[0-9]{1,4})?"', fullmatch=True))
@@ -59,13 +62,16 @@ def signed_names(authorization: str) -> set[str]:
     return set(authorization.split("SignedHeaders=", 1)[1].split(",", 1)[0].split(";"))
 
 
-def _base(endpoint: str) -> str:
-    return urllib.parse.urlsplit(endpoint).path.rstrip("/")
+def _config(endpoint: str | None, style: str, region: str = "us-east-1", **keys) -> S3Config:
+    if endpoint is not None and "[" in endpoint:
+        style = "path"  # no bucket name goes before an IPv6 address
+    return S3Config(endpoint_url=endpoint, region=region, addressing_style=style, **keys)
 
 
-def _origin(endpoint: str) -> str:
-    parts = urllib.parse.urlsplit(endpoint)
-    return f"{parts.scheme}://{parts.netloc}"
+def _url(config: S3Config, bucket: str, target: str) -> str:
+    """The URL a request with ``target`` goes to, as botocore would derive its Host from it."""
+    address = bucket_address(config, bucket)
+    return f"{address.origin.scheme}://{address.host}{target}"
 
 
 def assert_signed_like_botocore(url: str, sent: dict[str, str], botocore: dict[str, str]) -> None:
@@ -79,19 +85,19 @@ def assert_signed_like_botocore(url: str, sent: dict[str, str], botocore: dict[s
     assert sent["host"] == _host_from_url(url)
 
 
-@given(endpoint=endpoints, bucket=buckets, key=keys, byte_range=ranges, if_match=etags,
+@given(endpoint=endpoints, style=styles, bucket=buckets, key=keys, byte_range=ranges, if_match=etags,
        if_none_match=etags, access=st.sampled_from(["AKIDEXAMPLE", "minioadmin"]), secret=secrets,
        token=tokens, region=regions, when=instants)
 def test_the_aiohttp_transport_signs_object_gets_as_botocore_does(
-        endpoint, bucket, key, byte_range, if_match, if_none_match, access, secret, token, region, when):
-    config = S3Config(endpoint_url=endpoint, region=region)
-    getter = SignedGetter.__new__(SignedGetter)  # the request builder alone: no session opened
-    getter._base, getter._host, getter._region = _base(endpoint), host_header(endpoint), region
+        endpoint, style, bucket, key, byte_range, if_match, if_none_match, access, secret, token, region,
+        when):
+    config = _config(endpoint, style, region)
+    getter = SignedGetter(config, None, max_connections=1, retry=RetryPolicy())  # opens nothing yet
     conditions = {name: value for name, value in (("If-Match", if_match), ("If-None-Match", if_none_match))
                   if value is not None} or None
     target, sent = getter.request(bucket, key, byte_range, None, conditions,
                                   _Keys(access, secret, token), when)
-    url = _origin(endpoint) + target
+    url = _url(config, bucket, target)
     given = {**(conditions or {}), **({"Range": byte_range} if byte_range else {})}
     theirs = botocore_headers(str(url), given, access, secret, token, config.region, when)
     assert_signed_like_botocore(str(url), sent, theirs)
@@ -101,33 +107,31 @@ def test_the_aiohttp_transport_signs_object_gets_as_botocore_does(
         assert sent["if-match"] == if_match
 
 
-@given(endpoint=endpoints, bucket=buckets, query=listings, secret=secrets, token=tokens, region=regions,
-       when=instants)
-def test_the_aiohttp_transport_signs_listings_as_botocore_does(endpoint, bucket, query, secret, token,
+@given(endpoint=endpoints, style=styles, bucket=buckets, query=listings, secret=secrets, token=tokens,
+       region=regions, when=instants)
+def test_the_aiohttp_transport_signs_listings_as_botocore_does(endpoint, style, bucket, query, secret, token,
                                                                 region, when):
-    getter = SignedGetter.__new__(SignedGetter)
-    getter._base, getter._host, getter._region = _base(endpoint), host_header(endpoint), region
+    config = _config(endpoint, style, region)
+    getter = SignedGetter(config, None, max_connections=1, retry=RetryPolicy())
     target, sent = getter.request(bucket, "", None, query, None, _Keys("AK", secret, token), when)
-    url = _origin(endpoint) + target
+    url = _url(config, bucket, target)
     theirs = botocore_headers(str(url), {}, "AK", secret, token, region, when)
     assert_signed_like_botocore(str(url), sent, theirs)
 
 
-@given(endpoint=endpoints, bucket=buckets, key=st.one_of(st.none(), keys), query=listings,
+@given(endpoint=endpoints, style=styles, bucket=buckets, key=st.one_of(st.none(), keys), query=listings,
        byte_range=ranges, secret=secrets, token=tokens, region=regions, when=instants)
-def test_the_http_client_transport_signs_as_botocore_does(endpoint, bucket, key, query, byte_range,
+def test_the_http_client_transport_signs_as_botocore_does(endpoint, style, bucket, key, query, byte_range,
                                                           secret, token, region, when):
-    import urllib.parse
-
-    lister = HttpLister(S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key=secret,
-                                 session_token=token, region=region))
+    config = _config(endpoint, style, region, access_key_id="AK", secret_access_key=secret,
+                     session_token=token)
+    lister = HttpLister(config)
     if key is None:  # a listing page
         target, sent = lister.request(bucket, "", query, None, when)
     else:  # an object (a shard index), maybe a range of it
         target, sent = lister.request(bucket, "/" + urllib.parse.quote(key, safe="/~"), {}, byte_range,
                                       when)
-    parts = urllib.parse.urlsplit(endpoint)
-    url = f"{parts.scheme}://{parts.netloc}{target}"
+    url = _url(config, bucket, target)
     given = {"Accept-Encoding": "identity", **({"Range": byte_range} if byte_range and key else {})}
     theirs = botocore_headers(url, given, "AK", secret, token, region, when)
     assert_signed_like_botocore(url, sent, theirs)

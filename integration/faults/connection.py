@@ -140,7 +140,7 @@ class Connection:
 
     async def _slowdown(self, request: Head, framing: tuple[str, int]) -> bool:
         has_body = framing[0] == "chunked" or framing[1] > 0
-        close = not request.keep_alive()
+        close = not request.keep_alive() or self.proxy.plan.slowdown_closes
         if has_body and "100-continue" in request.tokens("expect"):
             close = True  # the client may or may not send the body now: end the connection
         elif framing[0] == "length":

@@ -58,6 +58,7 @@ class FaultPlan:
     straggle_seconds: float = DEFAULT_STRAGGLE_SECONDS
     get_rate: float | None = None
     bandwidth: float | None = None
+    slowdown_closes: bool = False  # a SlowDown answer ends its connection (``Connection: close``), as S3's does
 
     def __post_init__(self) -> None:
         if not is_real(self.straggle) or not 0.0 <= self.straggle <= 1.0:

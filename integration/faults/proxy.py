@@ -13,6 +13,7 @@ import collections
 import contextlib
 import logging
 import math
+import ssl
 import threading
 import time
 from urllib.parse import urlsplit
@@ -51,6 +52,7 @@ class FaultProxy:
         max_lifetime: float = DEFAULT_MAX_LIFETIME,
         port: int = 0,
         history: int = DEFAULT_HISTORY,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.upstream = upstream
         self._upstream_port = _check_upstream(upstream)
@@ -64,6 +66,7 @@ class FaultProxy:
             raise ValueError(f"port={port!r} must be 0 (any free port) or a port number")
         self.max_lifetime = float(max_lifetime)
         self._requested_port = port
+        self._tls = tls  # a server context: clients speak https to the proxy, which speaks http on
         self._lock = threading.Lock()
         self._decider = FaultDecider(plan)
         self._counts: collections.Counter[str] = collections.Counter()
@@ -126,8 +129,9 @@ class FaultProxy:
 
     @property
     def endpoint_url(self) -> str:
-        """``http://127.0.0.1:<port>``: give this to the client instead of the upstream's URL."""
-        return f"http://{LOOPBACK}:{self.port}"
+        """``http://127.0.0.1:<port>`` (``https`` with ``tls``): give this to the client instead of
+        the upstream's URL."""
+        return f"{'https' if self._tls else 'http'}://{LOOPBACK}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -208,7 +212,7 @@ class FaultProxy:
     async def _main(self) -> None:
         self._stop_event = asyncio.Event()
         server = await asyncio.start_server(
-            self._accept, LOOPBACK, self._requested_port, limit=BUFFER, backlog=1024
+            self._accept, LOOPBACK, self._requested_port, limit=BUFFER, backlog=1024, ssl=self._tls
         )
         try:
             self._port = server.sockets[0].getsockname()[1]

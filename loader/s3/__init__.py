@@ -53,20 +53,16 @@ def preload_backend(backend: str, config: S3Config | None = None) -> None:
     DataLoader workers forked later inherit them rather than import them each (a faster
     worker start), and the SSL contexts aiohttp builds at import time are then built before
     any fork, not in a worker, where OpenSSL could wait forever on a lock that another thread
-    of the parent held at the moment of the fork. aiohttp is imported only where botocore's
-    path will be taken (AWS itself, virtual-host addressing): the direct transport of
-    path-style endpoints needs none of it (~90 ms of import). An obstore dataset whose listing
-    needs no aioboto3 (``open_listing_store``, given ``config``) does not import it at all.
+    of the parent held at the moment of the fork. aiohttp is imported only where no config
+    says which endpoint: the signed transport (every endpoint) needs none of it (~90 ms of
+    import). An obstore dataset does not import aioboto3 at all (its listing needs none).
     """
-    from . import http_client
-
     if backend == "obstore":
         _obstore_backend()
-    if backend == "aioboto3" or config is None or not http_client.usable(config):
+    if backend == "aioboto3" or config is None:
         from . import aioboto3_store  # noqa: F401
-        from .direct import can_sign_directly
 
-        if config is None or not can_sign_directly(config):
+        if config is None:
             import aiohttp  # noqa: F401
 
 

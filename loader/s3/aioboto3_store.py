@@ -1,7 +1,8 @@
 """The default ``ObjectStore``: aioboto3 (botocore over aiohttp), with a direct transport.
 
 One client per engine, made inside its loop (on first use), pool sized to its concurrency. GETs
-and listings to path-style custom endpoints skip botocore's request pipeline (``direct``);
+and listings skip botocore's request pipeline (``direct``) for every endpoint; what that path
+cannot serve (a region redirect, an S3 Express directory bucket) is named once and left to botocore;
 botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
 rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
 ``error_answers`` (docs/design/stores.md).
@@ -18,6 +19,7 @@ import re
 import ssl
 import sys
 import threading
+import warnings
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any, NamedTuple
 
@@ -28,8 +30,9 @@ from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, answered
 from ..uri import object_url
+from .addressing import NotServed
 from .credentials import credentials_error, no_credentials_found
-from .direct import SignedGetter, can_sign_directly
+from .direct import SignedGetter
 from .error_answers import (
     certificate_rejected,
     error_for_answer,
@@ -58,6 +61,13 @@ _STREAM_ERRORS = (
     asyncio.TimeoutError,
     ConnectionError,  # http1's ResponseBroken too
 )
+
+_SAID: set[tuple[str, str, str]] = set()  # fallbacks already named in this process
+
+
+class FallbackWarning(RuntimeWarning):
+    """Requests for a bucket go through botocore's pipeline, not the signed path; says why."""
+
 
 _CONDITION_PARAMS = {"If-Match": "IfMatch", "If-None-Match": "IfNoneMatch"}  # botocore's names
 _NOT_MODIFIED = ("304", "NotModified")  # the code botocore gives a 304 answer (it has no body)
@@ -143,6 +153,7 @@ class Aioboto3Store:
         self._stack = stack
         self._endpoint = endpoint
         self._getter = getter  # GETs without botocore's per-request pipeline, where it applies
+        self._to_botocore: set[str] = set()  # buckets the getter cannot serve (named once)
 
     async def _botocore(self) -> Any:
         """The aiobotocore client, made on first use: a store that only GETs and lists through
@@ -164,9 +175,8 @@ class Aioboto3Store:
     ) -> Aioboto3Store:
         """Create the store inside the running event loop (the botocore client when first needed).
 
-        ``direct_gets`` sends GETs and listings to path-style custom endpoints through
-        ``SignedGetter`` (a third of botocore's CPU per request); ``False`` keeps every request on
-        botocore.
+        ``direct_gets`` sends GETs and listings through ``SignedGetter`` (a third of botocore's
+        CPU per request); ``False`` keeps every request on botocore.
         """
         retry = retry or RetryPolicy()
         # Plain-http endpoints have nothing to verify: say so, and aiobotocore then builds no
@@ -186,7 +196,7 @@ class Aioboto3Store:
                 # total_max_attempts counts the first try; botocore reads a bare "max_attempts" as
                 # *retries* (+1), which silently retried 503/5xx/resets once below loader.retry
                 retries={"total_max_attempts": 1, "mode": "standard"},
-                s3={"addressing_style": "path" if config.path_style else "auto"},
+                s3={"addressing_style": "path" if config.path_style else config.addressing_style},
                 parameter_validation=False,
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
@@ -202,7 +212,7 @@ class Aioboto3Store:
                 )
 
         try:
-            if not (can_sign_directly(config) and direct_gets):
+            if not direct_gets:
                 return cls(await make_client(), stack, config.endpoint_url or "AWS S3")
             frozen = _given_credentials(config) or _found_credentials(config)
             if frozen is None:
@@ -220,6 +230,27 @@ class Aioboto3Store:
             await stack.aclose()
             raise
         return cls(make_client, stack, config.endpoint_url or "AWS S3", getter)
+
+    def _direct(self, bucket: str) -> SignedGetter | None:
+        """The signed path for ``bucket``'s requests, or None where botocore's serves them."""
+        getter = self._getter
+        if getter is None or bucket in self._to_botocore:
+            return None
+        reason = getter.serves(bucket)
+        if reason is None:
+            return getter
+        self._leave_to_botocore(bucket, reason)
+        return None
+
+    def _leave_to_botocore(self, bucket: str, reason: str) -> None:
+        """Send ``bucket``'s requests through botocore from now on, and say why, once a process."""
+        self._to_botocore.add(bucket)
+        said = (self._endpoint, bucket, reason)
+        if said not in _SAID:
+            _SAID.add(said)
+            warnings.warn(f"s3://{bucket} at {self._endpoint}: requests go through botocore's "
+                          f"request pipeline, not the signed http1 path, because of {reason}; "
+                          "expect about twice the CPU per request", FallbackWarning, stacklevel=2)
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return objects_of(self.list_pages(bucket, prefix))
@@ -239,10 +270,15 @@ class Aioboto3Store:
         while True:
             after = None if token else start_after
             try:
-                if self._getter is not None:
-                    page = await self._getter.list_page(bucket, prefix, token, delimiter, page_size,
-                                                        after)
-                else:
+                page = None
+                getter = self._direct(bucket)
+                if getter is not None:
+                    try:
+                        page = await getter.list_page(bucket, prefix, token, delimiter, page_size,
+                                                      after)
+                    except NotServed as exc:
+                        self._leave_to_botocore(bucket, exc.reason)
+                if page is None:
                     page = await self._botocore_page(bucket, prefix, token, delimiter, page_size,
                                                      after)
             except Exception as exc:
@@ -295,14 +331,18 @@ class Aioboto3Store:
         """The bytes, or None where ``If-None-Match`` was answered 304 Not Modified."""
         if pin is not None and pin.etag is not None:
             conditions = {**(conditions or {}), "If-Match": f'"{pin.etag}"'}
-        if self._getter is not None:
+        getter = self._direct(bucket)
+        if getter is not None:
             try:
-                data, etag = await self._getter.get(bucket, key, byte_range, conditions)
+                data, etag = await getter.get(bucket, key, byte_range, conditions)
+            except NotServed as exc:
+                self._leave_to_botocore(bucket, exc.reason)
             except Exception as exc:
                 raise self._translate(exc, bucket, key) from exc
-            if pin is not None and data is not None:
-                pin.observe(etag, bucket, key)
-            return data
+            else:
+                if pin is not None and data is not None:
+                    pin.observe(etag, bucket, key)
+                return data
         kwargs = {"Bucket": bucket, "Key": key}
         if byte_range:
             kwargs["Range"] = byte_range
@@ -329,10 +369,7 @@ class Aioboto3Store:
         pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         if_match = None if pin is None else pin.if_match()
-        if self._getter is not None:
-            pieces = self._direct_stream(bucket, key, start, chunk_size, if_match)
-        else:
-            pieces = self._botocore_stream(bucket, key, start, chunk_size, if_match)
+        pieces = self._pieces(bucket, key, start, chunk_size, if_match)
         expected, received, first = -1, 0, True
         try:
             async for chunk, expected, etag in pieces:  # noqa: B007 (expected is read after the loop)
@@ -351,16 +388,41 @@ class Aioboto3Store:
                 key=key,
             )
 
-    async def _direct_stream(
+    async def _pieces(
         self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
     ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
-        assert self._getter is not None
+        """The body's pieces through the signed path, else botocore's (a redirect comes before
+        any piece, so a fallback repeats nothing)."""
+        getter = self._direct(bucket)
+        if getter is not None:
+            pieces = self._direct_stream(getter, bucket, key, start, chunk_size, if_match)
+            try:
+                async for piece in pieces:
+                    yield piece
+                return
+            except NotServed as exc:
+                self._leave_to_botocore(bucket, exc.reason)
+            finally:
+                await pieces.aclose()
+        fallback = self._botocore_stream(bucket, key, start, chunk_size, if_match)
+        try:
+            async for piece in fallback:
+                yield piece
+        finally:
+            await fallback.aclose()
+
+    async def _direct_stream(
+        self, getter: SignedGetter, bucket: str, key: str, start: int, chunk_size: int,
+        if_match: str | None,
+    ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
         byte_range = _range_header(start, None) if start else None
         conditions = None if if_match is None else {"If-Match": if_match}
-        pieces = self._getter.stream(bucket, key, byte_range, chunk_size, conditions)
+        pieces = getter.stream(bucket, key, byte_range, chunk_size, conditions)
         try:
             async for chunk, length, etag in pieces:
                 yield chunk, -1 if length is None else length, etag
+        except NotServed:
+            raise
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         finally:

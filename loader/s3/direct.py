@@ -1,6 +1,7 @@
 """The aioboto3 backend's second transport: GETs and listings signed here and sent over this
-package's own HTTP/1.1 connections (``http1``), for path-style custom endpoints (MinIO,
-SeaweedFS, Ceph, ...).
+package's own HTTP/1.1 connections (``http1``), for every endpoint: AWS's own (regional,
+virtual-hosted, ``https``) and S3-compatible servers (MinIO, SeaweedFS, Ceph, ...), through the
+proxy that ``HTTPS_PROXY``/``HTTP_PROXY`` name unless ``NO_PROXY`` bypasses it (``addressing``).
 
 Why a transport of its own: botocore spends most of its CPU per ``GetObject`` on work such a GET
 does not need (the endpoint rules engine, event hooks, header parsing into dicts): measured at
@@ -8,9 +9,10 @@ about 82 µs of CPU per GET through botocore's signer and request pipeline again
 (bench/results/signing-2026-11-27.md), and per-object datasets make one GET per sample; aiohttp's
 client, under it, cost about as much again as ``http1`` (bench/results/http1-2026-11-28.md).
 What is left is a request target, a SigV4 signature (``signing``: every header sent is signed,
-as botocore signs it) and a body read to its Content-Length. AWS's own endpoints keep botocore's
-path. An error answer becomes ours through ``error_answers.error_for_answer``, the one mapping
-every transport uses (docs/design/stores.md).
+as botocore signs it) and a body read to its Content-Length. What this path cannot serve (a
+region redirect, an S3 Express directory bucket) the store names once and leaves to botocore.
+An error answer becomes ours through ``error_answers.error_for_answer``, the one mapping every
+transport uses (docs/design/stores.md).
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ from __future__ import annotations
 import datetime
 import functools
 import ssl
-import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from ..config import S3Config
 from ..retry import RetryPolicy, answered
+from .addressing import Address, NotServed, Origin, bucket_address, proxy_for, redirected, unserved
 from .error_answers import answer_code, error_for_answer
 from .http1 import ConnectionPool, Response
 from .list_xml import list_query, parse_list_page
 from .protocol import ListPage
-from .signing import canonical_query, host_header, sign_v4
+from .signing import canonical_query, sign_v4
 
 _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
 
@@ -37,25 +39,10 @@ Conditions = dict[str, str] | None  # conditional request headers: If-Match, If-
 NOT_MODIFIED = 304  # the answer to If-None-Match when the object still has that ETag
 
 
-def can_sign_directly(config: S3Config) -> bool:
-    """Whether GETs for ``config`` can bypass botocore: a custom endpoint addressed path-style."""
-    return config.endpoint_url is not None and config.path_style
-
-
-def object_path(base: str, bucket: str, key: str) -> str:
-    """``base/bucket/key`` with the key percent-encoded the way botocore encodes it for S3; ``base``
-    is the endpoint's own path (usually empty).
-
-    The path is sent byte for byte (no ``..`` or ``//`` folding), so that what is signed is what
-    is sent, and a key like ``a/../b`` names that key, not ``b``.
-    """
-    return base + "/" + urllib.parse.quote(bucket, safe="") + "/" + urllib.parse.quote(key, safe="/~")
-
-
 def ssl_setting(config: S3Config) -> ssl.SSLContext | None:
     """The TLS context for the endpoint: none for plain http, else one that checks what
     ``verify`` asks (a CA bundle's path, the system's CAs, or nothing)."""
-    if (config.endpoint_url or "").startswith("http://"):
+    if (config.endpoint_url or "https://").startswith("http://"):
         return None  # no context built: keeps OpenSSL out of forked workers (see aioboto3_store)
     if config.verify is False:
         context = ssl.create_default_context()
@@ -85,18 +72,38 @@ class SignedGetter:
         max_connections: int,
         retry: RetryPolicy,
     ) -> None:
-        assert config.endpoint_url is not None
-        parts = urllib.parse.urlsplit(config.endpoint_url)
-        self._endpoint = config.endpoint_url
-        self._base = parts.path.rstrip("/")
-        self._host = host_header(config.endpoint_url)
+        self._config = config
+        self._endpoint = config.endpoint_url or "AWS S3"
         self._region = config.region
         self._credentials = credentials
-        https = parts.scheme == "https"
-        self._pool = ConnectionPool(
-            parts.hostname or "", parts.port or (443 if https else 80),
-            ssl_context=ssl_setting(config), limit=max_connections,
-            connect_timeout=retry.connect_timeout, read_timeout=retry.read_timeout)
+        self._max_connections = max_connections
+        self._retry = retry
+        self._addresses: dict[str, Address] = {}
+        self._reasons: dict[str, str | None] = {}
+        self._pools: dict[Origin, ConnectionPool] = {}
+
+    def serves(self, bucket: str) -> str | None:
+        """Why requests for ``bucket`` cannot go this way (botocore's path then serves it), or None."""
+        reason = self._reasons.get(bucket, "")
+        if reason == "":
+            reason = self._reasons[bucket] = unserved(self._config, bucket)
+        return reason
+
+    def _address(self, bucket: str) -> tuple[Address, ConnectionPool]:
+        """Where ``bucket``'s requests go, and the pool of connections to there (one per origin:
+        virtual-hosted addressing has one per bucket)."""
+        address = self._addresses.get(bucket)
+        if address is None:
+            address = self._addresses[bucket] = bucket_address(self._config, bucket)
+        pool = self._pools.get(address.origin)
+        if pool is None:
+            origin = address.origin
+            context = ssl_setting(self._config) if origin.https else None
+            pool = self._pools[origin] = ConnectionPool(
+                origin.host, origin.port, ssl_context=context, limit=self._max_connections,
+                connect_timeout=self._retry.connect_timeout, read_timeout=self._retry.read_timeout,
+                proxy=proxy_for(origin))
+        return address, pool
 
     async def get(
         self, bucket: str, key: str, byte_range: str | None = None, conditions: Conditions = None
@@ -142,7 +149,9 @@ class SignedGetter:
         return parse_list_page(body)
 
     async def aclose(self) -> None:
-        await self._pool.aclose()
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
 
     def request(
         self, bucket: str, key: str, byte_range: str | None, query: dict[str, str] | None,
@@ -151,14 +160,12 @@ class SignedGetter:
         """The request target (path and query) and the headers of one GET, every header signed
         (``Range`` and the conditions too); tests/test_signing.py holds this to botocore's
         signature."""
-        if key:
-            path = object_path(self._base, bucket, key)
-        else:  # the bucket itself (a listing): no trailing slash, as botocore sends it
-            path = self._base + "/" + urllib.parse.quote(bucket, safe="")
+        address = self._addresses.get(bucket) or self._address(bucket)[0]
+        path = address.path(key)  # the bucket itself (a listing): no trailing slash, as botocore sends it
         extra = dict(conditions) if conditions else {}
         if byte_range:
             extra["Range"] = byte_range
-        headers = sign_v4("GET", self._host, path, query or {},
+        headers = sign_v4("GET", address.host, path, query or {},
                           access_key=credentials.access_key, secret_key=credentials.secret_key,
                           token=credentials.token, region=self._region, when=when, headers=extra)
         # the query is encoded once, sorted, exactly as SigV4 signs it
@@ -168,16 +175,22 @@ class SignedGetter:
         self, bucket: str, key: str, byte_range: str | None, query: dict[str, str] | None = None,
         conditions: Conditions = None,
     ) -> Response:
+        address, pool = self._address(bucket)
         target, headers = self.request(bucket, key, byte_range, query, conditions,
                                        await self._credentials(),
                                        datetime.datetime.now(datetime.timezone.utc))
+        target = pool.target_prefix + target
         # nothing but the signed headers is sent (no User-Agent, no Accept-Encoding: the bytes
         # come as stored, a .gz object stays gzipped); a redirect is not followed (a signature
         # is for one host, and S3's 301/307 means a wrong region or endpoint, which the error names)
         head = f"GET {target} HTTP/1.1\r\n" + "".join(
-            f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
-        response = await self._pool.get(head.encode())
+            f"{name}: {value}\r\n" for name, value in headers.items()) + pool.proxy_headers + "\r\n"
+        response = await pool.get(head.encode())
         answered(self._endpoint)
+        reason = redirected(response.status, response.headers, bucket, self._region)
+        if reason is not None:
+            response.close()
+            raise NotServed(reason)
         return response
 
     async def _raise_for_error(self, response: Response, bucket: str, key: str, *,

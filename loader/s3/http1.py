@@ -24,6 +24,8 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
+from .addressing import Proxy
+
 _MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3 answer
 _HIGH_WATER = 256 << 10  # a streamed body pauses the socket with this much received and unread
 # (about one read of asyncio's; aiohttp paused at 128 KiB): buffers the engine does not count stay small
@@ -347,6 +349,31 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
 
+class _TunnelOpener(asyncio.Protocol):
+    """Reads a proxy's answer to ``CONNECT``: ``answer`` is its status line once the head is in
+    (a 2xx answer to CONNECT has no body; the tunnel's bytes follow)."""
+
+    def __init__(self) -> None:
+        self.answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._head = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end >= 0 and not self.answer.done():
+            if end + 4 < len(self._head):
+                self.answer.set_exception(ResponseBroken("the proxy sent bytes past its CONNECT answer"))
+            else:
+                self.answer.set_result(self._head[:end].split(b"\r\n", 1)[0].decode("latin-1"))
+        elif len(self._head) > _MAX_HEAD and not self.answer.done():
+            self.answer.set_exception(ResponseBroken("no end of the proxy's CONNECT answer"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.answer.done():
+            self.answer.set_exception(ResponseBroken("the proxy closed the connection before "
+                                                     "answering CONNECT"))
+
+
 class _Watchdog:
     """The read timeout of a pool's connections: one timer for all of them, ticking while any
     waits, instead of a timer made and cancelled for every wait (a tenth of a GET's CPU here).
@@ -423,8 +450,13 @@ class ConnectionPool:
     """At most ``limit`` keep-alive connections to one host, taken by one request at a time."""
 
     def __init__(self, host: str, port: int, *, ssl_context: ssl.SSLContext | None, limit: int,
-                 connect_timeout: float, read_timeout: float) -> None:
+                 connect_timeout: float, read_timeout: float, proxy: Proxy | None = None) -> None:
         self._host, self._port = host, port
+        self._proxy = proxy
+        # through a proxy, plain http requests name their target whole (absolute-form)
+        forward = proxy is not None and ssl_context is None
+        self.target_prefix = f"http://{host}" + ("" if port == 80 else f":{port}") if forward else ""
+        self.proxy_headers = proxy.headers() if forward and proxy is not None else ""
         self._ssl = ssl_context
         self._limit = max(1, limit)
         self._connect_timeout = connect_timeout
@@ -501,19 +533,53 @@ class ConnectionPool:
         if self._ssl is not None:
             extra = {"ssl": self._ssl, "server_hostname": self._host,
                      "ssl_handshake_timeout": self._connect_timeout}
+        host, port = self._host, self._port
+        if self._proxy is not None:
+            host, port = self._proxy.origin.host, self._proxy.origin.port
         try:
             async with asyncio.timeout(self._connect_timeout):
+                if self._proxy is not None and self._ssl is not None:
+                    return await self._tunnel()
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self._watchdog), self._host, self._port, **extra)
+                    lambda: _Connection(self._watchdog), host, port,
+                    **({} if self._proxy is not None else extra))
         except ssl.SSLError:
             raise  # the certificate or a plain-http server: worded by the store
         except TimeoutError:
             raise ConnectFailed(f"no connection within {self._connect_timeout:g} s") from None
         except socket.gaierror as exc:
-            raise ConnectFailed(f"host {self._host!r} not found: {exc.strerror}") from exc
+            raise ConnectFailed(f"host {host!r} not found: {exc.strerror}") from exc
         except OSError as exc:  # asyncio's own text is "Connect call failed (address)"
             reason = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
-            raise ConnectFailed(f"{reason} at {self._host}:{self._port}") from exc
+            via = "" if self._proxy is None else " (the proxy)"
+            raise ConnectFailed(f"{reason} at {host}:{port}{via}") from exc
+        return connection
+
+    async def _tunnel(self) -> _Connection:
+        """A TLS connection to the host through the proxy's ``CONNECT`` tunnel (as botocore's
+        urllib3 makes one): a plain connection to the proxy, ``CONNECT host:port``, a 2xx answer,
+        then the TLS handshake with the host inside it."""
+        assert self._proxy is not None and self._ssl is not None
+        loop = asyncio.get_running_loop()
+        proxy = self._proxy.origin
+        transport, opener = await loop.create_connection(_TunnelOpener, proxy.host, proxy.port)
+        authority = f"{self._host}:{self._port}"
+        try:
+            transport.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
+                            f"{self._proxy.headers()}\r\n".encode("latin-1"))
+            status_line = await opener.answer
+            code = status_line.split(" ", 2)[1] if status_line.count(" ") >= 1 else ""
+            if not code.startswith("2"):
+                raise ConnectFailed(f"the proxy at {proxy.host}:{proxy.port} refused "
+                                    f"CONNECT {authority}: {status_line[:80]!r}")
+            connection = _Connection(self._watchdog)
+            tls = await loop.start_tls(transport, connection, self._ssl, server_hostname=self._host,
+                                       ssl_handshake_timeout=self._connect_timeout)
+        except BaseException:
+            transport.abort()
+            raise
+        assert tls is not None
+        connection.connection_made(tls)
         return connection
 
     def _give_back(self, connection: _Connection) -> None:

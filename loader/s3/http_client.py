@@ -2,8 +2,11 @@
 
 That process forks DataLoader workers later and waits for the listing before the first sample:
 ``HttpLister`` imports neither aiohttp nor botocore (slow to import) and starts no runtime a fork
-breaks. Pages are SigV4-signed ``http.client`` requests in worker threads; it serves path-style
-custom endpoints with keys in the config (``usable``), other listings use aioboto3 (docs/design/listing.md).
+breaks. Pages are SigV4-signed ``http.client`` requests in worker threads, addressed as botocore addresses them
+(``addressing``: AWS's regional endpoints, virtual-hosted or path-style, through the proxy that
+``HTTPS_PROXY``/``HTTP_PROXY`` name unless ``NO_PROXY`` bypasses it), with the config's keys or
+what botocore's chain finds; what it cannot serve (``usable``) is listed by aioboto3
+(docs/design/listing.md).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import ssl
 import threading
 import urllib.parse
 from collections.abc import AsyncGenerator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 import anyio.to_thread
@@ -25,6 +28,8 @@ import anyio.to_thread
 from ..config import S3Config
 from ..errors import StoreError
 from ..retry import RetryPolicy, answered
+from .addressing import NotServed, Origin, Proxy, bucket_address, proxy_for, redirected, unserved
+from .credentials import resolve_credentials
 from .error_answers import (
     answer_code,
     certificate_rejected,
@@ -34,15 +39,22 @@ from .error_answers import (
     unreachable,
 )
 from .list_xml import list_query, parse_list_page
-from .protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, objects_of
-from .signing import canonical_query, host_header, sign_v4
+from .protocol import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    ListPage,
+    ObjectInfo,
+    ObjectStore,
+    Pin,
+    objects_of,
+)
+from .signing import canonical_query, sign_v4
 
 
 def usable(config: S3Config) -> bool:
-    """Whether ``HttpLister`` can list for ``config``: a custom endpoint addressed path-style,
-    with keys given (no credential chain to run)."""
-    return (config.endpoint_url is not None and config.path_style
-            and config.access_key_id is not None and config.secret_access_key is not None)
+    """Whether ``HttpLister`` can list for ``config``: every endpoint, unless a setting asks for
+    what only botocore serves (FIPS or dual-stack endpoints, an https proxy: ``addressing.unserved``)."""
+    return unserved(config, "bucket") is None
 
 
 class HttpLister:
@@ -52,18 +64,16 @@ class HttpLister:
     def __init__(self, config: S3Config, *, max_connections: int = 8,
                  retry: RetryPolicy | None = None) -> None:
         if not usable(config):
-            raise ValueError("HttpLister needs a path-style custom endpoint and keys in the config")
+            raise ValueError(f"HttpLister cannot serve {unserved(config, 'bucket')}")
         retry = retry or RetryPolicy()
-        parts = urllib.parse.urlsplit(str(config.endpoint_url))
-        self._endpoint = str(config.endpoint_url)
-        self._https = parts.scheme == "https"
-        self._host, self._port = parts.hostname or "", parts.port
-        self._host_header = host_header(self._endpoint)
-        self._base = parts.path.rstrip("/")
+        self._endpoint = config.endpoint_url or "AWS S3"
         self._config = config
         self._timeout = max(retry.connect_timeout, retry.read_timeout)
         self._context: ssl.SSLContext | None = None
-        self._idle: list[http.client.HTTPConnection] = []
+        self._credentials: Any = None  # the config's keys, or what botocore's chain found (on first use)
+        self._idle: dict[Origin, list[http.client.HTTPConnection]] = {}
+        self._max_connections, self._retry = max_connections, retry
+        self._fallback: ObjectStore | None = None
         self._lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(max(1, max_connections))
         self._closed = False
@@ -103,7 +113,37 @@ class HttpLister:
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
-        """``ListObjectsV2`` pages, resumed at ``token`` or started after ``start_after``."""
+        """``ListObjectsV2`` pages, resumed at ``token`` or started after ``start_after``; what
+        this client cannot serve (a region redirect, an S3 Express bucket) is listed by the
+        aioboto3 backend from where it stopped, which names the reason once."""
+        pages = self._own_pages(bucket, prefix, token=token, start_after=start_after,
+                                delimiter=delimiter, page_size=page_size)
+        try:
+            async for page in pages:
+                yield page
+                token = page.token
+            return
+        except NotServed:
+            pass
+        finally:
+            await pages.aclose()
+        store = await self._aioboto3()
+        async for page in store.list_pages(bucket, prefix, token=token, start_after=start_after,
+                                           delimiter=delimiter, page_size=page_size):
+            yield page
+
+    async def _aioboto3(self) -> Any:
+        """The aioboto3 backend, for what this client cannot serve (opened once, closed with it)."""
+        if self._fallback is None:
+            from .aioboto3_store import Aioboto3Store
+
+            self._fallback = await Aioboto3Store.open(self._config, max_connections=self._max_connections,
+                                                      retry=self._retry)
+        return self._fallback
+
+    async def _own_pages(self, bucket: str, prefix: str, *, token: str | None,
+                         start_after: str | None, delimiter: str | None,
+                         page_size: int) -> AsyncGenerator[ListPage, None]:
         first, self._first = self._first, None
         if first is not None and (token, start_after, delimiter) == (None, None, None) \
                 and first[0] == (bucket, prefix, page_size):
@@ -129,11 +169,19 @@ class HttpLister:
               byte_range: str | None, *, listing: bool = False) -> bytes:
         """One signed GET of ``/bucket`` + ``path`` (already escaped), in a worker thread: the
         body, or the error that the answer or the connection's failure means."""
-        target, headers = self.request(bucket, path, query, byte_range,
-                                       datetime.datetime.now(datetime.timezone.utc))
-        connection = self._connection()
+        reason = unserved(self._config, bucket)
+        if reason is not None:
+            raise NotServed(reason)
+        address = bucket_address(self._config, bucket)
+        request_target, headers = self.request(bucket, path, query, byte_range,
+                                               datetime.datetime.now(datetime.timezone.utc))
+        connection, proxy = self._connection(address.origin)
+        if proxy is not None and not address.origin.https:  # a forward proxy: absolute-form
+            request_target = address.origin.url + request_target
+            if proxy.authorization:
+                headers["Proxy-Authorization"] = proxy.authorization
         try:
-            connection.request("GET", target, headers=headers)
+            connection.request("GET", request_target, headers=headers)
             response = connection.getresponse()
             answered(self._endpoint)
             body = response.read()
@@ -144,7 +192,11 @@ class HttpLister:
             if response.will_close or self._closed:
                 connection.close()
             else:
-                self._idle.append(connection)
+                self._idle.setdefault(address.origin, []).append(connection)
+        reason = redirected(response.status, {name.lower(): value for name, value in response.getheaders()},
+                            bucket, self._config.region)
+        if reason is not None:
+            raise NotServed(reason)
         if response.status >= 300:
             raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
                                    endpoint=self._endpoint, listing=listing)
@@ -156,34 +208,57 @@ class HttpLister:
 
     def request(self, bucket: str, path: str, query: dict[str, str], byte_range: str | None,
                 when: datetime.datetime) -> tuple[str, dict[str, str]]:
-        """The target and the headers of a GET of ``/bucket`` + ``path`` (already escaped), every
-        header signed: ``Range`` and the ``Accept-Encoding`` that ``http.client`` would add
-        unsigned (tests/test_signing.py holds this to botocore's signature)."""
-        path = f"{self._base}/{urllib.parse.quote(bucket, safe='')}{path}"
+        """The target and the headers of a GET of the bucket's ``path`` (already escaped: ``""``
+        for the bucket itself, else ``/key``), every header signed: ``Range`` and the
+        ``Accept-Encoding`` that ``http.client`` would add unsigned (tests/test_signing.py holds
+        this to botocore's signature)."""
+        address = bucket_address(self._config, bucket)
+        path = (address.base + path) or "/"
         extra = {"accept-encoding": "identity"}
         if byte_range:
             extra["range"] = byte_range
-        config = self._config
-        headers = sign_v4("GET", self._host_header, path, query, access_key=config.access_key_id or "",
-                          secret_key=config.secret_access_key or "", token=config.session_token,
-                          region=config.region, when=when, headers=extra)
+        keys = self._keys()
+        headers = sign_v4("GET", address.host, path, query, access_key=keys.access_key,
+                          secret_key=keys.secret_key, token=keys.token,
+                          region=self._config.region, when=when, headers=extra)
         return (f"{path}?{canonical_query(query)}" if query else path), headers
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _keys(self) -> Any:
+        """Frozen credentials to sign with: the config's keys, else what botocore's chain finds
+        (resolved once, refreshed by botocore when temporary)."""
+        credentials = self._credentials
+        if credentials is None:
+            with self._lock:
+                if self._credentials is None:
+                    self._credentials = resolve_credentials(self._config)
+                credentials = self._credentials
+        return credentials.get_frozen_credentials()
+
+    def _connection(self, origin: Origin) -> tuple[http.client.HTTPConnection, Proxy | None]:
+        """An idle connection to ``origin`` or a new one (through the proxy the environment
+        names for it: a CONNECT tunnel for https, the proxy itself for http), and that proxy."""
+        proxy = proxy_for(origin)
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-            if self._https and self._context is None:
+            idle = self._idle.get(origin)
+            if idle:
+                return idle.pop(), proxy
+            if origin.https and self._context is None:
                 verify = self._config.verify
                 self._context = ssl.create_default_context(
                     cafile=verify if isinstance(verify, str) else None)
                 if verify is False:  # asked for: no verification
                     self._context.check_hostname = False
                     self._context.verify_mode = ssl.CERT_NONE
-        if self._https:
-            return http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout,
-                                               context=self._context)
-        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        host, port = (origin.host, origin.port) if proxy is None else \
+            (proxy.origin.host, proxy.origin.port)
+        if not origin.https:
+            return http.client.HTTPConnection(host, port, timeout=self._timeout), proxy
+        connection = http.client.HTTPSConnection(host, port, timeout=self._timeout,
+                                                 context=self._context)
+        if proxy is not None:
+            tunnel = {"Proxy-Authorization": proxy.authorization} if proxy.authorization else None
+            connection.set_tunnel(origin.host, origin.port, headers=tunnel)
+        return connection, proxy
 
     def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
         """Raise ``exc`` as one of ours (wording: ``error_answers``)."""
@@ -203,9 +278,13 @@ class HttpLister:
     async def aclose(self) -> None:
         with self._lock:
             self._closed = True  # a first page still on its way closes its connection itself
-            idle, self._idle = self._idle, []
-        for connection in idle:
-            connection.close()
+            idle, self._idle = self._idle, {}
+        for connections in idle.values():
+            for connection in connections:
+                connection.close()
+        fallback, self._fallback = self._fallback, None
+        if fallback is not None:
+            await fallback.aclose()
         fetch, self._first_fetch = self._first_fetch, None
         if fetch is not None and fetch[1].done():
             # Its answer is in: the thread is ending (microseconds). Joined, it cannot still be
@@ -228,8 +307,15 @@ class HttpLister:
 
     async def _get(self, bucket: str, key: str, byte_range: str | None) -> bytes:
         path = "/" + urllib.parse.quote(key, safe="/~")
-        return await anyio.to_thread.run_sync(self._call, bucket, key, path, {}, byte_range,
-                                              limiter=self._limiter)
+        try:
+            return await anyio.to_thread.run_sync(self._call, bucket, key, path, {}, byte_range,
+                                                  limiter=self._limiter)
+        except NotServed:
+            store = await self._aioboto3()
+            if byte_range is None:
+                return await store.get(bucket, key)
+            start, _, end = byte_range.removeprefix("bytes=").partition("-")
+            return await store.get_range(bucket, key, int(start), int(end) + 1 if end else None)
 
     def _not_here(self, bucket: str, key: str) -> NoReturn:
         raise StoreError(f"HttpLister lists and reads small objects only (asked for a stream or "

@@ -133,6 +133,7 @@ class DevServer:
         certfile: str | os.PathLike[str] | None = None,
         keyfile: str | os.PathLike[str] | None = None,
         cafile: str | os.PathLike[str] | None = None,
+        domain: str | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"port={port!r} is not a TCP port; give 1-65535 or leave it out")
@@ -143,6 +144,7 @@ class DevServer:
             self._tls = (str(Path(certfile).expanduser().resolve()),
                          str(Path(keyfile).expanduser().resolve()))
         self._cafile = None if cafile is None else str(Path(cafile).expanduser().resolve())
+        self.domain = domain  # virtual-hosted addressing: <bucket>.<domain> names a bucket too
         self._given_dir = Path(data_dir).expanduser().resolve() if data_dir is not None else None
         self._want_port = port
         self._buckets = tuple(check_bucket_name(name, "DevServer bucket") for name in buckets)
@@ -358,7 +360,7 @@ class DevServer:
         self._log.write(f"--- loader dev server: starting {weed} at {time.ctime()}\n".encode())
         self._log.flush()
         command = weed_command(weed, self.data_dir, self.root / IDENTITIES_NAME, self._run_dir, self.ports,
-                               tls=self._tls)
+                               tls=self._tls, domain=self.domain)
         # PR_SET_PDEATHSIG fires when the *thread* that forked weed ends, not the process: launched
         # from restart() in a short-lived thread (how fault tests call it), weed was SIGKILLed as
         # soon as that thread returned. So every launch runs on one thread that lives until stop().
@@ -436,9 +438,10 @@ class DevServer:
 
 
 def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, ports: Ports,
-                 *, tls: tuple[str, str] | None = None) -> list[str]:
+                 *, tls: tuple[str, str] | None = None, domain: str | None = None) -> list[str]:
     """The ``weed server`` command line: loopback only, our ports, no telemetry, no extras;
-    with ``tls`` (certificate and key files) an https port beside the plain one."""
+    with ``tls`` (certificate and key files) an https port beside the plain one; with ``domain``,
+    virtual-hosted addressing (``<bucket>.<domain>``) beside path-style."""
     https = [] if tls is None or ports.s3_https is None else [
         f"-s3.port.https={ports.s3_https}", f"-s3.cert.file={tls[0]}", f"-s3.key.file={tls[1]}"]
     return [
@@ -458,6 +461,7 @@ def weed_command(weed: Path, data_dir: Path, identities: Path, run_dir: Path, po
         f"-s3.config={identities}", f"-s3.localSocket={run_dir / 's3.sock'}",
         "-s3.autoCreateBucket=false",  # like AWS and MinIO: a PUT to a missing bucket is NoSuchBucket
         *https,
+        *([f"-s3.domainName={domain}"] if domain else []),
     ]
 
 
