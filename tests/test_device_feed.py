@@ -52,7 +52,7 @@ def wait_until(predicate, limit: float = 30.0) -> None:
     """Poll ``predicate`` until it holds; a generous limit only guards against a hang."""
     deadline = time.monotonic() + limit
     while not predicate():
-        assert time.monotonic() < deadline, "condition never held"
+        assert time.monotonic() < deadline, "condition never held"  # hang guard
         time.sleep(0.01)
 
 
