@@ -28,6 +28,7 @@ from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, answered
 from ..uri import object_url
+from .answer_checks import Asked, asked_for, check_head, check_length
 from .credentials import credentials_error, no_credentials_found
 from .direct import SignedGetter, can_sign_directly
 from .error_answers import (
@@ -315,7 +316,10 @@ class Aioboto3Store:
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
+                asked = asked_for(byte_range, conditions)
+                expected = _checked_head(response, asked, bucket, key)
                 data = await body.read()  # verifies Content-Length: short bodies raise
+                check_length(len(data), expected, asked, bucket, key)
         except Exception as exc:
             if conditions and "If-None-Match" in conditions and _error_code(exc) in _NOT_MODIFIED:
                 return None
@@ -379,10 +383,12 @@ class Aioboto3Store:
             answered(self._endpoint)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
-        expected = int(response.get("ContentLength", -1))
         etag = response.get("ETag")
         body = response["Body"]
         async with body:
+            asked = asked_for(kwargs.get("Range"), None if if_match is None else {"If-Match": if_match})
+            due = _checked_head(response, asked, bucket, key)
+            expected = -1 if due is None else due
             while True:
                 try:
                     chunk = await body.read(chunk_size)
@@ -633,6 +639,14 @@ class _PartBody(io.BytesIO):
 
     def getbuffer(self) -> memoryview:
         return memoryview(self._data)
+
+
+def _checked_head(response: dict[str, Any], asked: Asked, bucket: str, key: str) -> int | None:
+    """botocore's answer held to the request (``answer_checks``, as every transport's is): the
+    body's length it must have."""
+    meta = response.get("ResponseMetadata", {})
+    headers = meta.get("HTTPHeaders", {})  # botocore's names are in lower case
+    return check_head(int(meta.get("HTTPStatusCode", 200)), headers.get, asked, bucket, key)
 
 
 def _error_code(exc: BaseException | None) -> str:

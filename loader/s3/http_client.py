@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import http.client
+import select
 import socket
 import ssl
 import threading
@@ -23,8 +24,9 @@ import anyio
 import anyio.to_thread
 
 from ..config import S3Config
-from ..errors import StoreError
+from ..errors import BadAnswerError, StoreError
 from ..retry import RetryPolicy, answered
+from .answer_checks import asked_for, check_codings, check_head, check_length
 from .error_answers import (
     answer_code,
     certificate_rejected,
@@ -36,6 +38,21 @@ from .error_answers import (
 from .list_xml import list_query, parse_list_page
 from .protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, objects_of
 from .signing import canonical_query, host_header, sign_v4
+
+_MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
+
+
+def _quiet(connection: http.client.HTTPConnection) -> bool:
+    """Whether nothing more arrived on a connection whose answer was read whole: bytes past an
+    answer's framing (or its end) mean the connection cannot be trusted with another request."""
+    sock = connection.sock
+    if sock is None:
+        return False
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return False
+    poller = select.poll()  # (not select(): a process may hold descriptors past FD_SETSIZE)
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 def usable(config: S3Config) -> bool:
@@ -131,27 +148,36 @@ class HttpLister:
         body, or the error that the answer or the connection's failure means."""
         target, headers = self.request(bucket, path, query, byte_range,
                                        datetime.datetime.now(datetime.timezone.utc))
+        asked = asked_for(byte_range)
         connection = self._connection()
+        expected: int | None = None
         try:
             connection.request("GET", target, headers=headers)
             response = connection.getresponse()
             answered(self._endpoint)
-            body = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            connection.close()
+            if response.status < 300:  # held to the request before its body is read
+                expected = check_head(response.status, response.getheader, asked, bucket, key)
+                body = response.read()
+                check_length(len(body), expected, asked, bucket, key)
+            else:
+                check_codings(response.getheader("Transfer-Encoding"), asked, bucket, key)
+                body = response.read(_MAX_ERROR_BODY)
+        except BadAnswerError:
+            connection.close()  # its framing cannot be trusted for another answer
+            raise
+        except (OSError, http.client.HTTPException, ValueError, OverflowError) as exc:
+            connection.close()  # (http.client raises ValueError and OverflowError for bad framing)
             self._fail(exc, bucket, key, listing)
         with self._lock:
-            if response.will_close or self._closed:
+            if response.will_close or self._closed or response.status >= 300 \
+                    or not _quiet(connection):
                 connection.close()
             else:
                 self._idle.append(connection)
         if response.status >= 300:
             raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
-                                   endpoint=self._endpoint, listing=listing)
-        length = response.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) != len(body):
-            raise failed_mid_request(bucket, key, f"body of {len(body)} of {length} bytes",
-                                     listing=listing)
+                                   endpoint=self._endpoint, listing=listing,
+                                   headers=response.getheader, body=body)
         return body
 
     def request(self, bucket: str, path: str, query: dict[str, str], byte_range: str | None,
