@@ -32,6 +32,7 @@ from .answer_checks import Asked, asked_for, check_head, check_length
 from .credentials import credentials_error, no_credentials_found
 from .direct import SignedGetter, can_sign_directly
 from .error_answers import (
+    broken_framing,
     certificate_rejected,
     error_for_answer,
     failed_mid_request,
@@ -40,7 +41,8 @@ from .error_answers import (
     target,
     unreachable,
 )
-from .http1 import ConnectFailed
+from .http1 import ConnectFailed, FramingBroken
+from .list_xml import next_token, not_a_listing
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -237,6 +239,7 @@ class Aioboto3Store:
     ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token) or started
         after ``start_after``."""
+        seen: set[str] = set()  # tokens answered: one answered again would loop forever
         while True:
             after = None if token else start_after
             try:
@@ -249,9 +252,9 @@ class Aioboto3Store:
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
             yield page
-            if page.token is None:
+            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
+            if token is None:
                 return
-            token = page.token
 
     async def _botocore_page(
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
@@ -270,7 +273,12 @@ class Aioboto3Store:
                    for item in page.get("Contents", ())]
         prefixes = [item["Prefix"] for item in page.get("CommonPrefixes", ())]
         next_token = page.get("NextContinuationToken")
-        return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
+        if "IsTruncated" not in page:  # botocore read a 200 whose body is no ListBucketResult
+            raise not_a_listing(bucket, prefix, token, "no IsTruncated in it")
+        if page["IsTruncated"] and (not next_token or not (objects or prefixes)):
+            raise not_a_listing(bucket, prefix, token, "IsTruncated is true with no "
+                                + ("NextContinuationToken" if not next_token else "keys on the page"))
+        return ListPage(objects, prefixes, next_token if page["IsTruncated"] else None)
 
     async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         return _sent(await self._read(bucket, key, None, pin))
@@ -527,6 +535,8 @@ def translate_error(
                            reason=(os_error and os_error.strerror) or str(exc))
     if isinstance(exc, ConnectFailed):
         return unreachable(endpoint, bucket, key, listing=listing, reason=exc.reason)
+    if isinstance(exc, FramingBroken):
+        return broken_framing(bucket, key, str(exc), listing=listing)
     if isinstance(exc, (*_STREAM_ERRORS, *aiohttp_stream)):
         # with what it said, where it said anything ("no byte received for 30 s")
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -91,10 +91,13 @@ def check_head(status: int, header: Callable[[str], str | None], asked: Asked, b
     its body is read; return the body's length it must have (None: unknown, the object's
     whole length without a listed size). A 304 is allowed only where ``If-None-Match`` was sent
     (length 0). Statuses of 300 and above are errors the caller words (``error_answers``)."""
-    check_codings(header("transfer-encoding"), asked, bucket, key)
+    coding = header("transfer-encoding")
+    check_codings(coding, asked, bucket, key)
     if status == 304 and asked.if_none_match:
         return 0
     raw_length = header("content-length")
+    if coding is not None and raw_length is not None:  # RFC 9112 6.3: a sign of smuggling
+        raise bad_answer(asked, bucket, key, "both Transfer-Encoding and Content-Length")
     length: int | None = None
     if raw_length is not None:
         raw_length = raw_length.strip()

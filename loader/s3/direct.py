@@ -25,8 +25,8 @@ from typing import Any
 from ..config import S3Config
 from ..retry import RetryPolicy, answered
 from .answer_checks import asked_for, check_head, check_length
-from .error_answers import answer_code, error_for_answer
-from .http1 import ConnectionPool, Response
+from .error_answers import answer_code, broken_framing, error_for_answer
+from .http1 import ConnectionPool, FramingBroken, Response
 from .list_xml import list_query, parse_list_page
 from .protocol import ListPage
 from .signing import canonical_query, host_header, sign_v4
@@ -106,14 +106,17 @@ class SignedGetter:
         Content-Length raises. ``conditions``: headers such as ``If-Match``, sent as given and
         signed; ``None`` for the bytes when ``If-None-Match`` was answered 304 Not Modified."""
         asked = asked_for(byte_range, conditions)
-        async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
-            if response.status == NOT_MODIFIED and asked.if_none_match:
-                return None, response.headers.get("etag")
-            await self._raise_for_error(response, bucket, key)
-            expected = check_head(response.status, response.headers.get, asked, bucket, key)
-            data = await response.read()
-            check_length(len(data), expected, asked, bucket, key)
-            return data, response.headers.get("etag")
+        try:
+            async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
+                if response.status == NOT_MODIFIED and asked.if_none_match:
+                    return None, response.headers.get("etag")
+                await self._raise_for_error(response, bucket, key)
+                expected = check_head(response.status, response.headers.get, asked, bucket, key)
+                data = await response.read()
+                check_length(len(data), expected, asked, bucket, key)
+                return data, response.headers.get("etag")
+        except FramingBroken as exc:
+            raise broken_framing(bucket, key, str(exc), request=asked.describe()) from exc
 
     async def stream(
         self, bucket: str, key: str, byte_range: str | None, chunk_size: int,
@@ -122,23 +125,26 @@ class SignedGetter:
         """Yield ``(piece, content_length, etag)``: the body as it arrives, in pieces of at most
         ``chunk_size`` bytes."""
         asked = asked_for(byte_range, conditions)
-        async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
-            await self._raise_for_error(response, bucket, key)
-            expected = check_head(response.status, response.headers.get, asked, bucket, key)
-            etag = response.headers.get("etag")
-            received = 0
-            most = expected if expected is not None or asked.end is None else asked.end - asked.start
-            while data := await response.read_some():
-                received += len(data)
-                if most is not None and received > most:  # never a byte past what is due
-                    check_length(received, most, asked, bucket, key)
-                if len(data) <= chunk_size:
-                    yield data, expected, etag
-                    continue
-                view = memoryview(data)
-                for at in range(0, len(data), chunk_size):
-                    yield bytes(view[at:at + chunk_size]), expected, etag
-            check_length(received, expected, asked, bucket, key)
+        try:
+            async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
+                await self._raise_for_error(response, bucket, key)
+                expected = check_head(response.status, response.headers.get, asked, bucket, key)
+                etag = response.headers.get("etag")
+                received = 0
+                most = expected if expected is not None or asked.end is None else asked.end - asked.start
+                while data := await response.read_some():
+                    received += len(data)
+                    if most is not None and received > most:  # never a byte past what is due
+                        check_length(received, most, asked, bucket, key)
+                    if len(data) <= chunk_size:
+                        yield data, expected, etag
+                        continue
+                    view = memoryview(data)
+                    for at in range(0, len(data), chunk_size):
+                        yield bytes(view[at:at + chunk_size]), expected, etag
+                check_length(received, expected, asked, bucket, key)
+        except FramingBroken as exc:
+            raise broken_framing(bucket, key, str(exc), request=asked.describe()) from exc
 
     async def list_page(
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
@@ -151,7 +157,7 @@ class SignedGetter:
         async with await self._send(bucket, "", None, query) as response:
             await self._raise_for_error(response, bucket, prefix, listing=True)
             body = await response.read()
-        return parse_list_page(body)
+        return parse_list_page(body, bucket=bucket, prefix=prefix, token=token)
 
     async def aclose(self) -> None:
         await self._pool.aclose()

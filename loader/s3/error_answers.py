@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ..errors import (
     AccessDeniedError,
+    BadAnswerError,
     ConfigError,
     EndpointUnreachableError,
     InvalidRangeError,
@@ -214,6 +215,17 @@ def failed_mid_request(
         f"{target(bucket, key, listing=listing)}: the connection failed mid-request ({detail})",
         bucket=bucket, key=key,
     )
+
+
+def broken_framing(bucket: str, key: str, detail: str, *, listing: bool = False,
+                   request: str = "GET") -> BadAnswerError:
+    """An answer that broke HTTP/1.1's grammar or framing: its connection was closed, nothing
+    of it used; tried again a few times (``BadAnswerError``), then this names the violation."""
+    return BadAnswerError(
+        f"{target(bucket, key, listing=listing)}: the server's answer to {request} broke HTTP/1.1 "
+        f"({clean(detail, 200)}); the connection was closed and nothing of the answer used. A "
+        "proxy or server in front of the endpoint bends HTTP: check what is at AWS_ENDPOINT_URL",
+        bucket=bucket, key=key)
 
 
 def no_credentials() -> ConfigError:

@@ -29,13 +29,15 @@ from ..retry import RetryPolicy, answered
 from .answer_checks import asked_for, check_codings, check_head, check_length
 from .error_answers import (
     answer_code,
+    broken_framing,
     certificate_rejected,
     error_for_answer,
     failed_mid_request,
     plain_http_server,
     unreachable,
 )
-from .list_xml import list_query, parse_list_page
+from .http1 import CHUNK_SIZE_LINE, STATUS_LINE
+from .list_xml import list_query, next_token, parse_list_page
 from .protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, ListPage, ObjectInfo, Pin, objects_of
 from .signing import canonical_query, host_header, sign_v4
 
@@ -53,6 +55,33 @@ def _quiet(connection: http.client.HTTPConnection) -> bool:
     poller = select.poll()  # (not select(): a process may hold descriptors past FD_SETSIZE)
     poller.register(sock, select.POLLIN)
     return not poller.poll(0)
+
+
+class _CheckedResponse(http.client.HTTPResponse):
+    """``http.client``'s answer, with its status line and chunk sizes held to the grammar
+    ``http1`` reads (h11's): ``int()`` alone takes ``0x1f``, ``+1f``, ``1_000`` and Unicode
+    digits, so the two transports would read one answer two ways."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        line = str(self.fp.readline(_MAX_LINE + 1), "iso-8859-1")
+        if not line:
+            raise http.client.RemoteDisconnected("the server closed the connection without answering")
+        found = STATUS_LINE.match(line.removesuffix("\r\n"))
+        if len(line) > _MAX_LINE or not line.endswith("\r\n") or found is None:
+            raise http.client.BadStatusLine(line[:80])
+        version, _, rest = line.partition(" ")
+        return version, int(found.group(2)), rest[4:].strip()
+
+    def _read_next_chunk_size(self) -> int:
+        line = self.fp.readline(_MAX_LINE + 1)
+        found = CHUNK_SIZE_LINE.match(line.removesuffix(b"\r\n"))
+        if len(line) > _MAX_LINE or not line.endswith(b"\r\n") or found is None:
+            self._close_conn()  # type: ignore[attr-defined]
+            raise http.client.HTTPException(f"chunk size line {line[:20]!r} is not hexadecimal")
+        return int(found.group(1), 16)
+
+
+_MAX_LINE = 65536  # http.client's own limit on a line
 
 
 def usable(config: S3Config) -> bool:
@@ -122,25 +151,27 @@ class HttpLister:
     ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` or started after ``start_after``."""
         first, self._first = self._first, None
+        seen: set[str] = set()  # tokens answered: one answered again would loop forever
         if first is not None and (token, start_after, delimiter) == (None, None, None) \
                 and first[0] == (bucket, prefix, page_size):
             page = await asyncio.wrap_future(first[1])  # no worker thread to wait in; cancellable
             yield page
-            if page.token is None:
+            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
+            if token is None:
                 return
-            token = page.token
         while True:
             query = list_query(prefix, page_size, token, start_after, delimiter)
             page = await anyio.to_thread.run_sync(self._page, bucket, prefix, query,
                                                   limiter=self._limiter)
             yield page
-            if page.token is None:
+            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
+            if token is None:
                 return
-            token = page.token
 
     def _page(self, bucket: str, prefix: str, query: dict[str, str]) -> ListPage:
         """One page, in a worker thread."""
-        return parse_list_page(self._call(bucket, prefix, "", query, None, listing=True))
+        return parse_list_page(self._call(bucket, prefix, "", query, None, listing=True),
+                               bucket=bucket, prefix=prefix, token=query.get("continuation-token"))
 
     def _call(self, bucket: str, key: str, path: str, query: dict[str, str],
               byte_range: str | None, *, listing: bool = False) -> bytes:
@@ -165,8 +196,15 @@ class HttpLister:
         except BadAnswerError:
             connection.close()  # its framing cannot be trusted for another answer
             raise
-        except (OSError, http.client.HTTPException, ValueError, OverflowError) as exc:
-            connection.close()  # (http.client raises ValueError and OverflowError for bad framing)
+        except (http.client.RemoteDisconnected, http.client.IncompleteRead) as exc:
+            connection.close()  # the connection ended early: worth another try
+            self._fail(exc, bucket, key, listing)
+        except (http.client.HTTPException, ValueError, OverflowError) as exc:
+            connection.close()  # not HTTP/1.1 (http.client raises all three for bad framing)
+            raise broken_framing(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing,
+                                 request=asked.describe()) from exc
+        except OSError as exc:
+            connection.close()
             self._fail(exc, bucket, key, listing)
         with self._lock:
             if response.will_close or self._closed or response.status >= 300 \
@@ -206,10 +244,14 @@ class HttpLister:
                 if verify is False:  # asked for: no verification
                     self._context.check_hostname = False
                     self._context.verify_mode = ssl.CERT_NONE
+        connection: http.client.HTTPConnection
         if self._https:
-            return http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout,
-                                               context=self._context)
-        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            connection = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout,
+                                                     context=self._context)
+        else:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        connection.response_class = _CheckedResponse
+        return connection
 
     def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
         """Raise ``exc`` as one of ours (wording: ``error_answers``)."""
