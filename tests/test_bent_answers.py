@@ -12,7 +12,7 @@ import pytest
 from bent_server import CLOSE, bent_server, head, ok
 
 from loader.config import S3Config
-from loader.errors import BadAnswerError, StoreError
+from loader.errors import BadAnswerError, StoreError, TransientStoreError
 from loader.retry import RetryPolicy
 from loader.s3.answer_checks import check_size
 from loader.s3.protocol import Pin
@@ -268,3 +268,26 @@ async def test_bytes_past_an_answer_never_become_the_next_one(transport):
             except BadAnswerError:
                 got.append(None)
     assert got[1] == OBJECT and got[0] in (OBJECT, None), "never the 12 bytes sent too many"
+
+
+# ---------------------------------------------------------------- deadlines
+
+@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+@pytest.mark.parametrize("part", ["head", "body"])
+async def test_a_slowloris_answer_fails_like_a_stall(transport, part):
+    """One byte every 50 ms never leaves a read waiting for read_timeout (0.4 s), yet the answer
+    fails well before the trickle ends, as a stall does (retried: TransientStoreError)."""
+    wire = ok(OBJECT[:200])
+    start = wire.index(b"\r\n\r\n") + 4 if part == "body" else 0
+
+    def answer(request):
+        script: list = [wire[:start]] if start else []
+        for at in range(start, len(wire)):
+            script += [0.05, wire[at:at + 1]]
+        return script
+
+    async with bent_server(answer) as (endpoint, _), store_at(transport, endpoint, read_timeout=0.4) as store:
+        with pytest.raises(TransientStoreError) as info:
+            await store.get("bkt", "key")
+    assert not isinstance(info.value, BadAnswerError), "a slow server is a stall, not a wrong answer"
+    assert "s3://bkt/key" in str(info.value)

@@ -29,6 +29,7 @@ _MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3
 _HIGH_WATER = 256 << 10  # a streamed body pauses the socket with this much received and unread
 # (about one read of asyncio's; aiohttp paused at 128 KiB): buffers the engine does not count stay small
 _NO_BODY = (204, 304)
+_MIN_RATE = 16 << 10  # bytes/s: an answer waited for read_timeout in all must have come this fast
 # The grammar h11 reads (RFC 9112), and tests/test_http1_differential.py holds this parser to it
 STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00\n\r\x0b\x0c]*)?\Z")
 _TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -68,6 +69,9 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._until = ""  # what the waiter waits for: "head", "some" (bytes of the body), "all"
         self._last_data = 0.0
+        self._waited = 0.0  # seconds this answer was waited for (not the reader's own time)
+        self._wait_start = 0.0
+        self._bytes = 0  # bytes of this answer received
         self._whole = False  # the body is read whole (else piece by piece: paused past _HIGH_WATER)
         self._error: BaseException | None = None
         self._paused = False
@@ -93,6 +97,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._last_data = self._loop.time()
         self._got_bytes = True
+        self._bytes += len(data)
         try:
             body: bytes | memoryview | None = data
             if self._in_head:
@@ -137,6 +142,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.status, self.headers, self.done, self._keep_alive = 0, {}, False, False
         self._in_head, self._framing, self._error, self._got_bytes = True, "", None, False
+        self._waited, self._bytes = 0.0, 0
         self._body.clear()
         self._buffered, self._whole = 0, False
         self.used = True
@@ -338,7 +344,7 @@ class _Connection(asyncio.Protocol):
         if self.closed and not self.done:
             raise ResponseBroken("the connection is closed")
         self._waiter, self._until = self._loop.create_future(), until
-        self._last_data = self._loop.time()
+        self._last_data = self._wait_start = self._loop.time()
         watchdog = self._watchdog
         watchdog.watch(self)
         try:
@@ -346,14 +352,29 @@ class _Connection(asyncio.Protocol):
         finally:
             self._waiter = None
             watchdog.waiting.discard(self)
+            self._waited += self._loop.time() - self._wait_start
         if self._error is not None:
             raise self._error
 
     def check_timeout(self, now: float) -> None:
-        """Fail the wait if no byte came for ``read_timeout`` seconds."""
+        """Fail the wait if no byte came for ``read_timeout`` seconds, or, once the answer was
+        waited for that long in all, if its head is still not whole or its bytes came slower
+        than ``_MIN_RATE`` (a server sending a byte now and then never trips the first rule)."""
         limit = self._watchdog.read_timeout
-        if self._waiter is not None and now - self._last_data >= limit:
+        if self._waiter is None:
+            return
+        if now - self._last_data >= limit:
             self._fail(TimeoutError(f"no byte received for {limit:g} s"))
+            return
+        waited = self._waited + now - self._wait_start
+        if waited < limit:
+            return
+        if self._in_head:
+            self._fail(TimeoutError(f"the answer's head was not whole after {waited:.1f} s "
+                                    f"({self._bytes} bytes of it came)"))
+        elif self._bytes < _MIN_RATE * waited:
+            self._fail(TimeoutError(f"the answer came at {self._bytes / waited:.0f} bytes/s for "
+                                    f"{waited:.1f} s, under {_MIN_RATE} bytes/s"))
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc

@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime
+import functools
 import http.client
+import io
 import select
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import AsyncGenerator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 import anyio.to_thread
@@ -57,10 +60,49 @@ def _quiet(connection: http.client.HTTPConnection) -> bool:
     return not poller.poll(0)
 
 
+class AnswerDeadline(TimeoutError):
+    """The whole answer (head and body) did not arrive within its deadline."""
+
+
+class _DeadlineSocket:
+    """What ``http.client`` reads an answer from: the connection's socket, each read bounded by
+    what is left of the answer's deadline (a socket timeout alone restarts at every byte, so a
+    server sending one byte a second never times out)."""
+
+    def __init__(self, sock: socket.socket, deadline: float, read_timeout: float) -> None:
+        self.sock, self.deadline, self._read_timeout = sock, deadline, read_timeout
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise AnswerDeadline("the whole answer did not arrive in time (the server sends, but "
+                                 f"too slowly: under {_MIN_RATE} bytes/s past the read timeout)")
+        self.sock.settimeout(min(left, self._read_timeout))
+        return self.sock.recv_into(buffer, nbytes, flags)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def _decref_socketios(self) -> None:
+        pass
+
+
 class _CheckedResponse(http.client.HTTPResponse):
     """``http.client``'s answer, with its status line and chunk sizes held to the grammar
     ``http1`` reads (h11's): ``int()`` alone takes ``0x1f``, ``+1f``, ``1_000`` and Unicode
-    digits, so the two transports would read one answer two ways."""
+    digits, so the two transports would read one answer two ways. Read through a
+    ``_DeadlineSocket`` when given one."""
+
+    def __init__(self, sock: Any, debuglevel: int = 0, method: str | None = None,
+                 url: str | None = None, *, read_timeout: float | None = None) -> None:
+        self.deadline_socket = None
+        if read_timeout is not None:  # the head within 2 read timeouts; the body: see _call
+            sock = self.deadline_socket = _DeadlineSocket(
+                sock, time.monotonic() + 2 * read_timeout, read_timeout)
+        super().__init__(sock, debuglevel, method, url)
 
     def _read_status(self) -> tuple[str, int, str]:
         line = str(self.fp.readline(_MAX_LINE + 1), "iso-8859-1")
@@ -82,6 +124,7 @@ class _CheckedResponse(http.client.HTTPResponse):
 
 
 _MAX_LINE = 65536  # http.client's own limit on a line
+_MIN_RATE = 16 << 10  # bytes/s a body must arrive at, past its head's deadline (as http1's)
 
 
 def usable(config: S3Config) -> bool:
@@ -108,6 +151,7 @@ class HttpLister:
         self._base = parts.path.rstrip("/")
         self._config = config
         self._timeout = max(retry.connect_timeout, retry.read_timeout)
+        self._read_timeout = retry.read_timeout
         self._context: ssl.SSLContext | None = None
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -186,6 +230,11 @@ class HttpLister:
             connection.request("GET", target, headers=headers)
             response = connection.getresponse()
             answered(self._endpoint)
+            length = response.getheader("Content-Length")
+            deadline = getattr(response, "deadline_socket", None)
+            if deadline is not None and length is not None and length.isascii() \
+                    and length.isdigit() and len(length) < 19:  # the body at the least rate
+                deadline.deadline += int(length) / _MIN_RATE
             if response.status < 300:  # held to the request before its body is read
                 expected = check_head(response.status, response.getheader, asked, bucket, key)
                 body = response.read()
@@ -211,6 +260,8 @@ class HttpLister:
                     or not _quiet(connection):
                 connection.close()
             else:
+                if connection.sock is not None:  # (the answer's deadline had shortened it)
+                    connection.sock.settimeout(self._timeout)
                 self._idle.append(connection)
         if response.status >= 300:
             raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
@@ -250,7 +301,8 @@ class HttpLister:
                                                      context=self._context)
         else:
             connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
-        connection.response_class = _CheckedResponse
+        connection.response_class = functools.partial(  # type: ignore[assignment]
+            _CheckedResponse, read_timeout=self._read_timeout)
         return connection
 
     def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
@@ -264,7 +316,12 @@ class HttpLister:
             raise unreachable(self._endpoint, bucket, key, listing=listing,
                               reason=exc.strerror or str(exc)) from exc
         # with what it said, as the other transports do; a stall says how long it was waited out
-        said = f"no answer within {self._timeout:g} s" if isinstance(exc, TimeoutError) else str(exc)
+        if isinstance(exc, AnswerDeadline):
+            said = str(exc)
+        elif isinstance(exc, TimeoutError):
+            said = f"no answer within {self._timeout:g} s"
+        else:
+            said = str(exc)
         detail = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
         raise failed_mid_request(bucket, key, detail, listing=listing) from exc
 
