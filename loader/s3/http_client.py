@@ -73,6 +73,9 @@ class _DeadlineSocket:
         self.sock, self.deadline, self._read_timeout = sock, deadline, read_timeout
 
     def makefile(self, mode: str) -> io.BufferedReader:
+        # the socket stays open while this reader is (as socket.makefile keeps it): a
+        # connection closed right after a close-delimited answer's head still reads its body
+        self.sock._io_refs += 1  # type: ignore[attr-defined]
         return io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
 
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
@@ -87,7 +90,7 @@ class _DeadlineSocket:
         return self.sock.fileno()
 
     def _decref_socketios(self) -> None:
-        pass
+        self.sock._decref_socketios()  # type: ignore[attr-defined]
 
 
 class _CheckedResponse(http.client.HTTPResponse):
