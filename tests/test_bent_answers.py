@@ -291,3 +291,51 @@ async def test_a_slowloris_answer_fails_like_a_stall(transport, part):
             await store.get("bkt", "key")
     assert not isinstance(info.value, BadAnswerError), "a slow server is a stall, not a wrong answer"
     assert "s3://bkt/key" in str(info.value)
+
+
+# ---------------------------------------------------------------- error answers
+
+def s3_error(status: str, code: str, message: str, **headers: str | int) -> bytes:
+    body = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+    return ok(body, status, ETag="", **headers)
+
+
+ERRORS = {
+    "403 that mentions NoSuchKey": (s3_error("403 Forbidden", "AccessDenied", "not NoSuchKey but denied"),
+                                    "AccessDeniedError", r"access denied"),
+    "301 with the bucket's region": (s3_error("301 Moved Permanently", "PermanentRedirect", "elsewhere",
+                                              x_amz_bucket_region="eu-west-1"),
+                                     "StoreError", r"AWS_REGION=eu-west-1"),
+    "a code with control characters, 60 kB long": (s3_error("400 Bad Request", "Bad\x1b[31m" + "x" * 60_000, "m"),
+                                                  "StoreError", r"Bad \[31mx+\.\.\."),
+    "408 on a kept-alive connection": (s3_error("408 Request Timeout", "", "idle"),
+                                       "TransientStoreError", r"HTTP 408"),
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case", list(ERRORS))
+async def test_error_answers_are_ours_short_and_say_what_to_do(transport, case):
+    answer, kind, match = ERRORS[case]
+    if transport == "obstore" and case.startswith("301"):  # object_store words it itself
+        match = r"incorrectly configured region"
+    if transport in ("botocore", "obstore") and case.startswith("a code"):
+        match = r"HTTP 400"  # botocore and object_store drop such a code before we see it
+    async with bent_server(lambda r: [answer]) as (endpoint, _), store_at(transport, endpoint) as store:
+        with pytest.raises(StoreError, match=match) as info:
+            await store.get("bkt", "key")
+    text = str(info.value)
+    assert type(info.value).__name__ == kind, f"{case} through {transport}: {info.value!r}"
+    assert len(text) < 700 and "\x1b" not in text, text
+
+
+@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+async def test_a_server_that_answers_wrong_every_time_is_tried_three_times_not_two_minutes(transport):
+    from loader.retry import BAD_ANSWER_ATTEMPTS, call_with_retries
+
+    async with bent_server(lambda r: [ok(OBJECT)]) as (endpoint, seen), \
+            store_at(transport, endpoint) as store:
+        with pytest.raises(BadAnswerError, match=r"HTTP 200 .* to a ranged read.*gave up after 3 attempt"):
+            await call_with_retries(lambda: store.get_range("bkt", "key", 10, 20),
+                                    RetryPolicy(deadline=120, base_delay=0.01))
+    assert len(seen) == BAD_ANSWER_ATTEMPTS

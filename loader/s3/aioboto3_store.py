@@ -519,9 +519,10 @@ def translate_error(
         return exc
     if isinstance(exc, bce.ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        meta = exc.response.get("ResponseMetadata", {})
+        status = int(meta.get("HTTPStatusCode", 0) or 0)
         return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
-                                listing=listing)
+                                listing=listing, headers=meta.get("HTTPHeaders", {}).get)
     aiohttp_tls, aiohttp_connect, aiohttp_stream = _aiohttp_errors()
     if isinstance(exc, (bce.SSLError, ssl.SSLError, *aiohttp_tls)):
         return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
