@@ -31,7 +31,7 @@ _PUBLIC = {
     "read_index": "loader.shard_index.read",
     "read_index_counts": "loader.shard_index.read",
     **{name: "loader.errors" for name in (
-        "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
+        "AccessDeniedError", "BadAnswerError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
         "NoSuchKeyError", "ObjectChangedError", "ParquetFormatError", "SampleError", "ShardFormatError", "StoreError",
         "TLSError", "ThrottledError", "TransientStoreError",
@@ -54,6 +54,7 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "AccessDeniedError",
     "AsyncS3Dataset",
     "AsyncS3MapDataset",
+    "BadAnswerError",
     "Cache",
     "ConfigError",
     "EmptyDatasetError",
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .decode import collate_raw, decode_image, decode_images, decode_sample
     from .errors import (
         AccessDeniedError,
+        BadAnswerError,
         ConfigError,
         EmptyDatasetError,
         EndpointUnreachableError,

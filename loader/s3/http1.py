@@ -29,7 +29,7 @@ _MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3
 _HIGH_WATER = 256 << 10  # a streamed body pauses the socket with this much received and unread
 # (about one read of asyncio's; aiohttp paused at 128 KiB): buffers the engine does not count stay small
 _NO_BODY = (204, 304)
-_MIN_RATE = 16 << 10  # bytes/s: an answer waited for read_timeout in all must have come this fast
+_MIN_RATE = 16 << 10  # bytes/s: a body waited for read_timeout in all must have come this fast
 # The grammar h11 reads (RFC 9112), and tests/test_http1_differential.py holds this parser to it
 STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00\n\r\x0b\x0c]*)?\Z")
 _TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -71,7 +71,8 @@ class _Connection(asyncio.Protocol):
         self._last_data = 0.0
         self._waited = 0.0  # seconds this answer was waited for (not the reader's own time)
         self._wait_start = 0.0
-        self._bytes = 0  # bytes of this answer received
+        self._bytes = 0  # bytes of this answer's body received
+        self._head_waited = 0.0  # of _waited, the part spent waiting for the head
         self._whole = False  # the body is read whole (else piece by piece: paused past _HIGH_WATER)
         self._error: BaseException | None = None
         self._paused = False
@@ -97,7 +98,6 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._last_data = self._loop.time()
         self._got_bytes = True
-        self._bytes += len(data)
         try:
             body: bytes | memoryview | None = data
             if self._in_head:
@@ -109,6 +109,7 @@ class _Connection(asyncio.Protocol):
                     self._fail(FramingBroken(f"{len(data)} bytes arrived outside any answer"))
                 return
             if body:
+                self._bytes += len(body)
                 self._take_body(body)
         except ResponseBroken as exc:
             self._fail(exc)
@@ -142,7 +143,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.status, self.headers, self.done, self._keep_alive = 0, {}, False, False
         self._in_head, self._framing, self._error, self._got_bytes = True, "", None, False
-        self._waited, self._bytes = 0.0, 0
+        self._waited, self._bytes, self._wait_start = 0.0, 0, self._loop.time()
         self._body.clear()
         self._buffered, self._whole = 0, False
         self.used = True
@@ -218,6 +219,7 @@ class _Connection(asyncio.Protocol):
                 self._head += data
                 return None
             if not self._parse_head(data[:end]):
+                self._head_waited = self._waited + self._loop.time() - self._wait_start
                 return memoryview(data)[end + 4:]
             data = data[end + 4:]  # after an interim (1xx) answer, rare: a copy will do
 
@@ -357,8 +359,8 @@ class _Connection(asyncio.Protocol):
             raise self._error
 
     def check_timeout(self, now: float) -> None:
-        """Fail the wait if no byte came for ``read_timeout`` seconds, or, once the answer was
-        waited for that long in all, if its head is still not whole or its bytes came slower
+        """Fail the wait if no byte came for ``read_timeout`` seconds, if the head is not whole
+        after twice that in all, or if the body, waited for ``read_timeout`` in all, came slower
         than ``_MIN_RATE`` (a server sending a byte now and then never trips the first rule)."""
         limit = self._watchdog.read_timeout
         if self._waiter is None:
@@ -367,14 +369,14 @@ class _Connection(asyncio.Protocol):
             self._fail(TimeoutError(f"no byte received for {limit:g} s"))
             return
         waited = self._waited + now - self._wait_start
-        if waited < limit:
-            return
         if self._in_head:
-            self._fail(TimeoutError(f"the answer's head was not whole after {waited:.1f} s "
-                                    f"({self._bytes} bytes of it came)"))
-        elif self._bytes < _MIN_RATE * waited:
-            self._fail(TimeoutError(f"the answer came at {self._bytes / waited:.0f} bytes/s for "
-                                    f"{waited:.1f} s, under {_MIN_RATE} bytes/s"))
+            if waited >= 2 * limit:
+                self._fail(TimeoutError(f"the answer's head was not whole after {waited:.1f} s"))
+            return
+        body_waited = waited - self._head_waited
+        if body_waited >= limit and self._bytes < _MIN_RATE * body_waited:
+            self._fail(TimeoutError(f"the body came at {self._bytes / body_waited:.0f} bytes/s for "
+                                    f"{body_waited:.1f} s, under {_MIN_RATE} bytes/s"))
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
