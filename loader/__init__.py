@@ -32,7 +32,7 @@ _PUBLIC = {
     "read_index": "loader.shard_index.read",
     "read_index_counts": "loader.shard_index.read",
     **{name: "loader.errors" for name in (
-        "AccessDeniedError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
+        "AccessDeniedError", "BadAnswerError", "ConfigError", "EmptyDatasetError", "EndpointUnreachableError",
         "InvalidRangeError", "LoaderError", "NoCredentialsError", "NoSuchBucketError",
         "NoSuchKeyError", "ObjectChangedError", "ParquetFormatError", "SampleError", "ShardFormatError", "StoreError",
         "TLSError", "ThrottledError", "TransientStoreError",
@@ -55,6 +55,7 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "AccessDeniedError",
     "AsyncS3Dataset",
     "AsyncS3MapDataset",
+    "BadAnswerError",
     "Cache",
     "ConfigError",
     "DeviceFeed",
@@ -124,6 +125,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .device_feed import DeviceFeed
     from .errors import (
         AccessDeniedError,
+        BadAnswerError,
         ConfigError,
         EmptyDatasetError,
         EndpointUnreachableError,

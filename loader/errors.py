@@ -5,6 +5,7 @@
     │   └── NoCredentialsError                   none anywhere in the chain; lists what was tried
     ├── StoreError                               talking to the object store failed
     │   ├── TransientStoreError                  worth retrying: 5xx, SlowDown, reset, short body
+    │   │   ├── BadAnswerError                   not what was asked (status, range, length, ETag, framing)
     │   │   ├── ThrottledError                   SlowDown, 503, 429: the service asks for fewer requests
     │   │   └── EndpointUnreachableError (ConnectionError)
     │   ├── TLSError (ConnectionError)           a certificate that does not verify, or http
@@ -74,9 +75,19 @@ class TransientStoreError(StoreError):
     """A fault that may go away on its own (5xx, SlowDown, reset, timeout, truncated body)."""
 
 
+class BadAnswerError(TransientStoreError):
+    """The server answered, but not what was asked for: another status, range, length, ETag or
+    coding, or an answer that broke HTTP's framing. Nothing of it is used; it is retried a few
+    times (a proxy or cache may have mixed answers up), not for the whole deadline, then raised
+    naming the request and what came back (docs/design/stores.md)."""
+
+
 class ThrottledError(TransientStoreError):
     """The service asked for fewer requests (SlowDown, 503, 429): retried, and the engine sends
-    fewer requests to that endpoint and bucket for a while (docs/design/retry.md)."""
+    fewer requests to that endpoint and bucket for a while (docs/design/retry.md).
+    ``retry_after``: the seconds its ``Retry-After`` asked for, when it sent one."""
+
+    retry_after: float | None = None
 
 
 class EndpointUnreachableError(TransientStoreError, ConnectionError):

@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 
-from .errors import ConfigError, EndpointUnreachableError, TransientStoreError
+from .errors import BadAnswerError, ConfigError, EndpointUnreachableError, TransientStoreError
 
 T = TypeVar("T")
 
@@ -31,6 +31,7 @@ DEFAULT_MAX_DELAY = 5.0
 DEFAULT_DEADLINE = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 30.0
+BAD_ANSWER_ATTEMPTS = 3  # a server that answered, but not what was asked: a few tries, not the deadline
 PROGRESS_AFTER = 3.0  # a request failing for this long is reported in a warning line ...
 PROGRESS_EVERY = 5.0  # ... and the process reports at most once per this many seconds
 
@@ -142,7 +143,10 @@ def gave_up(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapse
             what: str = "") -> TransientStoreError:
     """The final error: ``exc``'s type, bucket and key, and a message that says retrying is over,
     after how many attempts and how long, and which limit of the policy ended it."""
-    if policy.max_attempts is not None and failures >= policy.max_attempts:
+    if isinstance(exc, BadAnswerError) and failures >= BAD_ANSWER_ATTEMPTS:
+        limit = ("a server that answers, but not what was asked, is not waited out: the answer "
+                 "came back wrong each time")
+    elif policy.max_attempts is not None and failures >= policy.max_attempts:
         limit = f"RetryPolicy(max_attempts={policy.max_attempts}) allows no more"
     else:
         limit = (f"its deadline of {policy.deadline:g} s would pass before another attempt: raise "
@@ -233,6 +237,13 @@ class Retrying:
         self.failures += 1
         elapsed = now - self.started
         delay = next_delay(self.policy, self.failures, elapsed, self.rng)
+        if isinstance(exc, BadAnswerError) and self.failures >= BAD_ANSWER_ATTEMPTS:
+            delay = None
+        asked = getattr(exc, "retry_after", None)  # a throttle's Retry-After, within the policy
+        if delay is not None and asked is not None:
+            delay = min(max(delay, asked), self.policy.max_delay)
+            if elapsed + delay >= self.policy.deadline:
+                delay = None
         if first_contact(exc, self.policy, self.failures, elapsed, delay):
             assert isinstance(exc, EndpointUnreachableError)  # first_contact checked it
             raise wrong_endpoint(exc, self.failures, elapsed, self.what) from exc

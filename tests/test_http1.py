@@ -232,19 +232,45 @@ def test_an_answer_that_stalls_times_out_after_read_timeout():
 
 def test_a_slow_answer_that_keeps_sending_does_not_time_out():
     async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n")
-        for _ in range(8):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 524288\r\n\r\n")
+        for _ in range(8):  # 64 KiB every 0.1 s: slow, but well above the least rate
             await asyncio.sleep(0.1)
-            writer.write(b"x")
+            writer.write(b"x" * 65536)
             await writer.drain()
 
     async def run() -> None:
         async with _server(trickle) as (port, _):
             pool = _pool(port, read_timeout=0.25)  # the whole answer takes 0.8 s
-            assert await _get(pool) == b"x" * 8
+            assert await _get(pool) == b"x" * 524288
             await pool.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_a_slowloris_answer_fails_though_a_byte_comes_in_every_read_timeout(part):
+    sent = []
+
+    async def slowloris(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        wire = b"HTTP/1.1 200 OK\r\nContent-Length: 200\r\n\r\n" + b"x" * 200
+        if part == "body":
+            writer.write(wire[:40])
+            wire = wire[40:]
+        for byte in wire:
+            await asyncio.sleep(0.02)
+            writer.write(bytes([byte]))
+            sent.append(byte)
+            await writer.drain()
+
+    async def run() -> None:
+        async with _server(slowloris) as (port, _):
+            pool = _pool(port, read_timeout=0.3)
+            with pytest.raises(TimeoutError, match="head was not whole" if part == "head" else "bytes/s"):
+                await _get(pool)
+            await pool.aclose()
+
+    asyncio.run(run())
+    assert len(sent) < 200, "failed before the trickle ended, not at its end"
 
 
 def test_nothing_listening_is_a_connect_failure_that_says_so():

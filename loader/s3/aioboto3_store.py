@@ -31,9 +31,11 @@ from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy, answered
 from ..uri import object_url
 from .addressing import NotServed
+from .answer_checks import Asked, asked_for, check_head, check_length
 from .credentials import credentials_error, no_credentials_found
 from .direct import SignedGetter
 from .error_answers import (
+    broken_framing,
     certificate_rejected,
     error_for_answer,
     failed_mid_request,
@@ -42,7 +44,8 @@ from .error_answers import (
     target,
     unreachable,
 )
-from .http1 import ConnectFailed
+from .http1 import ConnectFailed, FramingBroken
+from .list_xml import next_token, not_a_listing
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -267,6 +270,7 @@ class Aioboto3Store:
     ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token) or started
         after ``start_after``."""
+        seen: set[str] = set()  # tokens answered: one answered again would loop forever
         while True:
             after = None if token else start_after
             try:
@@ -284,9 +288,9 @@ class Aioboto3Store:
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
             yield page
-            if page.token is None:
+            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
+            if token is None:
                 return
-            token = page.token
 
     async def _botocore_page(
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
@@ -305,7 +309,12 @@ class Aioboto3Store:
                    for item in page.get("Contents", ())]
         prefixes = [item["Prefix"] for item in page.get("CommonPrefixes", ())]
         next_token = page.get("NextContinuationToken")
-        return ListPage(objects, prefixes, next_token if page.get("IsTruncated") and next_token else None)
+        if "IsTruncated" not in page:  # botocore read a 200 whose body is no ListBucketResult
+            raise not_a_listing(bucket, prefix, token, "no IsTruncated in it")
+        if page["IsTruncated"] and (not next_token or not (objects or prefixes)):
+            raise not_a_listing(bucket, prefix, token, "IsTruncated is true with no "
+                                + ("NextContinuationToken" if not next_token else "keys on the page"))
+        return ListPage(objects, prefixes, next_token if page["IsTruncated"] else None)
 
     async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         return _sent(await self._read(bucket, key, None, pin))
@@ -355,7 +364,10 @@ class Aioboto3Store:
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
+                asked = asked_for(byte_range, conditions)
+                expected = _checked_head(response, asked, bucket, key)
                 data = await body.read()  # verifies Content-Length: short bodies raise
+                check_length(len(data), expected, asked, bucket, key)
         except Exception as exc:
             if conditions and "If-None-Match" in conditions and _error_code(exc) in _NOT_MODIFIED:
                 return None
@@ -441,10 +453,12 @@ class Aioboto3Store:
             answered(self._endpoint)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
-        expected = int(response.get("ContentLength", -1))
         etag = response.get("ETag")
         body = response["Body"]
         async with body:
+            asked = asked_for(kwargs.get("Range"), None if if_match is None else {"If-Match": if_match})
+            due = _checked_head(response, asked, bucket, key)
+            expected = -1 if due is None else due
             while True:
                 try:
                     chunk = await body.read(chunk_size)
@@ -567,9 +581,10 @@ def translate_error(
         return exc
     if isinstance(exc, bce.ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        meta = exc.response.get("ResponseMetadata", {})
+        status = int(meta.get("HTTPStatusCode", 0) or 0)
         return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
-                                listing=listing)
+                                listing=listing, headers=meta.get("HTTPHeaders", {}).get)
     aiohttp_tls, aiohttp_connect, aiohttp_stream = _aiohttp_errors()
     if isinstance(exc, (bce.SSLError, ssl.SSLError, *aiohttp_tls)):
         return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
@@ -583,6 +598,8 @@ def translate_error(
                            reason=(os_error and os_error.strerror) or str(exc))
     if isinstance(exc, ConnectFailed):
         return unreachable(endpoint, bucket, key, listing=listing, reason=exc.reason)
+    if isinstance(exc, FramingBroken):
+        return broken_framing(bucket, key, str(exc), listing=listing)
     if isinstance(exc, (*_STREAM_ERRORS, *aiohttp_stream)):
         # with what it said, where it said anything ("no byte received for 30 s")
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -695,6 +712,14 @@ class _PartBody(io.BytesIO):
 
     def getbuffer(self) -> memoryview:
         return memoryview(self._data)
+
+
+def _checked_head(response: dict[str, Any], asked: Asked, bucket: str, key: str) -> int | None:
+    """botocore's answer held to the request (``answer_checks``, as every transport's is): the
+    body's length it must have."""
+    meta = response.get("ResponseMetadata", {})
+    headers = meta.get("HTTPHeaders", {})  # botocore's names are in lower case
+    return check_head(int(meta.get("HTTPStatusCode", 200)), headers.get, asked, bucket, key)
 
 
 def _error_code(exc: BaseException | None) -> str:

@@ -26,8 +26,9 @@ from typing import Any
 from ..config import S3Config
 from ..retry import RetryPolicy, answered
 from .addressing import Address, NotServed, Origin, bucket_address, proxy_for, redirected, unserved
-from .error_answers import answer_code, error_for_answer
-from .http1 import ConnectionPool, Response
+from .answer_checks import asked_for, check_head, check_length
+from .error_answers import answer_code, broken_framing, error_for_answer
+from .http1 import ConnectionPool, FramingBroken, Response
 from .list_xml import list_query, parse_list_page
 from .protocol import ListPage
 from .signing import canonical_query, sign_v4
@@ -111,11 +112,18 @@ class SignedGetter:
         """The object's bytes (or a range of them) and the response's ETag; a body short of its
         Content-Length raises. ``conditions``: headers such as ``If-Match``, sent as given and
         signed; ``None`` for the bytes when ``If-None-Match`` was answered 304 Not Modified."""
-        async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
-            if response.status == NOT_MODIFIED and conditions and "If-None-Match" in conditions:
-                return None, response.headers.get("etag")
-            await self._raise_for_error(response, bucket, key)
-            return await response.read(), response.headers.get("etag")
+        asked = asked_for(byte_range, conditions)
+        try:
+            async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
+                if response.status == NOT_MODIFIED and asked.if_none_match:
+                    return None, response.headers.get("etag")
+                await self._raise_for_error(response, bucket, key)
+                expected = check_head(response.status, response.headers.get, asked, bucket, key)
+                data = await response.read()
+                check_length(len(data), expected, asked, bucket, key)
+                return data, response.headers.get("etag")
+        except FramingBroken as exc:
+            raise broken_framing(bucket, key, str(exc), request=asked.describe()) from exc
 
     async def stream(
         self, bucket: str, key: str, byte_range: str | None, chunk_size: int,
@@ -123,17 +131,27 @@ class SignedGetter:
     ) -> AsyncGenerator[tuple[bytes, int | None, str | None], None]:
         """Yield ``(piece, content_length, etag)``: the body as it arrives, in pieces of at most
         ``chunk_size`` bytes."""
-        async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
-            await self._raise_for_error(response, bucket, key)
-            expected = response.content_length
-            etag = response.headers.get("etag")
-            while data := await response.read_some():
-                if len(data) <= chunk_size:
-                    yield data, expected, etag
-                    continue
-                view = memoryview(data)
-                for at in range(0, len(data), chunk_size):
-                    yield bytes(view[at:at + chunk_size]), expected, etag
+        asked = asked_for(byte_range, conditions)
+        try:
+            async with await self._send(bucket, key, byte_range, conditions=conditions) as response:
+                await self._raise_for_error(response, bucket, key)
+                expected = check_head(response.status, response.headers.get, asked, bucket, key)
+                etag = response.headers.get("etag")
+                received = 0
+                most = expected if expected is not None or asked.end is None else asked.end - asked.start
+                while data := await response.read_some():
+                    received += len(data)
+                    if most is not None and received > most:  # never a byte past what is due
+                        check_length(received, most, asked, bucket, key)
+                    if len(data) <= chunk_size:
+                        yield data, expected, etag
+                        continue
+                    view = memoryview(data)
+                    for at in range(0, len(data), chunk_size):
+                        yield bytes(view[at:at + chunk_size]), expected, etag
+                check_length(received, expected, asked, bucket, key)
+        except FramingBroken as exc:
+            raise broken_framing(bucket, key, str(exc), request=asked.describe()) from exc
 
     async def list_page(
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,
@@ -146,7 +164,7 @@ class SignedGetter:
         async with await self._send(bucket, "", None, query) as response:
             await self._raise_for_error(response, bucket, prefix, listing=True)
             body = await response.read()
-        return parse_list_page(body)
+        return parse_list_page(body, bucket=bucket, prefix=prefix, token=token)
 
     async def aclose(self) -> None:
         pools, self._pools = list(self._pools.values()), {}
@@ -200,4 +218,5 @@ class SignedGetter:
             return
         body = await response.read(_MAX_ERROR_BODY)
         raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
-                               endpoint=self._endpoint, listing=listing)
+                               endpoint=self._endpoint, listing=listing,
+                               headers=response.headers.get, body=body)

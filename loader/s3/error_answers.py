@@ -7,8 +7,11 @@ reads the same advice whichever ``store=`` they picked (and tests hold both to i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import (
     AccessDeniedError,
+    BadAnswerError,
     ConfigError,
     EndpointUnreachableError,
     InvalidRangeError,
@@ -41,20 +44,67 @@ def target(bucket: str, key: str, *, listing: bool = False) -> str:
     return f"s3://{bucket}/{key}" + (" (listing)" if listing else "")
 
 
+def clean(text: str, limit: int = 120) -> str:
+    """A server's text as an error may quote it: control characters dropped, at most ``limit``
+    characters (a server's words are not trusted to be short or printable)."""
+    text = "".join(ch if ch.isprintable() else " " for ch in text[: limit * 4]).strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+_CODE_LIMIT = 64  # S3's codes are short words; anything longer is not one
+
+
 def answer_code(body: bytes) -> str:
     """The ``<Code>`` of an S3 error body (``""`` if it has none), for the transports that read
     answers themselves; botocore and obstore find it in their own exceptions."""
     if b"<Code>" not in body:
         return ""
-    return body.split(b"<Code>", 1)[1].split(b"</Code>", 1)[0].decode("utf-8", "replace")
+    return body.split(b"<Code>", 1)[1].split(b"</Code>", 1)[0][:_CODE_LIMIT * 4].decode("utf-8", "replace")
+
+
+def _tag(body: bytes, name: bytes) -> str | None:
+    """The text of the first ``<name>`` element of an error body, if any."""
+    start = body.find(b"<" + name + b">")
+    if start < 0:
+        return None
+    text = body[start + len(name) + 2:].split(b"<", 1)[0][:400]
+    return text.decode("utf-8", "replace")
+
+
+def redirect_hint(status: int, header: Callable[[str], str | None] | None, body: bytes = b"") -> str:
+    """Where a 301/302/307 answer sends the request, as advice: the bucket's region (S3's
+    ``x-amz-bucket-region`` header) or the endpoint its body names ("" when it names neither)."""
+    if status not in (301, 302, 307, 308):
+        return ""
+    region = header("x-amz-bucket-region") if header is not None else None
+    endpoint = _tag(body, b"Endpoint")
+    region = region or _tag(body, b"Region")
+    hints = []
+    if region:
+        hints.append(f"the bucket is in region {clean(region, 40)!r}: set AWS_REGION={clean(region, 40)} "
+                     "(or S3Config(region=...))")
+    if endpoint:
+        hints.append(f"the server names endpoint {clean(endpoint, 120)!r}: use it as AWS_ENDPOINT_URL")
+    return "; ".join(hints)
 
 
 def error_for_answer(
-    code: str, status: int, *, bucket: str, key: str, endpoint: str, listing: bool = False
+    code: str, status: int, *, bucket: str, key: str, endpoint: str, listing: bool = False,
+    headers: Callable[[str], str | None] | None = None, body: bytes = b"",
 ) -> StoreError:
-    """The error for an S3 error response: its code (``""`` if none) and HTTP status."""
+    """The error for an S3 error response: its code (``""`` if none), HTTP status and, where the
+    transport has them, its headers (``headers(name)``) and body (a redirect's region, a
+    throttle's ``Retry-After``). The server's code is quoted cleaned and capped."""
     answered(endpoint)  # an error answer is an answer: the endpoint is right
+    code = clean(code, _CODE_LIMIT)
     what = target(bucket, key, listing=listing)
+    if status in (301, 302, 307, 308) or code in ("PermanentRedirect", "TemporaryRedirect"):
+        hint = redirect_hint(status, headers, body) or (
+            "set AWS_REGION (or S3Config(region=...)) to the bucket's region, or AWS_ENDPOINT_URL "
+            "to the endpoint that serves it")
+        return StoreError(f"{what}: the server redirects the request elsewhere ({code or 'HTTP'} "
+                          f"{status}); requests are signed for one endpoint and not followed: {hint}",
+                          bucket=bucket, key=key)
     if code == "NoSuchBucket":
         return NoSuchBucketError(
             f"bucket {bucket!r} does not exist at {endpoint}; create it or fix the URI "
@@ -83,17 +133,31 @@ def error_for_answer(
         return changed_during_read(bucket, key, "the server answered 412 PreconditionFailed to "
                                    "If-Match: it no longer holds the version the read began with")
     if code in THROTTLE_CODES or status in (429, 503):
-        return ThrottledError(
+        throttled = ThrottledError(
             f"{what}: the server answered {code or status} (HTTP {status})",
             bucket=bucket, key=key,
         )
-    if code in TRANSIENT_CODES or status >= 500:
+        throttled.retry_after = retry_after(headers("retry-after") if headers is not None else None)
+        return throttled
+    if code in TRANSIENT_CODES or status >= 500 or status == 408:  # 408: the server gave up
+        # waiting (on a kept-alive connection, often one it was closing): another try is right
         return TransientStoreError(
             f"{what}: the server answered {code or status} (HTTP {status})",
             bucket=bucket, key=key,
         )
     return StoreError(f"{what}: the server answered {code or status} (HTTP {status})",
                       bucket=bucket, key=key)
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks to wait (delta-seconds only; an HTTP date or
+    garbage: None). The retry policy bounds it (``loader.retry``)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value.isascii() or not value.isdigit() or len(value) > 6:
+        return None
+    return float(value)
 
 
 def changed_during_read(bucket: str, key: str, how: str) -> ObjectChangedError:
@@ -151,6 +215,17 @@ def failed_mid_request(
         f"{target(bucket, key, listing=listing)}: the connection failed mid-request ({detail})",
         bucket=bucket, key=key,
     )
+
+
+def broken_framing(bucket: str, key: str, detail: str, *, listing: bool = False,
+                   request: str = "GET") -> BadAnswerError:
+    """An answer that broke HTTP/1.1's grammar or framing: its connection was closed, nothing
+    of it used; tried again a few times (``BadAnswerError``), then this names the violation."""
+    return BadAnswerError(
+        f"{target(bucket, key, listing=listing)}: the server's answer to {request} broke HTTP/1.1 "
+        f"({clean(detail, 200)}); the connection was closed and nothing of the answer used. A "
+        "proxy or server in front of the endpoint bends HTTP: check what is at AWS_ENDPOINT_URL",
+        bucket=bucket, key=key)
 
 
 def no_credentials() -> ConfigError:

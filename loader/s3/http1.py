@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import re
 import socket
 import ssl
 from collections.abc import Callable
@@ -30,6 +31,12 @@ _MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3
 _HIGH_WATER = 256 << 10  # a streamed body pauses the socket with this much received and unread
 # (about one read of asyncio's; aiohttp paused at 128 KiB): buffers the engine does not count stay small
 _NO_BODY = (204, 304)
+_MIN_RATE = 16 << 10  # bytes/s: a body waited for read_timeout in all must have come this fast
+# The grammar h11 reads (RFC 9112), and tests/test_http1_differential.py holds this parser to it
+STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00\n\r\x0b\x0c]*)?\Z")
+_TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_LENGTH = re.compile(r"[0-9]{1,19}\Z")  # at most 19 digits: below 2**63, past any object
+CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;.*)?[ \t]*\Z")
 
 
 class ConnectFailed(Exception):
@@ -42,6 +49,12 @@ class ConnectFailed(Exception):
 
 class ResponseBroken(ConnectionError):
     """The connection ended, or sent what is not HTTP/1.1, before the whole answer arrived."""
+
+
+class FramingBroken(ResponseBroken):
+    """The server answered, but broke HTTP/1.1's grammar or framing (a bad status line, header,
+    length or chunk size, bytes past the answer's end): its connection is closed, never reused,
+    and the store raises ``BadAnswerError`` (a few tries, not the whole retry deadline)."""
 
 
 class _Connection(asyncio.Protocol):
@@ -58,6 +71,10 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._until = ""  # what the waiter waits for: "head", "some" (bytes of the body), "all"
         self._last_data = 0.0
+        self._waited = 0.0  # seconds this answer was waited for (not the reader's own time)
+        self._wait_start = 0.0
+        self._bytes = 0  # bytes of this answer's body received
+        self._head_waited = 0.0  # of _waited, the part spent waiting for the head
         self._whole = False  # the body is read whole (else piece by piece: paused past _HIGH_WATER)
         self._error: BaseException | None = None
         self._paused = False
@@ -91,9 +108,10 @@ class _Connection(asyncio.Protocol):
                     return
             elif self.done or not self.status:
                 if data:  # bytes nobody asked for: the connection cannot be trusted for another
-                    self._fail(ResponseBroken(f"{len(data)} bytes arrived outside any answer"))
+                    self._fail(FramingBroken(f"{len(data)} bytes arrived outside any answer"))
                 return
             if body:
+                self._bytes += len(body)
                 self._take_body(body)
         except ResponseBroken as exc:
             self._fail(exc)
@@ -127,6 +145,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.status, self.headers, self.done, self._keep_alive = 0, {}, False, False
         self._in_head, self._framing, self._error, self._got_bytes = True, "", None, False
+        self._waited, self._bytes, self._wait_start = 0.0, 0, self._loop.time()
         self._body.clear()
         self._buffered, self._whole = 0, False
         self.used = True
@@ -198,42 +217,50 @@ class _Connection(asyncio.Protocol):
             end = data.find(b"\r\n\r\n")
             if end < 0:
                 if len(data) > _MAX_HEAD:
-                    raise ResponseBroken(f"no end of headers in the first {_MAX_HEAD} bytes")
+                    raise FramingBroken(f"no end of headers in the first {_MAX_HEAD} bytes")
                 self._head += data
                 return None
             if not self._parse_head(data[:end]):
+                self._head_waited = self._waited + self._loop.time() - self._wait_start
                 return memoryview(data)[end + 4:]
             data = data[end + 4:]  # after an interim (1xx) answer, rare: a copy will do
 
     def _parse_head(self, head: bytes) -> bool:
         """Read a status line and headers; whether it was an interim (1xx) answer, after which
-        the real one follows. Sets the body's framing."""
-        lines = head.decode("latin-1").split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit():
-            raise ResponseBroken(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
-        status = int(code)
+        the real one follows. Sets the body's framing; anything outside RFC 9112's grammar (as
+        h11 reads it), or a framing that is ambiguous, is ``FramingBroken``."""
+        text = head.decode("latin-1")
+        lines = text.split("\r\n")
+        if _bad_chars(text, len(lines) - 1):
+            raise FramingBroken(f"a NUL, VT, FF or a lone CR or LF in the answer's head: {text[:80]!r}")
+        status_line = STATUS_LINE.match(lines[0])
+        if status_line is None:
+            raise FramingBroken(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+        status = int(status_line.group(2))
+        if status < 100:
+            raise FramingBroken(f"status {status} is not an HTTP status")
+        headers = _read_fields(lines[1:])
         if 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
             return True
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if not colon or not name or name != name.strip():
-                raise ResponseBroken(f"malformed header line: {line[:80]!r}")
-            name = name.lower()
-            value = value.strip()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
         self.status, self.headers, self._in_head = status, headers, False
-        keep_alive = "close" not in headers.get("connection", "").lower() and version == "HTTP/1.1"
+        keep_alive = ("close" not in headers.get("connection", "").lower()
+                      and status_line.group(1) == "1")
+        coding = headers.get("transfer-encoding")
+        if coding is not None and coding.lower() != "chunked":  # another coding's bytes are not
+            raise FramingBroken(f"Transfer-Encoding {coding[:60]!r}: only chunked is read")  # the object's
+        length = headers.get("content-length")
+        if length is not None:
+            lengths = {value.strip() for value in length.split(",")}  # "5, 5": the same length, twice
+            length = lengths.pop()
+            if lengths or not _LENGTH.match(length):
+                raise FramingBroken(f"Content-Length {headers['content-length'][:40]!r} is not a length")
         if status in _NO_BODY:
             self._framing, self.done = "length", True
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif coding is not None:
+            if length is not None:  # RFC 9112 6.3: a sign of smuggling, an error here
+                raise FramingBroken("both Transfer-Encoding and Content-Length")
             self._framing, self._chunk_state, self._pending = "chunked", "size", bytearray()
-        elif "content-length" in headers:
-            length = headers["content-length"]
-            if not length.isdigit():
-                raise ResponseBroken(f"Content-Length {length[:40]!r} is not a number")
+        elif length is not None:
             self._framing, self._left = "length", int(length)
             self.done = self._left == 0
         else:
@@ -244,7 +271,7 @@ class _Connection(asyncio.Protocol):
     def _take_body(self, data: bytes | memoryview) -> None:
         if self._framing == "length":
             if len(data) > self._left:
-                raise ResponseBroken(f"{len(data) - self._left} bytes past the Content-Length")
+                raise FramingBroken(f"{len(data) - self._left} bytes past the Content-Length")
             self._left -= len(data)
             self._keep(data)
             if not self._left:
@@ -273,29 +300,33 @@ class _Connection(asyncio.Protocol):
                 end = self._pending.find(b"\r\n")
                 if end < 0:
                     if len(self._pending) > _MAX_HEAD:
-                        raise ResponseBroken("a chunk's size line or trailer without its end")
+                        raise FramingBroken("a chunk's size line or trailer without its end")
                     return
                 line = bytes(self._pending[:end])
                 del self._pending[:end + 2]
                 if self._chunk_state == "data-end":
                     if line:
-                        raise ResponseBroken("a chunk longer than its size")
+                        raise FramingBroken("a chunk longer than its size")
                     self._chunk_state = "size"
                 elif self._chunk_state == "size":
-                    size = line.split(b";", 1)[0].strip()
-                    try:
-                        self._left = int(size, 16)
-                    except ValueError:
-                        raise ResponseBroken(f"chunk size {size[:20]!r} is not hexadecimal") from None
+                    size = CHUNK_SIZE_LINE.match(line)
+                    if size is None:
+                        raise FramingBroken(f"chunk size line {line[:20]!r} is not hexadecimal")
+                    self._left = int(size.group(1), 16)
                     self._chunk_state = "data" if self._left else "trailer"
                     if self._left:
                         view, self._pending = memoryview(bytes(self._pending)), bytearray()
                         break
                 elif not line:  # the empty line that ends the trailer: the body is complete
                     if self._pending:
-                        raise ResponseBroken(f"{len(self._pending)} bytes arrived outside any answer")
+                        raise FramingBroken(f"{len(self._pending)} bytes arrived outside any answer")
                     self.done = True
                     return
+                else:  # a trailer field: read past, but only if it is one
+                    field = line.decode("latin-1")
+                    if _bad_chars(field, 0):
+                        raise FramingBroken(f"malformed trailer line: {field[:80]!r}")
+                    _read_fields([field])
 
     def _keep(self, data: bytes | memoryview) -> None:
         if not data:
@@ -317,7 +348,7 @@ class _Connection(asyncio.Protocol):
         if self.closed and not self.done:
             raise ResponseBroken("the connection is closed")
         self._waiter, self._until = self._loop.create_future(), until
-        self._last_data = self._loop.time()
+        self._last_data = self._wait_start = self._loop.time()
         watchdog = self._watchdog
         watchdog.watch(self)
         try:
@@ -325,14 +356,29 @@ class _Connection(asyncio.Protocol):
         finally:
             self._waiter = None
             watchdog.waiting.discard(self)
+            self._waited += self._loop.time() - self._wait_start
         if self._error is not None:
             raise self._error
 
     def check_timeout(self, now: float) -> None:
-        """Fail the wait if no byte came for ``read_timeout`` seconds."""
+        """Fail the wait if no byte came for ``read_timeout`` seconds, if the head is not whole
+        after twice that in all, or if the body, waited for ``read_timeout`` in all, came slower
+        than ``_MIN_RATE`` (a server sending a byte now and then never trips the first rule)."""
         limit = self._watchdog.read_timeout
-        if self._waiter is not None and now - self._last_data >= limit:
+        if self._waiter is None:
+            return
+        if now - self._last_data >= limit:
             self._fail(TimeoutError(f"no byte received for {limit:g} s"))
+            return
+        waited = self._waited + now - self._wait_start
+        if self._in_head:
+            if waited >= 2 * limit:
+                self._fail(TimeoutError(f"the answer's head was not whole after {waited:.1f} s"))
+            return
+        body_waited = waited - self._head_waited
+        if body_waited >= limit and self._bytes < _MIN_RATE * body_waited:
+            self._fail(TimeoutError(f"the body came at {self._bytes / body_waited:.0f} bytes/s for "
+                                    f"{body_waited:.1f} s, under {_MIN_RATE} bytes/s"))
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
@@ -347,6 +393,31 @@ class _Connection(asyncio.Protocol):
         if (self._error is not None or self.done or (until == "head" and not self._in_head)
                 or (until == "some" and self._body)):
             waiter.set_result(None)
+
+
+def _bad_chars(text: str, lines: int) -> bool:
+    """Whether ``text`` (``lines`` + 1 lines joined by CRLF) holds a character no field may:
+    NUL, VT, FF, or a CR or LF outside a CRLF (counts: C speed, a search each was slower)."""
+    return (text.count("\r") != lines or text.count("\n") != lines or "\x00" in text
+            or "\x0b" in text or "\x0c" in text)
+
+
+def _read_fields(lines: list[str]) -> dict[str, str]:
+    """Header fields (names in lower case; a repeated field's values joined with ", "): a name
+    of token characters, a colon, a value without NUL, CR, LF, VT or FF (the caller looked for
+    those in the whole head at once: ``_bad_chars``; cheaper than a match a line)."""
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name.strip(_TOKEN_CHARS):
+            raise FramingBroken(f"malformed header line: {line[:80]!r}")
+        name, value = name.lower(), value.strip(" \t")
+        if name in headers:
+            if name == "transfer-encoding":  # one framing, said once
+                raise FramingBroken(f"{name} sent twice")
+            value = f"{headers[name]}, {value}"
+        headers[name] = value
+    return headers
 
 
 class _TunnelOpener(asyncio.Protocol):

@@ -14,10 +14,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime
+import functools
 import http.client
+import io
+import select
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import AsyncGenerator
 from typing import Any, NoReturn
@@ -26,19 +30,22 @@ import anyio
 import anyio.to_thread
 
 from ..config import S3Config
-from ..errors import StoreError
+from ..errors import BadAnswerError, StoreError
 from ..retry import RetryPolicy, answered
 from .addressing import NotServed, Origin, Proxy, bucket_address, proxy_for, redirected, unserved
+from .answer_checks import asked_for, check_codings, check_head, check_length
 from .credentials import resolve_credentials
 from .error_answers import (
     answer_code,
+    broken_framing,
     certificate_rejected,
     error_for_answer,
     failed_mid_request,
     plain_http_server,
     unreachable,
 )
-from .list_xml import list_query, parse_list_page
+from .http1 import CHUNK_SIZE_LINE, STATUS_LINE
+from .list_xml import list_query, next_token, parse_list_page
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -49,6 +56,91 @@ from .protocol import (
     objects_of,
 )
 from .signing import canonical_query, sign_v4
+
+_MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
+
+
+def _quiet(connection: http.client.HTTPConnection) -> bool:
+    """Whether nothing more arrived on a connection whose answer was read whole: bytes past an
+    answer's framing (or its end) mean the connection cannot be trusted with another request."""
+    sock = connection.sock
+    if sock is None:
+        return False
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return False
+    poller = select.poll()  # (not select(): a process may hold descriptors past FD_SETSIZE)
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
+
+
+class AnswerDeadline(TimeoutError):
+    """The whole answer (head and body) did not arrive within its deadline."""
+
+
+class _DeadlineSocket:
+    """What ``http.client`` reads an answer from: the connection's socket, each read bounded by
+    what is left of the answer's deadline (a socket timeout alone restarts at every byte, so a
+    server sending one byte a second never times out)."""
+
+    def __init__(self, sock: socket.socket, deadline: float, read_timeout: float) -> None:
+        self.sock, self.deadline, self._read_timeout = sock, deadline, read_timeout
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        # the socket stays open while this reader is (as socket.makefile keeps it): a
+        # connection closed right after a close-delimited answer's head still reads its body
+        self.sock._io_refs += 1  # type: ignore[attr-defined]
+        return io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise AnswerDeadline("the whole answer did not arrive in time (the server sends, but "
+                                 f"too slowly: under {_MIN_RATE} bytes/s past the read timeout)")
+        self.sock.settimeout(min(left, self._read_timeout))
+        return self.sock.recv_into(buffer, nbytes, flags)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def _decref_socketios(self) -> None:
+        self.sock._decref_socketios()  # type: ignore[attr-defined]
+
+
+class _CheckedResponse(http.client.HTTPResponse):
+    """``http.client``'s answer, with its status line and chunk sizes held to the grammar
+    ``http1`` reads (h11's): ``int()`` alone takes ``0x1f``, ``+1f``, ``1_000`` and Unicode
+    digits, so the two transports would read one answer two ways. Read through a
+    ``_DeadlineSocket`` when given one."""
+
+    def __init__(self, sock: Any, debuglevel: int = 0, method: str | None = None,
+                 url: str | None = None, *, read_timeout: float | None = None) -> None:
+        self.deadline_socket = None
+        if read_timeout is not None:  # the head within 2 read timeouts; the body: see _call
+            sock = self.deadline_socket = _DeadlineSocket(
+                sock, time.monotonic() + 2 * read_timeout, read_timeout)
+        super().__init__(sock, debuglevel, method, url)
+
+    def _read_status(self) -> tuple[str, int, str]:
+        line = str(self.fp.readline(_MAX_LINE + 1), "iso-8859-1")
+        if not line:
+            raise http.client.RemoteDisconnected("the server closed the connection without answering")
+        found = STATUS_LINE.match(line.removesuffix("\r\n"))
+        if len(line) > _MAX_LINE or not line.endswith("\r\n") or found is None:
+            raise http.client.BadStatusLine(line[:80])
+        version, _, rest = line.partition(" ")
+        return version, int(found.group(2)), rest[4:].strip()
+
+    def _read_next_chunk_size(self) -> int:
+        line = self.fp.readline(_MAX_LINE + 1)
+        found = CHUNK_SIZE_LINE.match(line.removesuffix(b"\r\n"))
+        if len(line) > _MAX_LINE or not line.endswith(b"\r\n") or found is None:
+            self._close_conn()  # type: ignore[attr-defined]
+            raise http.client.HTTPException(f"chunk size line {line[:20]!r} is not hexadecimal")
+        return int(found.group(1), 16)
+
+
+_MAX_LINE = 65536  # http.client's own limit on a line
+_MIN_RATE = 16 << 10  # bytes/s a body must arrive at, past its head's deadline (as http1's)
 
 
 def usable(config: S3Config) -> bool:
@@ -69,6 +161,7 @@ class HttpLister:
         self._endpoint = config.endpoint_url or "AWS S3"
         self._config = config
         self._timeout = max(retry.connect_timeout, retry.read_timeout)
+        self._read_timeout = retry.read_timeout
         self._context: ssl.SSLContext | None = None
         self._credentials: Any = None  # the config's keys, or what botocore's chain found (on first use)
         self._idle: dict[Origin, list[http.client.HTTPConnection]] = {}
@@ -145,25 +238,27 @@ class HttpLister:
                          start_after: str | None, delimiter: str | None,
                          page_size: int) -> AsyncGenerator[ListPage, None]:
         first, self._first = self._first, None
+        seen: set[str] = set()  # tokens answered: one answered again would loop forever
         if first is not None and (token, start_after, delimiter) == (None, None, None) \
                 and first[0] == (bucket, prefix, page_size):
             page = await asyncio.wrap_future(first[1])  # no worker thread to wait in; cancellable
             yield page
-            if page.token is None:
+            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
+            if token is None:
                 return
-            token = page.token
         while True:
             query = list_query(prefix, page_size, token, start_after, delimiter)
             page = await anyio.to_thread.run_sync(self._page, bucket, prefix, query,
                                                   limiter=self._limiter)
             yield page
-            if page.token is None:
+            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
+            if token is None:
                 return
-            token = page.token
 
     def _page(self, bucket: str, prefix: str, query: dict[str, str]) -> ListPage:
         """One page, in a worker thread."""
-        return parse_list_page(self._call(bucket, prefix, "", query, None, listing=True))
+        return parse_list_page(self._call(bucket, prefix, "", query, None, listing=True),
+                               bucket=bucket, prefix=prefix, token=query.get("continuation-token"))
 
     def _call(self, bucket: str, key: str, path: str, query: dict[str, str],
               byte_range: str | None, *, listing: bool = False) -> bytes:
@@ -180,18 +275,44 @@ class HttpLister:
             request_target = address.origin.url + request_target
             if proxy.authorization:
                 headers["Proxy-Authorization"] = proxy.authorization
+        asked = asked_for(byte_range)
+        expected: int | None = None
         try:
             connection.request("GET", request_target, headers=headers)
             response = connection.getresponse()
             answered(self._endpoint)
-            body = response.read()
-        except (OSError, http.client.HTTPException) as exc:
+            length = response.getheader("Content-Length")
+            deadline = getattr(response, "deadline_socket", None)
+            if deadline is not None and length is not None and length.isascii() \
+                    and length.isdigit() and len(length) < 19:  # the body at the least rate
+                deadline.deadline += int(length) / _MIN_RATE
+            if response.status < 300:  # held to the request before its body is read
+                expected = check_head(response.status, response.getheader, asked, bucket, key)
+                body = response.read()
+                check_length(len(body), expected, asked, bucket, key)
+            else:
+                check_codings(response.getheader("Transfer-Encoding"), asked, bucket, key)
+                body = response.read(_MAX_ERROR_BODY)
+        except BadAnswerError:
+            connection.close()  # its framing cannot be trusted for another answer
+            raise
+        except (http.client.RemoteDisconnected, http.client.IncompleteRead) as exc:
+            connection.close()  # the connection ended early: worth another try
+            self._fail(exc, bucket, key, listing)
+        except (http.client.HTTPException, ValueError, OverflowError) as exc:
+            connection.close()  # not HTTP/1.1 (http.client raises all three for bad framing)
+            raise broken_framing(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing,
+                                 request=asked.describe()) from exc
+        except OSError as exc:
             connection.close()
             self._fail(exc, bucket, key, listing)
         with self._lock:
-            if response.will_close or self._closed:
+            if response.will_close or self._closed or response.status >= 300 \
+                    or not _quiet(connection):
                 connection.close()
             else:
+                if connection.sock is not None:  # (the answer's deadline had shortened it)
+                    connection.sock.settimeout(self._timeout)
                 self._idle.setdefault(address.origin, []).append(connection)
         reason = redirected(response.status, {name.lower(): value for name, value in response.getheaders()},
                             bucket, self._config.region)
@@ -199,11 +320,8 @@ class HttpLister:
             raise NotServed(reason)
         if response.status >= 300:
             raise error_for_answer(answer_code(body), response.status, bucket=bucket, key=key,
-                                   endpoint=self._endpoint, listing=listing)
-        length = response.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) != len(body):
-            raise failed_mid_request(bucket, key, f"body of {len(body)} of {length} bytes",
-                                     listing=listing)
+                                   endpoint=self._endpoint, listing=listing,
+                                   headers=response.getheader, body=body)
         return body
 
     def request(self, bucket: str, path: str, query: dict[str, str], byte_range: str | None,
@@ -251,13 +369,17 @@ class HttpLister:
                     self._context.verify_mode = ssl.CERT_NONE
         host, port = (origin.host, origin.port) if proxy is None else \
             (proxy.origin.host, proxy.origin.port)
+        connection: http.client.HTTPConnection
         if not origin.https:
-            return http.client.HTTPConnection(host, port, timeout=self._timeout), proxy
-        connection = http.client.HTTPSConnection(host, port, timeout=self._timeout,
-                                                 context=self._context)
-        if proxy is not None:
-            tunnel = {"Proxy-Authorization": proxy.authorization} if proxy.authorization else None
-            connection.set_tunnel(origin.host, origin.port, headers=tunnel)
+            connection = http.client.HTTPConnection(host, port, timeout=self._timeout)
+        else:
+            connection = http.client.HTTPSConnection(host, port, timeout=self._timeout,
+                                                     context=self._context)
+            if proxy is not None:
+                tunnel = {"Proxy-Authorization": proxy.authorization} if proxy.authorization else None
+                connection.set_tunnel(origin.host, origin.port, headers=tunnel)
+        connection.response_class = functools.partial(  # type: ignore[assignment]
+            _CheckedResponse, read_timeout=self._read_timeout)
         return connection, proxy
 
     def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
@@ -271,7 +393,12 @@ class HttpLister:
             raise unreachable(self._endpoint, bucket, key, listing=listing,
                               reason=exc.strerror or str(exc)) from exc
         # with what it said, as the other transports do; a stall says how long it was waited out
-        said = f"no answer within {self._timeout:g} s" if isinstance(exc, TimeoutError) else str(exc)
+        if isinstance(exc, AnswerDeadline):
+            said = str(exc)
+        elif isinstance(exc, TimeoutError):
+            said = f"no answer within {self._timeout:g} s"
+        else:
+            said = str(exc)
         detail = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
         raise failed_mid_request(bucket, key, detail, listing=listing) from exc
 

@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..retry import RetryPolicy, answered
 from ..uri import object_url
+from .answer_checks import Asked, asked_for, check_length, check_span
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
     DENIED_CODES,
@@ -240,6 +241,8 @@ class ObstoreStore:
             data = await result.bytes_async()
             answered(self._endpoint)
             start, stop = result.range
+            check_span(_asked(options), start, stop, _size(result.meta), result.meta.get("e_tag"),
+                       bucket, key)
         except StoreError:
             raise
         except Exception as exc:
@@ -275,6 +278,10 @@ class ObstoreStore:
         finally:
             del store  # see _get_plain()
         answered(self._endpoint)
+        if end is not None and len(data) > end - start:  # never more than asked (object_store
+            # checks the Content-Range's start; a shorter span than a range to the end is taken
+            # as the object's end: only a listed size, checked by the caller, catches that)
+            check_length(len(data), end - start, asked_for(f"bytes={start}-{end - 1}"), bucket, key)
         return bytes(data)
 
     async def _get_pinned_range(
@@ -319,6 +326,8 @@ class ObstoreStore:
         try:
             result = await obstore.get_async(store, key, options=options)
             first, stop = result.range
+            check_span(_asked(options), first, stop, _size(result.meta), result.meta.get("e_tag"),
+                       bucket, key)
             if pin is not None:
                 pin.observe(result.meta.get("e_tag"), bucket, key)
         except StoreError:
@@ -587,6 +596,25 @@ def _check_key(bucket: str, key: str) -> None:
             "such keys",
             bucket=bucket, key=key,
         )
+
+
+def _asked(options: Any) -> Asked:
+    """What a ``get_async`` with ``options`` asked for (``answer_checks``)."""
+    options = options or {}
+    byte_range = options.get("range")
+    if_match = options.get("if_match")
+    asked = Asked(if_match=None if if_match is None else normalize_etag(if_match),
+                  if_none_match="if_none_match" in options)
+    if isinstance(byte_range, dict):
+        return asked._replace(ranged=True, start=int(byte_range["offset"]))
+    if byte_range is not None:
+        return asked._replace(ranged=True, start=int(byte_range[0]), end=int(byte_range[1]))
+    return asked
+
+
+def _size(meta: Any) -> int | None:
+    size = meta.get("size")
+    return None if size is None else int(size)
 
 
 def _check_range_args(bucket: str, key: str, start: int, end: int | None) -> None:
