@@ -50,6 +50,7 @@ from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri
 from .options import LoaderOptions
 from .shard_source import ShardSource
+from .window_order import WINDOW_UNITS
 
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
@@ -281,7 +282,7 @@ class ParquetSource(ShardSource):
         """What a unit of several row groups may need: its share of ``read_bytes()``, so that
         ``row_groups_inflight`` units fit in the budget at once (None: no budget)."""
         reads = self.read_bytes()
-        return None if reads is None else reads // self.shard_options.shards_inflight
+        return None if reads is None else reads // max(self.shard_options.shards_inflight, WINDOW_UNITS)
 
     def read_bytes(self) -> int | None:
         """What ``memory_budget`` leaves for row groups being read (None: no budget)."""
@@ -334,11 +335,20 @@ class ParquetSource(ShardSource):
         return f"row {key!r} of {url}, going on with the rest of the row group"
 
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
-            offsets: bool = True) -> Job:
+            offsets: bool = True, order: Sequence[int] | None = None) -> Job:
         plan = self.plans()[assignment.shard]
         read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns,
                             self._piece(), self.shard_options.parts_inflight, self._streams(plan))
-        return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error)
+        return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error,
+                             order=order)
+
+    def window_options(self) -> dict[str, Any]:
+        """A unit is fetched and decoded whole before its rows are emitted, so its rows are
+        permuted too (all but a streamed one); a window holds units whose reads fit together in
+        what the memory limit leaves for reads (``WINDOW_UNITS`` at most)."""
+        plans = self.plans()
+        return {"window": WINDOW_UNITS, "weights": [self._need(plan) for plan in plans],
+                "cap": self.read_bytes(), "permuted": [not self._streams(plan) for plan in plans]}
 
     def reserve(self, assignment: ShardAssignment) -> int:
         return self._need(self.plans()[assignment.shard])

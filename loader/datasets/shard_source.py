@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import logging
 import random
-from collections.abc import Container, Generator, Iterable, Iterator, Mapping
+from collections.abc import Container, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..checks import check_int
@@ -51,6 +51,14 @@ from .options import LoaderOptions, check_budget, shard_read_bytes
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
 from .shuffle import shuffled
+from .window_order import (
+    WINDOW_UNITS,
+    UnitRead,
+    WindowOrder,
+    contiguous_positions,
+    index_ranges,
+    plan_reads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -246,22 +254,85 @@ class ShardSource:
         if self.shard_options.samples_per_epoch is not None:
             yield from self._cycle(slot, progress, run, self.shard_options.samples_per_epoch)
             return
+        if self.unit_counts() is not None:  # the epoch's order is known sample by sample
+            yield from self._planned(slot, progress, run)
+            return
         options = self.shard_options
         jobs = [
             self.job(a, position, skip=progress.shard(position))
             for position, a in enumerate(self.assignments(slot))
             if not shard_complete(a, progress.shard_samples.get(position), progress.shard(position))
         ]
-        blocks = slot.positions is not None
-        if blocks:
-            delivery: Delivery = "ordered"  # blocks in order: shards read ahead, delivered in turn
-        else:
-            delivery = "interleave" if self.options.ordered else "completed"
+        # counts unknown: whole shards dealt to slots, their samples interleaved and mixed by the
+        # shuffle buffer; unshuffled, each shard is delivered whole, in turn (the stored order)
+        delivery: Delivery = "ordered" if not self.options.shuffle else (
+            "interleave" if self.options.ordered else "completed")
         limits = self.limits(delivery)
-        size = options.buffer_size if self.options.shuffle and not blocks else 0  # keeps blocks whole
+        size = options.buffer_size if self.options.shuffle else 0
         with contextlib.closing(progress.count_ends(run(jobs, limits))) as stream:
             yield from shuffled(stream, size, slot_rng(slot), max_bytes=options.shuffle_bytes,
                                 nbytes=tagged_nbytes)
+
+    def unit_order(self, slot: Slot) -> WindowOrder:
+        """The epoch's sample order (``window_order``): units shuffled, merged by windows."""
+        counts = self.unit_counts()
+        assert counts is not None
+        return WindowOrder(counts, seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle,
+                           **self.window_options())
+
+    def window_options(self) -> dict[str, Any]:
+        """How units are merged (``WindowOrder``'s keywords): tar shards stream, so each keeps
+        its stored order inside a window of ``WINDOW_UNITS`` shards."""
+        return {"window": WINDOW_UNITS}
+
+    def positions(self, slot: Slot, total: int) -> Iterable[int]:
+        """The slot's positions in the epoch's order: the blocks ``batch_size=`` deals, else a
+        contiguous run of it (``window_order.contiguous_positions``)."""
+        if slot.positions is not None:
+            return slot.positions
+        if not total:
+            return ()
+        run = contiguous_positions(total, rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
+                                   num_workers=slot.num_workers, policy=slot.policy)
+        return (p % total for p in run)
+
+    def _planned(self, slot: Slot, progress: ShardProgress, run: Run) -> Generator[Tagged, None, None]:
+        """Read the slot's positions of the epoch's order (``window_order``): one read per unit
+        a window's stretch touches, run side by side, delivered item by item in the order's
+        sequence (the engine's schedule). Without ``batch_size=`` the shuffle buffer mixes on
+        top (a slot's run of the order is its own: no other topology depends on it)."""
+        order = self.unit_order(slot)
+        # The engine's thread makes the jobs and reads the schedule: give it a copy of what a
+        # resumed state says was delivered, not the progress this thread updates.
+        delivered = {p: Watermark.from_state(mark.to_state()) for p, mark in progress.shards.items()}
+        nothing = Watermark()
+        plan_for_jobs, plan_for_schedule = itertools.tee(plan_reads(order, self.positions(slot, len(order))))
+
+        def jobs() -> Generator[Job, None, None]:
+            for segment in plan_for_jobs:
+                for read in segment.reads:
+                    yield self.read_job(read, delivered.get(read.number, nothing))
+
+        def schedule() -> Generator[int, None, None]:
+            for segment in plan_for_schedule:
+                left = {read.number: iter(read.indices) for read in segment.reads}
+                for number in segment.schedule:
+                    if next(left[number]) not in delivered.get(number, nothing):
+                        yield number
+
+        size = self.shard_options.buffer_size if slot.shuffle and slot.positions is None else 0
+        stream = run(jobs(), self.limits("scheduled"), schedule())
+        with contextlib.closing(stream):
+            yield from shuffled(stream, size, slot_rng(slot), max_bytes=self.shard_options.shuffle_bytes,
+                                nbytes=tagged_nbytes)
+
+    def read_job(self, read: UnitRead, skip: Container[int]) -> Job:
+        """The job of one read of a plan: its unit's samples ``read.indices``, emitted in that
+        order as ``((read.number, index), sample)`` (no end-of-shard marker)."""
+        ranges = index_ranges(read.indices)
+        assignment = ShardAssignment(read.unit, 1, 0, ranges[0][0], ranges[-1][1], ranges)
+        job = self.job(assignment, read.number, skip=skip, order=read.indices)
+        return samples_only(job, self.reserve(assignment))
 
     def _cycle(self, slot: Slot, progress: ShardProgress, run: Run, per_rank: int,
                ) -> Generator[Tagged, None, None]:
@@ -335,19 +406,21 @@ class ShardSource:
     def reads(self, slot: Slot) -> list[Read]:
         if slot.positions is None:
             raise ValueError("reads() needs the slot's positions")
-        assignments = self.assignments(slot)  # raises without counts
-        counts = self.unit_counts()
-        assert counts is not None
-        return [Read(self.job(a, position), a.wanted(counts[a.shard]), _is_sample, self.reserve(a))
-                for position, a in enumerate(assignments)]
+        if self.unit_counts() is None:
+            raise ConfigError(f"batch_size= in shard mode deals samples: {self.missing_count()}")
+        order = self.unit_order(slot)
+        return [Read(self.read_job(read, frozenset()), len(read.indices), _is_sample,
+                     self.reserve(ShardAssignment(read.unit, 1, 0)), read.tags)
+                for segment in plan_reads(order, slot.positions) for read in segment.reads]
 
     # ------------------------------------------------------------------ how one shard is read
     # (a source of other units dealt like shards, such as Parquet row groups, overrides these)
 
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
-            offsets: bool = True) -> Job:
+            offsets: bool = True, order: Sequence[int] | None = None) -> Job:
         """The engine job that reads ``assignment``'s samples as plan position ``position``,
-        less ``skip``; ``offsets``: ranged reads from the index's offsets where they apply."""
+        less ``skip``; ``offsets``: ranged reads from the index's offsets where they apply.
+        ``order``: the order to emit them in (a tar shard streams: only its stored order)."""
         shard, counts = self.shards()[assignment.shard], self.counts()
         return shard_job(shard, position, assignment, self.shard_options, skip=skip,
                          on_error=self.options.on_error,
@@ -423,6 +496,35 @@ def check_counts(counts: Any) -> dict[str, int]:
     for url, count in counts.items():
         check_int(f"sample_counts[{url!r}]", count, minimum=0, must="a non-negative integer")
     return dict(counts)
+
+
+class _SamplesOnly:
+    """What a plan's job sees: its context, less the end-of-shard marker (a scheduled delivery
+    has no place for it, and a plan knows every unit's count)."""
+
+    __slots__ = ("store", "retry", "_ctx")
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.store, self.retry, self._ctx = ctx.store, ctx.retry, ctx
+
+    async def emit(self, item: Any, nbytes: int) -> None:
+        if item[0][1] != END:
+            await self._ctx.emit(item, nbytes)
+
+    def retried(self, exc: BaseException) -> None:
+        self._ctx.retried(exc)
+
+
+def samples_only(job: Job, reserve: int | None) -> Job:
+    """``job`` without its end-of-shard marker, saying what it holds (the engine's budget)."""
+
+    async def wrapped(ctx: JobContext) -> None:
+        await job(_SamplesOnly(ctx))  # type: ignore[arg-type]
+
+    wrapped.reserve = getattr(job, "reserve", reserve)  # type: ignore[attr-defined]
+    if hasattr(job, "reads_ahead"):
+        wrapped.reads_ahead = job.reads_ahead  # type: ignore[attr-defined]
+    return wrapped
 
 
 def _is_sample(tag: Tag) -> bool:

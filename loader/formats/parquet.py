@@ -520,16 +520,19 @@ class RowGroupRead(NamedTuple):
 
 
 def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignment: ShardAssignment,
-                  skip: Container[int] = frozenset(), on_error: str = "raise") -> Job:
+                  skip: Container[int] = frozenset(), on_error: str = "raise",
+                  order: Sequence[int] | None = None) -> Job:
     """Read one unit of row groups: fetch its selected column chunks (ranged GETs of at most
     ``part_size`` bytes, ``parts_inflight`` at a time, every one pinned to the listed ETag), decode
     them in a worker thread, and emit ``((position, row), sample)`` for each row (numbered in the
     unit) the assignment keeps and ``skip`` does not hold, then ``((position, END),
-    ShardEnd(rows))``: a unit is read as a shard is.
+    ShardEnd(rows))``: a unit is read as a shard is. ``order``: the rows' order of emission (a
+    shuffled plan's permutation within the unit; the unit's rows are held until all are decoded).
 
     A sample: ``__key__`` (the file's key less ``.parquet``, a slash, the row's number in the
     file), ``__url__`` (the file's URL) and the selected columns' values."""
     ref = read.ref
+    permuted = None if order is None or all(a < b for a, b in zip(order, order[1:])) else tuple(order)
 
     def changed(exc: ObjectChangedError) -> ObjectChangedError:
         return ObjectChangedError(
@@ -578,6 +581,15 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
         index = 0
         stem, url, first = ref.stem + "/", ref.url, plan.first  # once, not per row
+        held: dict[int, tuple[dict[str, Any], int]] | None = None if permuted is None else {}
+
+        async def emit_held() -> None:
+            if held:
+                for at in permuted or ():
+                    if at in held:
+                        sample, nbytes = held.pop(at)
+                        await ctx.emit(((position, at), sample), nbytes)
+
         try:
             while True:
                 batch = await anyio.to_thread.run_sync(next, rows, None)
@@ -586,9 +598,14 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
                 for row in batch:
                     if assignment.keeps(index) and index not in skip:
                         sample = {"__key__": f"{stem}{first + index}", "__url__": url, **row}
-                        await ctx.emit(((position, index), sample), row_nbytes(row))
+                        if held is not None:
+                            held[index] = (sample, row_nbytes(row))
+                        else:
+                            await ctx.emit(((position, index), sample), row_nbytes(row))
                     index += 1
+            await emit_held()
         except ParquetFormatError as exc:
+            await emit_held()  # the rows decoded before the fault, in their turn
             if on_error == "raise":
                 raise
             message = f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"

@@ -290,19 +290,22 @@ def _ranged_job(
     offsets: Sequence[int],
     expect: Expect | None,
 ) -> Job:
-    """``shard_job`` for sample ranges whose byte offsets are known: one GET per range, from the
-    range's first sample's first header to the next sample's (at most ``part_size`` bytes held;
+    """``shard_job`` for sample ranges whose byte offsets are known: one GET per span of ranges
+    (``coalesced_spans``), from its first sample's first header to the next sample's (at most
+    ``SPAN_BYTES`` held, so that many reads side by side stay small;
     a longer range, or one that runs to the shard's end, is streamed and cut after its last
     sample). A range that ends at the shard's last sample reads on to the end (the count check)."""
     expected = len(offsets)
     if expect is None:
         expect = Expect(expected, "the shard index", "index the shards again")
 
+    spans = coalesced_spans(assignment.ranges, offsets, min(options.part_size, SPAN_BYTES))
+
     async def job(ctx: JobContext) -> None:
         links, skipped = 0, False
         pin = Pin(shard.etag)  # the offsets describe one version: every range reads that one
-        for start, stop in assignment.ranges:
-            if all(index in skip for index in range(start, stop)):
+        for start, stop in spans:
+            if all(index in skip or not assignment.keeps(index) for index in range(start, stop)):
                 continue  # delivered before a resume
             grouper = SampleGrouper(shard.url, start_index=start)
             parser = TarStreamParser(shard.url, start_offset=offsets[start])
@@ -317,7 +320,7 @@ def _ranged_job(
                     raise expect.mismatch(shard, f"holds more than {expected} samples")
                 if index >= stop:
                     raise _RangeDone
-                if index not in skip:
+                if index not in skip and assignment.keeps(index):
                     await ctx.emit(((position, index), sample), sample_nbytes(sample))
                 if index + 1 >= stop and stop < expected:
                     raise _RangeDone
@@ -329,7 +332,7 @@ def _ranged_job(
 
             try:
                 try:
-                    if stop < expected and offsets[stop] - offsets[start] <= options.part_size:
+                    if stop < expected and offsets[stop] - offsets[start] <= min(options.part_size, SPAN_BYTES):
                         # One bounded GET: the range ends where the next sample's first header starts.
                         get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
                                                 offsets[start], offsets[stop], pin=pin)
@@ -372,6 +375,39 @@ def _ranged_job(
         await ctx.emit(((position, END), ShardEnd(expected, skipped=skipped, links=links)), 0)
 
     return job
+
+
+SPAN_BYTES = 2 << 20
+"""Most bytes one GET of a ranged read holds when it spans several wanted sample ranges and the
+samples between them (a shuffled plan wants samples spread over a shard): many reads of a
+shard side by side each hold one such span."""
+
+
+def coalesced_spans(ranges: Sequence[tuple[int, int]], offsets: Sequence[int],
+                    max_bytes: int) -> list[tuple[int, int]]:
+    """Ascending sample ``ranges`` joined into spans read by one GET each: the next range joins
+    when the span then stays within ``max_bytes`` and the samples skipped to reach it are at
+    most half as large as those wanted so far (at most a third of what a span reads is dropped:
+    fewer, larger GETs for a few more bytes). A range
+    that is longer alone stays one span (read streamed)."""
+    out: list[list[int]] = []
+    wanted = 0
+    count = len(offsets)
+
+    def at(index: int) -> int:
+        return offsets[index] if index < count else offsets[-1] + max_bytes + 1  # the end: unknown
+
+    for start, stop in ranges:
+        if out:
+            first, last = out[-1]
+            gap = at(start) - at(last)
+            if at(stop) - at(first) <= max_bytes and 2 * gap <= wanted:
+                out[-1][1] = stop
+                wanted += at(stop) - at(start)
+                continue
+        out.append([start, stop])
+        wanted = at(stop) - at(start)
+    return [(start, stop) for start, stop in out]
 
 
 def _warn_links(shard: ShardRef, parser: TarStreamParser) -> int:
