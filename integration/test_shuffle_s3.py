@@ -15,9 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset
-
 from bench.labelmix import label_mix
+from loader import AsyncS3Dataset
 
 CLASSES, PER_CLASS, PER_SHARD = 10, 120, 20
 LABELS = [i // PER_CLASS for i in range(CLASSES * PER_CLASS)]

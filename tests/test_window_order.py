@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from bench.labelmix import label_mix, uniform_distinct
 from loader import AsyncS3Dataset, Reading, mix
 from loader.datasets import partition
 from loader.datasets.window_order import (
@@ -31,7 +32,6 @@ from loader.datasets.window_order import (
 )
 from loader.formats.shards import coalesced_spans
 
-from bench.labelmix import label_mix, uniform_distinct
 from fakes import FakeStore, reusable
 
 counts_st = st.lists(st.integers(0, 40), min_size=0, max_size=12)

@@ -330,7 +330,10 @@ class ShardSource:
         """The job of one read of a plan: its unit's samples ``read.indices``, emitted in that
         order as ``((read.number, index), sample)`` (no end-of-shard marker)."""
         ranges = index_ranges(read.indices)
-        assignment = ShardAssignment(read.unit, 1, 0, ranges[0][0], ranges[-1][1], ranges)
+        if len(ranges) == 1 and ranges[0][0] == 0:  # a shard's first samples: read as a whole
+            assignment = ShardAssignment(read.unit, 1, 0, 0, ranges[0][1])  # shard is (ranged parts)
+        else:
+            assignment = ShardAssignment(read.unit, 1, 0, ranges[0][0], ranges[-1][1], ranges)
         job = self.job(assignment, read.number, skip=skip, order=read.indices)
         return samples_only(job, self.reserve(assignment))
 

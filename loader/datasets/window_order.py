@@ -190,7 +190,6 @@ def plan_reads(order: WindowOrder, positions: Iterable[int]) -> Iterator[Segment
     its stored order). Lazy: the engine asks for reads and the schedule as it goes, so a worker
     starts after computing its first window only."""
     number = 0
-    tag = 0
     current: list[tuple[int, int, int]] = []  # (tag, unit, index)
     window = last = -1
 
@@ -210,7 +209,7 @@ def plan_reads(order: WindowOrder, positions: Iterable[int]) -> Iterator[Segment
         number += len(reads)
         return Segment(reads, owner)
 
-    for position in positions:
+    for tag, position in enumerate(positions):
         w = order.window_of(position)
         if current and (w != window or position <= last):
             yield flush()
@@ -218,7 +217,6 @@ def plan_reads(order: WindowOrder, positions: Iterable[int]) -> Iterator[Segment
         window, last = w, position
         unit, index = order[position]
         current.append((tag, unit, index))
-        tag += 1
     if current:
         yield flush()
 
