@@ -7,8 +7,8 @@ label (keys in class order, tar shards packed in class order with their index, H
 files with row groups of 100 rows) and unsorted (the same labels in a seeded random order). Each
 mode (objects, shards, Parquet) x ``batch_size=`` (none, 8, 32) x data runs one epoch with
 ``shuffle=True`` and a ``DataLoader`` of ``--workers`` workers (batch 8 and 32 where no
-``batch_size=`` is dealt), in a child process per revision (``--base``: a commit, exported with
-``git archive``; the working tree), revisions alternated over ``--rounds`` rounds. Per run:
+``batch_size=`` is dealt), in a child process per revision (``--base`` and ``--head``, commits
+exported with ``git archive``), revisions alternated over ``--rounds`` rounds. Per run:
 distinct labels per batch against what a uniform permutation gives (``bench.labelmix``),
 single-label batches, and rows per second of the epoch (medians over rounds).
 """
@@ -127,9 +127,20 @@ def child(workers: int, samples: int) -> None:
                           "batches": found.batches}), flush=True)
 
 
+def export(commit: str) -> str:
+    """The package as of ``commit``, in a temporary folder (edits made meanwhile do not count)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"shuffle-{commit[:12]}-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "loader"], check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    return str(folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="1e9950c")
+    parser.add_argument("--head", default="HEAD")
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--size", type=int, default=8 * 1024)
     parser.add_argument("--per-shard", type=int, default=50)
@@ -144,12 +155,9 @@ def main() -> None:
     from loader.tools.demo import upload
     from loader.tools.devserver import DevServer
 
-    base = Path(tempfile.mkdtemp(prefix="shuffle-base-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.base, "loader"], check=True,
-                             capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(base, filter="data")
-    revisions = {"before": str(base), "after": str(ROOT)}
+    revisions = {"before": export(args.base), "after": export(args.head)}
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.head], check=True,
+                          capture_output=True, text=True).stdout.strip()
     results: dict[str, dict[tuple, list[dict]]] = {name: {} for name in revisions}
     with DevServer(buckets=[BUCKET]) as server:
         upload(server.config, build(args.samples, args.size, args.per_shard), bucket=BUCKET)
@@ -167,7 +175,7 @@ def main() -> None:
     lines = [
         f"{args.samples} samples of {CLASSES} classes ({args.size} B each; shards of {args.per_shard}; "
         f"Parquet: 2 files, row groups of 100 rows), shuffle=True, num_workers={args.workers}, one epoch per "
-        f"run, embedded SeaweedFS on loopback; before = {args.base}, after = this tree; medians of "
+        f"run, embedded SeaweedFS on loopback; before = {args.base}, after = {head}; medians of "
         f"{args.rounds} alternated rounds. Distinct: mean distinct labels per batch / what a uniform "
         "permutation gives. Single: single-label batches of all full batches. The machine was shared "
         "(other builds running): compare the two columns of one row, not rows across runs.\n",

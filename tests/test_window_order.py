@@ -147,6 +147,7 @@ def test_spans_cover_every_wanted_range_within_their_size(sizes, data, max_bytes
         inside = [r for r in ranges if a <= r[0] and r[1] <= b]
         end = offsets[b] if b < len(offsets) else None
         assert len(inside) == 1 or (end is not None and end - offsets[a] <= max_bytes)
+        assert inside[0][0] == a and inside[-1][1] == b  # a span starts and ends with wanted samples
 
 
 def test_contiguous_positions_split_ranks_and_workers():

@@ -21,6 +21,7 @@ from ..engine.fetch import Delivery, EngineLimits, Job, JobContext
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.shards import (
     END,
+    SPAN_BYTES,
     ShardAssignment,
     ShardEnd,
     ShardOptions,
@@ -51,14 +52,7 @@ from .options import LoaderOptions, check_budget, shard_read_bytes
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
 from .shuffle import shuffled
-from .window_order import (
-    WINDOW_UNITS,
-    UnitRead,
-    WindowOrder,
-    contiguous_positions,
-    index_ranges,
-    plan_reads,
-)
+from .window_order import WINDOW_UNITS, Segment, UnitRead, WindowOrder, index_ranges, plan_reads
 
 log = logging.getLogger(__name__)
 
@@ -281,32 +275,58 @@ class ShardSource:
                            **self.window_options())
 
     def window_options(self) -> dict[str, Any]:
-        """How units are merged (``WindowOrder``'s keywords): tar shards stream, so each keeps
-        its stored order inside a window of ``WINDOW_UNITS`` shards."""
-        return {"window": WINDOW_UNITS}
+        """How units are merged (``WindowOrder``'s keywords, indexed by unit).
 
-    def positions(self, slot: Slot, total: int) -> Iterable[int]:
-        """The slot's positions in the epoch's order: the blocks ``batch_size=`` deals, else a
-        contiguous run of it (``window_order.contiguous_positions``)."""
-        if slot.positions is not None:
-            return slot.positions
-        if not total:
-            return ()
-        run = contiguous_positions(total, rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
-                                   num_workers=slot.num_workers, policy=slot.policy)
-        return (p % total for p in run)
+        A tar shard streams, so it keeps its stored order inside its window. A window holds up
+        to ``WINDOW_UNITS`` shards whose reads fit together in what ``shards_inflight`` shards
+        read whole may hold: a read from the index's offsets holds one GET's span, so 64 fit;
+        a shard without offsets is read in ranged parts, so only ``shards_inflight`` do."""
+        options, counts = self.shard_options, self.counts()
+        whole = shard_read_bytes(options.parts_inflight, options.part_size)
+        spans = SPAN_BYTES + options.chunk_size
+        weights = [spans if counts is not None and counts.offsets.get(shard.url) and shard.compression is None
+                   else whole for shard in self.shards()]
+        return {"window": WINDOW_UNITS, "weights": weights, "cap": options.shards_inflight * whole}
 
     def _planned(self, slot: Slot, progress: ShardProgress, run: Run) -> Generator[Tagged, None, None]:
-        """Read the slot's positions of the epoch's order (``window_order``): one read per unit
-        a window's stretch touches, run side by side, delivered item by item in the order's
-        sequence (the engine's schedule). Without ``batch_size=`` the shuffle buffer mixes on
-        top (a slot's run of the order is its own: no other topology depends on it)."""
-        order = self.unit_order(slot)
+        """Read the slot's share of the epoch in a windowed order (``window_order``): one read
+        per unit a window's stretch touches, run side by side, delivered item by item in the
+        order's sequence (the engine's schedule).
+
+        With ``batch_size=`` the slot reads its blocks of the epoch's order, the same on every
+        topology (so a resume is a slice of it). Without, the slot reads its run of the shuffled
+        units (``partition.balanced_shard_ranges``: each unit once, as before) merged in an order
+        of its own, and the shuffle buffer mixes on top: nothing resumes such a pass on another
+        topology, so its order need not be shared."""
+        if slot.positions is not None:
+            order = self.unit_order(slot)
+            pieces: list[tuple[int, int]] | None = None  # the order's units are the units
+            positions: Iterable[int] = slot.positions
+        else:
+            counts = self.unit_counts()
+            assert counts is not None
+            assignments = partition.balanced_shard_ranges(counts, policy=slot.policy, **slot.where())
+            pieces = [(a.shard, a.start) for a in assignments]
+            options = self.window_options()
+            at = [a.shard for a in assignments]
+            for name in ("weights", "permuted"):
+                if options.get(name) is not None:
+                    options[name] = [options[name][unit] for unit in at]
+            number, _ = partition.slot_of(slot.rank, slot.world_size, slot.worker, slot.num_workers)
+            order = WindowOrder([(a.stop or 0) - a.start for a in assignments],
+                                seed=partition.epoch_seed(slot.seed, number), epoch=slot.epoch,
+                                shuffle=slot.shuffle, **options)
+            positions = range(len(order))
         # The engine's thread makes the jobs and reads the schedule: give it a copy of what a
         # resumed state says was delivered, not the progress this thread updates.
         delivered = {p: Watermark.from_state(mark.to_state()) for p, mark in progress.shards.items()}
         nothing = Watermark()
-        plan_for_jobs, plan_for_schedule = itertools.tee(plan_reads(order, self.positions(slot, len(order))))
+        plan = plan_reads(order, positions)
+        if pieces is not None:
+            plan = (Segment([read._replace(unit=pieces[read.unit][0],
+                                           indices=tuple(pieces[read.unit][1] + i for i in read.indices))
+                             for read in segment.reads], segment.schedule) for segment in plan)
+        plan_for_jobs, plan_for_schedule = itertools.tee(plan)
 
         def jobs() -> Generator[Job, None, None]:
             for segment in plan_for_jobs:
@@ -328,10 +348,12 @@ class ShardSource:
 
     def read_job(self, read: UnitRead, skip: Container[int]) -> Job:
         """The job of one read of a plan: its unit's samples ``read.indices``, emitted in that
-        order as ``((read.number, index), sample)`` (no end-of-shard marker)."""
+        order as ``((read.number, index), sample)`` (no end-of-shard marker). Unshuffled, a run
+        is read as before (from the shard's start, in ranged parts); shuffled, many reads run
+        side by side, each from the index's offsets where known (one GET's span held each)."""
         ranges = index_ranges(read.indices)
-        if len(ranges) == 1 and ranges[0][0] == 0:  # a shard's first samples: read as a whole
-            assignment = ShardAssignment(read.unit, 1, 0, 0, ranges[0][1])  # shard is (ranged parts)
+        if len(ranges) == 1 and not self.options.shuffle:
+            assignment = ShardAssignment(read.unit, 1, 0, ranges[0][0], ranges[0][1])
         else:
             assignment = ShardAssignment(read.unit, 1, 0, ranges[0][0], ranges[-1][1], ranges)
         job = self.job(assignment, read.number, skip=skip, order=read.indices)

@@ -383,12 +383,18 @@ samples between them (a shuffled plan wants samples spread over a shard): many r
 shard side by side each hold one such span."""
 
 
+GAP_BYTES = 64 << 10
+"""Bytes of unwanted samples a span reads through rather than end and send another GET: a GET
+costs ~0.1-0.85 ms of client CPU (DESIGN.md), about what parsing this many bytes of small
+samples does; larger samples between wanted ones are skipped by a new GET."""
+
+
 def coalesced_spans(ranges: Sequence[tuple[int, int]], offsets: Sequence[int],
                     max_bytes: int) -> list[tuple[int, int]]:
     """Ascending sample ``ranges`` joined into spans read by one GET each: the next range joins
     when the span then stays within ``max_bytes`` and the samples skipped to reach it are at
-    most half as large as those wanted so far (at most a third of what a span reads is dropped:
-    fewer, larger GETs for a few more bytes). A range
+    most half as large as those wanted so far (at most a third of what a span reads is dropped)
+    or at most ``GAP_BYTES``: fewer, larger GETs for a few more bytes. A range
     that is longer alone stays one span (read streamed)."""
     out: list[list[int]] = []
     wanted = 0
@@ -401,7 +407,7 @@ def coalesced_spans(ranges: Sequence[tuple[int, int]], offsets: Sequence[int],
         if out:
             first, last = out[-1]
             gap = at(start) - at(last)
-            if at(stop) - at(first) <= max_bytes and 2 * gap <= wanted:
+            if at(stop) - at(first) <= max_bytes and (2 * gap <= wanted or gap <= GAP_BYTES):
                 out[-1][1] = stop
                 wanted += at(stop) - at(start)
                 continue
