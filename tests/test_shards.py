@@ -752,7 +752,7 @@ def test_a_skipped_sample_is_named_and_its_shard_goes_on(caplog):
 def test_shuffle_buffer_with_batch_size_is_refused_not_ignored():
     fake, _ = make_store(num_shards=2, per_shard=10)
     with pytest.raises(ConfigError, match=r"shuffle_buffer=200 cannot be used with batch_size=: blocks "
-                                          r".*Drop shuffle_buffer=.*loader shard --shuffle"):
+                                          r".*Drop shuffle_buffer=.*mixes the samples of up to 64 shards"):
         shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=200)
     shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=0)  # saying "no buffer" is fine
     shards_ds(fake, shuffle=True, batch_size=8)  # and so is the default, which does not apply

@@ -25,7 +25,6 @@ from loader import AsyncS3Dataset, Reading, mix
 from loader.datasets import partition
 from loader.datasets.window_order import (
     WindowOrder,
-    contiguous_positions,
     index_ranges,
     plan_reads,
     window_groups,
@@ -106,9 +105,9 @@ def test_a_resume_on_another_topology_reads_the_rest_once(counts, seed, window, 
             got += [seen + p for p in partition.block_positions(
                 rest, batch_size=batch, rank=rank, world_size=new_world, worker=worker,
                 num_workers=new_workers, policy="drop")]
-    left_out = rest - sum(partition.block_shape(rest, batch, new_world, "drop")[0] * batch * new_world
-                          for _ in [0]) - partition.block_shape(rest, batch, new_world, "drop")[1] * new_world
-    assert len(got) == len(set(got)) == n - left_out
+    full, last = partition.block_shape(rest, batch, new_world, "drop")  # "drop": < new_world left out
+    assert len(got) == len(set(got)) == seen + (full * batch + last) * new_world
+    assert set(got) == set(range(len(got)))  # a prefix of the order: nothing skipped, nothing twice
     samples = [order[p] for p in got]
     assert len(set(samples)) == len(samples)
 
@@ -148,12 +147,6 @@ def test_spans_cover_every_wanted_range_within_their_size(sizes, data, max_bytes
         end = offsets[b] if b < len(offsets) else None
         assert len(inside) == 1 or (end is not None and end - offsets[a] <= max_bytes)
         assert inside[0][0] == a and inside[-1][1] == b  # a span starts and ends with wanted samples
-
-
-def test_contiguous_positions_split_ranks_and_workers():
-    got = [p for rank in range(3) for w in range(2)
-           for p in contiguous_positions(10, rank=rank, world_size=3, worker=w, num_workers=2, policy="pad")]
-    assert got == list(range(12))
 
 
 def test_uniform_distinct_is_the_expectation_of_a_permutation():
@@ -287,3 +280,19 @@ def test_a_resume_on_another_worker_count_reads_the_rest_once(mode):
     whole = [k for keys in DataLoader(sorted_dataset(mode, batch_size=batch), batch_size=batch,
                                       collate_fn=lambda b: [s["__key__"] for s in b]) for k in keys]
     assert before + after == whole or sorted(before + after) == sorted(whole)
+
+
+def test_a_state_saved_before_windowed_orders_resumes_only_where_the_order_is_unchanged():
+    from loader import ConfigError
+
+    shuffled = sorted_dataset("shards", batch_size=8)
+    shuffled.set_epoch(1)
+    with pytest.raises(ConfigError, match=r"state version 2\) in the middle of epoch 1.*mixes shuffled "
+                                          r"shards.*ds\.set_epoch\(1\) instead of load_state_dict"):
+        shuffled.load_state_dict({**shuffled.state_dict(), "version": 2})
+    unshuffled = sorted_dataset("parquet", shuffle=False)
+    unshuffled.load_state_dict({**unshuffled.state_dict(), "version": 2, "epoch": 1})
+    assert unshuffled.epoch == 1
+    objects = sorted_dataset("objects")
+    objects.load_state_dict({**objects.state_dict(), "version": 2, "epoch": 1})
+    assert objects.epoch == 1

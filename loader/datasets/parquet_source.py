@@ -189,7 +189,8 @@ class ParquetSource(ShardSource):
         if options.batch_size is not None and self.shard_options.shuffle_buffer:
             raise ConfigError(f"shuffle_buffer={self.shard_options.shuffle_buffer!r} cannot be used with "
                               "batch_size=: blocks of the epoch's order are read in order; drop "
-                              "shuffle_buffer= (the row-group order is still shuffled every epoch)")
+                              "shuffle_buffer= (with shuffle=True the epoch's order already permutes "
+                              "the rows of each unit and mixes units read side by side)")
         if self.shard_options.samples_per_epoch is not None and not options.ordered:
             raise ConfigError("samples_per_epoch= reads its passes in order, so ordered=False cannot "
                               "apply; drop it")

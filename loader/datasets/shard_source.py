@@ -487,8 +487,8 @@ def _check_combinations(options: LoaderOptions, shard_options: ShardOptions,
             f"shuffle_buffer={buffer!r} cannot be used with batch_size=: blocks of the epoch's order "
             "are read in order (a per-worker buffer would tie the order to the number of workers "
             "and break resuming on another topology), so no buffer mixes them. Drop "
-            "shuffle_buffer=; the shard order is still shuffled every epoch, and samples can be "
-            "mixed once when packing (loader shard --shuffle)")
+            "shuffle_buffer=: with shuffle=True the epoch's order already mixes the samples of up "
+            "to 64 shards at a time")
 
 
 def index_at(uri: str) -> str:

@@ -230,18 +230,3 @@ def index_ranges(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
         else:
             out.append([index, index + 1])
     return tuple((start, stop) for start, stop in out)
-
-
-def contiguous_positions(total: int, *, rank: int, world_size: int, worker: int, num_workers: int,
-                         policy: str = "pad") -> range:
-    """Without ``batch_size=``: the run of ``[0, total)`` that ``(rank, worker)`` reads (rank
-    ``r`` the ``r``-th of equal runs, its workers contiguous parts of it), as
-    ``partition.balanced_shard_ranges`` deals them; positions past ``total`` (``"pad"``) wrap."""
-    from .partition import rank_length, slot_of
-
-    workers = max(1, num_workers)
-    slot_of(rank, world_size, worker, num_workers)  # validates rank and worker
-    length = rank_length(total, world_size, policy)  # type: ignore[arg-type]
-    lo = rank * length + (worker * length) // workers
-    hi = rank * length + ((worker + 1) * length) // workers
-    return range(lo, hi)
