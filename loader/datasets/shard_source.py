@@ -52,7 +52,16 @@ from .options import LoaderOptions, check_budget, shard_read_bytes
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
 from .shuffle import shuffled
-from .window_order import WINDOW_UNITS, Segment, UnitRead, WindowOrder, index_ranges, plan_reads
+from .window_order import (
+    SLOT_UNITS,
+    WINDOW_UNITS,
+    Segment,
+    UnitRead,
+    WindowOrder,
+    contiguous_positions,
+    index_ranges,
+    plan_reads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -297,14 +306,23 @@ class ShardSource:
         topology (so a resume is a slice of it). Without, the slot reads its run of the shuffled
         units (``partition.balanced_shard_ranges``: each unit once, as before) merged in an order
         of its own, and the shuffle buffer mixes on top: nothing resumes such a pass on another
-        topology, so its order need not be shared."""
+        topology, so its order need not be shared. Where units are too few for every slot to
+        mix its own (``SLOT_UNITS``), slots read runs of the shared order instead: each reads
+        its part of every unit of a window (a Parquet unit is then fetched by each)."""
+        counts = self.unit_counts()
+        assert counts is not None
+        _, slots = partition.slot_of(slot.rank, slot.world_size, slot.worker, slot.num_workers)
+        pieces: list[tuple[int, int]] | None = None  # None: the order's units are the units
         if slot.positions is not None:
             order = self.unit_order(slot)
-            pieces: list[tuple[int, int]] | None = None  # the order's units are the units
             positions: Iterable[int] = slot.positions
+        elif len(counts) < SLOT_UNITS * slots:  # too few units to give every slot its own: the
+            order = self.unit_order(slot)  # slots share the order's windows, a run of it each
+            total = len(order)
+            positions = (p % total for p in contiguous_positions(
+                total, rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
+                num_workers=slot.num_workers, policy=slot.policy)) if total else ()
         else:
-            counts = self.unit_counts()
-            assert counts is not None
             assignments = partition.balanced_shard_ranges(counts, policy=slot.policy, **slot.where())
             pieces = [(a.shard, a.start) for a in assignments]
             options = self.window_options()
