@@ -16,6 +16,7 @@ single-label batches, and rows per second of the epoch (medians over rounds).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -67,7 +68,7 @@ def build(samples: int, size: int, per_shard: int) -> dict[str, bytes]:
             key = f"{data}/tar/{number:05d}.tar"
             objects[key] = shard
             entries.append({"url": f"s3://{BUCKET}/{key}", "samples": len(offsets), "offsets": offsets,
-                            "size": len(shard)})
+                            "size": len(shard), "etag": hashlib.md5(shard).hexdigest()})  # as `loader index`
         objects[f"{data}/tar/index.json"] = json.dumps({"version": 1, "shards": entries}).encode()
         half = samples // 2
         for number, rows in enumerate((range(0, half), range(half, samples))):

@@ -206,6 +206,9 @@ def sorted_dataset(mode: str, **options):
         return AsyncS3Dataset.from_prefix("s3://bucket/obj/", label_from="parent", **options)
     if mode == "shards":
         return AsyncS3Dataset.from_shards("s3://bucket/tar/", **options)
+    if mode == "shards-counts":  # counts given, no index: no offsets, shards read from their start
+        counts = {f"s3://bucket/tar/{n:03d}.tar": 25 for n in range(len(LABELS) // 25)}
+        return AsyncS3Dataset.from_shards("s3://bucket/tar/", sample_counts=counts, **options)
     if mode == "parquet":
         return AsyncS3Dataset.from_parquet("s3://bucket/pq/", **options)
     if mode == "parquet-row-groups":  # units of one row group (1.2 MB): mixed across units only
@@ -227,7 +230,7 @@ def epoch_batches(ds, batch: int, workers: int = 0, epoch: int = 1) -> list[list
     return list(loader)
 
 
-MODES = ["objects", "shards", "parquet", "parquet-row-groups", "mix"]
+MODES = ["objects", "shards", "shards-counts", "parquet", "parquet-row-groups", "mix"]
 
 
 @pytest.mark.parametrize("dealt", [False, True], ids=["no-batch_size", "batch_size"])

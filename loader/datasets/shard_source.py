@@ -288,13 +288,21 @@ class ShardSource:
 
         A tar shard streams, so it keeps its stored order inside its window. A window holds up
         to ``WINDOW_UNITS`` shards whose reads fit together in what ``shards_inflight`` shards
-        read whole may hold: a read from the index's offsets holds one GET's span, so 64 fit;
-        a shard without offsets is read in ranged parts, so only ``shards_inflight`` do."""
+        read whole may hold: a read from the index's offsets holds one GET's span, and a shard
+        of at most two parts streams in chunks, so 64 fit; a larger shard without offsets is
+        read in ranged parts, so only ``shards_inflight`` do."""
         options, counts = self.shard_options, self.counts()
         whole = shard_read_bytes(options.parts_inflight, options.part_size)
-        spans = SPAN_BYTES + options.chunk_size
-        weights = [spans if counts is not None and counts.offsets.get(shard.url) and shard.compression is None
-                   else whole for shard in self.shards()]
+        small = SPAN_BYTES + options.chunk_size  # a span or a chunk, and the member being parsed
+
+        def weight(shard: ShardRef) -> int:
+            if shard.compression is None and counts is not None and counts.offsets.get(shard.url):
+                return small
+            if shard.size is not None and shard.size <= 2 * options.part_size:
+                return small
+            return whole
+
+        weights = [weight(shard) for shard in self.shards()]
         return {"window": WINDOW_UNITS, "weights": weights, "cap": options.shards_inflight * whole}
 
     def _planned(self, slot: Slot, progress: ShardProgress, run: Run) -> Generator[Tagged, None, None]:
