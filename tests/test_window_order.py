@@ -133,20 +133,20 @@ def test_a_plan_reads_each_position_once_in_its_order(counts, seed, window, data
 
 
 @settings(deadline=None, max_examples=80)
-@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.data(), st.integers(100, 20000))
-def test_spans_cover_every_wanted_range_within_their_size(sizes, data, max_bytes):
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.data(), st.integers(100, 20000),
+       st.booleans())
+def test_spans_cover_every_wanted_sample_within_their_size(sizes, data, max_bytes, sized):
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    end = sum(sizes) if sized else None
     wanted = sorted(data.draw(st.sets(st.integers(0, len(sizes) - 1), min_size=1)))
-    ranges = index_ranges(wanted)
-    spans = coalesced_spans(ranges, offsets, max_bytes)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    for start, stop in ranges:
-        assert any(a <= start and stop <= b for a, b in spans)
+    spans = coalesced_spans(index_ranges(wanted), offsets, max_bytes, end)
+    assert all(a[1] <= b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:]))
+    covered = {i for a, b in spans for i in range(a, b)}
+    assert set(wanted) <= covered
     for a, b in spans:
-        inside = [r for r in ranges if a <= r[0] and r[1] <= b]
-        end = offsets[b] if b < len(offsets) else None
-        assert len(inside) == 1 or (end is not None and end - offsets[a] <= max_bytes)
-        assert inside[0][0] == a and inside[-1][1] == b  # a span starts and ends with wanted samples
+        assert a in wanted and b - 1 in wanted  # a span starts and ends with wanted samples
+        stop = offsets[b] if b < len(offsets) else end
+        assert b - a == 1 or (stop is not None and stop - offsets[a] <= max_bytes)
 
 
 def test_uniform_distinct_is_the_expectation_of_a_permutation():

@@ -291,15 +291,15 @@ def _ranged_job(
     expect: Expect | None,
 ) -> Job:
     """``shard_job`` for sample ranges whose byte offsets are known: one GET per span of ranges
-    (``coalesced_spans``), from its first sample's first header to the next sample's (at most
-    ``SPAN_BYTES`` held, so that many reads side by side stay small;
-    a longer range, or one that runs to the shard's end, is streamed and cut after its last
-    sample). A range that ends at the shard's last sample reads on to the end (the count check)."""
+    (``coalesced_spans``: at most ``SPAN_BYTES``, cut at sample boundaries), from its first
+    sample's first header to the next sample's, so that many reads side by side hold little and
+    no connection while they wait (a span to the shard's end whose size is unknown is streamed).
+    A range that ends at the shard's last sample reads on to the end (the count check)."""
     expected = len(offsets)
     if expect is None:
         expect = Expect(expected, "the shard index", "index the shards again")
 
-    spans = coalesced_spans(assignment.ranges, offsets, min(options.part_size, SPAN_BYTES))
+    spans = coalesced_spans(assignment.ranges, offsets, min(options.part_size, SPAN_BYTES), shard.size)
 
     async def job(ctx: JobContext) -> None:
         links, skipped = 0, False
@@ -332,12 +332,16 @@ def _ranged_job(
 
             try:
                 try:
-                    if stop < expected and offsets[stop] - offsets[start] <= min(options.part_size, SPAN_BYTES):
-                        # One bounded GET: the range ends where the next sample's first header starts.
-                        get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
-                                                offsets[start], offsets[stop], pin=pin)
+                    if stop < expected or shard.size is not None:
+                        # One bounded GET: the span ends where the next sample's first header
+                        # starts (or at the shard's end); no connection is held while its samples
+                        # wait for their turn, as a stream's would be
+                        get = functools.partial(ctx.store.get_range, shard.bucket, shard.key, offsets[start],
+                                                offsets[stop] if stop < expected else shard.size, pin=pin)
                         data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
                         await feed(data)
+                        if stop >= expected:
+                            parser.close()
                     else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
                         await _read_stream(ctx, shard, options, parser, feed, pin)
                         parser.close()
@@ -389,21 +393,30 @@ costs ~0.1-0.85 ms of client CPU (DESIGN.md), about what parsing this many bytes
 samples does; larger samples between wanted ones are skipped by a new GET."""
 
 
-def coalesced_spans(ranges: Sequence[tuple[int, int]], offsets: Sequence[int],
-                    max_bytes: int) -> list[tuple[int, int]]:
-    """Ascending sample ``ranges`` joined into spans read by one GET each: the next range joins
-    when the span then stays within ``max_bytes`` and the samples skipped to reach it are at
-    most half as large as those wanted so far (at most a third of what a span reads is dropped)
-    or at most ``GAP_BYTES``: fewer, larger GETs for a few more bytes. A range
-    that is longer alone stays one span (read streamed)."""
-    out: list[list[int]] = []
-    wanted = 0
+def coalesced_spans(ranges: Sequence[tuple[int, int]], offsets: Sequence[int], max_bytes: int,
+                    end: int | None = None) -> list[tuple[int, int]]:
+    """Ascending sample ``ranges`` as spans read by one GET each, of at most ``max_bytes`` (a
+    single sample may be more): the next range joins a span when the span stays within
+    ``max_bytes`` and the samples skipped to reach it are at most half as large as those wanted
+    so far (at most a third of what a span reads is dropped) or at most ``GAP_BYTES``: fewer,
+    larger GETs for a few more bytes. A longer range is cut at sample boundaries. ``end``: the
+    shard's size (where its last sample ends), when known."""
     count = len(offsets)
+    unknown = (offsets[-1] if offsets else 0) + max_bytes + 1
 
     def at(index: int) -> int:
-        return offsets[index] if index < count else offsets[-1] + max_bytes + 1  # the end: unknown
+        return offsets[index] if index < count else (unknown if end is None else end)
 
+    pieces: list[tuple[int, int]] = []  # each range cut to at most max_bytes (or one sample)
     for start, stop in ranges:
+        first = start
+        for index in range(start + 1, stop + 1):
+            if index == stop or at(index + 1) - at(first) > max_bytes:
+                pieces.append((first, index))
+                first = index
+    out: list[list[int]] = []
+    wanted = 0
+    for start, stop in pieces:
         if out:
             first, last = out[-1]
             gap = at(start) - at(last)
