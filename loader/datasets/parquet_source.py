@@ -49,7 +49,7 @@ from ..s3 import ObjectStore, StoreFactory
 from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri
 from .options import LoaderOptions
-from .shard_source import ShardSource
+from .shard_source import PLAN_JOBS_INFLIGHT, ShardSource
 from .window_order import WINDOW_UNITS
 
 WINDOW_BYTES = 1 << 30
@@ -379,6 +379,9 @@ class ParquetSource(ShardSource):
 
     def limits(self, delivery: Delivery) -> EngineLimits:
         return self.options.limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
+
+    def plan_limits(self) -> EngineLimits:
+        return self.options.limits("ordered", max_inflight=PLAN_JOBS_INFLIGHT, inflight_bytes=self.read_bytes())
 
     def versions(self) -> Versions | None:
         return versions_of(self.shards())

@@ -12,8 +12,14 @@ import dataclasses
 import itertools
 import logging
 import random
+import sys
 from collections.abc import Container, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import anyio
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 from ..checks import check_int
 from ..decode import apply_transform
@@ -346,31 +352,64 @@ class ShardSource:
         # The engine's thread makes the jobs and reads the schedule: give it a copy of what a
         # resumed state says was delivered, not the progress this thread updates.
         delivered = {p: Watermark.from_state(mark.to_state()) for p, mark in progress.shards.items()}
-        nothing = Watermark()
         plan = plan_reads(order, positions)
         if pieces is not None:
             plan = (Segment([read._replace(unit=pieces[read.unit][0],
                                            indices=tuple(pieces[read.unit][1] + i for i in read.indices))
                              for read in segment.reads], segment.schedule) for segment in plan)
-        plan_for_jobs, plan_for_schedule = itertools.tee(plan)
-
-        def jobs() -> Generator[Job, None, None]:
-            for segment in plan_for_jobs:
-                for read in segment.reads:
-                    yield self.read_job(read, delivered.get(read.number, nothing))
-
-        def schedule() -> Generator[int, None, None]:
-            for segment in plan_for_schedule:
-                left = {read.number: iter(read.indices) for read in segment.reads}
-                for number in segment.schedule:
-                    if next(left[number]) not in delivered.get(number, nothing):
-                        yield number
-
+        jobs = (self.segment_job(segment, delivered) for segment in plan)
         size = self.shard_options.buffer_size if slot.shuffle and slot.positions is None else 0
-        stream = run(jobs(), self.limits("scheduled"), schedule())
+        stream = run(jobs, self.plan_limits())
         with contextlib.closing(stream):
             yield from shuffled(stream, size, slot_rng(slot), max_bytes=self.shard_options.shuffle_bytes,
                                 nbytes=tagged_nbytes)
+
+    def plan_limits(self) -> EngineLimits:
+        """The engine's limits for a plan's jobs (one per window stretch): the next window's
+        reads start while this one's samples are delivered."""
+        return self.options.limits("ordered", max_inflight=PLAN_JOBS_INFLIGHT)
+
+    def segment_job(self, segment: Segment, delivered: Mapping[int, Watermark]) -> Job:
+        """One engine job for a stretch of a window: its reads run side by side as tasks, each
+        into a queue of ``READ_QUEUE_ITEMS``, and the job emits their samples in the order's
+        sequence (what a resume delivered left out). One job, not one per read: the engine then
+        wakes one waiter per sample, not every read parked with a sample to hand over."""
+        nothing = Watermark()
+        reads = [(read, self.read_job(read, delivered.get(read.number, nothing))) for read in segment.reads]
+        left = {read.number: iter(read.indices) for read in segment.reads}
+        schedule = [number for number in segment.schedule
+                    if next(left[number]) not in delivered.get(number, nothing)]
+
+        async def job(ctx: JobContext) -> None:
+            try:
+                await merge(ctx)
+            except BaseExceptionGroup as group:  # the task group wraps; callers want the error itself
+                raise _first_error(group) from None
+
+        async def merge(ctx: JobContext) -> None:
+            queues: dict[int, Any] = {}
+            async with anyio.create_task_group() as reading:
+                for read, read_job in reads:
+                    send, receive = anyio.create_memory_object_stream[tuple[Any, int]](READ_QUEUE_ITEMS)
+                    queues[read.number] = receive
+                    reading.start_soon(_into_queue, read_job, ctx, send)
+                for number in schedule:
+                    queue = queues[number]
+                    try:  # without a trip through the loop when the sample is there (anyio's
+                        item, nbytes = queue.receive_nowait()  # receive() always yields)
+                    except anyio.WouldBlock:
+                        try:
+                            item, nbytes = await queue.receive()
+                        except anyio.EndOfStream:  # a read that ended early (on_error skipped the rest)
+                            continue
+                    except anyio.EndOfStream:
+                        continue
+                    await ctx.emit(item, nbytes)
+                for receive in queues.values():
+                    receive.close()
+
+        job.reserve = sum(getattr(read_job, "reserve", 0) or 0 for _, read_job in reads)  # type: ignore[attr-defined]
+        return job
 
     def read_job(self, read: UnitRead, skip: Container[int]) -> Job:
         """The job of one read of a plan: its unit's samples ``read.indices``, emitted in that
@@ -547,6 +586,56 @@ def check_counts(counts: Any) -> dict[str, int]:
     for url, count in counts.items():
         check_int(f"sample_counts[{url!r}]", count, minimum=0, must="a non-negative integer")
     return dict(counts)
+
+
+PLAN_JOBS_INFLIGHT = 2
+"""Window stretches a plan reads at once: the one being delivered and the next."""
+READ_QUEUE_ITEMS = 16
+"""Samples one read of a window may hold parsed ahead of their turn (besides the span it reads)."""
+
+
+class _Queued:
+    """What a read of a window's stretch sees: its samples go into its queue (the end-of-shard
+    marker is left out: the plan knows each unit's count)."""
+
+    __slots__ = ("store", "retry", "_ctx", "_send")
+
+    def __init__(self, ctx: JobContext, send: Any) -> None:
+        self.store, self.retry, self._ctx, self._send = ctx.store, ctx.retry, ctx, send
+
+    async def emit(self, item: Any, nbytes: int) -> None:
+        if item[0][1] != END:
+            try:
+                self._send.send_nowait((item, nbytes))  # no trip through the loop while there is room
+            except anyio.WouldBlock:
+                await self._send.send((item, nbytes))
+
+    def retried(self, exc: BaseException) -> None:
+        self._ctx.retried(exc)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error that made a task group fail: its first leaf that is not a cancellation."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    cancelled = anyio.get_cancelled_exc_class()
+    return next((leaf for leaf in leaves if not isinstance(leaf, cancelled)), leaves[0])
+
+
+async def _into_queue(job: Job, ctx: JobContext, send: Any) -> None:
+    async with send:
+        try:
+            await job(_Queued(ctx, send))  # type: ignore[arg-type]
+        except anyio.BrokenResourceError:
+            pass  # the stretch stopped taking samples (it ended early)
 
 
 class _SamplesOnly:

@@ -302,11 +302,43 @@ def _ranged_job(
     spans = coalesced_spans(assignment.ranges, offsets, min(options.part_size, SPAN_BYTES), shard.size)
 
     async def job(ctx: JobContext) -> None:
+        async with anyio.create_task_group() as ahead:
+            await read_spans(ctx, ahead)
+            ahead.cancel_scope.cancel()  # a span fetched ahead that is no longer read
+
+    async def read_spans(ctx: JobContext, ahead: anyio.abc.TaskGroup) -> None:
         links, skipped = 0, False
         pin = Pin(shard.etag)  # the offsets describe one version: every range reads that one
-        for start, stop in spans:
-            if all(index in skip or not assignment.keeps(index) for index in range(start, stop)):
-                continue  # delivered before a resume
+        todo = [(start, stop) for start, stop in spans
+                if not all(index in skip or not assignment.keeps(index) for index in range(start, stop))]
+        fetching: dict[int, tuple[anyio.Event, list[Any]]] = {}
+
+        def fetch_ahead(number: int) -> None:
+            """Send span ``number``'s GET now (the next span's is sent while this one is parsed,
+            so a read waits on no server while its samples are due); errors are raised where the
+            span is read."""
+            if number >= len(todo) or number in fetching:
+                return
+            start, stop = todo[number]
+            if stop >= expected and shard.size is None:
+                return  # streamed where it is read
+            done: anyio.Event = anyio.Event()
+            box: list[Any] = []
+            fetching[number] = (done, box)
+            get = functools.partial(ctx.store.get_range, shard.bucket, shard.key, offsets[start],
+                                    offsets[stop] if stop < expected else shard.size, pin=pin)
+
+            async def fetch() -> None:
+                try:
+                    box.append(await call_with_retries(get, ctx.retry, on_retry=ctx.retried))
+                except Exception as exc:  # noqa: BLE001 - raised where the span is read
+                    box.append(exc)
+                finally:
+                    done.set()
+
+            ahead.start_soon(fetch)
+
+        for number, (start, stop) in enumerate(todo):
             grouper = SampleGrouper(shard.url, start_index=start)
             parser = TarStreamParser(shard.url, start_offset=offsets[start])
             last = start - 1  # the last sample index seen in this range
@@ -336,9 +368,14 @@ def _ranged_job(
                         # One bounded GET: the span ends where the next sample's first header
                         # starts (or at the shard's end); no connection is held while its samples
                         # wait for their turn, as a stream's would be
-                        get = functools.partial(ctx.store.get_range, shard.bucket, shard.key, offsets[start],
-                                                offsets[stop] if stop < expected else shard.size, pin=pin)
-                        data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
+                        fetch_ahead(number)
+                        fetch_ahead(number + 1)
+                        done, box = fetching.pop(number)
+                        await done.wait()
+                        if isinstance(box[0], Exception):
+                            raise box[0]
+                        data = box[0]
+                        box.clear()
                         await feed(data)
                         if stop >= expected:
                             parser.close()
@@ -381,10 +418,10 @@ def _ranged_job(
     return job
 
 
-SPAN_BYTES = 2 << 20
-"""Most bytes one GET of a ranged read holds when it spans several wanted sample ranges and the
-samples between them (a shuffled plan wants samples spread over a shard): many reads of a
-shard side by side each hold one such span."""
+SPAN_BYTES = 1 << 20
+"""Most bytes one GET of a ranged read holds (a single sample may be more), spanning wanted
+sample ranges and the samples between them: many reads of shards side by side (a shuffled
+plan) each hold one such span and the next, fetched ahead."""
 
 
 GAP_BYTES = 64 << 10
