@@ -52,9 +52,9 @@ from .options import LoaderOptions
 from .shard_source import PLAN_JOBS_INFLIGHT, ShardSource
 from .window_order import WINDOW_UNITS
 
-WINDOW_BYTES = 1 << 30
-"""Without a memory limit, the units of one shuffle window together need at most this much
-(32 units of the default 32 MiB: what 16 row groups in flight, read as far ahead again, held)."""
+WINDOW_BYTES = 512 << 20
+"""Without a memory limit, the units of one shuffle window together need at most this much: two
+windows are read at once, 1 GiB, what 16 units of 32 MiB in flight and as many read ahead held."""
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
 # pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
@@ -349,11 +349,12 @@ class ParquetSource(ShardSource):
     def window_options(self) -> dict[str, Any]:
         """A unit is fetched and decoded whole before its rows are emitted, so its rows are
         permuted too (all but a streamed one); a window holds units whose reads fit together in
-        what the memory limit leaves for reads (``WINDOW_UNITS`` at most)."""
+        half of what the memory limit leaves for reads (two windows are read at once), and
+        ``WINDOW_UNITS`` at most."""
         plans = self.plans()
         cap = self.read_bytes()
         return {"window": WINDOW_UNITS, "weights": [self._need(plan) for plan in plans],
-                "cap": WINDOW_BYTES if cap is None else cap,
+                "cap": WINDOW_BYTES if cap is None else cap // PLAN_JOBS_INFLIGHT,
                 "permuted": [not self._streams(plan) for plan in plans]}
 
     def reserve(self, assignment: ShardAssignment) -> int:

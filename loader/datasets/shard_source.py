@@ -294,12 +294,14 @@ class ShardSource:
 
         A tar shard streams, so it keeps its stored order inside its window. A window holds up
         to ``WINDOW_UNITS`` shards whose reads fit together in what ``shards_inflight`` shards
-        read whole may hold: a read from the index's offsets holds one GET's span, and a shard
-        of at most two parts streams in chunks, so 64 fit; a larger shard without offsets is
-        read in ranged parts, so only ``shards_inflight`` do."""
+        read whole may hold (half each, as two windows are read at once): a read from the
+        index's offsets holds a GET's span and the next, and a shard of at most two parts
+        streams in chunks, so 64 fit; a larger shard without offsets is read in ranged parts,
+        so only ``shards_inflight // 2`` do."""
         options, counts = self.shard_options, self.counts()
         whole = shard_read_bytes(options.parts_inflight, options.part_size)
-        small = SPAN_BYTES + options.chunk_size  # a span or a chunk, and the member being parsed
+        # a span and the next fetched ahead (or a streamed chunk), and the member being parsed
+        small = 2 * min(options.part_size, SPAN_BYTES) + options.chunk_size
 
         def weight(shard: ShardRef) -> int:
             if shard.compression is None and counts is not None and counts.offsets.get(shard.url):
@@ -309,12 +311,14 @@ class ShardSource:
             return whole
 
         weights = [weight(shard) for shard in self.shards()]
-        return {"window": WINDOW_UNITS, "weights": weights, "cap": options.shards_inflight * whole}
+        # two windows are read at once (the next while this one delivers): each gets half
+        return {"window": WINDOW_UNITS, "weights": weights,
+                "cap": options.shards_inflight * whole // PLAN_JOBS_INFLIGHT}
 
     def _planned(self, slot: Slot, progress: ShardProgress, run: Run) -> Generator[Tagged, None, None]:
         """Read the slot's share of the epoch in a windowed order (``window_order``): one read
-        per unit a window's stretch touches, run side by side, delivered item by item in the
-        order's sequence (the engine's schedule).
+        per unit a window's stretch touches, run side by side in one job per stretch that emits
+        their samples in the order's sequence (``segment_job``).
 
         With ``batch_size=`` the slot reads its blocks of the epoch's order, the same on every
         topology (so a resume is a slice of it). Without, the slot reads its run of the shuffled
@@ -349,8 +353,8 @@ class ShardSource:
                                 seed=partition.epoch_seed(slot.seed, number), epoch=slot.epoch,
                                 shuffle=slot.shuffle, **options)
             positions = range(len(order))
-        # The engine's thread makes the jobs and reads the schedule: give it a copy of what a
-        # resumed state says was delivered, not the progress this thread updates.
+        # The engine's thread makes the jobs: give it a copy of what a resumed state says was
+        # delivered, not the progress this thread updates.
         delivered = {p: Watermark.from_state(mark.to_state()) for p, mark in progress.shards.items()}
         plan = plan_reads(order, positions)
         if pieces is not None:
