@@ -465,10 +465,13 @@ class StreamedFile(_RangesFile):
 
 def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
                 pieces: Sequence[tuple[int, bytes]] | StreamedFile, columns: Sequence[str] | None,
-                batch_rows: int = BATCH_ROWS) -> Generator[list[dict[str, Any]], None, None]:
+                batch_rows: int = BATCH_ROWS, keep: Callable[[int], bool] | None = None,
+                ) -> Generator[list[dict[str, Any] | None], None, None]:
     """The rows of one row group as dicts (pyarrow's ``to_pylist``: binary as bytes, structs as
     dicts, lists as lists), ``batch_rows`` at a time, decoded from the fetched ``pieces`` (or
-    from a ``StreamedFile``, which fetches them as they are read)."""
+    from a ``StreamedFile``, which fetches them as they are read). ``keep(row)``: which rows
+    (numbered in the unit) to make dicts of; the others are None (a shuffled plan reads a unit
+    for a few of its rows: only those pay for the conversion)."""
     parquet = pyarrow_parquet()
     import pyarrow as pa
 
@@ -478,11 +481,22 @@ def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
     else:
         source, options = SparseFile(ref.url, ref.size, pieces), {}
     reader = parquet.ParquetFile(source, metadata=meta, pre_buffer=False, **options)
+    start = 0
     try:
         for batch in reader.iter_batches(batch_size=batch_rows, row_groups=list(plan.groups),
                                          columns=None if columns is None else list(columns),
                                          use_threads=False):
-            yield batch.to_pylist()
+            size = batch.num_rows
+            wanted = None if keep is None else [i for i in range(size) if keep(start + i)]
+            start += size
+            if wanted is None or len(wanted) == size:
+                yield batch.to_pylist()
+                continue
+            rows: list[dict[str, Any] | None] = [None] * size
+            if wanted:
+                for at, row in zip(wanted, batch.take(pa.array(wanted)).to_pylist(), strict=True):
+                    rows[at] = row
+            yield rows
     except (pa.ArrowException, OSError) as exc:
         if isinstance(source, StreamedFile) and source.failed is not None:
             raise source.failed from None  # a fetch failed (after its retries), not the decoding
@@ -578,7 +592,8 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         await emit_rows(ctx, pieces)
 
     async def emit_rows(ctx: JobContext, pieces: Sequence[tuple[int, bytes]] | StreamedFile) -> None:
-        rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
+        rows = decode_rows(ref, read.meta, plan, pieces, read.columns,
+                           keep=lambda at: assignment.keeps(at) and at not in skip)
         index = 0
         stem, url, first = ref.stem + "/", ref.url, plan.first  # once, not per row
         held: dict[int, tuple[dict[str, Any], int]] | None = None if permuted is None else {}
@@ -596,7 +611,7 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
                 if batch is None:
                     break
                 for row in batch:
-                    if assignment.keeps(index) and index not in skip:
+                    if row is not None:  # a row this read keeps (decode_rows' keep)
                         sample = {"__key__": f"{stem}{first + index}", "__url__": url, **row}
                         if held is not None:
                             held[index] = (sample, row_nbytes(row))

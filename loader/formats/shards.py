@@ -376,9 +376,16 @@ def _ranged_job(
                             raise box[0]
                         data = box[0]
                         box.clear()
-                        await feed(data)
-                        if stop >= expected:
-                            parser.close()
+                        runs = [(max(a, start), min(b, stop)) for a, b in assignment.ranges
+                                if a < stop and b > start]
+                        if runs == [(start, stop)]:
+                            await feed(data)
+                            if stop >= expected:
+                                parser.close()
+                        else:  # parse only the wanted samples: the index says where each lies
+                            for first, end in runs:
+                                links += await _parse_run(shard, data, offsets, start, first, end,
+                                                          expected, deliver)
                     else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
                         await _read_stream(ctx, shard, options, parser, feed, pin)
                         parser.close()
@@ -464,6 +471,23 @@ def coalesced_spans(ranges: Sequence[tuple[int, int]], offsets: Sequence[int], m
         out.append([start, stop])
         wanted = at(stop) - at(start)
     return [(start, stop) for start, stop in out]
+
+
+async def _parse_run(shard: ShardRef, data: bytes, offsets: Sequence[int], base: int, first: int,
+                     end: int, expected: int, deliver: Callable[[dict[str, Any] | None], Awaitable[None]]) -> int:
+    """Parse samples ``[first, end)`` out of ``data``, the bytes from sample ``base`` on, with a
+    parser of their own (the samples between wanted runs are neither parsed nor grouped); returns
+    the links it skipped."""
+    lo = offsets[first] - offsets[base]
+    hi = offsets[end] - offsets[base] if end < expected else len(data)
+    parser = TarStreamParser(shard.url, start_offset=offsets[first])
+    grouper = SampleGrouper(shard.url, start_index=first)
+    for member in parser.feed(data[lo:hi]):
+        await deliver(grouper.add(member))
+    if end >= expected:
+        parser.close()
+    await deliver(grouper.flush())
+    return parser.hard_links + parser.symlinks
 
 
 def _warn_links(shard: ShardRef, parser: TarStreamParser) -> int:
