@@ -353,9 +353,11 @@ class ParquetSource(ShardSource):
         ``WINDOW_UNITS`` at most."""
         plans = self.plans()
         cap = self.read_bytes()
-        return {"window": WINDOW_UNITS, "weights": [self._need(plan) for plan in plans],
-                "cap": WINDOW_BYTES if cap is None else cap // PLAN_JOBS_INFLIGHT,
-                "permuted": [not self._streams(plan) for plan in plans]}
+        permuted = [not self._streams(plan) for plan in plans]
+        # a permuted unit holds its decoded rows too, until each one's turn: about its bytes again
+        weights = [self._need(plan) + (plan.fetched if whole else 0) for plan, whole in zip(plans, permuted)]
+        return {"window": WINDOW_UNITS, "weights": weights,
+                "cap": WINDOW_BYTES if cap is None else cap // PLAN_JOBS_INFLIGHT, "permuted": permuted}
 
     def reserve(self, assignment: ShardAssignment) -> int:
         return self._need(self.plans()[assignment.shard])

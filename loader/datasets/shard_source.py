@@ -300,17 +300,21 @@ class ShardSource:
         so only ``shards_inflight // 2`` do."""
         options, counts = self.shard_options, self.counts()
         whole = shard_read_bytes(options.parts_inflight, options.part_size)
-        # a span and the next fetched ahead (or a streamed chunk), and the member being parsed
+        # a span and the next fetched ahead (or a streamed chunk), the member being parsed, and
+        # the samples parsed ahead of their turn (READ_QUEUE_ITEMS, of the shard's mean size)
         small = 2 * min(options.part_size, SPAN_BYTES) + options.chunk_size
+        samples = self.unit_counts() or []
 
-        def weight(shard: ShardRef) -> int:
+        def weight(number: int, shard: ShardRef) -> int:
+            queued = 0 if shard.size is None or number >= len(samples) else (
+                READ_QUEUE_ITEMS * shard.size // max(1, samples[number]))
             if shard.compression is None and counts is not None and counts.offsets.get(shard.url):
-                return small
+                return small + queued
             if shard.size is not None and shard.size <= 2 * options.part_size:
-                return small
-            return whole
+                return small + queued
+            return whole + queued
 
-        weights = [weight(shard) for shard in self.shards()]
+        weights = [weight(number, shard) for number, shard in enumerate(self.shards())]
         # two windows are read at once (the next while this one delivers): each gets half
         return {"window": WINDOW_UNITS, "weights": weights,
                 "cap": options.shards_inflight * whole // PLAN_JOBS_INFLIGHT}
