@@ -148,8 +148,11 @@ class MixSource:
                 positions=[at for _, at in entries]))
             at = 0
             for read in reads:
-                tags = [tag for tag, _ in entries[at:at + read.size]]
-                at += read.size
+                if read.tags is not None:  # a shuffled plan's read: its places, in its order
+                    tags = [entries[place][0] for place in read.tags]
+                else:
+                    tags = [tag for tag, _ in entries[at:at + read.size]]
+                    at += read.size
                 if not tags:
                     continue
                 for tag in tags:
