@@ -14,8 +14,8 @@ import anyio
 
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
+from .hedging import TailStore
 from .limits import FIRST_ITEM_HANDOVER_SECONDS, FIRST_JOB_LEAD_SECONDS, GATHER_ITEMS, GATHER_SECONDS, EngineLimits
-from .tail import TailStore
 
 
 class JobContext:
