@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         lab = stack.enter_context(faults.FaultProxy(server.endpoint_url, faults.FaultPlan(latency=0.02),
                                                     max_lifetime=4 * 3600))
         aws_plan = faults.FaultPlan(latency=0.02, bandwidth=90e6, slowdown=args.slowdown, get_rate=args.get_rate,
-                                    slowdown_closes=True)
+                                    slowdown_close=True)
         aws = stack.enter_context(faults.FaultProxy(server.endpoint_url, aws_plan, max_lifetime=4 * 3600,
                                                     tls=tls))
         ports = {"lab": lab.port, "aws": aws.port}

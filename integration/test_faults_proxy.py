@@ -477,7 +477,8 @@ def test_reset_is_a_connection_error(target):
 
 
 def test_slowdown_is_503_with_s3_error_body(target):
-    with FaultProxy(target.url, FaultPlan(slowdown=1.0)) as proxy, closing_client(target, proxy) as client:
+    with FaultProxy(target.url, FaultPlan(slowdown=1.0, slowdown_close=False)) as proxy, \
+            closing_client(target, proxy) as client:
         seen_before = len(target.fake.seen) if target.fake else 0
         for _ in range(2):  # the connection stays usable after a SlowDown
             with pytest.raises(ClientError) as info:
@@ -489,7 +490,7 @@ def test_slowdown_is_503_with_s3_error_body(target):
         if target.fake:
             assert len(target.fake.seen) == seen_before  # the upstream was never asked
         assert proxy.counts == {"requests": 2, "slowdown": 2}
-    with FaultProxy(target.url, FaultPlan(slowdown=1.0)) as proxy:
+    with FaultProxy(target.url, FaultPlan(slowdown=1.0, slowdown_close=False)) as proxy:
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
         conn.request("GET", "/b/small")
         response = conn.getresponse()
@@ -498,6 +499,55 @@ def test_slowdown_is_503_with_s3_error_body(target):
         assert body.startswith(b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>')
         assert b"<Resource>/b/small</Resource>" in body
         conn.close()
+
+
+def test_slowdown_closes_the_connection_with_a_chunked_body_as_s3_does(upstream):
+    """The default: ``Connection: close``, the XML error chunked, then the connection ends (every
+    SlowDown costs the client a new connection, as on S3)."""
+    with FaultProxy(upstream.url, FaultPlan(slowdown=1.0)) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        conn.request("GET", "/b/small")
+        response = conn.getresponse()
+        body = response.read()
+        assert response.status == 503 and response.headers["Connection"] == "close"
+        assert response.headers["Transfer-Encoding"] == "chunked" and "Content-Length" not in response.headers
+        assert body.startswith(b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>')
+        assert response.will_close
+        conn.close()
+
+
+def _answered(decider: FaultDecider, times) -> list[bool]:
+    """Whether each GET, arriving at these times, was let through by the throttle."""
+    return [not decider.decide("GET", "/b/k", now).throttled for now in times]
+
+
+def test_a_window_throttle_answers_at_most_its_rate_in_any_second():
+    """A burst takes the window's whole second: what comes after it in that second is refused,
+    where the token bucket lets the refill through."""
+    burst = [0.0] * 300 + [0.1 * i for i in range(1, 10)]
+    window = _answered(FaultDecider(FaultPlan(get_rate=100.0, throttle="window")), burst + [1.0, 1.05])
+    assert sum(window[:300]) == 100 and not any(window[300:309])  # the rest of the second refused
+    assert window[309:] == [True, True]  # a second later there is room again
+    bucket = _answered(FaultDecider(FaultPlan(get_rate=100.0)), burst)
+    assert sum(bucket[:300]) == 50 and all(bucket[300:])  # half a second's worth, then the refill
+    times = [i / 250 for i in range(2500)]  # 250/s for 10 s against 100/s
+    got = _answered(FaultDecider(FaultPlan(get_rate=100.0, throttle="window")), times)
+    for start in range(0, 2500 - 250, 25):
+        assert sum(got[start:start + 250]) <= 100  # no one-second stretch over the limit
+
+
+@pytest.mark.parametrize("shape", ["bucket", "window"])
+def test_a_throttle_doubles_after_sustained_load_and_starts_over_after_a_pause(shape):
+    plan = FaultPlan(get_rate=100.0, throttle=shape, get_rate_rises_after=20.0)
+    decider = FaultDecider(plan)
+    answered = _answered(decider, [i / 400 for i in range(400 * 30)])  # 400/s for 30 s
+    first, last = sum(answered[400 * 10:400 * 19]) / 9, sum(answered[400 * 21:400 * 30]) / 9
+    assert first == pytest.approx(100, abs=3) and last == pytest.approx(200, abs=3)
+    assert decider.rate_at(30.0 + 2 * plan.get_rate_rises_after) == 100.0  # a pause: load starts over
+    with pytest.raises(ValueError, match="throttle="):
+        FaultPlan(get_rate=1.0, throttle="leaky")
+    with pytest.raises(ValueError, match="get_rate_rises_after="):
+        FaultPlan(get_rate=1.0, get_rate_rises_after=0)
 
 
 def test_truncate_breaks_off_the_body(target):
@@ -659,7 +709,7 @@ def test_many_keep_alive_connections_with_latency(upstream):
 
 
 def test_counts_are_right_under_concurrency(upstream):
-    plan = FaultPlan(reset=0.2, slowdown=0.2, truncate=0.2, seed=11)
+    plan = FaultPlan(reset=0.2, slowdown=0.2, truncate=0.2, seed=11, slowdown_close=False)
 
     async def one_request(port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -13,7 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset
-from loader.engine import tail
+from loader.engine import hedging, throttle
 
 from datasets import sha256, upload_objects
 from faults import FaultPlan, FaultProxy
@@ -54,7 +54,7 @@ def test_stragglers_are_hedged_and_every_sample_comes_once(s3_server, objects, s
     assert counts["straggle"] >= 5  # the condition happened (3 % of ~400 GETs)
     hedged, won = stats["hedged"], stats["hedges_won"]
     # bounded: a small share of requests
-    assert hedged <= tail.HEDGE_SHARE * stats["requests"] + tail.HEDGE_BURST
+    assert hedged <= hedging.HEDGE_SHARE * stats["requests"] + hedging.HEDGE_BURST
     # every straggling request was hedged, save those that were hedges themselves: a hedge that
     # straggled too lost its race (hedged - won of them), every other one won it
     assert won >= 1 and hedged + (hedged - won) >= counts["straggle"], (stats, counts)
@@ -78,9 +78,9 @@ def test_a_throttle_is_met_with_fewer_requests(s3_server, objects, store):
     # before the first cut, takes a few points more
     assert slowdowns <= 0.15 * counts["requests"], counts
     # hedges go out only before the throttle shows: under the suite's load the first answers can
-    # be slow enough to be hedged (tests/test_tail.py: none once it has shown)
+    # be slow enough to be hedged (tests/test_hedging.py: none once it has shown)
     assert stats["throttled"] == slowdowns
-    assert stats["hedged"] <= tail.HEDGE_SHARE * stats["requests"] + tail.HEDGE_BURST
+    assert stats["hedged"] <= hedging.HEDGE_SHARE * stats["requests"] + hedging.HEDGE_BURST
     assert "S3 throttled this job" in report
 
 
@@ -103,7 +103,7 @@ def test_the_map_dataset_reads_through_the_same_control(s3_server, objects):
         counts = proxy.counts
     assert counts["throttled"] >= 1
     assert shares[1] <= shares[0] and counts["throttled"] <= 0.10 * counts["requests"], (shares, counts)
-    control = tail.control_for(proxy.endpoint_url, bucket)
+    control = throttle.control_for(proxy.endpoint_url, bucket)
     assert control.statistics().throttled == counts["throttled"]
 
 
@@ -121,7 +121,7 @@ def test_the_map_dataset_hedges_stragglers(s3_server, objects):
         counts = proxy.counts
     assert got == collections.Counter(digests.items())
     assert counts["straggle"] >= 5  # the condition happened (3 % of ~400 GETs)
-    stats = tail.control_for(proxy.endpoint_url, bucket).statistics()
+    stats = hedging.control_for(proxy.endpoint_url, bucket).statistics()
     assert stats.hedges_won >= 1 and stats.hedged + (stats.hedged - stats.hedges_won) >= counts["straggle"], (
         stats, counts)
-    assert stats.hedged <= tail.HEDGE_SHARE * stats.requests + tail.HEDGE_BURST
+    assert stats.hedged <= hedging.HEDGE_SHARE * stats.requests + hedging.HEDGE_BURST

@@ -7,11 +7,14 @@ client on a bad day::
 
     latency    every request waits ``latency`` seconds before it is forwarded (time to first byte)
     reset      the client connection is torn down with a TCP RST (SO_LINGER 0) before any answer
-    slowdown   ``503 SlowDown`` with S3's XML error body, without asking the upstream
+    slowdown   ``503 SlowDown`` with S3's XML error body, without asking the upstream; as S3 does, it
+               closes the connection (``Connection: close``, chunked body) unless ``slowdown_close=False``
     truncate   the real status and headers (true Content-Length), then part of the body, then close
     stall      the real headers and part of the body, then silence for ``stall_seconds``, then close
     straggle   the whole answer, ``straggle_seconds`` late (S3's slow tail)
-    get_rate   a throttle: requests beyond this many per second get ``503 SlowDown`` (S3 per prefix)
+    get_rate   a throttle: requests beyond this many per second get ``503 SlowDown`` (S3 per prefix),
+               shaped as a token bucket or a sliding one-second window (``throttle``), doubling
+               after ``get_rate_rises_after`` seconds of sustained load (S3 scales a busy prefix)
     bandwidth  each answer's body paced at this many bytes/s (S3: ~85-90 MB/s per connection)
 
 Usage from a test (the proxy runs its own event loop in a thread)::

@@ -10,7 +10,7 @@ import threading
 
 from . import __doc__ as package_doc
 from .connection import LOOPBACK
-from .plan import DEFAULT_ONLY_METHODS, DEFAULT_STALL_SECONDS, FAULT_KINDS, FaultPlan
+from .plan import DEFAULT_ONLY_METHODS, DEFAULT_STALL_SECONDS, FAULT_KINDS, THROTTLE_SHAPES, FaultPlan
 from .proxy import DEFAULT_MAX_LIFETIME, FaultProxy
 
 
@@ -29,13 +29,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="let faults hit bucket requests (listings) too, not only objects")
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="bytes/s each answer's body is served at (default: no limit)")
+    parser.add_argument("--get-rate", type=float, default=None, help="GETs/s answered; beyond, 503 SlowDown")
+    parser.add_argument("--throttle", choices=THROTTLE_SHAPES, default="bucket",
+                        help="the limit's shape: a token bucket or a sliding one-second window")
+    parser.add_argument("--get-rate-rises-after", type=float, default=None,
+                        help="seconds of sustained load after which the limit doubles")
+    parser.add_argument("--slowdown-keep-alive", action="store_true",
+                        help="keep the connection open after a SlowDown (S3 closes it)")
     parser.add_argument("--max-lifetime", type=float, default=DEFAULT_MAX_LIFETIME)
     args = parser.parse_args(argv)
     methods = None if args.only_methods == "*" else tuple(m for m in args.only_methods.split(",") if m)
     try:
         plan = FaultPlan(latency=args.latency, reset=args.reset, slowdown=args.slowdown, truncate=args.truncate,
                          stall=args.stall, stall_seconds=args.stall_seconds, seed=args.seed, only_methods=methods,
-                         objects_only=not args.all_paths, bandwidth=args.bandwidth)
+                         objects_only=not args.all_paths, bandwidth=args.bandwidth, get_rate=args.get_rate,
+                         throttle=args.throttle, get_rate_rises_after=args.get_rate_rises_after,
+                         slowdown_close=not args.slowdown_keep_alive)
         proxy = FaultProxy(args.upstream, plan, max_lifetime=args.max_lifetime, port=args.port)
     except ValueError as exc:
         parser.error(str(exc))

@@ -13,6 +13,8 @@ _request_ids = itertools.count(1)
 
 
 def slowdown_response(target: str, *, head_only: bool, close: bool) -> bytes:
+    """S3's ``503 SlowDown``; closing, it is framed as S3 frames it (``Connection: close`` and a
+    chunked body), else with a ``Content-Length`` on a connection kept open."""
     request_id = f"FAULTPROXY{next(_request_ids):012d}"
     resource = target.split("?", 1)[0]
     body = (
@@ -20,17 +22,19 @@ def slowdown_response(target: str, *, head_only: bool, close: bool) -> bytes:
         f"<Error><Code>SlowDown</Code><Message>{SLOWDOWN_MESSAGE}</Message>"
         f"<Resource>{escape(resource)}</Resource><RequestId>{request_id}</RequestId></Error>"
     ).encode()
+    framing = "Transfer-Encoding: chunked\r\nConnection: close\r\n" if close else f"Content-Length: {len(body)}\r\n"
     head = (
         "HTTP/1.1 503 Slow Down\r\n"
         f"Date: {email.utils.formatdate(usegmt=True)}\r\n"
         "Server: FaultProxy\r\n"
         f"x-amz-request-id: {request_id}\r\n"
         "Content-Type: application/xml\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        + ("Connection: close\r\n" if close else "")
+        + framing
         + "\r\n"
     ).encode()
-    return head if head_only else head + body
+    if head_only:
+        return head
+    return head + (b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) if close else body)
 
 
 def simple_response(status: str, message: str) -> bytes:

@@ -122,7 +122,7 @@ class Connection:
             self.abort()
             return False
         if decision.kind == "slowdown":
-            return await self._slowdown(request, framing)
+            return await self._slowdown(request, framing, plan)
         self.responded = False
         try:
             return await self._forward(request, framing, plan, decision)
@@ -138,9 +138,9 @@ class Connection:
                 self.writer.write(simple_response("502 Bad Gateway", f"FaultProxy: upstream failed: {exc}\n"))
             return False
 
-    async def _slowdown(self, request: Head, framing: tuple[str, int]) -> bool:
+    async def _slowdown(self, request: Head, framing: tuple[str, int], plan: FaultPlan) -> bool:
         has_body = framing[0] == "chunked" or framing[1] > 0
-        close = not request.keep_alive() or self.proxy.plan.slowdown_closes
+        close = plan.slowdown_close or not request.keep_alive()
         if has_body and "100-continue" in request.tokens("expect"):
             close = True  # the client may or may not send the body now: end the connection
         elif framing[0] == "length":

@@ -10,6 +10,7 @@ reads the time each request arrives, given to ``decide``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import random
@@ -19,6 +20,8 @@ FAULT_KINDS = ("reset", "slowdown", "truncate", "stall")
 DEFAULT_STALL_SECONDS = 30.0
 DEFAULT_STRAGGLE_SECONDS = 2.0
 THROTTLE_BURST = 0.5  # seconds of get_rate the throttle's bucket holds (S3 too lets a short burst through)
+THROTTLE_SHAPES = ("bucket", "window")
+RISE_IDLE = 1.0  # seconds without an eligible request that end "sustained load" (the rise's clock restarts)
 DEFAULT_ONLY_METHODS = ("GET",)
 
 
@@ -39,7 +42,13 @@ class FaultPlan:
     that an eligible request is answered ``straggle_seconds`` late (a straggler: the answer itself
     is intact); ``get_rate`` throttles like S3 does per prefix: eligible requests beyond that many
     per second (a token bucket holding ``THROTTLE_BURST`` seconds' worth) are answered
-    ``503 SlowDown`` without asking the upstream. ``bandwidth`` (bytes/s, every answer) paces each
+    ``503 SlowDown`` without asking the upstream. ``throttle`` is the limit's shape: ``"bucket"``
+    (that token bucket) or ``"window"`` (at most ``get_rate`` answered in any one second: a burst
+    leaves the rest of its second answered SlowDown). ``get_rate_rises_after`` (seconds): the limit
+    doubles once eligible requests have come that long without a pause of ``RISE_IDLE`` (S3
+    repartitions a prefix under sustained load). ``slowdown_close`` (default True, as S3 does):
+    every ``503 SlowDown`` carries ``Connection: close`` and a chunked body, and the connection
+    is closed after it, so each costs the client a new connection. ``bandwidth`` (bytes/s, every answer) paces each
     answer's body: S3 serves one connection at about 85-90 MB/s (AWS's performance guidelines:
     one concurrent request per 85-90 MB/s wanted), where loopback has no such bound, so it shows
     what parallel requests buy.
@@ -57,8 +66,10 @@ class FaultPlan:
     straggle: float = 0.0
     straggle_seconds: float = DEFAULT_STRAGGLE_SECONDS
     get_rate: float | None = None
+    throttle: str = "bucket"
+    get_rate_rises_after: float | None = None
+    slowdown_close: bool = True
     bandwidth: float | None = None
-    slowdown_closes: bool = False  # a SlowDown answer ends its connection (``Connection: close``), as S3's does
 
     def __post_init__(self) -> None:
         if not is_real(self.straggle) or not 0.0 <= self.straggle <= 1.0:
@@ -66,6 +77,15 @@ class FaultPlan:
         if self.get_rate is not None and (not is_real(self.get_rate) or not self.get_rate > 0
                                           or not math.isfinite(self.get_rate)):
             raise ValueError(f"FaultPlan get_rate={self.get_rate!r} must be a positive number of requests/s")
+        if self.throttle not in THROTTLE_SHAPES:
+            raise ValueError(f"FaultPlan throttle={self.throttle!r} must be one of {THROTTLE_SHAPES}")
+        if self.get_rate_rises_after is not None and (
+                not is_real(self.get_rate_rises_after) or not self.get_rate_rises_after > 0
+                or not math.isfinite(self.get_rate_rises_after)):
+            raise ValueError(f"FaultPlan get_rate_rises_after={self.get_rate_rises_after!r} must be a "
+                             "positive number of seconds")
+        if not isinstance(self.slowdown_close, bool):
+            raise ValueError(f"FaultPlan slowdown_close={self.slowdown_close!r} must be True or False")
         if self.bandwidth is not None and (not is_real(self.bandwidth) or not self.bandwidth > 0
                                            or not math.isfinite(self.bandwidth)):
             raise ValueError(f"FaultPlan bandwidth={self.bandwidth!r} must be a positive number of bytes/s")
@@ -149,6 +169,9 @@ class FaultDecider:
         self._straggle_rng = random.Random(plan.seed + 1)
         self._tokens = 0.0 if plan.get_rate is None else plan.get_rate * THROTTLE_BURST
         self._refilled: float | None = None
+        self._answered: collections.deque[float] = collections.deque()  # the window's answered requests
+        self._load_since: float | None = None  # when the current stretch of sustained load began
+        self._last_seen: float | None = None
 
     def decide(self, method: str, target: str, now: float = 0.0) -> Decision:
         """The fate of the next request, which arrived at ``now`` (seconds, any clock; only
@@ -168,9 +191,28 @@ class FaultDecider:
         straggle = bool(self.plan.straggle) and self._straggle_rng.random() < self.plan.straggle
         return Decision(None, fraction, straggle=straggle)
 
+    def rate_at(self, now: float) -> float | None:
+        """The limit in force for a request arriving at ``now`` (doubled after sustained load)."""
+        rate, rise = self.plan.get_rate, self.plan.get_rate_rises_after
+        if rate is None or rise is None:
+            return rate
+        if self._last_seen is None or now - self._last_seen > RISE_IDLE:
+            self._load_since = now
+        self._last_seen = now
+        assert self._load_since is not None
+        return 2 * rate if now - self._load_since >= rise else rate
+
     def _take_token(self, now: float) -> bool:
-        rate = self.plan.get_rate
+        rate = self.rate_at(now)
         assert rate is not None
+        if self.plan.throttle == "window":
+            answered = self._answered
+            while answered and answered[0] <= now - 1.0:
+                answered.popleft()
+            if len(answered) >= rate:
+                return False
+            answered.append(now)
+            return True
         if self._refilled is not None:
             self._tokens = min(rate * THROTTLE_BURST, self._tokens + (now - self._refilled) * rate)
         self._refilled = now

@@ -28,8 +28,8 @@ from torch.utils.data import Dataset
 
 from ..config import S3Config
 from ..decode import apply_transform
+from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
-from ..engine.tail import TailStore
 from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
@@ -306,7 +306,7 @@ class _Client:
         self.retry = retry
         self.store: TailStore | None = None
         self.limiter: anyio.Semaphore | None = None  # shared by concurrent calls from any thread
-        self.watcher: Future[None] | None = None  # the store's hedging watcher (engine/tail.py)
+        self.watcher: Future[None] | None = None  # the store's hedging watcher (engine/hedging.py)
         self.closed = False
 
     @classmethod

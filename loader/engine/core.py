@@ -17,8 +17,8 @@ import anyio
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from .delivery import DeliveryPolicy, Entry, Slot, delivery_for
+from .hedging import TailStore
 from .limits import Counts, EngineLimits
-from .tail import TailStore
 from .tuning import TUNING, Tuning
 
 
@@ -147,7 +147,7 @@ class EngineCore:
         try:
             store = self.tail = TailStore(await self.store_factory(), max_requests=self.limits.max_inflight)
             async with anyio.create_task_group() as beside:
-                beside.start_soon(store.watch)  # hedges straggling reads (engine/tail.py)
+                beside.start_soon(store.watch)  # hedges straggling reads (engine/hedging.py)
                 async with anyio.create_task_group() as tg:
                     await self.launch_all(tg, store)
                 beside.cancel_scope.cancel()

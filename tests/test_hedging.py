@@ -1,28 +1,15 @@
-"""The engine's tail handling. ``TailStore``: a straggling read of a store is sent again; a read
+"""``HedgedStore``: a straggling read of a store is sent again, the first answer wins; a read
 through the disk cache (a store saying ``hedged_by_engine = False``) is not, since a hedged miss
-would fetch and fill one entry twice. ``TailControl``'s throttle rules, on a simulated clock: a
-throttle is met near its rate, SlowDowns at random or in a stalled moment cut nothing."""
+would fetch and fill one entry twice; nothing is hedged while the store below is congested."""
 
 from __future__ import annotations
 
 import itertools
-import random
-from collections.abc import Callable
 
 import anyio
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from loader.engine.tail import (
-    HEDGE_AT_FIRST,
-    HEDGE_BURST,
-    HEDGE_SHARE,
-    HEDGES_PER_READ,
-    MIN_RATE,
-    TailControl,
-    TailStore,
-)
+from loader.engine.hedging import HEDGE_AT_FIRST, HEDGE_BURST, HEDGE_SHARE, HEDGES_PER_READ, HedgedStore
 
 _endpoints = itertools.count()
 STRAGGLE = HEDGE_AT_FIRST + 1.0  # seconds: well past the threshold used before any answer is known
@@ -44,7 +31,7 @@ class Straggling:
 @pytest.mark.parametrize("hedged_by_engine, reads", [(True, 1 + HEDGES_PER_READ), (False, 1)])
 def test_a_straggling_read_is_hedged_unless_its_store_says_no(hedged_by_engine, reads):
     inner = Straggling(hedged_by_engine)
-    store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
+    store = HedgedStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
 
     async def main() -> bytes:
         async with anyio.create_task_group() as tg:
@@ -81,7 +68,7 @@ def test_a_hedge_gets_a_place_while_other_reads_keep_every_place_busy():
     # another, so a place among max_requests is never left free. The hedge must get one anyway
     # (reads give way to it), or the straggler waits for the epoch's end.
     inner = OneStuck()
-    store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
+    store = HedgedStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
     done = anyio.Event()
 
     async def feed() -> None:
@@ -110,7 +97,7 @@ def test_a_hedge_gets_a_place_while_other_reads_keep_every_place_busy():
 def test_a_read_that_gave_way_to_a_hedge_goes_when_the_hedge_is_called_off():
     # The hedge waits for a place, a read gives way to it; the original answers and the hedge is
     # cancelled before it got one: the read must go at once, not wait for some other read to end.
-    store = TailStore(OneStuck(), f"http://tail-test-{next(_endpoints)}", max_requests=1)
+    store = HedgedStore(OneStuck(), f"http://tail-test-{next(_endpoints)}", max_requests=1)
 
     async def main() -> None:
         with anyio.fail_after(5):
@@ -136,14 +123,14 @@ def test_a_read_that_gave_way_to_a_hedge_goes_when_the_hedge_is_called_off():
     anyio.run(main)
 
 
-async def _enter_within(store: TailStore, scope: anyio.CancelScope) -> None:
+async def _enter_within(store: HedgedStore, scope: anyio.CancelScope) -> None:
     with scope:
         await store.enter(hedge=True)
 
 
 def test_a_hedge_that_straggles_too_is_sent_again_and_the_first_answer_wins():
     inner = OneStuck(stuck=HEDGES_PER_READ)  # the original and the first hedge never answer
-    store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
+    store = HedgedStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=4)
 
     async def main() -> bytes:
         with anyio.fail_after(30):
@@ -165,7 +152,7 @@ def test_hedges_waiting_for_a_place_count_against_the_budget():
     # Every place is held by a read that never answers, so no hedge can be sent: the watcher
     # must still stop deciding hedges at the budget, or they would all go out at once later.
     inner = OneStuck(stuck=10**9)
-    store = TailStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=40)
+    store = HedgedStore(inner, f"http://tail-test-{next(_endpoints)}", max_requests=40)
     control = store.control("bucket")
 
     async def main() -> tuple[int, int, int]:
@@ -184,125 +171,3 @@ def test_hedges_waiting_for_a_place_count_against_the_budget():
     assert hedged == 0 and requests == 40  # no place freed up: nothing was sent
     assert 1 <= queued <= HEDGE_SHARE * requests + HEDGE_BURST
     assert control.hedges_queued == 0  # cancelled before they were sent: their places given back
-
-
-# ------------------------------------------------------------------ the throttle rules, on a clock
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def simulate(control: TailControl, clock: Clock, seconds: float, demand: float,
-             server: Callable[[float], bool]) -> tuple[int, int]:
-    """A client that would send ``demand`` requests/s, each waiting its turn under the control's
-    limit; ``server(now)`` says whether a request sent at ``now`` is answered SlowDown. Returns
-    (good answers, SlowDowns); every SlowDown is sent again like any request."""
-    good = slow = 0
-    end = clock.now + seconds
-    step = 1.0 / demand
-    while clock.now < end:
-        wait, _ = control.turn()
-        clock.now += max(wait, step)
-        if server(clock.now):
-            slow += 1
-            control.on_throttled()
-        else:
-            good += 1
-            control.on_answer(0.01)
-    return good, slow
-
-
-def throttle(rate: float, burst: float = 0.5) -> Callable[[float], bool]:
-    """A server that answers ``rate`` requests/s (a token bucket holding ``burst`` seconds' worth)."""
-    bucket = {"tokens": rate * burst, "at": None}
-
-    def slow_down(now: float) -> bool:
-        if bucket["at"] is not None:
-            bucket["tokens"] = min(rate * burst, bucket["tokens"] + (now - bucket["at"]) * rate)
-        bucket["at"] = now
-        if bucket["tokens"] >= 1:
-            bucket["tokens"] -= 1
-            return False
-        return True
-
-    return slow_down
-
-
-def test_a_throttle_is_met_near_its_rate_with_few_slowdowns():
-    clock = Clock()
-    control = TailControl(clock)
-    good, slow = simulate(control, clock, 30.0, demand=1000.0, server=throttle(300.0))
-    assert control.rate is not None
-    assert good / 30.0 >= 0.75 * 300, good / 30.0  # most of what the server allows ...
-    assert slow <= 0.10 * (good + slow), (good, slow)  # ... with few SlowDowns
-    assert control.hedge_after() is None and not control.reserve_hedge()  # and no hedge while limited
-
-
-def test_slowdowns_sprinkled_at_random_leave_the_rate_alone():
-    """5 % of answers SlowDown whatever the rate (a server's hiccups): sending less would not spare
-    them, so no limit is set and nothing slows down."""
-    clock = Clock()
-    control = TailControl(clock)
-    hiccups = random.Random(1)
-    good, slow = simulate(control, clock, 60.0, demand=300.0, server=lambda _: hiccups.random() < 0.05)
-    assert control.rate is None and slow > 500
-    assert good / 60.0 >= 0.9 * 300 * 0.95
-
-
-def test_a_stalled_moment_of_retries_does_not_cut_the_rate():
-    """While everything waits on a stalled request, the few answers are mostly SlowDown retries:
-    too few to be a throttle."""
-    clock = Clock()
-    control = TailControl(clock)
-    for _ in range(50):  # the job ran well ...
-        control.turn()
-        clock.now += 0.01
-        control.on_answer(0.01)
-    clock.now += 2.0  # ... until a request stalled
-    for _ in range(6):
-        control.turn()
-        clock.now += 0.1
-        control.on_throttled()
-    assert control.rate is None
-
-
-def test_an_unused_limit_does_not_grow():
-    clock = Clock()
-    control = TailControl(clock)
-    simulate(control, clock, 2.0, demand=1000.0, server=throttle(100.0))
-    limit = control.rate
-    assert limit is not None
-    clock.now += 5.0  # idle
-    for _ in range(50):  # answers to requests sent well below the limit
-        control.on_answer(0.01)
-    assert control.rate == limit
-
-
-@given(st.lists(st.tuples(st.floats(0.0, 0.5), st.booleans()), max_size=300))
-def test_the_limit_never_falls_below_its_floor(events):
-    clock = Clock()
-    control = TailControl(clock)
-    for gap, throttled in events:
-        control.turn()
-        clock.now += gap
-        control.on_throttled() if throttled else control.on_answer(gap)
-        assert control.rate is None or control.rate >= MIN_RATE
-
-
-def test_a_storm_at_the_start_is_met_within_a_few_slowdowns():
-    """A job's first requests all go out at once and most come back SlowDown: the limit comes
-    after a handful, not after the share rule's count (its in-flight requests would all meet it)."""
-    clock = Clock()
-    control = TailControl(clock)
-    for _ in range(64):
-        control.turn()
-    clock.now += 0.05
-    for _ in range(4):
-        control.on_throttled()
-    assert control.rate is not None and control.rate <= 0.7 * 64 + 1e-9
-    assert control.hedge_after() is None and not control.reserve_hedge()
