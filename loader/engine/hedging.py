@@ -25,8 +25,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
-from ..s3 import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
-from .throttle import SharedControls, ThrottledStore, endpoint_of
+from ..s3 import DEFAULT_CHUNK_SIZE, ObjectStore, Pin
+from .throttle import ReadWrapper, SharedControls, ThrottledStore, endpoint_of
 
 T = TypeVar("T")
 
@@ -121,7 +121,7 @@ class _Pending:
         self.result: tuple[Any] | None = None  # the hedge's answer, if it won
 
 
-class HedgedStore:
+class HedgedStore(ReadWrapper):
     """An ``ObjectStore`` whose whole-body reads (``get``, ``get_range``, ``get_if_changed``) are
     hedged when they straggle; everything else passes through (streams are not hedged).
 
@@ -149,9 +149,6 @@ class HedgedStore:
         self.hedged = 0
         self.hedges_won = 0
 
-    def __getattr__(self, name: str) -> Any:  # list_pages, multipart, throttled, ...: the inner store's
-        return getattr(self.inner, name)
-
     def control(self, bucket: str) -> HedgeControl:
         control = self.controls.get(bucket)
         if control is None:
@@ -163,35 +160,11 @@ class HedgedStore:
         congested = getattr(self.inner, "congested", None)
         return bool(congested(bucket)) if congested is not None else False
 
-    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
-        return self.inner.list(bucket, prefix)
-
-    async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
-        return await self._read(bucket, lambda: self.inner.get(bucket, key, pin=pin))
-
-    async def get_range(
-        self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
-    ) -> bytes:
-        return await self._read(bucket, lambda: self.inner.get_range(bucket, key, start, end, pin=pin))
-
-    async def get_if_changed(
-        self, bucket: str, key: str, etag: str, start: int = 0, end: int | None = None, *,
-        pin: Pin | None = None,
-    ) -> bytes | None:
-        return await self._read(
-            bucket, lambda: self.inner.get_if_changed(bucket, key, etag, start, end, pin=pin))
-
     def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
         pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         return self.inner.stream(bucket, key, start, chunk_size, pin=pin)
-
-    async def put(self, bucket: str, key: str, data: bytes) -> None:
-        await self.inner.put(bucket, key, data)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
     def __repr__(self) -> str:
         return f"HedgedStore({self.inner!r})"

@@ -207,29 +207,18 @@ def endpoint_of(store: Any) -> str:
     return f"store:{type(store).__name__}"
 
 
-class ThrottledStore:
-    """An ``ObjectStore`` whose reads (``get``, ``get_range``, ``get_if_changed``, ``stream``) wait
-    for their turn under the shared ``ThrottleControl`` of their bucket and report how they were
-    answered; everything else passes through. Counts its own SlowDowns (``throttled``) for ``stats()``."""
+class ReadWrapper:
+    """A store wrapper whose whole-body reads (``get``, ``get_range``, ``get_if_changed``) pass
+    through ``_read(bucket, call)``; everything else goes to ``inner`` as it is. The throttle and
+    the hedging wrappers differ only in ``_read`` (and in how they stream)."""
 
-    def __init__(self, inner: ObjectStore, endpoint: str | None = None) -> None:
-        self.inner = inner
-        self.endpoint = endpoint or endpoint_of(inner)
-        self.controls: dict[str, ThrottleControl] = {}
-        self.throttled = 0
+    inner: ObjectStore
 
     def __getattr__(self, name: str) -> Any:  # list_pages, multipart, hedged_by_engine, ...: the inner store's
         return getattr(self.inner, name)
 
-    def control(self, bucket: str) -> ThrottleControl:
-        control = self.controls.get(bucket)
-        if control is None:
-            control = self.controls[bucket] = control_for(self.endpoint, bucket)
-        return control
-
-    def congested(self, bucket: str) -> bool:
-        """Whether a hedge for ``bucket`` would add to a throttle (``HedgedStore`` asks)."""
-        return self.control(bucket).congested()
+    async def _read(self, bucket: str, call: Callable[[], Awaitable[T]]) -> T:
+        raise NotImplementedError
 
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return self.inner.list(bucket, prefix)
@@ -248,6 +237,34 @@ class ThrottledStore:
     ) -> bytes | None:
         return await self._read(
             bucket, lambda: self.inner.get_if_changed(bucket, key, etag, start, end, pin=pin))
+
+    async def put(self, bucket: str, key: str, data: bytes) -> None:
+        await self.inner.put(bucket, key, data)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class ThrottledStore(ReadWrapper):
+    """An ``ObjectStore`` whose reads (``get``, ``get_range``, ``get_if_changed``, ``stream``) wait
+    for their turn under the shared ``ThrottleControl`` of their bucket and report how they were
+    answered; everything else passes through. Counts its own SlowDowns (``throttled``) for ``stats()``."""
+
+    def __init__(self, inner: ObjectStore, endpoint: str | None = None) -> None:
+        self.inner = inner
+        self.endpoint = endpoint or endpoint_of(inner)
+        self.controls: dict[str, ThrottleControl] = {}
+        self.throttled = 0
+
+    def control(self, bucket: str) -> ThrottleControl:
+        control = self.controls.get(bucket)
+        if control is None:
+            control = self.controls[bucket] = control_for(self.endpoint, bucket)
+        return control
+
+    def congested(self, bucket: str) -> bool:
+        """Whether a hedge for ``bucket`` would add to a throttle (``HedgedStore`` asks)."""
+        return self.control(bucket).congested()
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
@@ -269,12 +286,6 @@ class ThrottledStore:
             raise
         finally:
             await chunks.aclose()
-
-    async def put(self, bucket: str, key: str, data: bytes) -> None:
-        await self.inner.put(bucket, key, data)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
     def __repr__(self) -> str:
         return f"ThrottledStore({self.inner!r})"
