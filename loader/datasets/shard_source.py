@@ -23,7 +23,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backpo
 
 from ..checks import check_int
 from ..decode import apply_transform
-from ..engine.fetch import AnyJob, Delivery, EngineLimits, Job, JobContext, JobFn
+from ..engine.fetch import AnyJob, Delivery, EngineLimits, Job, JobContext, JobFn, first_error
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.shards import (
     END,
@@ -392,7 +392,7 @@ class ShardSource:
             try:
                 await merge(ctx)
             except BaseExceptionGroup as group:  # the task group wraps; callers want the error itself
-                raise _first_error(group) from None
+                raise first_error(group) from None
 
         async def merge(ctx: JobContext) -> None:
             queues: dict[int, Any] = {}
@@ -619,22 +619,6 @@ class _Queued:
 
     def retried(self, exc: BaseException) -> None:
         self._ctx.retried(exc)
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The error that made a task group fail: its first leaf that is not a cancellation."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    cancelled = anyio.get_cancelled_exc_class()
-    return next((leaf for leaf in leaves if not isinstance(leaf, cancelled)), leaves[0])
 
 
 async def _into_queue(job: Job, ctx: JobContext, send: Any) -> None:

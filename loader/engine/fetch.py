@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
-from .core import AnyJob, EngineCore, Job, JobContext, JobFn
+from .core import AnyJob, EngineCore, Job, JobContext, JobFn, first_error
 from .limits import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_QUEUE_BYTES,
@@ -39,7 +39,7 @@ from .tuning import TUNING, Tuning
 __all__ = [
     "DEFAULT_MAX_INFLIGHT", "DEFAULT_QUEUE_BYTES", "DEFAULT_QUEUE_ITEMS", "DELIVERIES", "Delivery",
     "AnyJob", "EngineLimits", "EngineStats", "FetchEngine", "Job", "JobContext", "JobFn", "Tuning",
-    "live_engines",
+    "first_error", "live_engines",
 ]
 
 

@@ -21,6 +21,7 @@ import anyio
 
 from ..checks import check_int
 from ..config import S3Config
+from ..engine.fetch import first_error
 from ..errors import ConfigError, LoaderError, StoreError
 from ..formats.compression import Compression, Encoder, open_encoder
 from ..formats.packing import (
@@ -199,7 +200,7 @@ class _Packer:
         try:
             await self._run()
         except BaseExceptionGroup as group:  # task groups wrap; callers want our error itself
-            raise _first_error(group) from None
+            raise first_error(group) from None
         finally:
             await self.store.aclose()
             self.report.seconds = time.perf_counter() - started
@@ -526,26 +527,6 @@ class _Budget:
         self.items -= 1
         self._changed.set()
         self._changed = anyio.Event()
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The error that made a task group fail: the first leaf that is not a cancellation
-    (the others are mostly the cancellations it caused); its own traceback stays attached."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    cancelled = anyio.get_cancelled_exc_class()
-    for leaf in leaves:
-        if not isinstance(leaf, cancelled):
-            return leaf
-    return leaves[0] if leaves else group
 
 
 def _min_part_size(store: Any) -> int:
