@@ -78,11 +78,9 @@ def test_stop_on_3x2_resume_on_2x3_and_on_1x0_reads_each_sample_once(s3_server, 
 
     for world_size, num_workers in ((2, 3), (1, 0)):
         tail, _, tail_bytes = run(s3_server, bucket, mode, world_size, num_workers, seen=seen)
-        # 131 of 251 samples left: ranged GETs from the index's offsets fetch less than the
-        # epoch (streaming each shard a rank touches from its start fetched 1.5x the epoch here);
-        # shuffled, a rank's blocks hold samples of every shard of a window, and spans read
-        # through small gaps between them (0.8x the epoch here, for 0.52x of its samples)
-        assert tail_bytes < epoch_bytes, (world_size, tail_bytes, epoch_bytes)
+        # 131 of 251 samples left: ranged GETs from the index's offsets fetch about their share
+        # (streaming each shard a rank touches from its start fetched 1.5x the epoch here).
+        assert tail_bytes < 0.75 * epoch_bytes, (world_size, tail_bytes, epoch_bytes)
         assert len({len(batches) for batches in tail}) == 1, "every rank takes the same steps"
         for rank, batches in enumerate(tail):
             for step, batch in enumerate(batches[:-1]):

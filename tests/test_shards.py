@@ -307,12 +307,12 @@ def test_unordered_delivery_is_still_exactly_once():
     assert_exactly(list(shards_ds(fake, ordered=False, shuffle=True, seed=1)), expected)
 
 
-def test_unshuffled_is_the_stored_order_with_shards_read_side_by_side():
-    # several shards in flight used to interleave their samples (s000/0, s001/0, s002/0, ...)
-    # even unshuffled; shuffle=False now means the stored order, shard after shard
+def test_interleave_takes_round_robin_over_shards_in_flight():
     fake, expected = make_store(num_shards=8, per_shard=40)
     keys = keys_of(shards_ds(fake, shards_inflight=3))
-    assert keys == sorted(expected)
+    assert sorted(keys) == sorted(expected)
+    assert [key.split("/")[0] for key in keys[:6]] == ["s000", "s001", "s002"] * 2
+    assert keys[:3] == ["s000/000000", "s001/000000", "s002/000000"]
 
 
 # --------------------------------------------------------------------------- memory
@@ -752,7 +752,7 @@ def test_a_skipped_sample_is_named_and_its_shard_goes_on(caplog):
 def test_shuffle_buffer_with_batch_size_is_refused_not_ignored():
     fake, _ = make_store(num_shards=2, per_shard=10)
     with pytest.raises(ConfigError, match=r"shuffle_buffer=200 cannot be used with batch_size=: blocks "
-                                          r".*Drop shuffle_buffer=.*mixes the samples of up to 64 shards"):
+                                          r".*Drop shuffle_buffer=.*loader shard --shuffle"):
         shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=200)
     shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=0)  # saying "no buffer" is fine
     shards_ds(fake, shuffle=True, batch_size=8)  # and so is the default, which does not apply

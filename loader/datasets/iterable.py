@@ -45,10 +45,9 @@ log = logging.getLogger(__name__)
 stats_log = logging.getLogger("loader.stats")
 """One line per worker and pass, at INFO, when this logger's level is set."""
 
-STATE_VERSION = 3
+STATE_VERSION = 2
 """2: shuffled orders of more than ``partition.SMALL_ORDER`` items are a keyed permutation
-computed per index; 3: shuffled shards and Parquet units are merged by windows
-(``window_order``). Older states are accepted only where their order is unchanged."""
+computed per index; version 1 states are accepted only where their order is unchanged."""
 
 
 class AsyncS3Dataset(IterableDataset):
@@ -512,8 +511,8 @@ class AsyncS3Dataset(IterableDataset):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the next iteration of ``state["epoch"]`` skips the samples already delivered."""
         kind = self.source.kind
-        if state.get("version") in (1, 2) and state.get("mode") == kind:
-            _check_old_order(state, shuffled=self._shuffles_units())
+        if state.get("version") == 1 and state.get("mode") == kind:
+            _check_old_order(state, shuffled=self.options.shuffle)
         elif state.get("version") != STATE_VERSION or state.get("mode") != kind:
             raise ConfigError(
                 f"this state (version {state.get('version')!r}, mode {state.get('mode')!r}) is not "
@@ -531,13 +530,6 @@ class AsyncS3Dataset(IterableDataset):
         self._resume = dict(state)
         seen = state.get("samples_seen", 0)
         self._elastic = (state["epoch"], seen) if seen else None
-
-    def _shuffles_units(self) -> bool:
-        """Whether an epoch's order shuffles anything (in a mix: any of its sources)."""
-        parts = getattr(self.source, "parts", None)
-        if parts is not None:
-            return any(part.shuffle for part in parts)
-        return self.options.shuffle
 
     def resume(self, *, epoch: int, samples_seen: int) -> None:
         """Continue ``epoch`` after the first ``samples_seen`` samples of its order, on any
@@ -699,19 +691,17 @@ def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[s
 
 
 def _check_old_order(state: Mapping[str, Any], *, shuffled: bool) -> None:
-    """A state of an earlier version may be resumed only where its order is still this
-    release's: unshuffled, or objects (version 2; version 1 only up to ``partition.SMALL_ORDER``
-    items, when every shuffled order was a list shuffled whole). Shuffled shards and Parquet
-    units are merged by windows since version 3. Elsewhere the position it saved would point
-    into another order, and the epoch would repeat and skip samples."""
-    version, mode, size, epoch = state.get("version"), state.get("mode"), state.get("size"), state.get("epoch")
-    if not shuffled or (mode == "objects" and (
-            version == 2 or (isinstance(size, int) and size <= partition.SMALL_ORDER))):
+    """A state of version 1 (releases whose every shuffled order was a list shuffled whole) may
+    be resumed only where that order is still this release's: unshuffled, or objects or shards
+    (whose order is over the shards) of at most ``partition.SMALL_ORDER`` items. Elsewhere the position it
+    saved would point into another order, and the epoch would repeat and skip samples."""
+    size, epoch = state.get("size"), state.get("epoch")
+    if state.get("mode") in ("objects", "shards") and (
+            not shuffled or (isinstance(size, int) and size <= partition.SMALL_ORDER)):
         return
-    what = (f"shuffles {mode} of more than {partition.SMALL_ORDER} items" if mode == "objects"
-            else f"mixes shuffled {mode} across units")
     raise ConfigError(
-        f"this state was saved by an earlier release (state version {version}) in the middle of epoch "
-        f"{epoch!r}; this release {what} in another order, so the samples it delivered cannot be "
-        f"told apart. Start that epoch again (ds.set_epoch({epoch!r}) instead of load_state_dict), or "
-        "finish it with the release that saved the state and upgrade at an epoch boundary")
+        f"this state was saved by an earlier release (state version 1) in the middle of epoch "
+        f"{epoch!r}; this release shuffles {state.get('mode')} of more than {partition.SMALL_ORDER} "
+        f"items in another order, so the samples it delivered cannot be told apart. Start that "
+        f"epoch again (ds.set_epoch({epoch!r}) instead of load_state_dict), or finish it with the "
+        "release that saved the state and upgrade at an epoch boundary")

@@ -148,11 +148,8 @@ class MixSource:
                 positions=[at for _, at in entries]))
             at = 0
             for read in reads:
-                if read.tags is not None:  # a shuffled plan's read: its places, in its order
-                    tags = [entries[place][0] for place in read.tags]
-                else:
-                    tags = [tag for tag, _ in entries[at:at + read.size]]
-                    at += read.size
+                tags = [tag for tag, _ in entries[at:at + read.size]]
+                at += read.size
                 if not tags:
                     continue
                 for tag in tags:

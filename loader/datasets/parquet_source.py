@@ -52,12 +52,8 @@ from ..s3 import ObjectStore, StoreFactory
 from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri
 from .options import LoaderOptions
-from .shard_source import PLAN_JOBS_INFLIGHT, ShardSource
-from .window_order import WINDOW_UNITS
+from .shard_source import ShardSource
 
-WINDOW_BYTES = 512 << 20
-"""Without a memory limit, the units of one shuffle window together need at most this much: two
-windows are read at once, 1 GiB, what 16 units of 32 MiB in flight and as many read ahead held."""
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
 # pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
@@ -233,8 +229,7 @@ class ParquetSource(ShardSource):
         if options.batch_size is not None and self.shard_options.shuffle_buffer:
             raise ConfigError(f"shuffle_buffer={self.shard_options.shuffle_buffer!r} cannot be used with "
                               "batch_size=: blocks of the epoch's order are read in order; drop "
-                              "shuffle_buffer= (with shuffle=True the epoch's order already permutes "
-                              "the rows of each unit and mixes units read side by side)")
+                              "shuffle_buffer= (the row-group order is still shuffled every epoch)")
         if self.shard_options.samples_per_epoch is not None and not options.ordered:
             raise ConfigError("samples_per_epoch= reads its passes in order, so ordered=False cannot "
                               "apply; drop it")
@@ -331,7 +326,7 @@ class ParquetSource(ShardSource):
         """What a unit of several row groups may need: its share of ``read_bytes()``, so that
         ``row_groups_inflight`` units fit in the budget at once (None: no budget)."""
         reads = self.read_bytes()
-        return None if reads is None else reads // max(self.shard_options.shards_inflight, WINDOW_UNITS)
+        return None if reads is None else reads // self.shard_options.shards_inflight
 
     def read_bytes(self) -> int | None:
         """What ``memory_budget`` leaves for row groups being read (None: no budget)."""
@@ -396,25 +391,11 @@ class ParquetSource(ShardSource):
         return f"row {key!r} of {url}, going on with the rest of the row group"
 
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
-            offsets: bool = True, order: Sequence[int] | None = None) -> Job:
+            offsets: bool = True) -> Job:
         plan = self.plans()[assignment.shard]
         read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns,
                             self._piece(), self.shard_options.parts_inflight, self._streams(plan))
-        return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error,
-                             order=order)
-
-    def window_options(self) -> dict[str, Any]:
-        """A unit is fetched and decoded whole before its rows are emitted, so its rows are
-        permuted too (all but a streamed one); a window holds units whose reads fit together in
-        half of what the memory limit leaves for reads (two windows are read at once), and
-        ``WINDOW_UNITS`` at most."""
-        plans = self.plans()
-        cap = self.read_bytes()
-        permuted = [not self._streams(plan) for plan in plans]
-        # a permuted unit holds its decoded rows too, until each one's turn: about its bytes again
-        weights = [self._need(plan) + (plan.fetched if whole else 0) for plan, whole in zip(plans, permuted)]
-        return {"window": WINDOW_UNITS, "weights": weights,
-                "cap": WINDOW_BYTES if cap is None else cap // PLAN_JOBS_INFLIGHT, "permuted": permuted}
+        return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error)
 
     def reserve(self, assignment: ShardAssignment) -> int:
         return self._need(self.plans()[assignment.shard])
@@ -439,9 +420,6 @@ class ParquetSource(ShardSource):
 
     def limits(self, delivery: Delivery) -> EngineLimits:
         return self.options.limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
-
-    def plan_limits(self) -> EngineLimits:
-        return self.options.limits("ordered", max_inflight=PLAN_JOBS_INFLIGHT, inflight_bytes=self.read_bytes())
 
     def versions(self) -> Versions | None:
         return versions_of(self.shards())

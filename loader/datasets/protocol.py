@@ -60,8 +60,8 @@ def _always(tag: Any) -> bool:
 
 
 class Read(NamedTuple):
-    """One job of a source's share, for a mix: it emits ``(tag, sample)`` for ``size`` positions
-    of the slot (``tags``; default: the next ``size``, in order; fewer when a fault ends it early); items whose tag
+    """One job of a source's share, for a mix: it emits ``(tag, sample)`` for the next ``size``
+    positions of the slot, in order (fewer when a fault ends it early); items whose tag
     ``is_sample`` refuses are bookkeeping (an end-of-shard marker) and carry no position.
     ``reserve``: the bytes the job holds while it runs, when known (the engine's budget)."""
 
@@ -69,9 +69,6 @@ class Read(NamedTuple):
     size: int
     is_sample: Callable[[Any], bool] = _always
     reserve: int | None = None
-    tags: tuple[int, ...] | None = None
-    """The places in the slot's positions of the items it emits, in emission order (None: the
-    next ``size`` places, in order)."""
 
 
 class Progress(Protocol):

@@ -12,22 +12,15 @@ import dataclasses
 import itertools
 import logging
 import random
-import sys
-from collections.abc import Container, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Generator, Iterable, Iterator, Mapping
 from typing import Any
-
-import anyio
-
-if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
-    from exceptiongroup import BaseExceptionGroup
 
 from ..checks import check_int
 from ..decode import apply_transform
-from ..engine.fetch import AnyJob, Delivery, EngineLimits, Job, JobContext, JobFn, first_error
+from ..engine.fetch import AnyJob, Delivery, EngineLimits, JobContext, JobFn
 from ..errors import ConfigError, EmptyDatasetError
 from ..formats.shards import (
     END,
-    SPAN_BYTES,
     ShardAssignment,
     ShardEnd,
     ShardOptions,
@@ -58,16 +51,6 @@ from .options import LoaderOptions, check_budget, shard_read_bytes
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
 from .shuffle import shuffled
-from .window_order import (
-    SLOT_UNITS,
-    WINDOW_UNITS,
-    Segment,
-    UnitRead,
-    WindowOrder,
-    contiguous_positions,
-    index_ranges,
-    plan_reads,
-)
 
 log = logging.getLogger(__name__)
 
@@ -263,173 +246,22 @@ class ShardSource:
         if self.shard_options.samples_per_epoch is not None:
             yield from self._cycle(slot, progress, run, self.shard_options.samples_per_epoch)
             return
-        if self.unit_counts() is not None:  # the epoch's order is known sample by sample
-            yield from self._planned(slot, progress, run)
-            return
         options = self.shard_options
         jobs = [
             self.job(a, position, skip=progress.shard(position))
             for position, a in enumerate(self.assignments(slot))
             if not shard_complete(a, progress.shard_samples.get(position), progress.shard(position))
         ]
-        # counts unknown: whole shards dealt to slots, their samples interleaved and mixed by the
-        # shuffle buffer; unshuffled, each shard is delivered whole, in turn (the stored order)
-        delivery: Delivery = "ordered" if not self.options.shuffle else (
-            "interleave" if self.options.ordered else "completed")
+        blocks = slot.positions is not None
+        if blocks:
+            delivery: Delivery = "ordered"  # blocks in order: shards read ahead, delivered in turn
+        else:
+            delivery = "interleave" if self.options.ordered else "completed"
         limits = self.limits(delivery)
-        size = options.buffer_size if self.options.shuffle else 0
+        size = options.buffer_size if self.options.shuffle and not blocks else 0  # keeps blocks whole
         with contextlib.closing(progress.count_ends(run(jobs, limits))) as stream:
             yield from shuffled(stream, size, slot_rng(slot), max_bytes=options.shuffle_bytes,
                                 nbytes=tagged_nbytes)
-
-    def unit_order(self, slot: Slot) -> WindowOrder:
-        """The epoch's sample order (``window_order``): units shuffled, merged by windows."""
-        counts = self.unit_counts()
-        assert counts is not None
-        return WindowOrder(counts, seed=slot.seed, epoch=slot.epoch, shuffle=slot.shuffle,
-                           **self.window_options())
-
-    def window_options(self) -> dict[str, Any]:
-        """How units are merged (``WindowOrder``'s keywords, indexed by unit).
-
-        A tar shard streams, so it keeps its stored order inside its window. A window holds up
-        to ``WINDOW_UNITS`` shards whose reads fit together in what ``shards_inflight`` shards
-        read whole may hold (half each, as two windows are read at once): a read from the
-        index's offsets holds a GET's span and the next, and a shard of at most two parts
-        streams in chunks, so 64 fit; a larger shard without offsets is read in ranged parts,
-        so only ``shards_inflight // 2`` do."""
-        options, counts = self.shard_options, self.counts()
-        whole = shard_read_bytes(options.parts_inflight, options.part_size)
-        # a span and the next fetched ahead (or a streamed chunk), the member being parsed, and
-        # the samples parsed ahead of their turn (READ_QUEUE_ITEMS, of the shard's mean size)
-        small = 2 * min(options.part_size, SPAN_BYTES) + options.chunk_size
-        samples = self.unit_counts() or []
-
-        def weight(number: int, shard: ShardRef) -> int:
-            queued = 0 if shard.size is None or number >= len(samples) else (
-                READ_QUEUE_ITEMS * shard.size // max(1, samples[number]))
-            if shard.compression is None and counts is not None and counts.offsets.get(shard.url):
-                return small + queued
-            if shard.size is not None and shard.size <= 2 * options.part_size:
-                return small + queued
-            return whole + queued
-
-        weights = [weight(number, shard) for number, shard in enumerate(self.shards())]
-        # two windows are read at once (the next while this one delivers): each gets half
-        return {"window": WINDOW_UNITS, "weights": weights,
-                "cap": options.shards_inflight * whole // PLAN_JOBS_INFLIGHT}
-
-    def _planned(self, slot: Slot, progress: ShardProgress, run: Run) -> Generator[Tagged, None, None]:
-        """Read the slot's share of the epoch in a windowed order (``window_order``): one read
-        per unit a window's stretch touches, run side by side in one job per stretch that emits
-        their samples in the order's sequence (``segment_job``).
-
-        With ``batch_size=`` the slot reads its blocks of the epoch's order, the same on every
-        topology (so a resume is a slice of it). Without, the slot reads its run of the shuffled
-        units (``partition.balanced_shard_ranges``: each unit once, as before) merged in an order
-        of its own, and the shuffle buffer mixes on top: nothing resumes such a pass on another
-        topology, so its order need not be shared. Where units are too few for every slot to
-        mix its own (``SLOT_UNITS``), slots read runs of the shared order instead: each reads
-        its part of every unit of a window (a Parquet unit is then fetched by each)."""
-        counts = self.unit_counts()
-        assert counts is not None
-        _, slots = partition.slot_of(slot.rank, slot.world_size, slot.worker, slot.num_workers)
-        pieces: list[tuple[int, int]] | None = None  # None: the order's units are the units
-        if slot.positions is not None:
-            order = self.unit_order(slot)
-            positions: Iterable[int] = slot.positions
-        elif len(counts) < SLOT_UNITS * slots:  # too few units to give every slot its own: the
-            order = self.unit_order(slot)  # slots share the order's windows, a run of it each
-            total = len(order)
-            positions = (p % total for p in contiguous_positions(
-                total, rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
-                num_workers=slot.num_workers, policy=slot.policy)) if total else ()
-        else:
-            assignments = partition.balanced_shard_ranges(counts, policy=slot.policy, **slot.where())
-            pieces = [(a.shard, a.start) for a in assignments]
-            options = self.window_options()
-            at = [a.shard for a in assignments]
-            for name in ("weights", "permuted"):
-                if options.get(name) is not None:
-                    options[name] = [options[name][unit] for unit in at]
-            number, _ = partition.slot_of(slot.rank, slot.world_size, slot.worker, slot.num_workers)
-            order = WindowOrder([(a.stop or 0) - a.start for a in assignments],
-                                seed=partition.epoch_seed(slot.seed, number), epoch=slot.epoch,
-                                shuffle=slot.shuffle, **options)
-            positions = range(len(order))
-        # The engine's thread makes the jobs: give it a copy of what a resumed state says was
-        # delivered, not the progress this thread updates.
-        delivered = {p: Watermark.from_state(mark.to_state()) for p, mark in progress.shards.items()}
-        plan = plan_reads(order, positions)
-        if pieces is not None:
-            plan = (Segment([read._replace(unit=pieces[read.unit][0],
-                                           indices=tuple(pieces[read.unit][1] + i for i in read.indices))
-                             for read in segment.reads], segment.schedule) for segment in plan)
-        jobs = (self.segment_job(segment, delivered) for segment in plan)
-        size = self.shard_options.buffer_size if slot.shuffle and slot.positions is None else 0
-        stream = run(jobs, self.plan_limits())
-        with contextlib.closing(stream):
-            yield from shuffled(stream, size, slot_rng(slot), max_bytes=self.shard_options.shuffle_bytes,
-                                nbytes=tagged_nbytes)
-
-    def plan_limits(self) -> EngineLimits:
-        """The engine's limits for a plan's jobs (one per window stretch): the next window's
-        reads start while this one's samples are delivered."""
-        return self.options.limits("ordered", max_inflight=PLAN_JOBS_INFLIGHT)
-
-    def segment_job(self, segment: Segment, delivered: Mapping[int, Watermark]) -> Job:
-        """One engine job for a stretch of a window: its reads run side by side as tasks, each
-        into a queue of ``READ_QUEUE_ITEMS``, and the job emits their samples in the order's
-        sequence (what a resume delivered left out). One job, not one per read: the engine then
-        wakes one waiter per sample, not every read parked with a sample to hand over."""
-        nothing = Watermark()
-        reads = [(read, self.read_job(read, delivered.get(read.number, nothing))) for read in segment.reads]
-        left = {read.number: iter(read.indices) for read in segment.reads}
-        schedule = [number for number in segment.schedule
-                    if next(left[number]) not in delivered.get(number, nothing)]
-
-        async def job(ctx: JobContext) -> None:
-            try:
-                await merge(ctx)
-            except BaseExceptionGroup as group:  # the task group wraps; callers want the error itself
-                raise first_error(group) from None
-
-        async def merge(ctx: JobContext) -> None:
-            queues: dict[int, Any] = {}
-            async with anyio.create_task_group() as reading:
-                for read, read_job in reads:
-                    send, receive = anyio.create_memory_object_stream[tuple[Any, int]](READ_QUEUE_ITEMS)
-                    queues[read.number] = receive
-                    reading.start_soon(_into_queue, read_job, ctx, send)
-                for number in schedule:
-                    queue = queues[number]
-                    try:  # without a trip through the loop when the sample is there (anyio's
-                        item, nbytes = queue.receive_nowait()  # receive() always yields)
-                    except anyio.WouldBlock:
-                        try:
-                            item, nbytes = await queue.receive()
-                        except anyio.EndOfStream:  # a read that ended early (on_error skipped the rest)
-                            continue
-                    except anyio.EndOfStream:
-                        continue
-                    await ctx.emit(item, nbytes)
-                for receive in queues.values():
-                    receive.close()
-
-        return Job(job, reserve=sum(read_job.reserve or 0 for _, read_job in reads))
-
-    def read_job(self, read: UnitRead, skip: Container[int]) -> Job:
-        """The job of one read of a plan: its unit's samples ``read.indices``, emitted in that
-        order as ``((read.number, index), sample)`` (no end-of-shard marker). Unshuffled, a run
-        is read as before (from the shard's start, in ranged parts); shuffled, many reads run
-        side by side, each from the index's offsets where known (one GET's span held each)."""
-        ranges = index_ranges(read.indices)
-        if len(ranges) == 1 and not self.options.shuffle:
-            assignment = ShardAssignment(read.unit, 1, 0, ranges[0][0], ranges[0][1])
-        else:
-            assignment = ShardAssignment(read.unit, 1, 0, ranges[0][0], ranges[-1][1], ranges)
-        job = self.job(assignment, read.number, skip=skip, order=read.indices)
-        return samples_only(job, self.reserve(assignment))
 
     def _cycle(self, slot: Slot, progress: ShardProgress, run: Run, per_rank: int,
                ) -> Generator[Tagged, None, None]:
@@ -503,21 +335,19 @@ class ShardSource:
     def reads(self, slot: Slot) -> list[Read]:
         if slot.positions is None:
             raise ValueError("reads() needs the slot's positions")
-        if self.unit_counts() is None:
-            raise ConfigError(f"batch_size= in shard mode deals samples: {self.missing_count()}")
-        order = self.unit_order(slot)
-        return [Read(self.read_job(read, frozenset()), len(read.indices), _is_sample,
-                     self.reserve(ShardAssignment(read.unit, 1, 0)), read.tags)
-                for segment in plan_reads(order, slot.positions) for read in segment.reads]
+        assignments = self.assignments(slot)  # raises without counts
+        counts = self.unit_counts()
+        assert counts is not None
+        return [Read(self.job(a, position), a.wanted(counts[a.shard]), _is_sample, self.reserve(a))
+                for position, a in enumerate(assignments)]
 
     # ------------------------------------------------------------------ how one shard is read
     # (a source of other units dealt like shards, such as Parquet row groups, overrides these)
 
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
-            offsets: bool = True, order: Sequence[int] | None = None) -> AnyJob:
+            offsets: bool = True) -> AnyJob:
         """The engine job that reads ``assignment``'s samples as plan position ``position``,
-        less ``skip``; ``offsets``: ranged reads from the index's offsets where they apply.
-        ``order``: the order to emit them in (a tar shard streams: only its stored order)."""
+        less ``skip``; ``offsets``: ranged reads from the index's offsets where they apply."""
         shard, counts = self.shards()[assignment.shard], self.counts()
         return shard_job(shard, position, assignment, self.shard_options, skip=skip,
                          on_error=self.options.on_error,
@@ -559,8 +389,8 @@ def _check_combinations(options: LoaderOptions, shard_options: ShardOptions,
             f"shuffle_buffer={buffer!r} cannot be used with batch_size=: blocks of the epoch's order "
             "are read in order (a per-worker buffer would tie the order to the number of workers "
             "and break resuming on another topology), so no buffer mixes them. Drop "
-            "shuffle_buffer=: with shuffle=True the epoch's order already mixes the samples of up "
-            "to 64 shards at a time")
+            "shuffle_buffer=; the shard order is still shuffled every epoch, and samples can be "
+            "mixed once when packing (loader shard --shuffle)")
 
 
 def index_at(uri: str) -> str:
@@ -593,68 +423,6 @@ def check_counts(counts: Any) -> dict[str, int]:
     for url, count in counts.items():
         check_int(f"sample_counts[{url!r}]", count, minimum=0, must="a non-negative integer")
     return dict(counts)
-
-
-PLAN_JOBS_INFLIGHT = 2
-"""Window stretches a plan reads at once: the one being delivered and the next."""
-READ_QUEUE_ITEMS = 16
-"""Samples one read of a window may hold parsed ahead of their turn (besides the span it reads)."""
-
-
-class _Queued:
-    """What a read of a window's stretch sees: its samples go into its queue (the end-of-shard
-    marker is left out: the plan knows each unit's count)."""
-
-    __slots__ = ("store", "retry", "_ctx", "_send")
-
-    def __init__(self, ctx: JobContext, send: Any) -> None:
-        self.store, self.retry, self._ctx, self._send = ctx.store, ctx.retry, ctx, send
-
-    async def emit(self, item: Any, nbytes: int) -> None:
-        if item[0][1] != END:
-            try:
-                self._send.send_nowait((item, nbytes))  # no trip through the loop while there is room
-            except anyio.WouldBlock:
-                await self._send.send((item, nbytes))
-
-    def retried(self, exc: BaseException) -> None:
-        self._ctx.retried(exc)
-
-
-async def _into_queue(job: Job, ctx: JobContext, send: Any) -> None:
-    async with send:
-        try:
-            await job.run(_Queued(ctx, send))  # type: ignore[arg-type]
-        except anyio.BrokenResourceError:
-            pass  # the stretch stopped taking samples (it ended early)
-
-
-class _SamplesOnly:
-    """What a plan's job sees: its context, less the end-of-shard marker (a scheduled delivery
-    has no place for it, and a plan knows every unit's count)."""
-
-    __slots__ = ("store", "retry", "_ctx")
-
-    def __init__(self, ctx: JobContext) -> None:
-        self.store, self.retry, self._ctx = ctx.store, ctx.retry, ctx
-
-    async def emit(self, item: Any, nbytes: int) -> None:
-        if item[0][1] != END:
-            await self._ctx.emit(item, nbytes)
-
-    def retried(self, exc: BaseException) -> None:
-        self._ctx.retried(exc)
-
-
-def samples_only(job: AnyJob, reserve: int | None) -> Job:
-    """``job`` without its end-of-shard marker, saying what it holds (the engine's budget)."""
-    inner = Job.of(job)
-
-    async def wrapped(ctx: JobContext) -> None:
-        await inner.run(_SamplesOnly(ctx))  # type: ignore[arg-type]
-
-    return Job(wrapped, reserve=reserve if inner.reserve is None else inner.reserve,
-               reads_ahead=inner.reads_ahead)
 
 
 def _is_sample(tag: Tag) -> bool:

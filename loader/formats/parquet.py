@@ -489,13 +489,10 @@ class StreamedFile(_RangesFile):
 
 def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
                 pieces: Sequence[tuple[int, bytes]] | StreamedFile, columns: Sequence[str] | None,
-                batch_rows: int = BATCH_ROWS, keep: Callable[[int], bool] | None = None,
-                ) -> Generator[list[dict[str, Any] | None], None, None]:
+                batch_rows: int = BATCH_ROWS) -> Generator[list[dict[str, Any]], None, None]:
     """The rows of one row group as dicts (pyarrow's ``to_pylist``: binary as bytes, structs as
     dicts, lists as lists), ``batch_rows`` at a time, decoded from the fetched ``pieces`` (or
-    from a ``StreamedFile``, which fetches them as they are read). ``keep(row)``: which rows
-    (numbered in the unit) to make dicts of; the others are None (a shuffled plan reads a unit
-    for a few of its rows: only those pay for the conversion)."""
+    from a ``StreamedFile``, which fetches them as they are read)."""
     parquet = pyarrow_parquet()
     import pyarrow as pa
 
@@ -505,60 +502,16 @@ def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
     else:
         source, options = SparseFile(ref.url, ref.size, pieces), {}
     reader = parquet.ParquetFile(source, metadata=meta, pre_buffer=False, **options)
-    start = 0
     try:
         for batch in reader.iter_batches(batch_size=batch_rows, row_groups=list(plan.groups),
                                          columns=None if columns is None else list(columns),
                                          use_threads=False):
-            size = batch.num_rows
-            wanted = None if keep is None else [i for i in range(size) if keep(start + i)]
-            start += size
-            if wanted is None or 2 * len(wanted) >= size:
-                rows: list[dict[str, Any] | None] = batch.to_pylist()
-                if wanted is not None and len(wanted) < size:
-                    kept = set(wanted)
-                    rows = [row if at in kept else None for at, row in enumerate(rows)]
-                yield rows
-                continue
-            # few rows wanted: one row at a time (``take`` copies, and cost more than it saved)
-            names, columns = batch.schema.names, batch.columns
-            rows = [None] * size
-            for at in wanted:
-                rows[at] = {name: column[at].as_py() for name, column in zip(names, columns)}
-            yield rows
+            yield batch.to_pylist()
     except (pa.ArrowException, OSError) as exc:
         if isinstance(source, StreamedFile) and source.failed is not None:
             raise source.failed from None  # a fetch failed (after its retries), not the decoding
         raise ParquetFormatError(f"{ref.url}: {plan.name} does not decode ({exc}); the file "
                                  "is corrupt", url=ref.url) from exc
-    finally:
-        reader.close()
-
-
-def decode_in_order(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
-                    pieces: Sequence[tuple[int, bytes]], columns: Sequence[str] | None,
-                    order: Sequence[int], batch_rows: int = BATCH_ROWS,
-                    ) -> Generator[list[tuple[int, dict[str, Any]]], None, None]:
-    """The rows ``order`` names (numbered in the unit), in that order, as ``(row, dict)``,
-    ``batch_rows`` at a time: the unit is decoded whole into an Arrow table first, and each
-    batch taken from it (a shuffled plan's permutation of the unit's rows)."""
-    parquet = pyarrow_parquet()
-    import pyarrow as pa
-
-    reader = parquet.ParquetFile(SparseFile(ref.url, ref.size, pieces), metadata=meta, pre_buffer=False)
-    try:
-        try:
-            table = reader.read_row_groups(list(plan.groups), columns=None if columns is None else list(columns),
-                                           use_threads=False)
-        except (pa.ArrowException, OSError) as exc:
-            raise ParquetFormatError(f"{ref.url}: {plan.name} does not decode ({exc}); the file "
-                                     "is corrupt", url=ref.url) from exc
-        if table.num_rows != plan.rows:
-            raise ParquetFormatError(f"{ref.url}: {plan.name} decoded {table.num_rows} rows, its "
-                                     f"footer says {plan.rows}", url=ref.url)
-        for at in range(0, len(order), batch_rows):
-            chunk = order[at:at + batch_rows]
-            yield list(zip(chunk, table.take(pa.array(chunk)).to_pylist()))
     finally:
         reader.close()
 
@@ -591,19 +544,16 @@ class RowGroupRead(NamedTuple):
 
 
 def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignment: ShardAssignment,
-                  skip: Container[int] = frozenset(), on_error: str = "raise",
-                  order: Sequence[int] | None = None) -> Job:
+                  skip: Container[int] = frozenset(), on_error: str = "raise") -> Job:
     """Read one unit of row groups: fetch its selected column chunks (ranged GETs of at most
     ``part_size`` bytes, ``parts_inflight`` at a time, every one pinned to the listed ETag), decode
     them in a worker thread, and emit ``((position, row), sample)`` for each row (numbered in the
     unit) the assignment keeps and ``skip`` does not hold, then ``((position, END),
-    ShardEnd(rows))``: a unit is read as a shard is. ``order``: the rows' order of emission (a
-    shuffled plan's permutation within the unit; the unit's rows are held until all are decoded).
+    ShardEnd(rows))``: a unit is read as a shard is.
 
     A sample: ``__key__`` (the file's key less ``.parquet``, a slash, the row's number in the
     file), ``__url__`` (the file's URL) and the selected columns' values."""
     ref = read.ref
-    permuted = None if order is None or all(a < b for a, b in zip(order, order[1:])) else tuple(order)
 
     def changed(exc: ObjectChangedError) -> ObjectChangedError:
         # Not the store's own advice ("read it again, the next epoch"): this dataset's later epochs
@@ -656,25 +606,28 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         await emit_rows(ctx, pieces)
 
     async def emit_rows(ctx: JobContext, pieces: Sequence[tuple[int, bytes]] | StreamedFile) -> None:
-        stem, url, first = ref.stem + "/", ref.url, plan.first  # once, not per row
-        if permuted is not None and not isinstance(pieces, StreamedFile):
-            await emit_permuted(ctx, pieces)
-            return
-        rows = decode_rows(ref, read.meta, plan, pieces, read.columns,
-                           keep=lambda at: assignment.keeps(at) and at not in skip)
+        rows = decode_rows(ref, read.meta, plan, pieces, read.columns)
         index = 0
+        stem, url, first = ref.stem + "/", ref.url, plan.first  # once, not per row
         try:
             while True:
                 batch = await anyio.to_thread.run_sync(next, rows, None)
                 if batch is None:
                     break
                 for row in batch:
-                    if row is not None:  # a row this read keeps (decode_rows' keep)
+                    if assignment.keeps(index) and index not in skip:
                         sample = {"__key__": f"{stem}{first + index}", "__url__": url, **row}
                         await ctx.emit(((position, index), sample), row_nbytes(row))
                     index += 1
         except ParquetFormatError as exc:
-            await skipped_rest(ctx, exc, index)
+            if on_error == "raise":
+                raise
+            message = f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
+            if on_error == "warn":
+                warnings.warn(message, RuntimeWarning, stacklevel=1)
+            else:  # said once, one way or the other
+                log.warning(message)
+            await ctx.emit(((position, END), ShardEnd(index, skipped=True)), 0)
             return
         finally:
             rows.close()
@@ -682,38 +635,6 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
             raise ParquetFormatError(f"{ref.url}: {plan.name} decoded {index} rows, its footer "
                                      f"says {plan.rows}", url=ref.url)
         await ctx.emit(((position, END), ShardEnd(index, skipped=False)), 0)
-
-    async def emit_permuted(ctx: JobContext, pieces: Sequence[tuple[int, bytes]]) -> None:
-        """The unit decoded whole into Arrow (fast, in C++), then its rows made dicts and
-        emitted in the read's order, ``BATCH_ROWS`` at a time: the first row goes out after the
-        decoding, not after every row was made a dict."""
-        stem, url, first = ref.stem + "/", ref.url, plan.first
-        wanted = [at for at in permuted or () if assignment.keeps(at) and at not in skip]
-        rows = decode_in_order(ref, read.meta, plan, pieces, read.columns, wanted)
-        try:
-            while True:
-                batch = await anyio.to_thread.run_sync(next, rows, None)
-                if batch is None:
-                    break
-                for index, row in batch:
-                    sample = {"__key__": f"{stem}{first + index}", "__url__": url, **row}
-                    await ctx.emit(((position, index), sample), row_nbytes(row))
-        except ParquetFormatError as exc:
-            await skipped_rest(ctx, exc, 0)
-            return
-        finally:
-            rows.close()
-        await ctx.emit(((position, END), ShardEnd(plan.rows, skipped=False)), 0)
-
-    async def skipped_rest(ctx: JobContext, exc: ParquetFormatError, index: int) -> None:
-        if on_error == "raise":
-            raise exc
-        message = f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
-        if on_error == "warn":
-            warnings.warn(message, RuntimeWarning, stacklevel=1)
-        else:  # said once, one way or the other
-            log.warning(message)
-        await ctx.emit(((position, END), ShardEnd(index, skipped=True)), 0)
 
     # what the engine's budget counts; a job that fetches all before it emits may start while
     # the buffer is full, and ahead of its lane (engine/core.py); a streamed one fetches as it emits

@@ -296,55 +296,20 @@ def _ranged_job(
     offsets: Sequence[int],
     expect: Expect | None,
 ) -> JobFn:
-    """``shard_job`` for sample ranges whose byte offsets are known: one GET per span of ranges
-    (``coalesced_spans``: at most ``SPAN_BYTES``, cut at sample boundaries), from its first
-    sample's first header to the next sample's, so that many reads side by side hold little and
-    no connection while they wait (a span to the shard's end whose size is unknown is streamed).
-    A range that ends at the shard's last sample reads on to the end (the count check)."""
+    """``shard_job`` for sample ranges whose byte offsets are known: one GET per range, from the
+    range's first sample's first header to the next sample's (at most ``part_size`` bytes held;
+    a longer range, or one that runs to the shard's end, is streamed and cut after its last
+    sample). A range that ends at the shard's last sample reads on to the end (the count check)."""
     expected = len(offsets)
     if expect is None:
         expect = Expect(expected, "the shard index", "index the shards again")
 
-    spans = coalesced_spans(assignment.ranges, offsets, min(options.part_size, SPAN_BYTES), shard.size)
-
     async def job(ctx: JobContext) -> None:
-        async with anyio.create_task_group() as ahead:
-            await read_spans(ctx, ahead)
-            ahead.cancel_scope.cancel()  # a span fetched ahead that is no longer read
-
-    async def read_spans(ctx: JobContext, ahead: anyio.abc.TaskGroup) -> None:
         links, skipped = 0, False
         pin = Pin(shard.etag)  # the offsets describe one version: every range reads that one
-        todo = [(start, stop) for start, stop in spans
-                if not all(index in skip or not assignment.keeps(index) for index in range(start, stop))]
-        fetching: dict[int, tuple[anyio.Event, list[Any]]] = {}
-
-        def fetch_ahead(number: int) -> None:
-            """Send span ``number``'s GET now (the next span's is sent while this one is parsed,
-            so a read waits on no server while its samples are due); errors are raised where the
-            span is read."""
-            if number >= len(todo) or number in fetching:
-                return
-            start, stop = todo[number]
-            if stop >= expected and shard.size is None:
-                return  # streamed where it is read
-            done: anyio.Event = anyio.Event()
-            box: list[Any] = []
-            fetching[number] = (done, box)
-            get = functools.partial(ctx.store.get_range, shard.bucket, shard.key, offsets[start],
-                                    offsets[stop] if stop < expected else shard.size, pin=pin)
-
-            async def fetch() -> None:
-                try:
-                    box.append(await call_with_retries(get, ctx.retry, on_retry=ctx.retried))
-                except Exception as exc:  # noqa: BLE001 - raised where the span is read
-                    box.append(exc)
-                finally:
-                    done.set()
-
-            ahead.start_soon(fetch)
-
-        for number, (start, stop) in enumerate(todo):
+        for start, stop in assignment.ranges:
+            if all(index in skip for index in range(start, stop)):
+                continue  # delivered before a resume
             grouper = SampleGrouper(shard.url, start_index=start)
             parser = TarStreamParser(shard.url, start_offset=offsets[start])
             last = start - 1  # the last sample index seen in this range
@@ -358,7 +323,7 @@ def _ranged_job(
                     raise expect.mismatch(shard, f"holds more than {expected} samples")
                 if index >= stop:
                     raise _RangeDone
-                if index not in skip and assignment.keeps(index):
+                if index not in skip:
                     await ctx.emit(((position, index), sample), sample_nbytes(sample))
                 if index + 1 >= stop and stop < expected:
                     raise _RangeDone
@@ -370,28 +335,12 @@ def _ranged_job(
 
             try:
                 try:
-                    if stop < expected or shard.size is not None:
-                        # One bounded GET: the span ends where the next sample's first header
-                        # starts (or at the shard's end); no connection is held while its samples
-                        # wait for their turn, as a stream's would be
-                        fetch_ahead(number)
-                        fetch_ahead(number + 1)
-                        done, box = fetching.pop(number)
-                        await done.wait()
-                        if isinstance(box[0], Exception):
-                            raise box[0]
-                        data = box[0]
-                        box.clear()
-                        runs = [(max(a, start), min(b, stop)) for a, b in assignment.ranges
-                                if a < stop and b > start]
-                        if runs == [(start, stop)]:
-                            await feed(data)
-                            if stop >= expected:
-                                parser.close()
-                        else:  # parse only the wanted samples: the index says where each lies
-                            for first, end in runs:
-                                links += await _parse_run(shard, data, offsets, start, first, end,
-                                                          expected, deliver)
+                    if stop < expected and offsets[stop] - offsets[start] <= options.part_size:
+                        # One bounded GET: the range ends where the next sample's first header starts.
+                        get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
+                                                offsets[start], offsets[stop], pin=pin)
+                        data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
+                        await feed(data)
                     else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
                         await _read_stream(ctx, shard, options, parser, feed, pin)
                         parser.close()
@@ -430,71 +379,6 @@ def _ranged_job(
         await ctx.emit(((position, END), ShardEnd(expected, skipped=skipped, links=links)), 0)
 
     return job
-
-
-SPAN_BYTES = 1 << 20
-"""Most bytes one GET of a ranged read holds (a single sample may be more), spanning wanted
-sample ranges and the samples between them: many reads of shards side by side (a shuffled
-plan) each hold one such span and the next, fetched ahead."""
-
-
-GAP_BYTES = 64 << 10
-"""Bytes of unwanted samples a span reads through rather than end and send another GET: a GET
-costs ~0.1-0.85 ms of client CPU (DESIGN.md), about what parsing this many bytes of small
-samples does; larger samples between wanted ones are skipped by a new GET."""
-
-
-def coalesced_spans(ranges: Sequence[tuple[int, int]], offsets: Sequence[int], max_bytes: int,
-                    end: int | None = None) -> list[tuple[int, int]]:
-    """Ascending sample ``ranges`` as spans read by one GET each, of at most ``max_bytes`` (a
-    single sample may be more): the next range joins a span when the span stays within
-    ``max_bytes`` and the samples skipped to reach it are at most half as large as those wanted
-    so far (at most a third of what a span reads is dropped) or at most ``GAP_BYTES``: fewer,
-    larger GETs for a few more bytes. A longer range is cut at sample boundaries. ``end``: the
-    shard's size (where its last sample ends), when known."""
-    count = len(offsets)
-    unknown = (offsets[-1] if offsets else 0) + max_bytes + 1
-
-    def at(index: int) -> int:
-        return offsets[index] if index < count else (unknown if end is None else end)
-
-    pieces: list[tuple[int, int]] = []  # each range cut to at most max_bytes (or one sample)
-    for start, stop in ranges:
-        first = start
-        for index in range(start + 1, stop + 1):
-            if index == stop or at(index + 1) - at(first) > max_bytes:
-                pieces.append((first, index))
-                first = index
-    out: list[list[int]] = []
-    wanted = 0
-    for start, stop in pieces:
-        if out:
-            first, last = out[-1]
-            gap = at(start) - at(last)
-            if at(stop) - at(first) <= max_bytes and (2 * gap <= wanted or gap <= GAP_BYTES):
-                out[-1][1] = stop
-                wanted += at(stop) - at(start)
-                continue
-        out.append([start, stop])
-        wanted = at(stop) - at(start)
-    return [(start, stop) for start, stop in out]
-
-
-async def _parse_run(shard: ShardRef, data: bytes, offsets: Sequence[int], base: int, first: int,
-                     end: int, expected: int, deliver: Callable[[dict[str, Any] | None], Awaitable[None]]) -> int:
-    """Parse samples ``[first, end)`` out of ``data``, the bytes from sample ``base`` on, with a
-    parser of their own (the samples between wanted runs are neither parsed nor grouped); returns
-    the links it skipped."""
-    lo = offsets[first] - offsets[base]
-    hi = offsets[end] - offsets[base] if end < expected else len(data)
-    parser = TarStreamParser(shard.url, start_offset=offsets[first])
-    grouper = SampleGrouper(shard.url, start_index=first)
-    for member in parser.feed(data[lo:hi]):
-        await deliver(grouper.add(member))
-    if end >= expected:
-        parser.close()
-    await deliver(grouper.flush())
-    return parser.hard_links + parser.symlinks
 
 
 def _warn_links(shard: ShardRef, parser: TarStreamParser) -> int:
