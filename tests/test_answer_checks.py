@@ -111,3 +111,13 @@ def test_server_codes_are_cleaned_capped_and_a_redirect_names_the_region():
     assert clean("a\x00b\nc") == "a b c"
     timeout = error_for_answer("", 408, bucket="b", key="k", endpoint="http://e")
     assert type(timeout).__name__ == "TransientStoreError", "a 408 is tried again"
+
+
+def test_a_200_to_a_range_is_the_whole_object_only_where_its_content_range_agrees():
+    """A 200 of one byte to ``bytes=0-0`` reads as a one-byte object, unless the Content-Range
+    beside it says the object has two: then it is half an object, not the whole."""
+    asked = asked_for("bytes=0-0", None, None)
+    headers = {"content-length": "1", "content-range": "bytes 0-0/2"}
+    with pytest.raises(BadAnswerError, match="Content-Range of 2 bytes in all"):
+        check_head(200, headers.get, asked, "b", "k")
+    assert check_head(200, {"content-length": "1"}.get, asked, "b", "k") in (None, 1)

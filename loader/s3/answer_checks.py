@@ -122,7 +122,13 @@ def _expected_length(status: int, header: Callable[[str], str | None], length: i
     if status == 200:
         if not asked.ranged:
             return asked.size
-        # a whole object is what a range from 0 asked for when it fits in the range
+        # a whole object is what a range from 0 asked for when it fits in the range, and when
+        # a Content-Range sent beside it (it has no place on a 200) gives the same total
+        found = _CONTENT_RANGE.match((header("content-range") or "").strip())
+        total = found.group(3) if found else "*"
+        if total != "*" and length is not None and int(total) != length:
+            raise bad_answer(asked, bucket, key, f"HTTP 200 with Content-Length {length:,} and a "
+                             f"Content-Range of {int(total):,} bytes in all, to a ranged read")
         if asked.start == 0 and (asked.end is None or (length is not None and length <= asked.end)):
             return asked.size
         raise bad_answer(asked, bucket, key, f"HTTP 200 (the whole object, Content-Length "
