@@ -724,3 +724,25 @@ assert "torch" not in sys.modules, "torch was imported"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "127.0.0.1" in proc.stderr
+
+
+def test_a_reader_that_leaves_early_ends_the_command_without_a_traceback():
+    """``loader ls ... | head``: the pipe closes while the command still writes; it stops with
+    a failing status and nothing on stderr, as a Unix tool does."""
+    code = ("import argparse, sys; from loader.tools import cli\n"
+            "def run(args):\n"
+            "    for _ in range(100_000):\n"
+            "        print('s3://bucket/key' * 5)\n"
+            "class Parser:\n"
+            "    def parse_args(self, argv):\n"
+            "        return argparse.Namespace(run=run, command='ls')\n"
+            "cli.build_parser = Parser\n"
+            "sys.exit(cli.main([]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(100).startswith(b"s3://bucket/key")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
