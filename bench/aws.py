@@ -64,19 +64,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_pki(where: Path) -> dict[str, str]:
-    import trustme
-
-    ca = trustme.CA()
-    leaf = ca.issue_cert(DOMAIN, f"*.{DOMAIN}", "127.0.0.1")
-    paths = {name: where / f"{name}.pem" for name in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(paths["ca"])
-    leaf.private_key_pem.write_to_path(paths["key"])
-    for index, pem in enumerate(leaf.cert_chain_pems):
-        pem.write_to_path(paths["cert"], append=index > 0)
-    return {name: str(path) for name, path in paths.items()}
-
-
 def endpoint_for(loader: str, shape: str, ports: dict[str, int], ca: str, region: str) -> dict[str, Any]:
     """The config a loader gets on ``shape`` ("lab" or "aws"), and the domain to resolve."""
     if shape == "lab":
@@ -120,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                            capture_output=True)
             stack.callback(subprocess.run, ["git", "worktree", "remove", "--force", str(after)], cwd=REPO,
                            capture_output=True)
-        pki = make_pki(tmp)
+        pki = faults.lab_certificates(tmp, DOMAIN)
         server = stack.enter_context(DevServer(data_dir=tmp / "data", buckets=[BUCKET], domain=DOMAIN))
         client = server.client()
         samples = make_samples(args.objects)

@@ -18,7 +18,6 @@ import urllib.parse
 import warnings
 
 import pytest
-import trustme
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, S3Config
@@ -28,6 +27,7 @@ from loader.s3.aioboto3_store import Aioboto3Store, FallbackWarning
 from loader.tools.devserver import DevServer
 
 from datasets import jpeg_dataset
+from faults import lab_certificates
 from forward_proxy import ForwardProxy
 from s3servers import S3_VARS, minio_client
 
@@ -58,15 +58,7 @@ def lab_names():
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    where = tmp_path_factory.mktemp("pki-vhost")
-    ca = trustme.CA()
-    leaf = ca.issue_cert(DOMAIN, f"*.{DOMAIN}", "127.0.0.1")
-    paths = {name: where / f"{name}.pem" for name in ("ca", "cert", "key")}
-    ca.cert_pem.write_to_path(paths["ca"])
-    leaf.private_key_pem.write_to_path(paths["key"])
-    for index, pem in enumerate(leaf.cert_chain_pems):
-        pem.write_to_path(paths["cert"], append=index > 0)
-    return {name: str(path) for name, path in paths.items()}
+    return lab_certificates(tmp_path_factory.mktemp("pki-vhost"), DOMAIN)
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ connection: forward or inject), ``proxy`` (the thread, the listener, the counts)
 
 from __future__ import annotations
 
+from .certificates import lab_certificates
 from .connection import LOOPBACK
 from .plan import DEFAULT_STALL_SECONDS, FAULT_KINDS, Decision, FaultDecider, FaultPlan
 from .proxy import DEFAULT_MAX_LIFETIME, FaultProxy
@@ -55,4 +56,5 @@ __all__ = [
     "FaultDecider",
     "FaultPlan",
     "FaultProxy",
+    "lab_certificates",
 ]
