@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import itertools
 import os
 import statistics
@@ -27,18 +28,26 @@ BATCH = 256
 SIZE = (224, 224)
 
 
-def _timed(work: Any, repeats: int) -> float:
-    """Median seconds of ``work()`` over ``repeats`` runs after two warm-ups (GPU synchronized)."""
+DEVICE = "cuda"  # "cpu" with --dry-run: the same plumbing on a machine without CUDA, a tiny model
+
+
+def _sync() -> None:
     import torch
 
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(work: Any, repeats: int) -> float:
+    """Median seconds of ``work()`` over ``repeats`` runs after two warm-ups (GPU synchronized)."""
     for _ in range(2):
         work()
-    torch.cuda.synchronize()
+    _sync()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         work()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -47,23 +56,29 @@ def decode_rates(images: list[bytes]) -> tuple[float, float]:
     """Images/s of ``decode_images`` on CUDA and on the CPU, one batch of ``len(images)``."""
     from loader.decode import decode_images
 
-    gpu = _timed(lambda: decode_images(images, SIZE, device="cuda"), 10)
+    gpu = _timed(lambda: decode_images(images, SIZE, device=DEVICE), 10)
     cpu = _timed(lambda: decode_images(images, SIZE, device="cpu"), 3)
     return len(images) / gpu, len(images) / cpu
 
 
 def _model() -> tuple[Any, Any, Any]:
     import torch
-    import torchvision
 
-    model = torchvision.models.resnet50(weights=None).cuda().to(memory_format=torch.channels_last)
+    if DEVICE == "cuda":
+        import torchvision
+
+        model = torchvision.models.resnet50(weights=None)
+    else:  # --dry-run: torchvision need not import next to a CPU torch
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 7, stride=8), torch.nn.Flatten(),
+                                    torch.nn.Linear(8 * 28 * 28, 1000))
+    model = model.to(DEVICE).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    mean = torch.tensor([0.485, 0.456, 0.406], device="cuda").view(1, 3, 1, 1) * 255
-    std = torch.tensor([0.229, 0.224, 0.225], device="cuda").view(1, 3, 1, 1) * 255
+    mean = torch.tensor([0.485, 0.456, 0.406], device=DEVICE).view(1, 3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225], device=DEVICE).view(1, 3, 1, 1) * 255
 
     def step(pixels: Any, labels: Any) -> None:
         inputs = ((pixels.float() - mean) / std).contiguous(memory_format=torch.channels_last)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(model(inputs), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -79,8 +94,8 @@ def gpu_step_rate(images: list[bytes], steps: int) -> float:
     from loader.decode import decode_images
 
     _, _, step = _model()
-    pixels = decode_images(images, SIZE, device="cuda")
-    labels = torch.randint(0, 1000, (len(images),), device="cuda")
+    pixels = decode_images(images, SIZE, device=DEVICE)
+    labels = torch.randint(0, 1000, (len(images),), device=DEVICE)
     return 1.0 / _timed(lambda: step(pixels, labels), steps)
 
 
@@ -93,12 +108,35 @@ def ram_step_rate(images: list[bytes], steps: int) -> float:
 
     _, _, step = _model()
     batches = itertools.cycle([images[at:at + BATCH] for at in range(0, len(images) - BATCH + 1, BATCH)])
-    labels = torch.randint(0, 1000, (BATCH,), device="cuda")
+    labels = torch.randint(0, 1000, (BATCH,), device=DEVICE)
 
     def one() -> None:
-        step(decode_images(next(batches), SIZE, device="cuda"), labels)
+        step(decode_images(next(batches), SIZE, device=DEVICE), labels)
 
     return 1.0 / _timed(one, steps)
+
+
+def ram_feed_rate(images: list[bytes], steps: int) -> tuple[float, str]:
+    """Steps/s of the same step fed by ``DeviceFeed`` from JPEG bytes already in memory (decode
+    on the side stream, overlapped with the step): the most the stage can give, S3 apart."""
+    import torch
+
+    from loader import DeviceFeed
+
+    _, _, step = _model()
+    batches = [{"jpg": images[at:at + BATCH]} for at in range(0, len(images) - BATCH + 1, BATCH)]
+    raw = [batches[i % len(batches)] for i in range(steps + 4)]
+    labels = torch.randint(0, 1000, (BATCH,), device=DEVICE)
+    feed = DeviceFeed(raw, SIZE, device=DEVICE, mean=None, std=None, label=None)
+    started, done = 0.0, 0
+    for index, batch in enumerate(feed):
+        if index == 4:  # warm-up apart
+            _sync()
+            started = time.perf_counter()
+        step(batch.images, labels)
+        done += index >= 4
+    _sync()
+    return done / (time.perf_counter() - started), feed.report()
 
 
 def _proxy(upstream: str, latency: float) -> tuple[Any, str]:
@@ -131,6 +169,8 @@ def fed_step_rate(config: Any, bucket: str, source: dict[str, Any], workers: int
     from loader.decode import collate_raw, decode_images
 
     _, _, step = _model()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     if "shards" in source:
         dataset = AsyncS3Dataset.from_shards([f"s3://{bucket}/{key}" for key in source["shards"]],
                                              config=config)
@@ -139,23 +179,26 @@ def fed_step_rate(config: Any, bucket: str, source: dict[str, Any], workers: int
     loader = DataLoader(dataset, batch_size=BATCH, num_workers=workers, collate_fn=collate_raw,
                         persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
                         drop_last=True)
-    feed = DeviceFeed(loader, SIZE, device="cuda", mean=None, std=None, label=None) if through_feed else None
+    feed = DeviceFeed(loader, SIZE, device=DEVICE, mean=None, std=None, label=None) if through_feed else None
     done = 0
     started = 0.0
     for epoch in range(epochs + 1):
         dataset.set_epoch(epoch)
         if epoch == 1:
-            torch.cuda.synchronize()
+            _sync()
             started = time.perf_counter()
         for batch in (feed if feed is not None else loader):
-            pixels = batch.images if feed is not None else decode_images(batch["jpg"], SIZE, device="cuda")
-            labels = torch.randint(0, 1000, (pixels.shape[0],), device="cuda")
+            pixels = batch.images if feed is not None else decode_images(batch["jpg"], SIZE, device=DEVICE)
+            labels = torch.randint(0, 1000, (pixels.shape[0],), device=DEVICE)
             step(pixels, labels)
             if epoch:
                 done += 1
-    torch.cuda.synchronize()
+    _sync()
     rate = done / (time.perf_counter() - started)
-    return rate, done, feed.report() if feed is not None else ""
+    peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB" if DEVICE == "cuda" else ""
+    if feed is not None:
+        feed.close()
+    return rate, done, (feed.report() if feed is not None else "in the loop") + peak
 
 
 def main() -> None:
@@ -164,6 +207,8 @@ def main() -> None:
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--latency", type=float, default=0.02)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the same plumbing on the CPU with a tiny model (checks the script, measures nothing)")
     args = parser.parse_args()
 
     import torch
@@ -172,9 +217,12 @@ def main() -> None:
 
     from .data import make_shards, photo_jpeg
 
-    assert torch.cuda.is_available(), "bench.gpu needs a CUDA device"
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs",
-          flush=True)
+    global DEVICE
+    if args.dry_run:
+        DEVICE = "cpu"
+    assert DEVICE == "cpu" or torch.cuda.is_available(), "bench.gpu needs a CUDA device (or --dry-run)"
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (dry run)"
+    print(f"device: {name}, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor() as pool:
         images = list(pool.map(photo_jpeg, range(args.objects), chunksize=64))
@@ -190,6 +238,10 @@ def main() -> None:
     ram = ram_step_rate(images, 16)
     print(f"the same step after decode_images on the GPU, JPEG bytes in memory: {ram:.2f} steps/s "
           f"({ram * BATCH:,.0f} images/s): the most a loader can feed this loop", flush=True)
+    fed, fed_report = ram_feed_rate(images, 24)
+    print(f"the same step fed by DeviceFeed, JPEG bytes in memory: {fed:.2f} steps/s "
+          f"({fed / own:.0%} of the GPU's own rate): the most the stage gives, S3 apart\n  {fed_report}",
+          flush=True)
 
     bucket = "gpu-bench"
     keys = [f"photos/{i:06d}.jpg" for i in range(args.objects)]
@@ -217,9 +269,9 @@ def main() -> None:
                         how = "DeviceFeed (side stream)" if through_feed else "in the loop"
                         print(f"| {data} | {how} | {workers} | {rate:.2f} ({steps} steps) | "
                               f"{rate * BATCH:,.0f} | {rate / ram:.0%} | {rate / own:.0%} |", flush=True)
-                        if report:
-                            reports.append(f"{data}, {workers} workers: {report}")
-            print("\nDeviceFeed.report():")
+                        reports.append(f"{data}, {how}, {workers} workers: {report}")
+                        gc.collect()  # the last DataLoader's workers end here, not in the next one's fork
+            print("\nreport() (DeviceFeed) and peak GPU memory (model, optimizer, batches):")
             for line in reports:
                 print(f"- {line}")
             print(f"\nGPU memory held by the feed: at most ahead + 2 = 4 batches of {BATCH}x3x"

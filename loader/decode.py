@@ -322,8 +322,12 @@ def _nvjpeg() -> tuple[Any, Any] | None:
 def _decode_batch_on_device(images: Sequence[bytes], target: tuple[int, int], device: torch.device,
                             mode: str, exif: bool, decode_jpeg: Any, read_mode: Any) -> torch.Tensor:
     """nvJPEG for the JPEGs of the batch (one call), the CPU path for the rest; then an
-    antialiased bilinear resize on the device, rounded back to uint8."""
-    out = torch.empty((len(images), MODES[mode], *target), dtype=torch.uint8, device=device)
+    antialiased bilinear resize on the device, rounded back to uint8.
+
+    Each image is resized into one float batch and the whole batch is rounded once: three kernel
+    launches an image instead of six, which is most of this function's CPU time (it runs beside
+    the training step, in ``DeviceFeed``'s thread)."""
+    pixels = torch.empty((len(images), MODES[mode], *target), dtype=torch.float32, device=device)
     jpegs = [i for i, data in enumerate(images) if bytes(memoryview(data)[:3]) == JPEG_MAGIC]
     decoded: dict[int, torch.Tensor] = {}
     if jpegs:
@@ -343,14 +347,14 @@ def _decode_batch_on_device(images: Sequence[bytes], target: tuple[int, int], de
     for index, data in enumerate(images):
         image = decoded.get(index)
         if image is None:
-            out[index] = decode_image(data, target, mode=mode, apply_exif_orientation=exif).to(device)
+            pixels[index] = decode_image(data, target, mode=mode, apply_exif_orientation=exif).to(device)
         elif tuple(image.shape[1:]) == target:
-            out[index] = image
+            pixels[index] = image  # the copy converts to float: exact for uint8
         else:
-            resized = torch.nn.functional.interpolate(image.unsqueeze(0).float(), size=target,
-                                                      mode="bilinear", antialias=True, align_corners=False)
-            out[index] = resized[0].round_().clamp_(0, 255).to(torch.uint8)
-    return out
+            pixels[index] = torch.nn.functional.interpolate(
+                image.unsqueeze(0).float(), size=target, mode="bilinear", antialias=True,
+                align_corners=False)[0]
+    return pixels.round_().clamp_(0, 255).to(torch.uint8)
 
 
 # ----------------------------------------------------------------------------- samples

@@ -409,8 +409,9 @@ class _Iteration(Iterator[DeviceBatch]):
         self._drain()
         batches, self._batches = self._batches, iter(())
         shutdown = getattr(batches, "_shutdown_workers", None)
-        if callable(shutdown):  # a DataLoader's multi-process iterator: its workers end now
-            shutdown()
+        if callable(shutdown) and not getattr(self._feed.loader, "persistent_workers", False):
+            shutdown()  # a DataLoader's multi-process iterator: its workers end now
+        # (persistent workers stay: the DataLoader resets that same iterator for the next pass)
         close = getattr(batches, "close", None)
         if callable(close):  # a generator: its finally runs now
             close()

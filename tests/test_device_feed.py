@@ -122,6 +122,32 @@ def test_a_new_iteration_ends_the_last_one():
     assert not [t for t in threading.enumerate() if t.name == "loader-device-feed"]
 
 
+class Photos(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, n: int) -> dict:
+        return {"__key__": f"s/{n:03d}", "jpg": PHOTOS[n], "cls": str(n).encode()}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_epochs_after_a_whole_pass_and_after_a_break_over_dataloader_workers(persistent):
+    """A DataLoader with workers, persistent or not: a second pass after a whole one, and a
+    whole one after a break, each give every batch in order (the feed must not end workers
+    the DataLoader keeps for its next pass)."""
+    loader = torch.utils.data.DataLoader(Photos(), batch_size=3, num_workers=1, collate_fn=collate_raw,
+                                         persistent_workers=persistent)
+    feed = DeviceFeed(loader, SIZE, device="cpu")
+    whole = [batch.labels.tolist() for batch in feed]
+    assert whole == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert [batch.labels.tolist() for batch in feed] == whole
+    for step, _ in enumerate(feed):
+        if step == 1:
+            break
+    assert [batch.labels.tolist() for batch in feed] == whole
+    feed.close()
+
+
 def test_a_batch_that_does_not_decode_names_its_sample_and_the_rest_follow():
     feed = DeviceFeed(raw_batches(4, bad={7}), SIZE, device="cpu")
     iterator = iter(feed)
