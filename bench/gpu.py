@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--latency", type=float, default=0.02)
+    parser.add_argument("--decode", default="loop,feed",
+                        help="which decodes to measure fed from S3: in the training loop, through DeviceFeed")
     parser.add_argument("--dry-run", action="store_true",
                         help="the same plumbing on the CPU with a tiny model (checks the script, measures nothing)")
     args = parser.parse_args()
@@ -263,7 +265,7 @@ def main() -> None:
             reports = []
             for data, source in (("objects", {"keys": keys}), ("shards", {"shards": sorted(shards)})):
                 for workers in (int(w) for w in args.workers.split(",")):
-                    for through_feed in (False, True):
+                    for through_feed in [how == "feed" for how in args.decode.split(",")]:
                         rate, steps, report = fed_step_rate(config, bucket, source, workers, args.epochs,
                                                             through_feed)
                         how = "DeviceFeed (side stream)" if through_feed else "in the loop"

@@ -5,9 +5,11 @@ Decoding in the training loop (``decode_images`` then the step) puts the decode 
 the step on one stream: the GPU idles while it decodes, and the step rate falls to about half of
 what the GPU allows (bench/results/gpu-2026-11-28.md). ``DeviceFeed`` moves that work to a thread
 of its own and, on CUDA, a stream of its own: nvJPEG decode, resize, normalisation and the
-labels' copy from pinned memory run while the step runs, and the step waits on an event, not on
-the decode. On a machine without CUDA the same call decodes on the CPU in that thread, so one
-training script runs on both. Design and figures: docs/design/decode.md.
+labels' copy from pinned memory run while the step runs, and the step's stream waits on an event
+(on the GPU), not the training loop on the decode. A second thread takes the DataLoader's next
+batch while one decodes, so the slower of the two limits, not their sum. On a machine without
+CUDA the same call decodes on the CPU in that thread, so one training script runs on both.
+Design and figures: docs/design/decode.md.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ class DeviceBatch(tuple):
 
 @dataclass
 class FeedStats:
-    """Where the time went, per side of the queue. The producer's ``fetch_s`` is time waiting for
-    the DataLoader (S3, or the workers' hand-off), ``decode_s`` the decode until the batch was
-    ready; the consumer's ``wait_s`` is the step waiting for a ready batch (the first one apart:
-    ``first_s``), ``step_s`` the time the loop kept its batches."""
+    """Where the time went, per stage. ``fetch_s`` is the fetching thread's time waiting for the
+    DataLoader (S3, or the workers' hand-off), ``decode_s`` the decoding thread's time on a batch
+    (on CUDA: launching its work; ``gpu_pending`` counts the steps whose batch the GPU was still
+    decoding when the step was queued); ``wait_s`` is the step waiting for a ready batch (the
+    first one apart: ``first_s``), ``step_s`` the time the loop kept its batches."""
 
     batches: int = 0
     images: int = 0
@@ -61,6 +64,7 @@ class FeedStats:
     wait_s: float = 0.0
     step_s: float = 0.0
     first_s: float | None = None
+    gpu_pending: int = 0
     device: str = "cpu"
     ahead: int = 2
     dataset_stats: dict[str, Any] | None = field(default=None, repr=False)
@@ -73,6 +77,7 @@ class FeedStats:
             "step_s": self.step_s, "first_batch_s": self.first_s,
             "wait_fraction": self.wait_s / total if total else None,
             "decode_images_per_s": self.images / self.decode_s if self.decode_s else None,
+            "gpu_pending": self.gpu_pending,
             "device": self.device, "ahead": self.ahead,
         }
 
@@ -81,8 +86,8 @@ def diagnose(stats: FeedStats) -> str:
     """One paragraph for people: how long the step waited for data, and the stage that limits it
     (the DataLoader's fetch from S3, its workers' hand-off, or the decode), with what helps.
 
-    Pure: the numbers decide. The stage whose time per batch is the larger is the limit, because
-    the producer does the two one after the other: a batch is ready only after both."""
+    Pure: the numbers decide. The stage whose time per batch is the larger is the limit: the two
+    run in threads of their own, side by side, so the slower sets the pace."""
     if stats.steps == 0:
         return "no batch yet: iterate first (for images, labels in feed: ...)"
     total = stats.wait_s + stats.step_s
@@ -91,6 +96,9 @@ def diagnose(stats: FeedStats) -> str:
     head = (f"the step waited for data {fraction:.0%} of its time over {stats.steps} steps "
             f"({stats.wait_s:.2f} s of {total:.2f} s); decode on {stats.device}: "
             + (f"{decode_rate:,.0f} images/s" if stats.decode_s else "no images decoded"))
+    if stats.gpu_pending:
+        head += (f"; the GPU was still decoding the batch when {stats.gpu_pending} of the steps were "
+                 "queued (the step's stream waited for it there)")
     if fraction < KEEPS_UP:
         return head + f". The feed keeps up ({stats.ahead} batches ahead); nothing to change."
     per_fetch = stats.fetch_s / max(1, stats.batches)
@@ -115,7 +123,9 @@ def _loader_advice(dataset: dict[str, Any] | None) -> str:
     workers' hand-off (as the dataset's own statistics tell, where it keeps them)."""
     if not dataset or not dataset.get("seconds"):
         return "more DataLoader workers, or ds.report() for where its time goes"
-    fetch_share = dataset.get("consumer_wait_s", 0.0) / max(dataset["seconds"], 1e-9)
+    # waits are summed over the DataLoader's workers, ``seconds`` is the longest worker's
+    workers = max(1, int(dataset.get("workers") or 1))
+    fetch_share = dataset.get("consumer_wait_s", 0.0) / max(dataset["seconds"] * workers, 1e-9)
     if fetch_share >= 0.3:
         return (f"its workers waited on S3 {fetch_share:.0%} of the time: raise "
                 "Limits(concurrency=), or read shards instead of one object per sample")
@@ -138,7 +148,8 @@ class DeviceFeed:
     ``mean``/``std`` normalise pixels scaled to 0-1 (None for uint8 pixels), into ``dtype``.
 
     Memory on the device: at most ``ahead + 2`` decoded batches (``ahead`` ready, one being
-    decoded, one in the step). Order is the DataLoader's. A batch that cannot be decoded raises a
+    decoded, one in the step); on the host, two raw batches more (taken from the DataLoader while
+    another decodes). Order is the DataLoader's. A batch that cannot be decoded raises a
     ``SampleError`` naming the sample when the step reaches it; iteration can go on after it.
     ``state_dict()`` is the loader's state at the last batch the step received (for a
     ``StatefulDataLoader``), ``steps`` the batches it received (for ``ds.samples_seen(steps)``):
@@ -229,16 +240,23 @@ class DeviceFeed:
 
     def decode(self, batch: Any) -> DeviceBatch:
         """One raw batch -> a ``DeviceBatch`` on the device (on CUDA: ready when the call returns)."""
+        out, ready = self._decode_queued(batch)
+        if ready is not None:
+            ready.synchronize()
+        return out
+
+    def _decode_queued(self, batch: Any) -> tuple[DeviceBatch, Any]:
+        """One raw batch -> ``(DeviceBatch, event)``: on CUDA the work is queued on the side stream
+        and the event marks its end (the step's stream waits on it); elsewhere done, event None."""
         images, labels, keys = self._fields(batch)
         if self.device.type != "cuda":
-            return DeviceBatch(self._images(images, keys), self._labels(labels), keys)
+            return DeviceBatch(self._images(images, keys), self._labels(labels), keys), None
         stream = _side_stream(self.device)
         with torch.cuda.stream(stream):
             out = DeviceBatch(self._images(images, keys), self._labels(labels), keys)
             ready = torch.cuda.Event()
             ready.record(stream)
-        ready.synchronize()  # in the producer's thread: the step's stream never waits on it
-        return out
+        return out, ready
 
     def _fields(self, batch: Any) -> tuple[list[bytes], Any, list[str] | None]:
         if not isinstance(batch, dict):
@@ -317,21 +335,25 @@ class _Failed:
 
 
 class _Iteration(Iterator[DeviceBatch]):
-    """One pass over the loader: a producer thread fetches and decodes into a queue of
-    ``ahead`` ready batches; ``__next__`` takes them in order (waiting on CUDA's event has
-    already happened in the producer, so the step's stream only orders after the copy)."""
+    """One pass over the loader, in two threads: one takes the DataLoader's batches (and its
+    state after each) into a queue of one, the other decodes them into a queue of ``ahead``
+    ready batches; ``__next__`` takes them in order and has the step's stream wait, on the GPU,
+    for the event that ends each batch's decode."""
 
     def __init__(self, feed: DeviceFeed, batches: Iterator[Any]) -> None:
         self._feed, self._batches = feed, batches
+        self._raw: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._ready: queue.Queue[Any] = queue.Queue(maxsize=feed.ahead)
         self._stop = threading.Event()
         self._done = False
         self._asked: float | None = None
         self._started = time.perf_counter()
-        self._thread = threading.Thread(target=self._produce, name="loader-device-feed", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=work, name="loader-device-feed", daemon=True)
+                         for work in (self._fetch, self._decode)]
+        for thread in self._threads:
+            thread.start()
 
-    def _produce(self) -> None:
+    def _fetch(self) -> None:
         feed, stats, clock = self._feed, self._feed._stats, time.perf_counter
         state_dict = getattr(feed.loader, "state_dict", None)
         try:
@@ -341,28 +363,42 @@ class _Iteration(Iterator[DeviceBatch]):
                     batch = next(self._batches)
                 except StopIteration:
                     break
-                fetched = clock()
-                stats.fetch_s += fetched - asked
+                stats.fetch_s += clock() - asked
                 state = state_dict() if callable(state_dict) else None
-                try:
-                    item: Any = (feed.decode(batch), state)
-                except Exception as exc:  # noqa: BLE001 - delivered in the batch's place
-                    item = _Failed(exc, fatal=False)
-                stats.decode_s += clock() - fetched
-                stats.batches += 1
-                stats.images += len(batch.get(feed.image, ())) if isinstance(batch, dict) else 0
-                if not self._put(item):
+                if not self._put(self._raw, (batch, state)):
                     return
         except BaseException as exc:  # noqa: BLE001 - the loader's own failure: the step sees it
-            self._put(_Failed(exc, fatal=True))
+            self._put(self._raw, _Failed(exc, fatal=True))
             return
-        self._put(_END)
+        self._put(self._raw, _END)
 
-    def _put(self, item: Any) -> bool:
+    def _decode(self) -> None:
+        feed, stats, clock = self._feed, self._feed._stats, time.perf_counter
+        while not self._stop.is_set():
+            try:
+                item = self._raw.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if item is _END or isinstance(item, _Failed):
+                self._put(self._ready, item)
+                return
+            batch, state = item
+            started = clock()
+            try:
+                decoded: Any = (*feed._decode_queued(batch), state)
+            except Exception as exc:  # noqa: BLE001 - delivered in the batch's place
+                decoded = _Failed(exc, fatal=False)
+            stats.decode_s += clock() - started
+            stats.batches += 1
+            stats.images += len(batch.get(feed.image, ())) if isinstance(batch, dict) else 0
+            if not self._put(self._ready, decoded):
+                return
+
+    def _put(self, into: queue.Queue[Any], item: Any) -> bool:
         """Queue ``item``, waiting for room; False once the feed was closed."""
         while not self._stop.is_set():
             try:
-                self._ready.put(item, timeout=_POLL_S)
+                into.put(item, timeout=_POLL_S)
                 return True
             except queue.Full:
                 continue
@@ -389,23 +425,27 @@ class _Iteration(Iterator[DeviceBatch]):
         else:
             stats.wait_s += got - asked
         stats.steps += 1
-        batch, state = item
+        batch, ready, state = item
         self._feed._state = state
         if batch.images.is_cuda:  # the step's stream uses tensors made on the side stream
             current = torch.cuda.current_stream(batch.images.device)
+            if not ready.query():
+                stats.gpu_pending += 1
+            current.wait_event(ready)
             for tensor in (batch.images, batch.labels):
                 if tensor is not None:
                     tensor.record_stream(current)
         return batch
 
     def close(self) -> None:
-        if self._done and not self._thread.is_alive():
+        if self._done and not any(thread.is_alive() for thread in self._threads):
             return
         self._done = True
         self._stop.set()
-        while self._thread.is_alive():  # a producer waiting for room sees the stop within _POLL_S
-            self._drain()
-            self._thread.join(timeout=_POLL_S)
+        for thread in self._threads:  # a thread waiting for room sees the stop within _POLL_S
+            while thread.is_alive():
+                self._drain()
+                thread.join(timeout=_POLL_S)
         self._drain()
         batches, self._batches = self._batches, iter(())
         shutdown = getattr(batches, "_shutdown_workers", None)
@@ -417,8 +457,9 @@ class _Iteration(Iterator[DeviceBatch]):
             close()
 
     def _drain(self) -> None:
-        try:
-            while True:
-                self._ready.get_nowait()
-        except queue.Empty:
-            pass
+        for waiting in (self._raw, self._ready):
+            try:
+                while True:
+                    waiting.get_nowait()
+            except queue.Empty:
+                pass
