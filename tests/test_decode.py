@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from loader import SampleError, decode
@@ -332,6 +334,21 @@ def test_the_device_batch_path_resizes_and_falls_back_per_image():
     for out, data in zip(batch, images):
         assert psnr(out, recipe(data, size)) >= PSNR_BOUND
     assert calls[0] == 4  # one call for the four JPEGs, then one at a time after the CMYK failure
+
+
+@settings(max_examples=25)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=6),
+       st.tuples(st.integers(1, 24), st.integers(1, 24)))
+def test_the_compiled_resize_loop_gives_the_plain_loops_pixels(shapes, target):
+    """The batch path's resize runs compiled (without the GIL); it must be the plain loop exactly."""
+    generator = torch.Generator().manual_seed(len(shapes))
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator) for h, w in shapes]
+    places = list(range(len(images)))[::-1]
+    plain, compiled = (torch.zeros((len(images), 3, *target)) for _ in range(2))
+    decode.resize_into(images, places, plain)
+    decode._resize_loop()(images, places, compiled)
+    assert torch.equal(plain, compiled)
+    assert decode._resize_loop() is not decode.resize_into  # TorchScript took it, here at least
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -305,8 +305,10 @@ def test_on_cuda_the_step_never_reads_a_batch_the_side_stream_is_still_decoding(
     decode = feed._images
 
     def slow(images, keys):
-        torch.cuda._sleep(200_000_000)  # queued on the side stream before the decode's work
-        return decode(images, keys)
+        pixels = decode(images, keys)
+        late = torch.zeros_like(pixels)
+        torch.cuda._sleep(200_000_000)  # the side stream busy long after the call returns,
+        return late.copy_(pixels)  # and the pixels written only after that
 
     monkeypatch.setattr(feed, "_images", slow)
     expected = [batch.images for batch in DeviceFeed(raw_batches(4), SIZE, device="cpu", mean=None, std=None)]
