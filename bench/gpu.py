@@ -157,8 +157,11 @@ def _proxy(upstream: str, latency: float) -> tuple[Any, str]:
     return process, process.stdout.readline().strip()
 
 
+STEADY_AFTER = 8  # steps into an epoch after which its rate counts as steady (the DataLoader warmed up)
+
+
 def fed_step_rate(config: Any, bucket: str, source: dict[str, Any], workers: int, epochs: int,
-                  through_feed: bool) -> tuple[float, int, str]:
+                  through_feed: bool) -> tuple[float, float, int, str]:
     """Steps/s of the same training step fed from S3, over ``epochs`` after a warm-up epoch:
     decoded in the loop (``decode_images`` then the step, one after the other on one stream) or
     through ``DeviceFeed`` (decode on a side stream, two batches ahead). Also the feed's report."""
@@ -182,23 +185,33 @@ def fed_step_rate(config: Any, bucket: str, source: dict[str, Any], workers: int
     feed = DeviceFeed(loader, SIZE, device=DEVICE, mean=None, std=None, label=None) if through_feed else None
     done = 0
     started = 0.0
+    steady_steps, steady_s = 0, 0.0  # past the first STEADY_AFTER steps of each epoch
     for epoch in range(epochs + 1):
         dataset.set_epoch(epoch)
         if epoch == 1:
             _sync()
             started = time.perf_counter()
-        for batch in (feed if feed is not None else loader):
+        mark = None
+        for index, batch in enumerate(feed if feed is not None else loader):
             pixels = batch.images if feed is not None else decode_images(batch["jpg"], SIZE, device=DEVICE)
             labels = torch.randint(0, 1000, (pixels.shape[0],), device=DEVICE)
             step(pixels, labels)
             if epoch:
                 done += 1
+                steady_steps += index >= STEADY_AFTER
+                if index == STEADY_AFTER - 1:
+                    _sync()
+                    mark = time.perf_counter()
+        if mark is not None:
+            _sync()
+            steady_s += time.perf_counter() - mark
     _sync()
     rate = done / (time.perf_counter() - started)
+    steady = steady_steps / steady_s if steady_s else 0.0
     peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB" if DEVICE == "cuda" else ""
     if feed is not None:
         feed.close()
-    return rate, done, (feed.report() if feed is not None else "in the loop") + peak
+    return rate, steady, done, (feed.report() if feed is not None else "in the loop") + peak
 
 
 def main() -> None:
@@ -209,6 +222,8 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.02)
     parser.add_argument("--decode", default="loop,feed",
                         help="which decodes to measure fed from S3: in the training loop, through DeviceFeed")
+    parser.add_argument("--loop-workers", default="",
+                        help="worker counts at which to measure the decode in the loop too (default: all)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the same plumbing on the CPU with a tiny model (checks the script, measures nothing)")
     args = parser.parse_args()
@@ -259,18 +274,22 @@ def main() -> None:
             import dataclasses
 
             config = dataclasses.replace(server.config, endpoint_url=endpoint)
-            print(f"| data | decode | workers | steps/s fed from S3 (+{args.latency * 1000:.0f} ms) | "
-                  "images/s | share of the loop's rate from memory | share of the GPU's own step rate |")
-            print("|---|---|--:|--:|--:|--:|--:|")
+            print(f"| data | decode | workers | steps/s fed from S3 (+{args.latency * 1000:.0f} ms), whole "
+                  f"epochs | images/s | share of the GPU's own step rate | steps/s after the first "
+                  f"{STEADY_AFTER} of each epoch | share of the GPU's own step rate |")
+            print("|---|---|--:|--:|--:|--:|--:|--:|")
             reports = []
             for data, source in (("objects", {"keys": keys}), ("shards", {"shards": sorted(shards)})):
                 for workers in (int(w) for w in args.workers.split(",")):
-                    for through_feed in [how == "feed" for how in args.decode.split(",")]:
-                        rate, steps, report = fed_step_rate(config, bucket, source, workers, args.epochs,
-                                                            through_feed)
+                    loop = "loop" in args.decode.split(",") and (not args.loop_workers or str(workers)
+                                                                 in args.loop_workers.split(","))
+                    for through_feed in [False] * loop + [True] * ("feed" in args.decode.split(",")):
+                        rate, steady, steps, report = fed_step_rate(config, bucket, source, workers,
+                                                                    args.epochs, through_feed)
                         how = "DeviceFeed (side stream)" if through_feed else "in the loop"
                         print(f"| {data} | {how} | {workers} | {rate:.2f} ({steps} steps) | "
-                              f"{rate * BATCH:,.0f} | {rate / ram:.0%} | {rate / own:.0%} |", flush=True)
+                              f"{rate * BATCH:,.0f} | {rate / own:.0%} | {steady:.2f} | {steady / own:.0%} |",
+                              flush=True)
                         reports.append(f"{data}, {how}, {workers} workers: {report}")
                         gc.collect()  # the last DataLoader's workers end here, not in the next one's fork
             print("\nreport() (DeviceFeed) and peak GPU memory (model, optimizer, batches):")
