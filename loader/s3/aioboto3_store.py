@@ -1,7 +1,7 @@
 """The default ``ObjectStore``: aioboto3 (botocore over aiohttp), with a direct transport.
 
 One client per engine, made inside its loop (on first use), pool sized to its concurrency. GETs
-and listings skip botocore's request pipeline (``direct``) for every endpoint; what that path
+and listings skip botocore's request pipeline (``signed_get``) for every endpoint; what that path
 cannot serve (a region redirect, an S3 Express directory bucket) is named once and left to botocore;
 botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
 rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
@@ -33,7 +33,6 @@ from ..uri import object_url
 from .addressing import NotServed
 from .answer_checks import Asked, asked_for, check_head, check_length
 from .credentials import credentials_error, no_credentials_found
-from .direct import SignedGetter
 from .error_answers import (
     broken_framing,
     certificate_rejected,
@@ -55,6 +54,7 @@ from .protocol import (
     normalize_etag,
     objects_of,
 )
+from .signed_get import SignedGetter
 
 _STREAM_ERRORS = (
     bce.ResponseStreamingError,

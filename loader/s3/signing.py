@@ -1,8 +1,8 @@
 """SigV4 for S3 requests without a body, signed exactly as botocore's ``S3SigV4Auth`` signs them.
 
-The two transports that skip botocore (``direct``, ``http_client``) sign here. Hand-written
+The two transports that skip botocore (``signed_get``, ``http_lister``) sign here. Hand-written
 because botocore's signer builds an ``AWSRequest``, an ``HTTPHeaders`` and a ``urlsplit`` per
-request, about ten times the CPU of this function, and ``http_client`` must not import botocore
+request, about ten times the CPU of this function, and ``http_lister`` must not import botocore
 at all (a listing before the first sample; docs/design/listing.md).
 
 Every header the request sends is signed (botocore signs every header but ``expect``,
