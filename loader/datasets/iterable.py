@@ -77,8 +77,8 @@ class AsyncS3Dataset(IterableDataset):
     ``s * B * W`` samples whatever the number of ranks and workers, and ``resume(epoch=,
     samples_seen=)`` continues on any topology. It is given here, not learned from the
     DataLoader: the main process needs it (``len()``, ``samples_seen()``, ``resume()``) before
-    any batch, and a DataLoader never tells its dataset its batch size; workers see it only at
-    their first batch, where a different one is refused with a ConfigError.
+    any batch, and a DataLoader never tells its dataset its batch size, so it is not checked:
+    give the DataLoader the same one, or ``samples_seen()`` counts the wrong samples.
     """
 
     def __init__(
@@ -386,7 +386,6 @@ class AsyncS3Dataset(IterableDataset):
         transforming = handing = 0.0  # seconds in transform, and outside between samples (stats.py)
         startup: float | None = None  # seconds to the first item: start-up, reported apart
         self._startup = [0.0, 0.0]
-        self._check_loader_batch_size()
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
@@ -414,18 +413,6 @@ class AsyncS3Dataset(IterableDataset):
         finally:
             self._split = [transforming, handing]
             self._publish(worker, samples, time.perf_counter() - started)
-
-    def _check_loader_batch_size(self) -> None:
-        """Blocks of ``batch_size=`` line up with the DataLoader's batches only when the two batch
-        sizes agree; otherwise resume would repeat and skip samples, so say it before the first one."""
-        dealt = self.options.batch_size
-        asked = topology.dataloader_batch_size(depth=3)
-        if dealt is not None and asked is not None and asked != dealt:
-            raise ConfigError(
-                f"the dataset deals the epoch in blocks of batch_size={dealt}, but the DataLoader "
-                f"asks for batches of {asked}: give both the same batch size (DataLoader(ds, "
-                f"batch_size={dealt}) or the dataset's batch_size={asked}), or samples_seen() and "
-                "resume() would count the wrong samples")
 
     def _skip(self, url: str, key: str | None, reason: str) -> None:
         """Count a sample that ``on_error`` skips, and say so as it asks."""
