@@ -36,7 +36,7 @@ from . import partition
 from .groups import Limits, Reading, Split, Store, flat_options
 from .object_samples import LabelFrom, OnError, SampleIndex, Skipped, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, Transform, budget_options
+from .options import LoaderOptions, Transform, budget_options, warn_direct_construction
 from .protocol import Progress, Slot, Source
 from .shard_source import ShardSource
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
@@ -98,6 +98,7 @@ class AsyncS3Dataset(IterableDataset):
         super().__init__()
         self.options = options or LoaderOptions()
         if source is None:
+            warn_direct_construction("AsyncS3Dataset", "keys=|prefix=|shards=", shards=True)
             source = _source_from(self.options, bucket=bucket, keys=keys, prefix=prefix, shards=shards,
                                   shard_options=shard_options, group=group, label_from=label_from,
                                   labels=labels)

@@ -34,14 +34,14 @@ from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.keylist import KeyList
-from ..listing.snapshots import Snapshot, is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
+from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
 from .groups import Limits, Store, flat_options
 from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, Transform
+from .options import LoaderOptions, Transform, warn_direct_construction
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +71,28 @@ class AsyncS3MapDataset(Dataset):
 
     def __init__(
         self,
+        source: ObjectSource | None = None,
         *,
-        bucket: str,
+        bucket: str | None = None,
         keys: Iterable[str] | None = None,
         prefix: str | None = None,
         options: LoaderOptions | None = None,
         group: bool = True,
         label_from: LabelFrom | None = None,
         labels: Iterable[int | str | None] | None = None,
-        snapshot: Snapshot | None = None,
     ) -> None:
         super().__init__()
-        if (keys is None) == (prefix is None):
-            raise ConfigError("give exactly one of keys= or prefix=")
         self.options = options or LoaderOptions()
         _reject_defaults_changed(self.options)
-        self.source = ObjectSource(bucket, self.options, keys=keys, prefix=prefix, group=group,
-                                   label_from=label_from, labels=labels, snapshot=snapshot)
+        if source is None:
+            warn_direct_construction("AsyncS3MapDataset", "keys=|prefix=", shards=False)
+            if (keys is None) == (prefix is None):
+                raise ConfigError("give exactly one of keys= or prefix=")
+            if bucket is None:
+                raise ConfigError("give bucket= (or use from_prefix('s3://bucket/...'))")
+            source = ObjectSource(bucket, self.options, keys=keys, prefix=prefix, group=group,
+                                  label_from=label_from, labels=labels)
+        self.source = source
         self._client: _Client | None = None
         self._closer: weakref.finalize | None = None
         self._lock = threading.Lock()
@@ -104,8 +109,8 @@ class AsyncS3MapDataset(Dataset):
         objects left out; ``snapshot=``: see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
         options = _options(transform, on_error, limits, store, config, deprecated)
-        return cls(bucket=bucket, prefix=prefix, options=options, group=group,
-                   label_from=label_from, snapshot=snapshot_option(snapshot))
+        return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
+                                snapshot=snapshot_option(snapshot)), options=options)
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
@@ -118,7 +123,8 @@ class AsyncS3MapDataset(Dataset):
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
         options = _options(transform, on_error, limits, store, config, deprecated)
-        return cls(bucket=bucket, keys=keys, options=options, group=group, label_from=label_from)
+        return cls(ObjectSource(bucket, options, keys=keys, group=group, label_from=label_from),
+                   options=options)
 
     @classmethod
     def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
@@ -131,11 +137,11 @@ class AsyncS3MapDataset(Dataset):
         options = _options(transform, on_error, limits, store, config, deprecated)
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
-            return cls(bucket=bucket, prefix=prefix, options=options, group=group,
-                       label_from=label_from, snapshot=saved_snapshot(path))
+            return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
+                                    snapshot=saved_snapshot(path)), options=options)
         manifest = read_manifest(path, bucket)
-        return cls(bucket=manifest.bucket, keys=manifest.keys, options=options,
-                   group=group, label_from=label_from, labels=manifest.labels)
+        return cls(ObjectSource(manifest.bucket, options, keys=manifest.keys, group=group,
+                                label_from=label_from, labels=manifest.labels), options=options)
 
     # ----------------------------------------------------------------------- what is read
 
