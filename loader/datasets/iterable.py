@@ -171,7 +171,7 @@ class AsyncS3Dataset(IterableDataset):
                       store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
                       **deprecated: Any) -> AsyncS3Dataset:
         """Keys from a file: plain text (a key or ``s3://`` URI per line), or CSV / JSON lines
-        with a ``key`` column and optionally a ``label`` column (see ``sources.read_manifest``);
+        with a ``key`` column and optionally a ``label`` column (see ``inputs.read_manifest``);
         or a listing snapshot (``loader ls --save``), read without any LIST."""
         loader_options = LoaderOptions(**budget_options(flat_options(
             "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,

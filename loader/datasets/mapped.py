@@ -133,7 +133,7 @@ class AsyncS3MapDataset(Dataset):
                       store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
                       **deprecated: Any) -> AsyncS3MapDataset:
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
-        ``sources.read_manifest``), or a listing snapshot (read without any LIST)."""
+        ``inputs.read_manifest``), or a listing snapshot (read without any LIST)."""
         options = _options(transform, on_error, limits, store, config, deprecated)
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
