@@ -223,4 +223,4 @@ def _obstore_backend() -> Any:
 
 
 def _obstore_missing() -> ConfigError:
-    return ConfigError(f"store='obstore' needs the optional extra: {install_hint('fast')}")
+    return ConfigError(f"store='obstore' needs the optional extra: {install_hint('obstore')}")
