@@ -88,7 +88,7 @@ def assert_signed_like_botocore(url: str, sent: dict[str, str], botocore: dict[s
 @given(endpoint=endpoints, style=styles, bucket=buckets, key=keys, byte_range=ranges, if_match=etags,
        if_none_match=etags, access=st.sampled_from(["AKIDEXAMPLE", "minioadmin"]), secret=secrets,
        token=tokens, region=regions, when=instants)
-def test_the_aiohttp_transport_signs_object_gets_as_botocore_does(
+def test_the_signed_get_transport_signs_object_gets_as_botocore_does(
         endpoint, style, bucket, key, byte_range, if_match, if_none_match, access, secret, token, region,
         when):
     config = _config(endpoint, style, region)
@@ -109,7 +109,7 @@ def test_the_aiohttp_transport_signs_object_gets_as_botocore_does(
 
 @given(endpoint=endpoints, style=styles, bucket=buckets, query=listings, secret=secrets, token=tokens,
        region=regions, when=instants)
-def test_the_aiohttp_transport_signs_listings_as_botocore_does(endpoint, style, bucket, query, secret, token,
+def test_the_signed_get_transport_signs_listings_as_botocore_does(endpoint, style, bucket, query, secret, token,
                                                                 region, when):
     config = _config(endpoint, style, region)
     getter = SignedGetter(config, None, max_connections=1, retry=RetryPolicy())

@@ -55,7 +55,7 @@ from .protocol import (
     Pin,
     objects_of,
 )
-from .signing import canonical_query, sign_v4
+from .signing import signed_get_request
 
 _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
 
@@ -327,15 +327,9 @@ class HttpLister:
         ``Accept-Encoding`` that ``http.client`` would add unsigned (tests/test_signing.py holds
         this to botocore's signature)."""
         address = bucket_address(self._config, bucket)
-        path = (address.base + path) or "/"
-        extra = {"accept-encoding": "identity"}
-        if byte_range:
-            extra["range"] = byte_range
-        keys = self._keys()
-        headers = sign_v4("GET", address.host, path, query, access_key=keys.access_key,
-                          secret_key=keys.secret_key, token=keys.token,
-                          region=self._config.region, when=when, headers=extra)
-        return (f"{path}?{canonical_query(query)}" if query else path), headers
+        return signed_get_request(address.host, (address.base + path) or "/", query, byte_range,
+                          credentials=self._keys(), region=self._config.region, when=when,
+                          headers={"accept-encoding": "identity"})
 
     def _keys(self) -> Any:
         """Frozen credentials to sign with: the config's keys, else what botocore's chain finds
