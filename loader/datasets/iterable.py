@@ -99,9 +99,9 @@ class AsyncS3Dataset(IterableDataset):
         self.options = options or LoaderOptions()
         if source is None:
             warn_direct_construction("AsyncS3Dataset", "keys=|prefix=|shards=", shards=True)
-            source = _source_from(self.options, bucket=bucket, keys=keys, prefix=prefix, shards=shards,
-                                  shard_options=shard_options, group=group, label_from=label_from,
-                                  labels=labels)
+            source = source_from_keywords(self.options, bucket=bucket, keys=keys, prefix=prefix,
+                                          shards=shards, shard_options=shard_options, group=group,
+                                          label_from=label_from, labels=labels)
         self.source: Source = source
         self._epoch = topology.SharedEpoch(0)  # workers follow it, however they were started
         self._launch: topology.Launch | None = None  # the world of the process that pickled it
@@ -660,15 +660,20 @@ _open_iterations: LiveObjects[Generator[Any, None, None]] = LiveObjects(
     in_child=lambda iteration: None, at_exit=_close_iteration)
 
 
-def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[str] | None,
-                 prefix: str | None, shards: str | Iterable[str] | None,
-                 shard_options: ShardOptions | None, group: bool, label_from: LabelFrom | None,
-                 labels: Iterable[int | str | None] | None) -> Source:
-    """The source that ``AsyncS3Dataset(keys=|prefix=|shards=, ...)`` describes."""
+def source_from_keywords(options: LoaderOptions, *, bucket: str | None = None,
+                         keys: Iterable[str] | None = None, prefix: str | None = None,
+                         shards: str | Iterable[str] | None = None,
+                         shard_options: ShardOptions | None = None, group: bool = True,
+                         label_from: LabelFrom | None = None,
+                         labels: Iterable[int | str | None] | None = None,
+                         objects_only: bool = False) -> Source:
+    """The source that the deprecated ``AsyncS3Dataset(keys=|prefix=|shards=, ...)`` (or, with
+    ``objects_only``, ``AsyncS3MapDataset(keys=|prefix=, ...)``) describes."""
     given = [name for name, value in (("keys", keys), ("prefix", prefix), ("shards", shards))
              if value is not None]
-    if len(given) != 1:
-        raise ConfigError(f"give exactly one of keys=, prefix= or shards= (got {given or 'none'})")
+    if len(given) != 1 or (objects_only and shards is not None):
+        names = "keys= or prefix=" if objects_only else "keys=, prefix= or shards="
+        raise ConfigError(f"give exactly one of {names} (got {given or 'none'})")
     if shards is not None:
         return ShardSource(shards, options, shard_options=shard_options)
     if bucket is None:

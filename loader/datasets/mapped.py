@@ -69,29 +69,21 @@ class AsyncS3MapDataset(Dataset):
     nor is ``Limits(memory=)``, as there is no queue.
     """
 
-    def __init__(
-        self,
-        source: ObjectSource | None = None,
-        *,
-        bucket: str | None = None,
-        keys: Iterable[str] | None = None,
-        prefix: str | None = None,
-        options: LoaderOptions | None = None,
-        group: bool = True,
-        label_from: LabelFrom | None = None,
-        labels: Iterable[int | str | None] | None = None,
-    ) -> None:
+    def __init__(self, source: ObjectSource | None = None, *, options: LoaderOptions | None = None,
+                 **deprecated: Any) -> None:
+        """``source`` and ``options`` come from a constructor; ``deprecated``: the keywords that
+        described a source (``bucket=``, ``keys=`` or ``prefix=``, ``group=``, ``label_from=``,
+        ``labels=``), which still work for one release, with a warning."""
         super().__init__()
         self.options = options or LoaderOptions()
         _reject_defaults_changed(self.options)
         if source is None:
             warn_direct_construction("AsyncS3MapDataset", "keys=|prefix=", shards=False)
-            if (keys is None) == (prefix is None):
-                raise ConfigError("give exactly one of keys= or prefix=")
-            if bucket is None:
-                raise ConfigError("give bucket= (or use from_prefix('s3://bucket/...'))")
-            source = ObjectSource(bucket, self.options, keys=keys, prefix=prefix, group=group,
-                                  label_from=label_from, labels=labels)
+            from .iterable import source_from_keywords
+
+            described = source_from_keywords(self.options, objects_only=True, **deprecated)
+            assert isinstance(described, ObjectSource)  # objects_only: never shards
+            source = described
         self.source = source
         self._client: _Client | None = None
         self._closer: weakref.finalize | None = None
