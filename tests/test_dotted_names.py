@@ -1,7 +1,7 @@
 """Every dotted name that a docstring of ``loader`` or a page of the docs writes in backticks
-(``loader.s3.signing``, ``partition.block_positions``, ``KeyList.from_keys``) names something
-that exists: a module of this package or of ``bench/``, a name defined in one, or a module
-that imports. A module renamed or a function removed fails here until its mentions follow."""
+(``loader.s3.signing``, ``partition.block_positions``, ``KeyList.from_keys``), or that the API
+reference renders (``::: loader.Limits``), names something that exists: a module of this
+package or of ``bench/``, a name defined in one, or a module that imports. A module renamed or a function removed fails here until its mentions follow."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "loader"
 DOTTED = re.compile(r"`{1,2}([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?:\([^`]*\))?`{1,2}")
+REFERENCE = re.compile(r"^::: ([\w.]+)", re.M)  # a page of the API reference (mkdocstrings)
 FILE_ENDINGS = {"com", "json", "toml", "txt", "md", "py", "keys", "tar", "gz", "zst", "tgz", "parquet", "pt",
                 "yml", "yaml", "csv", "jsonl", "jpg", "cls", "png", "bin", "lock", "html", "idx", "npy"}
 # names of other libraries written by their usual short head, and where they live
@@ -51,7 +52,7 @@ def mentions() -> Iterator[tuple[str, str]]:
             for match in DOTTED.finditer(text):
                 yield str(path.relative_to(ROOT)), match.group(1)
     for path in sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]):
-        for match in DOTTED.finditer(path.read_text()):
+        for match in (*DOTTED.finditer(path.read_text()), *REFERENCE.finditer(path.read_text())):
             yield str(path.relative_to(ROOT)), match.group(1)
 
 
