@@ -1,7 +1,8 @@
 """Every dotted name that a docstring of ``loader`` or a page of the docs writes in backticks
 (``loader.s3.signing``, ``partition.block_positions``, ``KeyList.from_keys``), or that the API
 reference renders (``::: loader.Limits``), names something that exists: a module of this
-package or of ``bench/``, a name defined in one, or a module that imports. A module renamed or a function removed fails here until its mentions follow."""
+package or of ``bench/``, a name defined in one, or a module that imports. A module renamed or a
+function removed fails here until its mentions follow."""
 
 from __future__ import annotations
 
