@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
-EXTRAS := fast,test,stateful,devserver,image,zstd,docs,parquet
+EXTRAS := obstore,test,stateful,devserver,image,zstd,docs,parquet
 COMPOSE := docker compose -f docker/docker-compose.yml --env-file docker/minio.env
 
 .PHONY: install install-bench lint docs mutation test test-all unit-test integration-test demo bench bench-listing minio-up minio-down clean

@@ -86,8 +86,8 @@ def main() -> None:
         ("import botocore's SigV4 signer (`botocore.auth`)", f"{import_cost_s('import botocore.auth'):.3f} s"),
         ("import aiohttp and botocore", f"{import_cost_s('import aiohttp, botocore.session'):.3f} s"),
         ("import aioboto3 and build a session", f"{import_cost_s('import aioboto3; aioboto3.Session()'):.3f} s"),
-        ("import the http.client lister (`loader.s3.http_client`)",
-         f"{import_cost_s('import loader.s3.http_client'):.3f} s"),
+        ("import the http.client lister (`loader.s3.http_lister`)",
+         f"{import_cost_s('import loader.s3.http_lister'):.3f} s"),
     ]
     rows += [(f"read a listing page: {name}", f"{us:.1f} us per key")
              for name, us in listing_costs_us_per_key().items()]

@@ -45,7 +45,7 @@ async def compare(config: Any, keys: list[str], rounds: int, inflight: int) -> d
 
     from loader.retry import RetryPolicy
     from loader.s3.aioboto3_store import _given_credentials
-    from loader.s3.direct import SignedGetter
+    from loader.s3.signed_get import SignedGetter
 
     getter = SignedGetter(config, _given_credentials(config), max_connections=inflight,
                           retry=RetryPolicy())

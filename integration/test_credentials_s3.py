@@ -21,7 +21,7 @@ from loader import AsyncS3Dataset
 
 from datasets import upload_objects
 
-BACKENDS = ["aioboto3", "obstore"]  # obstore is in the "fast" extra that make test installs
+BACKENDS = ["aioboto3", "obstore"]  # obstore is in the "obstore" extra that make test installs
 OBJECTS = {f"train/{i:03d}.bin": bytes([i]) * (1000 + i) for i in range(6)}
 _KEY_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MINIO_ACCESS_KEY",
              "MINIO_SECRET_KEY", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "AWS_PROFILE",

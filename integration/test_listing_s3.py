@@ -22,7 +22,7 @@ from listing_worker import list_on_rank
 from loader.listing.keylist import ListOptions, list_all
 from loader.retry import RetryPolicy
 from loader.s3 import ListingOpener, open_listing_store, open_store
-from loader.s3.http_client import HttpLister
+from loader.s3.http_lister import HttpLister
 
 from faults import FaultDecider, FaultPlan, FaultProxy
 

@@ -1,16 +1,14 @@
 """Settings users combine wrongly, on a real S3 server: each is refused with the fix, or named
 where it skips something, never silently ignored (a skipped sample, a shuffle buffer that
-would not apply, a DataLoader batch size other than the dataset's)."""
+would not apply)."""
 
 from __future__ import annotations
 
 import io
 import re
-import traceback
 import warnings
 
 import pytest
-from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError
 
@@ -60,26 +58,3 @@ def test_a_shuffle_buffer_that_would_not_apply_is_refused(s3_server, data):
     with pytest.raises(ConfigError, match=r"shuffle_buffer=200 cannot be used with batch_size="):
         AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", shuffle=True, batch_size=4,
                                    shuffle_buffer=200, config=s3_server.config)
-
-
-@pytest.mark.parametrize("mode", ["objects", "shards"])
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_dataloader_batch_size_other_than_the_datasets_is_refused(s3_server, data, mode, num_workers):
-    bucket, _, counts = data
-
-    def dataset():
-        if mode == "objects":
-            return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", batch_size=4, config=s3_server.config)
-        return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", batch_size=4, sample_counts=counts,
-                                          config=s3_server.config)
-
-    timeout = 60 if num_workers else 0
-    wrong = DataLoader(dataset(), batch_size=8, num_workers=num_workers, collate_fn=keys_of, timeout=timeout)
-    refused = r"blocks of batch_size=4, but the DataLoader asks for batches of 8"
-    with pytest.raises(ConfigError, match=refused) as raised:
-        next(iter(wrong))
-    # The traceback holds the DataLoader's iterator in a reference cycle: collected later by the
-    # garbage collector, its worker queues go first and torch waits 5 s for each worker to exit.
-    traceback.clear_frames(raised.tb)
-    right = DataLoader(dataset(), batch_size=4, num_workers=num_workers, collate_fn=keys_of, timeout=timeout)
-    assert sum(len(batch) for batch in right) == 24

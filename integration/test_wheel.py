@@ -35,7 +35,7 @@ TORCH_PIN = next(line.strip() for line in (ROOT / "constraints.txt").read_text()
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
                                  ".pytest_cache", ".hypothesis", "bench", "integration", "tests")
 
-OPTIONAL = {"obstore": "fast"}  # top-level imports that belong to an extra (module: extra)
+OPTIONAL = {"obstore": "obstore"}  # top-level imports that belong to an extra (module: extra)
 
 CHECK = r"""
 import importlib, importlib.metadata as md, json, pkgutil, sys

@@ -22,7 +22,6 @@ _PUBLIC = {
     "AsyncS3Dataset": "loader.datasets.iterable",
     "AsyncS3MapDataset": "loader.datasets.mapped",
     "mix": "loader.datasets.mix",
-    "LoaderOptions": "loader.datasets.options",
     "S3Config": "loader.config",
     "RetryPolicy": "loader.retry",
     "ListOptions": "loader.listing.keylist",
@@ -50,6 +49,11 @@ _MOVED = {
     "FetchEngine": "loader.engine.fetch",
     "KeyList": "loader.listing.keylist",
 }
+# names retired from the public API: still importable, with a DeprecationWarning naming what replaces them
+_RETIRED = {
+    "LoaderOptions": ("loader.datasets.options", "the keywords and option groups of the datasets' "
+                      "constructors (Limits, Split, Store, Reading) replace the flat LoaderOptions"),
+}
 
 __all__ = [  # written out for editors and type checkers; tests/test_layout.py checks it against _PUBLIC
     "AccessDeniedError",
@@ -65,7 +69,6 @@ __all__ = [  # written out for editors and type checkers; tests/test_layout.py c
     "Limits",
     "ListOptions",
     "LoaderError",
-    "LoaderOptions",
     "NoCredentialsError",
     "NoSuchBucketError",
     "NoSuchKeyError",
@@ -103,6 +106,11 @@ def __getattr__(name: str) -> Any:
                       f"(`from {_MOVED[name]} import {name}`); the top-level name will be removed",
                       DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(_MOVED[name]), name)  # not cached: warn each time
+    elif name in _RETIRED:
+        home, instead = _RETIRED[name]
+        warnings.warn(f"loader.{name} is deprecated and will be removed in the next release: {instead}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), name)
     else:
         raise AttributeError(f"module 'loader' has no attribute {name!r}")
     globals()[name] = value  # resolve once
@@ -120,7 +128,6 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .datasets.iterable import AsyncS3Dataset
     from .datasets.mapped import AsyncS3MapDataset
     from .datasets.mix import mix
-    from .datasets.options import LoaderOptions
     from .decode import collate_raw, decode_image, decode_images, decode_sample
     from .device_feed import DeviceFeed
     from .errors import (

@@ -217,18 +217,3 @@ def _env_int(name: str, value: str, *, minimum: int) -> int:
         raise ConfigError(f"{name}={value!r} must be >= {minimum}")
     return number
 
-
-def dataloader_batch_size(depth: int = 2) -> int | None:
-    """The batch size of the DataLoader pulling from the caller's generator, or None.
-
-    torch's fetcher for iterable datasets (``_IterableDatasetFetcher.fetch``, also used by
-    torchdata's ``StatefulDataLoader``) calls ``next()`` once per entry of
-    ``possibly_batched_index``; read from the frame ``depth`` levels up, it is the only place the
-    DataLoader's batch size can be seen from a worker. None when another caller iterates.
-    """
-    try:
-        frame = sys._getframe(depth)
-    except ValueError:
-        return None
-    index = frame.f_locals.get("possibly_batched_index") if frame.f_code.co_name == "fetch" else None
-    return len(index) if isinstance(index, list) else None

@@ -32,7 +32,7 @@ async def store_at(transport: str, endpoint: str, read_timeout: float = 2) -> As
     config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
     retry = RetryPolicy(connect_timeout=2, read_timeout=read_timeout, deadline=5)
     if transport == "stdlib":
-        from loader.s3.http_client import HttpLister
+        from loader.s3.http_lister import HttpLister
 
         store: Any = HttpLister(config, retry=retry)
     elif transport == "obstore":

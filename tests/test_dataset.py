@@ -145,7 +145,8 @@ def test_empty_key_list_is_rejected():
 
 @pytest.mark.parametrize("given", [{"keys": ["a.jpg"]}, {"prefix": "train/"}])
 def test_keys_or_prefix_without_a_bucket_is_a_clear_error(given):
-    with pytest.raises(ConfigError, match=f"{next(iter(given))}= needs bucket="):
+    with pytest.raises(ConfigError, match=f"{next(iter(given))}= needs bucket="), \
+            pytest.warns(DeprecationWarning, match="from_keys"):
         AsyncS3Dataset(**given)
 
 

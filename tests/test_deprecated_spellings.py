@@ -156,3 +156,26 @@ def test_old_cli_flags_warn_and_set_the_new_one(module, argv, dest, value, capsy
     assert getattr(args, dest) == value
     assert "is deprecated" in capsys.readouterr().err
     assert isinstance(args, argparse.Namespace)
+
+
+def test_loader_options_at_the_top_level_warns_naming_the_option_groups():
+    import loader
+    from loader.datasets.options import LoaderOptions
+
+    with pytest.warns(DeprecationWarning, match=r"loader.LoaderOptions is deprecated .*\(Limits, Split, Store"):
+        assert loader.LoaderOptions is LoaderOptions
+    assert "LoaderOptions" not in loader.__all__ and "LoaderOptions" not in dir(loader)
+
+
+@pytest.mark.parametrize("cls", [AsyncS3Dataset, AsyncS3MapDataset])
+def test_building_a_dataset_from_init_keywords_warns_naming_the_constructors(cls):
+    """One way to build each dataset: its constructors. ``__init__``'s keywords, the second way,
+    still build the same dataset for one release, with a warning that names them."""
+    from loader.datasets.options import LoaderOptions
+
+    with pytest.warns(DeprecationWarning, match=rf"{cls.__name__}\(bucket=, .*\.from_keys\(bucket, keys\)") as caught:
+        old = cls(bucket="bkt", keys=["a.jpg", "b.jpg"], options=LoaderOptions(store=STORE))
+    assert {w.filename for w in caught if issubclass(w.category, DeprecationWarning)} == {__file__}
+    new = cls.from_keys("bkt", ["a.jpg", "b.jpg"], store=STORE)
+    assert list(old.keys()) == list(new.keys()) == ["a.jpg", "b.jpg"]
+    assert ("from_shards" in str(caught[0].message)) == (cls is AsyncS3Dataset)

@@ -145,7 +145,7 @@ def test_the_listing_lister_says_how_long_a_silent_server_was_waited_out():
     from loader.config import S3Config
     from loader.errors import TransientStoreError
     from loader.retry import RetryPolicy
-    from loader.s3.http_client import HttpLister
+    from loader.s3.http_lister import HttpLister
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

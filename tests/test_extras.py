@@ -23,7 +23,7 @@ from fakes import FakeStore, reusable
 
 PACKAGE = Path(__file__).resolve().parent.parent / "loader"
 # import name -> the extra that installs it
-OPTIONAL = {"obstore": "fast", "PIL": "image", "numpy": "image", "simplejpeg": "image",
+OPTIONAL = {"obstore": "obstore", "PIL": "image", "numpy": "image", "simplejpeg": "image",
             "zstandard": "zstd", "torchdata": "stateful"}
 # modules imported only through a guard elsewhere (stores._obstore_backend)
 GUARDED_MODULES = {"s3/obstore_store.py"}
@@ -97,7 +97,7 @@ def test_obstore_backend_names_the_fast_extra(hide, monkeypatch):
     monkeypatch.delitem(sys.modules, "loader.s3.obstore_store", raising=False)
     # an earlier import left the module as an attribute of its package, which `from . import` finds
     monkeypatch.delattr(importlib.import_module("loader.s3"), "obstore_store", raising=False)
-    with pytest.raises(ConfigError, match=hint("fast")):
+    with pytest.raises(ConfigError, match=hint("obstore")):
         AsyncS3Dataset.from_keys("bucket", ["a.jpg"], store="obstore")
 
 

@@ -52,8 +52,8 @@ def test_the_first_pages_thread_is_joined_when_the_lister_closes(monkeypatch):
     import time
 
     from loader.config import S3Config
-    from loader.s3 import http_client
-    from loader.s3.http_client import HttpLister
+    from loader.s3 import http_lister
+    from loader.s3.http_lister import HttpLister
 
     page = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bkt</Name>'
             b"<Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>false</IsTruncated><Contents>"
@@ -78,7 +78,7 @@ def test_the_first_pages_thread_is_joined_when_the_lister_closes(monkeypatch):
             super().set_result(result)
             time.sleep(0.3)
 
-    monkeypatch.setattr(http_client.concurrent.futures, "Future", SlowToEnd)
+    monkeypatch.setattr(http_lister.concurrent.futures, "Future", SlowToEnd)
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:

@@ -177,11 +177,12 @@ def test_the_public_names_are_written_once_and_agree():
 def test_the_top_level_holds_what_users_touch_and_no_internals():
     import loader
 
-    for name in ("AsyncS3Dataset", "AsyncS3MapDataset", "mix", "LoaderOptions", "S3Config", "RetryPolicy",
+    for name in ("AsyncS3Dataset", "AsyncS3MapDataset", "mix", "S3Config", "RetryPolicy",
                  "ListOptions", "decode_sample", "decode_image", "decode_images", "collate_raw",
                  "checkpoint", "read_index", "read_index_counts", "ObjectChangedError"):
         assert name in loader.__all__, name
-    for name in ("FetchEngine", "EngineLimits", "EngineStats", "KeyList", "DevServer", "ObjectStore"):
+    for name in ("FetchEngine", "EngineLimits", "EngineStats", "KeyList", "DevServer", "ObjectStore",
+                 "LoaderOptions"):
         assert name not in loader.__all__ and name not in dir(loader), name
 
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from loader import AccessDeniedError, ConfigError, LoaderOptions, NoSuchKeyError, SampleError
+from loader import AccessDeniedError, ConfigError, NoSuchKeyError, SampleError
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
+from loader.datasets.options import LoaderOptions
 
 from fakes import FakeStore, SharedFake, payloads, reusable
 from waiting import wait_until
@@ -225,7 +226,7 @@ def test_queue_options_are_rejected_because_there_is_no_queue():
 
 def test_loader_options_given_directly_are_checked_too():
     with pytest.raises(ConfigError, match="shuffle=True"):
-        AsyncS3MapDataset(bucket=BUCKET, keys=["a.bin"], options=LoaderOptions(shuffle=True))
+        AsyncS3MapDataset(options=LoaderOptions(shuffle=True))
 
 
 @pytest.mark.parametrize(

@@ -111,5 +111,5 @@ def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch
     for build in (lambda: AsyncS3Dataset.from_keys("b", ["k"], config=config, store="obstore"),
                   lambda: AsyncS3Dataset.from_prefix("s3://bkt/p/", config=config, store="obstore")):
         with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
-                                              r"pip install 's3stream-loader\[fast\]'"):
+                                              r"pip install 's3stream-loader\[obstore\]'"):
             build()

@@ -26,9 +26,9 @@ from loader.retry import RetryPolicy
 from loader.s3 import signing
 from loader.s3.addressing import bucket_address
 from loader.s3.aioboto3_store import _Keys
-from loader.s3.direct import SignedGetter
-from loader.s3.http_client import HttpLister
+from loader.s3.http_lister import HttpLister
 from loader.s3.list_xml import list_query
+from loader.s3.signed_get import SignedGetter
 from loader.s3.signing import canonical_query, host_header, sign_v4, signing_key
 
 texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
@@ -88,7 +88,7 @@ def assert_signed_like_botocore(url: str, sent: dict[str, str], botocore: dict[s
 @given(endpoint=endpoints, style=styles, bucket=buckets, key=keys, byte_range=ranges, if_match=etags,
        if_none_match=etags, access=st.sampled_from(["AKIDEXAMPLE", "minioadmin"]), secret=secrets,
        token=tokens, region=regions, when=instants)
-def test_the_aiohttp_transport_signs_object_gets_as_botocore_does(
+def test_the_signed_get_transport_signs_object_gets_as_botocore_does(
         endpoint, style, bucket, key, byte_range, if_match, if_none_match, access, secret, token, region,
         when):
     config = _config(endpoint, style, region)
@@ -109,7 +109,7 @@ def test_the_aiohttp_transport_signs_object_gets_as_botocore_does(
 
 @given(endpoint=endpoints, style=styles, bucket=buckets, query=listings, secret=secrets, token=tokens,
        region=regions, when=instants)
-def test_the_aiohttp_transport_signs_listings_as_botocore_does(endpoint, style, bucket, query, secret, token,
+def test_the_signed_get_transport_signs_listings_as_botocore_does(endpoint, style, bucket, query, secret, token,
                                                                 region, when):
     config = _config(endpoint, style, region)
     getter = SignedGetter(config, None, max_connections=1, retry=RetryPolicy())
@@ -121,7 +121,7 @@ def test_the_aiohttp_transport_signs_listings_as_botocore_does(endpoint, style, 
 
 @given(endpoint=endpoints, style=styles, bucket=buckets, key=st.one_of(st.none(), keys), query=listings,
        byte_range=ranges, secret=secrets, token=tokens, region=regions, when=instants)
-def test_the_http_client_transport_signs_as_botocore_does(endpoint, style, bucket, key, query, byte_range,
+def test_the_http_lister_transport_signs_as_botocore_does(endpoint, style, bucket, key, query, byte_range,
                                                           secret, token, region, when):
     config = _config(endpoint, style, region, access_key_id="AK", secret_access_key=secret,
                      session_token=token)

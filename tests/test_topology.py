@@ -240,3 +240,16 @@ def test_a_fork_hands_the_forking_process_its_own_cell():
     topology._epochs.run_before_fork()  # what runs before every fork
     rank_copy.value = 6
     assert (launcher.value, rank_copy.value, rank_copy._owner) == (0, 6, os.getpid())
+
+
+def test_no_module_reads_another_librarys_frames():
+    """What the loader learns of torch comes through its public API: no module reads a caller's
+    frame (``sys._getframe``, ``inspect.currentframe``), whose locals change without notice."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(topology.__file__).parent
+    reading = re.compile(r"\b_getframe\b|\bcurrentframe\b|\bf_locals\b|\bf_back\b")
+    found = [f"{path.relative_to(package)}:{number}" for path in sorted(package.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if reading.search(line)]
+    assert found == []

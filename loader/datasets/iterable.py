@@ -36,7 +36,7 @@ from . import partition
 from .groups import Limits, Reading, Split, Store, flat_options
 from .object_samples import LabelFrom, OnError, SampleIndex, Skipped, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, Transform, budget_options
+from .options import LoaderOptions, Transform, budget_options, warn_direct_construction
 from .protocol import Progress, Slot, Source
 from .shard_source import ShardSource
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
@@ -77,8 +77,8 @@ class AsyncS3Dataset(IterableDataset):
     ``s * B * W`` samples whatever the number of ranks and workers, and ``resume(epoch=,
     samples_seen=)`` continues on any topology. It is given here, not learned from the
     DataLoader: the main process needs it (``len()``, ``samples_seen()``, ``resume()``) before
-    any batch, and a DataLoader never tells its dataset its batch size; workers see it only at
-    their first batch, where a different one is refused with a ConfigError.
+    any batch, and a DataLoader never tells its dataset its batch size, so it is not checked:
+    give the DataLoader the same one, or ``samples_seen()`` counts the wrong samples.
     """
 
     def __init__(
@@ -98,9 +98,10 @@ class AsyncS3Dataset(IterableDataset):
         super().__init__()
         self.options = options or LoaderOptions()
         if source is None:
-            source = _source_from(self.options, bucket=bucket, keys=keys, prefix=prefix, shards=shards,
-                                  shard_options=shard_options, group=group, label_from=label_from,
-                                  labels=labels)
+            warn_direct_construction("AsyncS3Dataset", "keys=|prefix=|shards=", shards=True)
+            source = source_from_keywords(self.options, bucket=bucket, keys=keys, prefix=prefix,
+                                          shards=shards, shard_options=shard_options, group=group,
+                                          label_from=label_from, labels=labels)
         self.source: Source = source
         self._epoch = topology.SharedEpoch(0)  # workers follow it, however they were started
         self._launch: topology.Launch | None = None  # the world of the process that pickled it
@@ -170,7 +171,7 @@ class AsyncS3Dataset(IterableDataset):
                       store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
                       **deprecated: Any) -> AsyncS3Dataset:
         """Keys from a file: plain text (a key or ``s3://`` URI per line), or CSV / JSON lines
-        with a ``key`` column and optionally a ``label`` column (see ``sources.read_manifest``);
+        with a ``key`` column and optionally a ``label`` column (see ``inputs.read_manifest``);
         or a listing snapshot (``loader ls --save``), read without any LIST."""
         loader_options = LoaderOptions(**budget_options(flat_options(
             "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
@@ -386,7 +387,6 @@ class AsyncS3Dataset(IterableDataset):
         transforming = handing = 0.0  # seconds in transform, and outside between samples (stats.py)
         startup: float | None = None  # seconds to the first item: start-up, reported apart
         self._startup = [0.0, 0.0]
-        self._check_loader_batch_size()
         tagged = self.source.stream(self._slot(), progress, self._run)
         try:
             with contextlib.closing(tagged):  # stops the engine now, not when a traceback dies
@@ -414,18 +414,6 @@ class AsyncS3Dataset(IterableDataset):
         finally:
             self._split = [transforming, handing]
             self._publish(worker, samples, time.perf_counter() - started)
-
-    def _check_loader_batch_size(self) -> None:
-        """Blocks of ``batch_size=`` line up with the DataLoader's batches only when the two batch
-        sizes agree; otherwise resume would repeat and skip samples, so say it before the first one."""
-        dealt = self.options.batch_size
-        asked = topology.dataloader_batch_size(depth=3)
-        if dealt is not None and asked is not None and asked != dealt:
-            raise ConfigError(
-                f"the dataset deals the epoch in blocks of batch_size={dealt}, but the DataLoader "
-                f"asks for batches of {asked}: give both the same batch size (DataLoader(ds, "
-                f"batch_size={dealt}) or the dataset's batch_size={asked}), or samples_seen() and "
-                "resume() would count the wrong samples")
 
     def _skip(self, url: str, key: str | None, reason: str) -> None:
         """Count a sample that ``on_error`` skips, and say so as it asks."""
@@ -672,15 +660,20 @@ _open_iterations: LiveObjects[Generator[Any, None, None]] = LiveObjects(
     in_child=lambda iteration: None, at_exit=_close_iteration)
 
 
-def _source_from(options: LoaderOptions, *, bucket: str | None, keys: Iterable[str] | None,
-                 prefix: str | None, shards: str | Iterable[str] | None,
-                 shard_options: ShardOptions | None, group: bool, label_from: LabelFrom | None,
-                 labels: Iterable[int | str | None] | None) -> Source:
-    """The source that ``AsyncS3Dataset(keys=|prefix=|shards=, ...)`` describes."""
+def source_from_keywords(options: LoaderOptions, *, bucket: str | None = None,
+                         keys: Iterable[str] | None = None, prefix: str | None = None,
+                         shards: str | Iterable[str] | None = None,
+                         shard_options: ShardOptions | None = None, group: bool = True,
+                         label_from: LabelFrom | None = None,
+                         labels: Iterable[int | str | None] | None = None,
+                         objects_only: bool = False) -> Source:
+    """The source that the deprecated ``AsyncS3Dataset(keys=|prefix=|shards=, ...)`` (or, with
+    ``objects_only``, ``AsyncS3MapDataset(keys=|prefix=, ...)``) describes."""
     given = [name for name, value in (("keys", keys), ("prefix", prefix), ("shards", shards))
              if value is not None]
-    if len(given) != 1:
-        raise ConfigError(f"give exactly one of keys=, prefix= or shards= (got {given or 'none'})")
+    if len(given) != 1 or (objects_only and shards is not None):
+        names = "keys= or prefix=" if objects_only else "keys=, prefix= or shards="
+        raise ConfigError(f"give exactly one of {names} (got {given or 'none'})")
     if shards is not None:
         return ShardSource(shards, options, shard_options=shard_options)
     if bucket is None:

@@ -34,14 +34,14 @@ from ..errors import ConfigError, NoSuchKeyError, SampleError
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.keylist import KeyList
-from ..listing.snapshots import Snapshot, is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
+from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
 from ..uri import parse_s3_uri
 from .groups import Limits, Store, flat_options
 from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, Transform
+from .options import LoaderOptions, Transform, warn_direct_construction
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +69,22 @@ class AsyncS3MapDataset(Dataset):
     nor is ``Limits(memory=)``, as there is no queue.
     """
 
-    def __init__(
-        self,
-        *,
-        bucket: str,
-        keys: Iterable[str] | None = None,
-        prefix: str | None = None,
-        options: LoaderOptions | None = None,
-        group: bool = True,
-        label_from: LabelFrom | None = None,
-        labels: Iterable[int | str | None] | None = None,
-        snapshot: Snapshot | None = None,
-    ) -> None:
+    def __init__(self, source: ObjectSource | None = None, *, options: LoaderOptions | None = None,
+                 **deprecated: Any) -> None:
+        """``source`` and ``options`` come from a constructor; ``deprecated``: the keywords that
+        described a source (``bucket=``, ``keys=`` or ``prefix=``, ``group=``, ``label_from=``,
+        ``labels=``), which still work for one release, with a warning."""
         super().__init__()
-        if (keys is None) == (prefix is None):
-            raise ConfigError("give exactly one of keys= or prefix=")
         self.options = options or LoaderOptions()
         _reject_defaults_changed(self.options)
-        self.source = ObjectSource(bucket, self.options, keys=keys, prefix=prefix, group=group,
-                                   label_from=label_from, labels=labels, snapshot=snapshot)
+        if source is None:
+            warn_direct_construction("AsyncS3MapDataset", "keys=|prefix=", shards=False)
+            from .iterable import source_from_keywords
+
+            described = source_from_keywords(self.options, objects_only=True, **deprecated)
+            assert isinstance(described, ObjectSource)  # objects_only: never shards
+            source = described
+        self.source = source
         self._client: _Client | None = None
         self._closer: weakref.finalize | None = None
         self._lock = threading.Lock()
@@ -104,8 +101,8 @@ class AsyncS3MapDataset(Dataset):
         objects left out; ``snapshot=``: see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
         options = _options(transform, on_error, limits, store, config, deprecated)
-        return cls(bucket=bucket, prefix=prefix, options=options, group=group,
-                   label_from=label_from, snapshot=snapshot_option(snapshot))
+        return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
+                                snapshot=snapshot_option(snapshot)), options=options)
 
     @classmethod
     def from_keys(cls, bucket: str, keys: Iterable[str], *, group: bool = True,
@@ -118,7 +115,8 @@ class AsyncS3MapDataset(Dataset):
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
         options = _options(transform, on_error, limits, store, config, deprecated)
-        return cls(bucket=bucket, keys=keys, options=options, group=group, label_from=label_from)
+        return cls(ObjectSource(bucket, options, keys=keys, group=group, label_from=label_from),
+                   options=options)
 
     @classmethod
     def from_manifest(cls, path: str, bucket: str | None = None, *, group: bool = True,
@@ -127,15 +125,15 @@ class AsyncS3MapDataset(Dataset):
                       store: str | StoreFactory | Store | None = None, config: S3Config | None = None,
                       **deprecated: Any) -> AsyncS3MapDataset:
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
-        ``sources.read_manifest``), or a listing snapshot (read without any LIST)."""
+        ``inputs.read_manifest``), or a listing snapshot (read without any LIST)."""
         options = _options(transform, on_error, limits, store, config, deprecated)
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
-            return cls(bucket=bucket, prefix=prefix, options=options, group=group,
-                       label_from=label_from, snapshot=saved_snapshot(path))
+            return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
+                                    snapshot=saved_snapshot(path)), options=options)
         manifest = read_manifest(path, bucket)
-        return cls(bucket=manifest.bucket, keys=manifest.keys, options=options,
-                   group=group, label_from=label_from, labels=manifest.labels)
+        return cls(ObjectSource(manifest.bucket, options, keys=manifest.keys, group=group,
+                                label_from=label_from, labels=manifest.labels), options=options)
 
     # ----------------------------------------------------------------------- what is read
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -41,9 +42,8 @@ MIN_MEMORY_BUDGET = MIN_MEMORY
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderOptions:
     """Everything about *how* to load, shared by both modes, as one flat record; validated at
-    construction. The entry points build it from their keywords and groups (``Limits``,
-    ``Split``, ``Store``: see ``groups``); its fields keep the flat names of earlier releases,
-    which those entry points still accept, with a DeprecationWarning, for one release.
+    construction. Internal: the constructors build it from their keywords and groups
+    (``Limits``, ``Split``, ``Store``: see ``groups``), and a dataset keeps it as ``options``.
 
     - ``shuffle``, ``seed``: a new order per epoch from ``(seed, epoch)``, the same on every rank
       (no seed: the fixed default 0, so ranks still agree).
@@ -205,6 +205,18 @@ class LoaderOptions:
     def _spec(self) -> StoreSpec:
         """``store=`` and ``config=`` as ``__post_init__`` resolved them."""
         return StoreSpec.of(self.store, self.config)
+
+
+def warn_direct_construction(name: str, sources: str, *, shards: bool) -> None:
+    """The one way to build a dataset is a constructor (``from_prefix``, ...); the keywords of
+    ``__init__`` that described a source still work for one release, with this warning."""
+    constructors = "from_keys(bucket, keys), from_prefix('s3://bucket/prefix/'), from_manifest(path)"
+    if shards:
+        constructors += ", from_shards(pattern) or from_parquet(files)"
+    warnings.warn(
+        f"{name}(bucket=, {sources}, options=LoaderOptions(...)) is deprecated and will be removed "
+        f"in the next release: build it with {name}.{constructors}, whose keywords and option groups "
+        "(Limits, Split, Store, Reading) replace LoaderOptions", DeprecationWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------ one memory budget

@@ -104,16 +104,6 @@ def resolve_files(specs: Sequence[str], *, factory: StoreFactory, retry: RetryPo
     return files
 
 
-def read_footers(files: Sequence[ParquetRef], factory: StoreFactory, retry: RetryPolicy) -> list[Footer]:
-    """Every file's footer, ``FOOTERS_INFLIGHT`` ranged GETs at a time, on a short-lived loop;
-    the first file whose footer does not read raises its ``ParquetFormatError``."""
-    footers = read_footers_or_errors(files, factory, retry)
-    for footer in footers:
-        if isinstance(footer, ParquetFormatError):
-            raise footer
-    return [footer for footer in footers if isinstance(footer, Footer)]
-
-
 def read_footers_or_errors(files: Sequence[ParquetRef], factory: StoreFactory,
                            retry: RetryPolicy) -> list[Footer | ParquetFormatError]:
     """Every file's footer, or the ``ParquetFormatError`` that says why it does not read (a

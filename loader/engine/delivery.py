@@ -286,7 +286,7 @@ class Scheduled(DeliveryPolicy):
 
 
 def delivery_for(core: Core, schedule: Iterable[int] | None) -> DeliveryPolicy:
-    """The policy of ``core.limits.delivery``."""
+    """The policy of ``EngineLimits.delivery``."""
     mode = core.limits.delivery
     if mode == "scheduled":
         assert schedule is not None  # FetchEngine checks it

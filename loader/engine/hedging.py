@@ -129,7 +129,7 @@ class HedgedStore(ReadWrapper):
     (the engine's ``max_inflight``), taking the next place that frees up ahead of the engine's
     next read; the reads of jobs already started are not held back, so while hedges are out the
     count may pass ``max_requests`` by at most their number (the hedging budget bounds it). No
-    hedge goes while ``inner.congested(bucket)`` says so (a ``ThrottledStore`` below).
+    hedge goes while the ``ThrottledStore.congested(bucket)`` below says so.
     Counts its own engine's share (``hedged``, ``hedges_won``) for ``stats()``."""
 
     def __init__(self, inner: ObjectStore, endpoint: str | None = None, *,

@@ -217,7 +217,7 @@ def shard_job(
     of the shard from its start (uncompressed shards only: a compressed one has no offsets).
 
     ``expect``: the shard's sample count as the dataset was told it. Every request is then
-    pinned to ``shard.etag`` (the counted version), and a slot that reads to the shard's end
+    pinned to ``ShardRef.etag`` (the counted version), and a slot that reads to the shard's end
     checks the count: another count is an error naming the shard, never a silent difference.
     """
     if offsets is not None and assignment.ranges and shard.compression is None:

@@ -2,7 +2,7 @@
 
 ``loader ls --save PATH s3://b/p/`` and ``from_prefix(uri, snapshot=PATH)`` write one;
 ``from_manifest(PATH)`` and ``from_prefix(uri, snapshot=PATH)`` read it back. The file is the
-``stores.keyfile`` format (keys, sizes, ETags, the bucket and prefix it came from), mapped, not
+``listing.keyfile`` format (keys, sizes, ETags, the bucket and prefix it came from), mapped, not
 loaded. A dataset reading a snapshot asks each GET for the version the snapshot recorded
 (``If-Match``), so an object replaced since is an error naming it, and one deleted since is a
 ``NoSuchKeyError`` (or skipped with ``on_error``): never other bytes under the old name.

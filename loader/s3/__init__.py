@@ -1,6 +1,6 @@
 """S3 access: the ``ObjectStore`` protocol (``protocol``), the one mapping of S3 error answers
-(``error_answers``), credentials, one module per transport (``aioboto3_store``, ``direct``,
-``http_client``, ``obstore_store``), and the backends opened by name here."""
+(``error_answers``), credentials, one module per transport (``aioboto3_store``, ``signed_get``,
+``http_lister``, ``obstore_store``), and the backends opened by name here."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ async def open_listing_store(
     """A store to list prefixes with in the process that builds a dataset, whichever backend
     reads the data: ``HttpLister`` (the standard library's HTTP client: nothing to import, nothing
     that a later fork breaks) where it serves, else the aioboto3 backend."""
-    from .http_client import HttpLister, usable
+    from .http_lister import HttpLister, usable
 
     if usable(config):
         return HttpLister(config, max_connections=max_connections, retry=retry)
@@ -92,7 +92,7 @@ class ListingOpener:
 
     def send_first_page(self, bucket: str, prefix: str, page_size: int) -> None:
         """Where ``HttpLister`` serves, make it and send the first page's request now."""
-        from .http_client import HttpLister, usable
+        from .http_lister import HttpLister, usable
 
         if usable(self.config):
             lister = HttpLister(self.config, max_connections=self.max_connections, retry=self.retry)
@@ -223,4 +223,4 @@ def _obstore_backend() -> Any:
 
 
 def _obstore_missing() -> ConfigError:
-    return ConfigError(f"store='obstore' needs the optional extra: {install_hint('fast')}")
+    return ConfigError(f"store='obstore' needs the optional extra: {install_hint('obstore')}")

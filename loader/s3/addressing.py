@@ -1,7 +1,7 @@
 """Where a bucket's requests go, as botocore sends them: the origin (scheme, host, port), the path
 before the key, and the ``Host`` header that SigV4 signs; and whether a proxy carries them.
 
-Pure functions, shared by the two transports that skip botocore (``direct``, ``http_client``):
+Pure functions, shared by the two transports that skip botocore (``signed_get``, ``http_lister``):
 AWS's regional endpoints (``https://<bucket>.s3.<region>.amazonaws.com``), custom endpoints
 path-style or virtual-hosted (``<bucket>.<host>``), and path-style wherever a bucket's name is
 not a DNS label (botocore's rule). What they do not serve (S3 Express directory buckets, FIPS or

@@ -1,7 +1,7 @@
 """The default ``ObjectStore``: aioboto3 (botocore over aiohttp), with a direct transport.
 
 One client per engine, made inside its loop (on first use), pool sized to its concurrency. GETs
-and listings skip botocore's request pipeline (``direct``) for every endpoint; what that path
+and listings skip botocore's request pipeline (``signed_get``) for every endpoint; what that path
 cannot serve (a region redirect, an S3 Express directory bucket) is named once and left to botocore;
 botocore's retries, checksums and parameter validation are off (``loader.retry`` retries, the
 rest costs CPU for nothing on reads). Errors are translated in ``_translate``, worded by
@@ -33,7 +33,6 @@ from ..uri import object_url
 from .addressing import NotServed
 from .answer_checks import Asked, asked_for, check_head, check_length
 from .credentials import credentials_error, no_credentials_found
-from .direct import SignedGetter
 from .error_answers import (
     broken_framing,
     certificate_rejected,
@@ -45,7 +44,7 @@ from .error_answers import (
     unreachable,
 )
 from .http1 import ConnectFailed, FramingBroken
-from .list_xml import next_token, not_a_listing
+from .list_xml import not_a_listing, paged
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -55,6 +54,7 @@ from .protocol import (
     normalize_etag,
     objects_of,
 )
+from .signed_get import SignedGetter
 
 _STREAM_ERRORS = (
     bce.ResponseStreamingError,
@@ -258,7 +258,7 @@ class Aioboto3Store:
     def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
         return objects_of(self.list_pages(bucket, prefix))
 
-    async def list_pages(
+    def list_pages(
         self,
         bucket: str,
         prefix: str = "",
@@ -270,27 +270,20 @@ class Aioboto3Store:
     ) -> AsyncGenerator[ListPage, None]:
         """``ListObjectsV2`` pages, resumed at ``token`` (S3's continuation token) or started
         after ``start_after``."""
-        seen: set[str] = set()  # tokens answered: one answered again would loop forever
-        while True:
+        async def fetch(token: str | None) -> ListPage:
             after = None if token else start_after
             try:
-                page = None
                 getter = self._direct(bucket)
                 if getter is not None:
                     try:
-                        page = await getter.list_page(bucket, prefix, token, delimiter, page_size,
-                                                      after)
+                        return await getter.list_page(bucket, prefix, token, delimiter, page_size, after)
                     except NotServed as exc:
                         self._leave_to_botocore(bucket, exc.reason)
-                if page is None:
-                    page = await self._botocore_page(bucket, prefix, token, delimiter, page_size,
-                                                     after)
+                return await self._botocore_page(bucket, prefix, token, delimiter, page_size, after)
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
-            yield page
-            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
-            if token is None:
-                return
+
+        return paged(fetch, bucket=bucket, prefix=prefix, token=token)
 
     async def _botocore_page(
         self, bucket: str, prefix: str, token: str | None, delimiter: str | None, page_size: int,

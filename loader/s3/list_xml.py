@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from xml.etree import ElementTree
 
 from ..errors import BadAnswerError
@@ -156,3 +157,16 @@ def next_token(page: ListPage, seen: set[str], *, bucket: str, prefix: str,
                             f"{clean(page.token, 60)!r} was answered before: the listing would loop")
     seen.add(page.token)
     return page.token
+
+
+async def paged(fetch: Callable[[str | None], Awaitable[ListPage]], *, bucket: str, prefix: str,
+                token: str | None = None) -> AsyncGenerator[ListPage, None]:
+    """The paging loop of every ``list_pages``: ``fetch(token)`` page after page, from ``token``
+    on, until a page has no next token (one answered before is an error: ``next_token``)."""
+    seen: set[str] = set()
+    while True:
+        page = await fetch(token)
+        yield page
+        token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
+        if token is None:
+            return

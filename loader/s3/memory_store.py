@@ -65,7 +65,7 @@ import inspect
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,7 +81,8 @@ from ..errors import (
     TransientStoreError,
 )
 from .error_answers import error_for_answer
-from .protocol import DEFAULT_CHUNK_SIZE, ListPage, ObjectInfo, Pin
+from .list_xml import paged
+from .protocol import DEFAULT_CHUNK_SIZE, ListPage, ObjectInfo, Pin, objects_of
 
 __all__ = ["MemoryStore", "MultipartUpload"]
 
@@ -186,21 +187,10 @@ class MemoryStore:
 
     # ------------------------------------------------------------------------- the protocol
 
-    async def list(self, bucket: str, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        after: str | None = None
-        while True:
-            self._check_open()
-            self.list_requests += 1
-            await self._respond(prefix, self.list_fail)
-            self._check_bucket(bucket)
-            page, truncated = self._page(bucket, prefix, after)
-            for info in page:
-                yield info
-            if not truncated:
-                return
-            after = page[-1].key
+    def list(self, bucket: str, prefix: str = "") -> AsyncGenerator[ObjectInfo, None]:
+        return objects_of(self.list_pages(bucket, prefix, page_size=self.page_size))
 
-    async def list_pages(
+    def list_pages(
         self,
         bucket: str,
         prefix: str = "",
@@ -209,15 +199,13 @@ class MemoryStore:
         start_after: str | None = None,
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
-    ) -> AsyncIterator[ListPage]:
+    ) -> AsyncGenerator[ListPage, None]:
         """``PagedLister``: pages of at most ``min(page_size, self.page_size)`` entries; the
         token is the last key the page covered, so a resumed listing starts after it.
         ``start_after`` is S3's ``StartAfter`` (used without a token); with
         ``order="directories"`` it skips the keys under ``start_after + "/"``, as SeaweedFS does."""
-        after: tuple[str, bool] | None = None if token is None else (token, False)
-        if after is None and start_after is not None:
-            after = (start_after, True)
-        while True:
+        async def fetch(token: str | None) -> ListPage:
+            after = (token, False) if token is not None else None if start_after is None else (start_after, True)
             self._check_open()
             self.list_requests += 1
             self.list_inflight += 1
@@ -225,14 +213,11 @@ class MemoryStore:
             try:
                 await self._respond(prefix, self.list_fail)
                 self._check_bucket(bucket)
-                page = self._delimited_page(bucket, prefix, after, delimiter,
-                                            min(page_size, self.page_size))
+                return self._delimited_page(bucket, prefix, after, delimiter, min(page_size, self.page_size))
             finally:
                 self.list_inflight -= 1
-            yield page
-            if page.token is None:
-                return
-            after = (page.token, False)
+
+        return paged(fetch, bucket=bucket, prefix=prefix, token=token)
 
     def etag_of(self, bucket: str, key: str) -> str | None:
         """The object's current ETag (the md5 of its bytes, unquoted), None without ETags."""
@@ -458,18 +443,6 @@ class MemoryStore:
                                        endpoint="MemoryStore")
             pin.observe(etag, bucket, key)
         return data
-
-    def _page(self, bucket: str, prefix: str, after: str | None) -> tuple[builtins.list[ObjectInfo], bool]:
-        """One page of keys after ``after`` (like a continuation token), and whether more follow."""
-        keys = sorted(
-            key
-            for b, key in self.objects
-            if b == bucket and key.startswith(prefix) and (after is None or key > after)
-        )
-        page = [ObjectInfo(key, len(self.objects[bucket, key]), self.etag_of(bucket, key))
-                for key in keys[: self.page_size]]
-        return page, len(keys) > self.page_size
-
 
     def _delimited_page(
         self, bucket: str, prefix: str, after: tuple[str, bool] | None, delimiter: str | None,

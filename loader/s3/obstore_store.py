@@ -1,8 +1,8 @@
-"""The fast ``ObjectStore``: obstore (Rust ``object_store`` over reqwest/hyper, signing in Rust).
+"""The native ``ObjectStore``: obstore (Rust ``object_store`` over reqwest/hyper, signing in Rust).
 
 Why: botocore builds, signs and parses every request in Python; obstore does it natively and
 hands Python one buffer per response, for a fraction of the client CPU per GET. Choose it with
-``store="obstore"`` (extra ``fast``). ``S3Config`` is its only source of settings (never the
+``store="obstore"`` (extra ``obstore``). ``S3Config`` is its only source of settings (never the
 ``AWS_*`` environment obstore would read), its own retries are off (``loader.retry`` retries),
 and it does not survive ``fork``: ``open()`` refuses in a child forked after a request.
 How each part is wired, and why: docs/design/obstore.md.

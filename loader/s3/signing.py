@@ -1,8 +1,8 @@
 """SigV4 for S3 requests without a body, signed exactly as botocore's ``S3SigV4Auth`` signs them.
 
-The two transports that skip botocore (``direct``, ``http_client``) sign here. Hand-written
+The two transports that skip botocore (``signed_get``, ``http_lister``) sign here. Hand-written
 because botocore's signer builds an ``AWSRequest``, an ``HTTPHeaders`` and a ``urlsplit`` per
-request, about ten times the CPU of this function, and ``http_client`` must not import botocore
+request, about ten times the CPU of this function, and ``http_lister`` must not import botocore
 at all (a listing before the first sample; docs/design/listing.md).
 
 Every header the request sends is signed (botocore signs every header but ``expect``,
@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import urllib.parse
 from collections.abc import Mapping
+from typing import Any
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 UNSIGNED_HEADERS = frozenset({"expect", "transfer-encoding", "user-agent", "x-amzn-trace-id"})
@@ -87,3 +88,19 @@ def sign_v4(method: str, host: str, path: str, query: Mapping[str, str], *, acce
     sent["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, "
                              f"SignedHeaders={signed}, Signature={signature}")
     return sent
+
+
+def signed_get_request(host: str, path: str, query: Mapping[str, str] | None, byte_range: str | None, *,
+               credentials: Any, region: str, when: datetime.datetime,
+               headers: Mapping[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """The request target (``path`` and the query, encoded once, sorted, as SigV4 signs it) and
+    the headers of one GET, every header signed, ``Range`` and ``headers`` too: the one GET that
+    both transports skipping botocore send. ``credentials``: ``.access_key``, ``.secret_key``,
+    ``.token`` (botocore's frozen credentials)."""
+    extra = dict(headers or {})
+    if byte_range:
+        extra["range"] = byte_range
+    signed = sign_v4("GET", host, path, query or {}, access_key=credentials.access_key,
+                     secret_key=credentials.secret_key, token=credentials.token, region=region,
+                     when=when, headers=extra)
+    return (f"{path}?{canonical_query(query)}" if query else path), signed

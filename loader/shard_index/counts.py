@@ -144,7 +144,7 @@ def probe_unlisted(shards: Sequence[ShardRef], counts: Counts, factory: StoreFac
 
     Returns the shards overwritten since the index counted them, with the indexed ETag (the
     caller stops every rank before its first sample, not when it reaches that shard hours later);
-    shards that do not exist go to ``counts.missing`` (a misspelled range is not an unindexed
+    shards that do not exist go to ``Counts.missing`` (a misspelled range is not an unindexed
     shard). A listed shard needs no probe: its listing's ETag was compared already."""
     unlisted = [shard for shard in shards if shard.size is None and shard.etag is None]
     changed: list[tuple[ShardRef, str | None]] = []

@@ -104,10 +104,3 @@ def put_all(config: S3Config, objects: dict[str, bytes], bucket: str, concurrenc
             await store.aclose()
 
     run_async(run)
-
-
-def upload_examples(config: S3Config, bucket: str = EXAMPLES_BUCKET) -> int:
-    """PUT ``example_data()`` into ``bucket`` (which exists); the number of objects."""
-    items = example_data()
-    put_all(config, items, bucket)
-    return len(items)

@@ -1,7 +1,7 @@
 """``loader ls``: what is under a prefix (count, total size, size histogram), how to read it
 (objects, tar shards, Parquet files with their row counts) and whether to shard it.
 
-The listing is I/O (one paged LIST through the project's store, ``sources.list_prefix``); the
+The listing is I/O (one paged LIST through the project's store, ``inputs.list_prefix``); the
 summary and the text histogram are pure functions of the sizes, tested without a server.
 """
 
@@ -231,7 +231,7 @@ def parquet_rows(uri: str, objects: Sequence[ObjectInfo], *, config: S3Config | 
 def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None,
              save: str | None = None) -> list[ObjectInfo]:
     """Every object under ``uri`` (sorted; an empty prefix is an ``EmptyDatasetError``);
-    ``save``: also write it as a listing snapshot to that path (``datasets.snapshots``)."""
+    ``save``: also write it as a listing snapshot to that path (``listing.snapshots``)."""
     retry = RetryPolicy()
     factory = StoreSpec.of(store, config).opener(max_connections=4, retry=retry)
     snapshot = snapshot_option(save, "--save ")  # checked before listing: a bad path fails now

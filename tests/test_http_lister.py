@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loader import S3Config
-from loader.s3.http_client import HttpLister, usable
+from loader.s3.http_lister import HttpLister, usable
 
 
 def test_it_serves_every_endpoint_and_names_what_it_cannot(monkeypatch):

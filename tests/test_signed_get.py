@@ -1,4 +1,4 @@
-"""Pure parts of ``loader.s3.direct``: request paths, TLS settings."""
+"""Pure parts of ``loader.s3.signed_get``: request paths, TLS settings."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from loader import S3Config
 from loader.s3.addressing import bucket_address
-from loader.s3.direct import ssl_setting
+from loader.s3.signed_get import ssl_setting
 
 CREDS = dict(access_key_id="AK", secret_access_key="SK")
 

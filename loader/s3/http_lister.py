@@ -45,7 +45,7 @@ from .error_answers import (
     unreachable,
 )
 from .http1 import CHUNK_SIZE_LINE, STATUS_LINE
-from .list_xml import list_query, next_token, parse_list_page
+from .list_xml import list_query, paged, parse_list_page
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -55,7 +55,7 @@ from .protocol import (
     Pin,
     objects_of,
 )
-from .signing import canonical_query, sign_v4
+from .signing import signed_get_request
 
 _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
 
@@ -234,26 +234,22 @@ class HttpLister:
                                                       retry=self._retry)
         return self._fallback
 
-    async def _own_pages(self, bucket: str, prefix: str, *, token: str | None,
-                         start_after: str | None, delimiter: str | None,
-                         page_size: int) -> AsyncGenerator[ListPage, None]:
+    def _own_pages(self, bucket: str, prefix: str, *, token: str | None, start_after: str | None,
+                   delimiter: str | None, page_size: int) -> AsyncGenerator[ListPage, None]:
         first, self._first = self._first, None
-        seen: set[str] = set()  # tokens answered: one answered again would loop forever
-        if first is not None and (token, start_after, delimiter) == (None, None, None) \
-                and first[0] == (bucket, prefix, page_size):
-            page = await asyncio.wrap_future(first[1])  # no worker thread to wait in; cancellable
-            yield page
-            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
-            if token is None:
-                return
-        while True:
+        if not ((token, start_after, delimiter) == (None, None, None) and first is not None
+                and first[0] == (bucket, prefix, page_size)):
+            first = None  # sent for another listing: not this one's first page
+
+        async def fetch(token: str | None) -> ListPage:
+            nonlocal first
+            if first is not None:
+                sent, first = first[1], None
+                return await asyncio.wrap_future(sent)  # no worker thread to wait in; cancellable
             query = list_query(prefix, page_size, token, start_after, delimiter)
-            page = await anyio.to_thread.run_sync(self._page, bucket, prefix, query,
-                                                  limiter=self._limiter)
-            yield page
-            token = next_token(page, seen, bucket=bucket, prefix=prefix, token=token)
-            if token is None:
-                return
+            return await anyio.to_thread.run_sync(self._page, bucket, prefix, query, limiter=self._limiter)
+
+        return paged(fetch, bucket=bucket, prefix=prefix, token=token)
 
     def _page(self, bucket: str, prefix: str, query: dict[str, str]) -> ListPage:
         """One page, in a worker thread."""
@@ -331,15 +327,9 @@ class HttpLister:
         ``Accept-Encoding`` that ``http.client`` would add unsigned (tests/test_signing.py holds
         this to botocore's signature)."""
         address = bucket_address(self._config, bucket)
-        path = (address.base + path) or "/"
-        extra = {"accept-encoding": "identity"}
-        if byte_range:
-            extra["range"] = byte_range
-        keys = self._keys()
-        headers = sign_v4("GET", address.host, path, query, access_key=keys.access_key,
-                          secret_key=keys.secret_key, token=keys.token,
-                          region=self._config.region, when=when, headers=extra)
-        return (f"{path}?{canonical_query(query)}" if query else path), headers
+        return signed_get_request(address.host, (address.base + path) or "/", query, byte_range,
+                          credentials=self._keys(), region=self._config.region, when=when,
+                          headers={"accept-encoding": "identity"})
 
     def _keys(self) -> Any:
         """Frozen credentials to sign with: the config's keys, else what botocore's chain finds

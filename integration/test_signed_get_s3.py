@@ -1,6 +1,6 @@
 """The aioboto3 backend's two read paths against the real server: they must not differ.
 
-GETs to path-style endpoints go through ``direct`` (SigV4 over aiohttp, no botocore request
+GETs to path-style endpoints go through ``signed_get`` (SigV4 over ``http1``, no botocore request
 pipeline); with ``direct_gets=False`` they go through botocore's ``get_object``, the path AWS's
 own endpoints take. boto3 (``s3_server.minio``) is the oracle for bytes; botocore's path is the
 oracle for errors, which must be the same type with the same message.
@@ -158,7 +158,7 @@ def through_proxy(s3_server):
 async def test_every_header_the_server_receives_is_signed_range_and_if_match_too(s3_server, objects):
     """Ranged, pinned and conditional GETs and a listing, as the server received them: every
     header is under the signature, which the server checked (it answered): no User-Agent either."""
-    from loader.s3.http_client import HttpLister
+    from loader.s3.http_lister import HttpLister
     from loader.s3.protocol import Pin
 
     bucket, items = objects

@@ -31,7 +31,7 @@ from .error_answers import answer_code, broken_framing, error_for_answer
 from .http1 import ConnectionPool, FramingBroken, Response
 from .list_xml import list_query, parse_list_page
 from .protocol import ListPage
-from .signing import canonical_query, sign_v4
+from .signing import signed_get_request
 
 _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
 
@@ -179,15 +179,9 @@ class SignedGetter:
         (``Range`` and the conditions too); tests/test_signing.py holds this to botocore's
         signature."""
         address = self._addresses.get(bucket) or self._address(bucket)[0]
-        path = address.path(key)  # the bucket itself (a listing): no trailing slash, as botocore sends it
-        extra = dict(conditions) if conditions else {}
-        if byte_range:
-            extra["Range"] = byte_range
-        headers = sign_v4("GET", address.host, path, query or {},
-                          access_key=credentials.access_key, secret_key=credentials.secret_key,
-                          token=credentials.token, region=self._region, when=when, headers=extra)
-        # the query is encoded once, sorted, exactly as SigV4 signs it
-        return (f"{path}?{canonical_query(query)}" if query else path), headers
+        # the bucket itself (a listing): no trailing slash, as botocore sends it
+        return signed_get_request(address.host, address.path(key), query, byte_range, credentials=credentials,
+                          region=self._region, when=when, headers=conditions)
 
     async def _send(
         self, bucket: str, key: str, byte_range: str | None, query: dict[str, str] | None = None,
