@@ -16,12 +16,11 @@ import time
 import warnings
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from multiprocessing.context import get_spawning_popen
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset
 
 from .. import topology
-from ..cache.store import CacheStats
 from ..config import S3Config
 from ..engine.fetch import AnyJob, EngineLimits, FetchEngine
 from ..errors import ConfigError, SampleError
@@ -38,8 +37,10 @@ from .object_samples import LabelFrom, OnError, SampleIndex, Skipped, skippable
 from .object_source import ObjectSource
 from .options import LoaderOptions, Transform, budget_options, warn_direct_construction
 from .protocol import Progress, Slot, Source
-from .shard_source import ShardSource
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
+
+if TYPE_CHECKING:  # the disk cache and the shard source are imported where they are used, so
+    from ..cache.store import CacheStats  # a per-object dataset starts without either
 
 log = logging.getLogger(__name__)
 stats_log = logging.getLogger("loader.stats")
@@ -217,6 +218,8 @@ class AsyncS3Dataset(IterableDataset):
         names = {field.name for field in dataclasses.fields(ShardOptions)}
         shard_options = ShardOptions(**{k: rest.pop(k) for k in list(rest) if k in names})
         loader_options = LoaderOptions(**rest)
+        from .shard_source import ShardSource
+
         return cls(ShardSource(shards, loader_options, shard_options=shard_options,
                                sample_counts=sample_counts),
                    options=loader_options)
@@ -675,6 +678,8 @@ def source_from_keywords(options: LoaderOptions, *, bucket: str | None = None,
         names = "keys= or prefix=" if objects_only else "keys=, prefix= or shards="
         raise ConfigError(f"give exactly one of {names} (got {given or 'none'})")
     if shards is not None:
+        from .shard_source import ShardSource
+
         return ShardSource(shards, options, shard_options=shard_options)
     if bucket is None:
         raise ConfigError(f"{given[0]}= needs bucket= (or use from_prefix('s3://bucket/...'), "

@@ -8,11 +8,10 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import topology
 from ..cache.options import DEFAULT_VALIDATE, check_cache_options
-from ..cache.store import CacheStats, open_cached_store
 from ..checks import check_int
 from ..config import S3Config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
@@ -33,6 +32,9 @@ from ..s3.recording import RequestRecorder
 from . import partition
 from .groups import MIN_MEMORY
 from .object_samples import ON_ERROR, OnError
+
+if TYPE_CHECKING:
+    from ..cache.store import CacheStats
 
 Transform = Callable[[dict[str, Any]], Any]
 Mode = Literal["objects", "shards"]
@@ -189,6 +191,8 @@ class LoaderOptions:
         if self.cache_dir is None or not cached:
             return factory
         assert self.cache_limit is not None  # __post_init__ gave the default
+        from ..cache.store import open_cached_store  # only where a cache is asked for
+
         return functools.partial(open_cached_store, factory, self.cache_dir, self.cache_limit,
                                  spec.identity, validate=self.cache_validate,
                                  on_close=on_cache_close, versions=versions)

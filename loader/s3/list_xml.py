@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from xml.etree import ElementTree
 
 from ..errors import BadAnswerError
 from .error_answers import clean
@@ -114,6 +113,8 @@ def _parse_list_page(body: bytes) -> ListPage:
     an XML page explodes or renames keys)."""
     if b"<!DOCTYPE" in body or b"<!ENTITY" in body:
         raise NotAListing("an XML document with a DTD")
+    from xml.etree import ElementTree  # here: the plain pages most servers send never need it
+
     try:
         root = ElementTree.fromstring(body)
     except ElementTree.ParseError as exc:
