@@ -106,9 +106,10 @@ def diagnose(stats: FeedStats) -> str:
     if per_decode >= per_fetch:
         advice = ("the decode is the limit "
                   f"({per_decode * 1000:.1f} ms a batch against {per_fetch * 1000:.1f} ms waiting for "
-                  "the DataLoader): " + ("the GPU's JPEG decoder runs at the rate above; smaller "
-                                        "stored images (resized before upload) or a share of the "
-                                        "batch decoded by DataLoader workers help"
+                  "the DataLoader): " + ("the GPU's JPEG decoder runs at the rate above beside the "
+                                        "step, which shares the GPU and this process with it; "
+                                        "images stored near the training size (resized before "
+                                        "upload) cost it less"
                                         if stats.device.startswith("cuda") else
                                         "decode in DataLoader workers (transform=decode_sample) so "
                                         "that several cores share it, or on a GPU"))
