@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from loader.tools.devserver import DevServer
 
@@ -36,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 BUCKET = "tailbench"
-CONDITIONS = {
+CONDITIONS: dict[str, dict[str, Any]] = {
     "clean": {},
     "stragglers: 1 % of GETs 2 s late": {"straggle": 0.01, "straggle_seconds": 2.0},
     "throttle: bucket 300/s, connection kept": {"get_rate": 300.0, "slowdown_close": False},
@@ -103,6 +104,7 @@ def run_child(code_dir: Path, spec: dict, s3_env: dict[str, str], ranks: int = 1
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(dict(spec, keys=spec["keys"][rank::ranks])))
         proc.stdin.close()
+        proc.stdin = None  # written and closed: communicate() only reads
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=600)
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                         proxy.set_plan(FaultPlan(seed=round_, **plan))
                         proxy.reset_counts()
                         ranks, workers = RANKS.get(condition, (1, 2))
-                        spec = {"bucket": BUCKET, "keys": keys, "seed": round_, "workers": workers,
+                        spec: dict[str, Any] = {"bucket": BUCKET, "keys": keys, "seed": round_, "workers": workers,
                                 "epochs": EPOCHS.get(condition, 1)}
                         out = run_child(tree, spec, s3_env, ranks)
                         counts = proxy.counts
