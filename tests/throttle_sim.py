@@ -119,6 +119,11 @@ class Result:
     def slowdown_share(self) -> float:
         return self.slowdowns / (self.slowdowns + sum(self.good))
 
+    def slowdown_share_after(self, seconds: int) -> float:
+        """The share once the job's first burst and its aftermath (the first ``seconds``) are past."""
+        later = self.per_second[seconds:]
+        return sum(b for _, b in later) / max(1, sum(g + b for g, b in later))
+
     def rise_found_after(self, share: float = 0.8) -> float | None:
         """Seconds from the limit's rise to the first second answered at ``share`` of the new
         limit (None: no rise, or not within the run)."""
@@ -259,14 +264,15 @@ SHAPES = {
 def row(name: str, r: Result) -> str:
     found = r.rise_found_after()
     return (f"| {r.job.processes} x {r.job.concurrency} | {name} | {r.total_rate:,.0f} | {r.of_limit:.2f}x | "
-            f"{r.slowest_vs_mean:.2f} | {r.slowdown_share:.1%} | {'-' if found is None else f'{found:.0f} s'} |")
+            f"{r.slowest_vs_mean:.2f} | {r.slowdown_share:.1%} | {r.slowdown_share_after(2):.1%} | "
+            f"{'-' if found is None else f'{found:.0f} s'} |")
 
 
 def table(jobs: tuple[Job, ...] = (Job(processes=8), Job(processes=64), Job(processes=512, concurrency=16)),
           seconds: float = 40.0) -> str:
     """The markdown table of docs/design/throttle.md, one row per job and shape of limit."""
     lines = ["| processes x in flight | limit | total GET/s | of the limit | slowest / mean | SlowDown | "
-             "rise found after |", "|---|---|--:|--:|--:|--:|--:|"]
+             "after 2 s | rise found after |", "|---|---|--:|--:|--:|--:|--:|--:|"]
     print("\n".join(lines), flush=True)
     for job in jobs:
         for name, prefix in SHAPES.items():
