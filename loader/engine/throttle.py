@@ -19,8 +19,7 @@ the same class for a job of many processes against a simulated prefix. The rules
 * **Wait out a full limit**: when most answers were SlowDown, a burst met a full limit (a sliding
   second refuses the rest of its second): the limit drops to what got through, and grows back
   fast (doubling every ``RECOVER_DOUBLING`` s) to ``known``, what was answered well over the last
-  second (at least ``TARGET_SHARE`` of the rate sent: a process that met a limit another had just
-  filled was answered nothing, which is not its share).
+  second.
 * **Probe** while the limit holds requests back (an unused limit would run away): it grows by
   ``GROWTH`` of itself per second (a limit that doubled is found within ``RISE_FOUND`` s), twice
   as fast for each ``RATE_WINDOW`` since the last cut (a rise, or processes that left, is found
@@ -216,14 +215,11 @@ class ThrottleControl:
             self.rate = max(MIN_RATE, BACKOFF * taken * sent)
             if not full:
                 self.known = self.rate
-            else:
-                # back fast, once the limit opens, to what was answered well over the last second,
-                # or TARGET_SHARE of the rate sent: a process that met a limit another one had
-                # just filled was answered nothing, which is not its share
+            else:  # back fast to what was answered well over the last second, once the limit opens
                 answered = self.answered
                 while answered and answered[0] < now - RATE_WINDOW:
                     answered.popleft()
-                self.known = max(self.rate, min(self.known, max(len(answered) / RATE_WINDOW, TARGET_SHARE * sent)))
+                self.known = max(self.rate, min(self.known, len(answered) / RATE_WINDOW))
             self.grown_at = self.started = self.cut_at = now
             self.sent = 0
             self.generation += 1
