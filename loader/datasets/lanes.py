@@ -1,12 +1,14 @@
 """The shuffled order of units read in runs (tar shards, Parquet row groups): pure functions.
 
-A shuffled epoch lays its units (in the epoch's permuted order) end to end and cuts them into
-*pieces*, runs of consecutive samples of one unit, dealt round robin to *lanes*, one lane per
-(rank, DataLoader worker) slot. A lane is read with ``open_count`` pieces open at once: each next
+A shuffled epoch lays its units end to end in stored order and cuts them into *pieces*, runs of
+consecutive samples of one unit, dealt round robin (each round in a random order) to *lanes*,
+one lane per (rank, DataLoader worker) slot: every lane holds a stratified share of the data.
+A lane is read with its pieces permuted, ``open_count`` of them open at once: each next
 sample comes from a uniformly drawn open piece, and a finished piece makes room for the lane's
-next one; a piece's own samples come in stored order, or permuted (a Parquet unit, which is
-decoded whole). So a slot fetches each piece with one read and never a sample of another
-slot's lane, while a batch draws on up to ``open_count`` runs spread over the data set.
+next one; a piece's own samples come in stored order, or, for a unit decoded whole (Parquet),
+the pieces are cut from a permutation of the unit's rows. So a slot fetches each piece with
+one read and never a sample of another slot's lane, while a batch draws on up to
+``open_count`` runs spread over the data set.
 
 Everything here is a function of the counts, the seed, the epoch and the lane count, so a
 resumed slot computes the same order and skips what it delivered (docs/design/shuffle.md).
@@ -42,10 +44,14 @@ class Piece(NamedTuple):
 
 
 def cut(counts: Sequence[int], order: Sequence[int], sizes: Sequence[int],
-        piece_size: Callable[[int], int]) -> list[list[Piece]]:
+        piece_size: Callable[[int], int], rng: random.Random | None = None) -> list[list[Piece]]:
     """Units laid end to end in ``order`` (from the start again where the lanes want more
     samples than there are: padding), cut into pieces of at most ``piece_size(unit)`` samples
-    dealt round robin to lanes of ``sizes`` samples each (a lane that is full is passed over)."""
+    dealt round robin to lanes of ``sizes`` samples each (a lane that is full is passed over);
+    with ``rng``, each round deals to the lanes in an order of its own.
+
+    Dealt in stored order, neighbouring pieces go to different lanes: every lane holds a
+    stratified share of the data set (of each label, where it is stored sorted by label)."""
     lanes: list[list[Piece]] = [[] for _ in sizes]
     units = [unit for unit in order if counts[unit] > 0]
     left = [check_int(f"sizes[{lane}]", size, minimum=0) for lane, size in enumerate(sizes)]
@@ -57,6 +63,8 @@ def cut(counts: Sequence[int], order: Sequence[int], sizes: Sequence[int],
     active = [lane for lane, size in enumerate(left) if size]
     while active:
         still = []
+        if rng is not None:
+            rng.shuffle(active)
         for lane in active:
             unit = units[place % len(units)]
             take = min(max(1, piece_size(unit)), counts[unit] - at, left[lane])
@@ -67,7 +75,7 @@ def cut(counts: Sequence[int], order: Sequence[int], sizes: Sequence[int],
                 place, at = place + 1, 0
             if left[lane]:
                 still.append(lane)
-        active = still
+        active = sorted(still)
     return lanes
 
 
@@ -89,21 +97,30 @@ def lane_seed(seed: int, epoch: int, lane: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def unit_rows(count: int, *, seed: int, epoch: int, unit: int) -> list[int]:
+    """A permutation of a unit's ``count`` samples for one epoch: a unit decoded whole (Parquet)
+    is cut into pieces of this order, so each piece is a random sample of the whole unit."""
+    digest = hashlib.blake2b(f"loader.lanes.unit:{epoch_seed(seed, epoch)}:{unit}".encode(), digest_size=8).digest()
+    rows = list(range(count))
+    random.Random(int.from_bytes(digest, "little")).shuffle(rows)
+    return rows
+
+
 def lane_order(pieces: Sequence[Piece], *, open_count: int, seed: int,
-               permuted: Callable[[int], bool] = lambda unit: False) -> LaneOrder:
-    """The reading order of a lane of ``pieces``: ``open_count`` open at once, each draw from a
-    uniformly chosen open one; a piece of a unit that ``permuted`` says yes to gives its samples
-    in a permuted order, the others in stored order."""
+               rows: Callable[[int], Sequence[int] | None] = lambda unit: None) -> LaneOrder:
+    """The reading order of a lane of ``pieces``: the pieces permuted, ``open_count`` open at
+    once, each draw from a uniformly chosen open one. A piece ``[start, stop)`` gives samples
+    ``start`` to ``stop - 1`` of its unit in stored order, or where ``rows(unit)`` is a
+    permutation of the unit, the samples ``rows(unit)[start:stop]``."""
     check_int("open_count", open_count, minimum=1)
     rng = random.Random(seed)
+    pieces = list(pieces)
+    rng.shuffle(pieces)
     within: list[Sequence[int]] = []
     for piece in pieces:
-        if permuted(piece.unit):
-            indices = list(range(piece.start, piece.stop))
-            rng.shuffle(indices)
-            within.append(indices)
-        else:
-            within.append(range(piece.start, piece.stop))
+        permutation = rows(piece.unit)
+        within.append(range(piece.start, piece.stop) if permutation is None
+                      else permutation[piece.start:piece.stop])
     out_piece, out_at = array.array("q"), array.array("q")
     opened: list[list[int]] = []  # [piece, samples drawn]
     following = 0
@@ -122,7 +139,7 @@ def lane_order(pieces: Sequence[Piece], *, open_count: int, seed: int,
         if drawn + 1 == len(within[number]):
             opened[slot] = opened[-1]
             opened.pop()
-    return LaneOrder(list(pieces), out_piece, out_at)
+    return LaneOrder(pieces, out_piece, out_at)
 
 
 def block_lane(position: int, batch_size: int, lanes: int) -> tuple[int, int]:

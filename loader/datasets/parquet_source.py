@@ -60,8 +60,10 @@ FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
 DEFAULT_UNIT_BYTES = 32 << 20
 SHUFFLED_UNIT_BYTES = 8 << 20
-"""Shuffled, units of row groups hold at most this many bytes: a lane mixes its open units, so
-more, smaller units mix a sorted file better (the Hub's 100-row image groups stay one each)."""
+SHUFFLED_UNITS = 256
+"""Shuffled, units of row groups hold at most ``SHUFFLED_UNIT_BYTES`` and a ``SHUFFLED_UNITS``-th
+of the rows (a row group is never cut): a lane mixes its open units, so more, smaller units mix a
+sorted file better (the Hub's 100-row image groups stay one each)."""
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +268,14 @@ class ParquetSource(ShardSource):
             raise_if_failed_before_fork(self)
             shared = self._files_and_footers()
             files, footers = unpack_footers(shared)
-            plans: list[RowGroupPlan] = []
+            groups: list[RowGroupPlan] = []
             for number, (ref, footer) in enumerate(zip(files, footers)):
                 meta = self._metas[number] = parse_footer(ref, footer)
-                plans.extend(coalesce([plan for plan in plan_row_groups(ref, number, meta, footer, self.columns)
-                                       if plan.rows], self._unit_bytes(), self._unit_need()))
+                groups.extend(plan for plan in plan_row_groups(ref, number, meta, footer, self.columns) if plan.rows)
+            # Shuffled, units hold at most 1/SHUFFLED_UNITS of the rows (row groups allowing):
+            # enough units for every lane to mix many, whatever the number of workers.
+            most_rows = max(1, sum(g.rows for g in groups) // SHUFFLED_UNITS) if self.options.shuffle else None
+            plans = coalesce(groups, self._unit_bytes(), self._unit_need(), max_rows=most_rows)
             if not plans:
                 raise EmptyDatasetError(f"{len(files)} Parquet file(s) under {self._specs[:2]} hold no rows")
             self._check_budget(files, plans)

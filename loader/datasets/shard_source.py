@@ -260,8 +260,10 @@ class ShardSource:
         blocks = slot.positions is not None
         if blocks:
             delivery: Delivery = "ordered"  # blocks in order: shards read ahead, delivered in turn
-        else:
-            delivery = "interleave" if self.options.ordered else "completed"
+        elif not self.options.ordered:
+            delivery = "completed"
+        else:  # unshuffled: the stored order, shard after shard (read ahead); shuffled: mixed
+            delivery = "interleave" if self.options.shuffle else "ordered"
         limits = self.limits(delivery)
         size = options.buffer_size if self.options.shuffle and not blocks else 0  # keeps blocks whole
         with contextlib.closing(progress.count_ends(run(jobs, limits))) as stream:
@@ -311,7 +313,6 @@ class ShardSource:
         counts = self.unit_counts()
         assert counts is not None
         total = sum(counts)
-        order = partition.epoch_order(len(counts), seed=slot.seed, epoch=slot.epoch, shuffle=True)
         workers = max(1, slot.num_workers)
         if slot.positions is None:  # each slot its own lane: rank lengths split over workers
             per_rank = partition.rank_length(total, slot.world_size, slot.policy)
@@ -326,8 +327,17 @@ class ShardSource:
             located = [lanes.block_lane(position, batch, count) for position in slot.positions]
             wanted = sorted({lane for lane, _ in located})
         most = self.piece_sizes(counts, -(-sum(sizes) // max(1, len(sizes))))
-        pieces = lanes.cut(counts, order, sizes, most.__getitem__)
-        orders = {lane: lanes.lane_order(pieces[lane], open_count=self.open_count(), permuted=self.permuted,
+        dealing = random.Random(partition.epoch_seed(slot.seed, slot.epoch))
+        pieces = lanes.cut(counts, range(len(counts)), sizes, most.__getitem__, dealing)
+        permutations: dict[int, list[int] | None] = {}
+
+        def rows(unit: int) -> list[int] | None:
+            if unit not in permutations:
+                permutations[unit] = (lanes.unit_rows(counts[unit], seed=slot.seed, epoch=slot.epoch, unit=unit)
+                                      if self.permuted(unit) else None)
+            return permutations[unit]
+
+        orders = {lane: lanes.lane_order(pieces[lane], open_count=self.open_count(), rows=rows,
                                          seed=lanes.lane_seed(slot.seed, slot.epoch, lane))
                   for lane in wanted}
         if slot.positions is None:

@@ -280,10 +280,11 @@ def plan_row_groups(ref: ParquetRef, file: int, meta: pq.FileMetaData, footer: F
     return plans
 
 
-def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = None) -> list[RowGroupPlan]:
+def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = None,
+             max_rows: int | None = None) -> list[RowGroupPlan]:
     """Consecutive row groups of one file joined into units of at most ``limit`` fetched bytes
-    that need at most ``max_need`` bytes to read (a row group larger than that stays alone): one
-    ranged GET reads several small row groups.
+    (and ``max_rows`` rows) that need at most ``max_need`` bytes to read (a row group larger than
+    that stays alone): one ranged GET reads several small row groups.
 
     Why: a server's cost is mostly per request (SeaweedFS spends ~20 ms of CPU on a ranged GET of
     a 96 MiB object whatever its length, measured), and the Hub writes image data sets in row
@@ -292,7 +293,8 @@ def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = N
     for plan in plans:
         last = out[-1] if out else None
         if (last is not None and last.file == plan.file and last.groups[-1] + 1 == plan.groups[0]
-                and last.first + last.rows == plan.first and last.fetched + plan.fetched <= limit):
+                and last.first + last.rows == plan.first and last.fetched + plan.fetched <= limit
+                and (max_rows is None or last.rows + plan.rows <= max_rows)):
             joined = RowGroupPlan(plan.file, last.groups + plan.groups, last.rows + plan.rows, last.first,
                                   merge_ranges(last.ranges + plan.ranges), last.decoded + plan.decoded,
                                   last.chunks + plan.chunks)
