@@ -418,10 +418,14 @@ class ParquetSource(ShardSource):
 
     # ------------------------------------------------------------------ shuffled: lanes of units
 
-    def piece_sizes(self, counts: list[int], lane_samples: int) -> list[int]:
-        """A unit is never cut but where a lane's length needs it: each piece of it would fetch
-        the same column chunks again."""
-        return list(counts)
+    def piece_sizes(self, counts: list[int], lanes_count: int, lane_samples: int) -> list[int]:
+        """A unit is cut only where a lane's length needs it (each piece of it fetches the same
+        column chunks again), or where there are too few units for every lane to mix
+        ``lanes.MIN_MIXING`` of them (a small data set): then every lane gets a piece of each
+        (a random share of its rows), and each unit is fetched once per lane."""
+        if len(counts) >= lanes.MIN_MIXING * lanes_count:
+            return list(counts)
+        return [max(1, -(-count // lanes_count)) for count in counts]
 
     def permuted(self, unit: int) -> bool:
         """A unit decoded whole gives its rows permuted; a streamed one (too large for the budget

@@ -286,7 +286,7 @@ class ShardSource:
             return lanes.OPEN_PIECES
         return max(2, min(lanes.OPEN_PIECES, (budget - self.options.queue_bytes) // PIECE_BYTES))
 
-    def piece_sizes(self, counts: list[int], lane_samples: int) -> list[int]:
+    def piece_sizes(self, counts: list[int], lanes_count: int, lane_samples: int) -> list[int]:
         """Samples of each unit one piece holds at most: about ``PIECE_BYTES`` where the index's
         offsets let a piece be read alone (one ranged GET), fewer where a lane would otherwise
         hold fewer pieces than it reads at once; the whole shard where there are no offsets."""
@@ -326,7 +326,7 @@ class ShardSource:
             sizes = lanes.block_lane_sizes(total, batch, count)
             located = [lanes.block_lane(position, batch, count) for position in slot.positions]
             wanted = sorted({lane for lane, _ in located})
-        most = self.piece_sizes(counts, -(-sum(sizes) // max(1, len(sizes))))
+        most = self.piece_sizes(counts, len(sizes), -(-sum(sizes) // max(1, len(sizes))))
         dealing = random.Random(partition.epoch_seed(slot.seed, slot.epoch))
         pieces = lanes.cut(counts, range(len(counts)), sizes, most.__getitem__, dealing)
         permutations: dict[int, list[int] | None] = {}
@@ -545,18 +545,15 @@ PIECE_BYTES = 4 << 20
 ``lanes.OPEN_PIECES`` open, 128 MiB of bodies at most."""
 MIN_PIECE_SAMPLES = 8
 
-_warned_unmixed = False
-
-
 def _warn_unmixed(source: ShardSource, order: lanes.LaneOrder) -> None:
-    """Say once when a lane reads too few pieces, none permuted, to mix a sorted data set."""
-    global _warned_unmixed
+    """Say once (per dataset and process) when a lane reads too few pieces, none permuted, to
+    mix a data set stored sorted."""
     pieces = order.pieces
-    if _warned_unmixed or not pieces or len(pieces) >= lanes.MIN_MIXING:
+    if getattr(source, "_said_unmixed", False) or not pieces or len(pieces) >= lanes.MIN_MIXING:
         return
     if any(source.permuted(piece.unit) for piece in pieces):
         return
-    _warned_unmixed = True
+    source._said_unmixed = True  # type: ignore[attr-defined]
     warnings.warn(
         f"shuffle=True: this DataLoader worker reads only {len(pieces)} run(s) of samples "
         f"({source.describe()} for its rank x worker slots), so a batch mixes at most that many "
