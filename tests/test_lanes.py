@@ -212,3 +212,29 @@ def test_a_worker_with_too_few_runs_to_mix_says_so():
                                     sample_counts={u: n for u, n in counts.items() if int(u[-8:-4]) < 4})
     with pytest.warns(RuntimeWarning, match="reads only 4 run"):
         assert len(list(ds)) == 4 * PER_SHARD
+
+
+@pytest.mark.parametrize("dealt", [True, False], ids=["batch_size", "no-batch_size"])
+@pytest.mark.parametrize("mode", ["shards", "parquet"])
+def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode, dealt):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    options = {"batch_size": 8} if dealt else {}
+
+    def loader():
+        ds = dataset(mode, **options)
+        ds.set_epoch(4)
+        return StatefulDataLoader(ds, batch_size=8, num_workers=2,
+                                  collate_fn=lambda samples: [s["__key__"] for s in samples])
+
+    whole = [key for batch in loader() for key in batch]
+    first, taken = loader(), []
+    for step, batch in enumerate(first):
+        taken += batch
+        if step == 6:
+            state = first.state_dict()
+            break
+    again = loader()
+    again.load_state_dict(state)
+    rest = [key for batch in again for key in batch]
+    assert taken + rest == whole and len(set(whole)) == len(LABELS)
