@@ -544,6 +544,9 @@ PIECE_BYTES = 4 << 20
 """Bytes of one piece of a shard read in lanes (one ranged GET from the index's offsets): at
 ``lanes.OPEN_PIECES`` open, 128 MiB of bodies at most."""
 MIN_PIECE_SAMPLES = 8
+"""A piece of a shard holds at least this many samples: a GET per few samples costs more in
+requests than it gives in mixing."""
+
 
 def _warn_unmixed(source: ShardSource, order: lanes.LaneOrder) -> None:
     """Say once (per dataset and process) when a lane reads too few pieces, none permuted, to
