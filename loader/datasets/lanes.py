@@ -31,6 +31,10 @@ OPEN_PIECES = 32
 """Pieces a lane reads at once by default: with label-pure pieces of 10 classes, 32 open give
 batches of 32 ~0.97x a permutation's distinct labels (16: ~0.82x); a memory budget may lower it."""
 
+LANE_PIECES = 16
+"""Pieces a lane is cut into at least, where the units allow: dealt in stored order, 16 pieces
+hold a stratified share of 10 labels, and all of them are open at once."""
+
 MIN_MIXING = 8
 """Fewer pieces than this in a lane, none of them permuted, cannot mix a sorted data set: said."""
 

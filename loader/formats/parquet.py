@@ -563,10 +563,6 @@ class RowGroupRead(NamedTuple):
     streamed: bool = False
 
 
-def _take_rows(table: Any, rows: Sequence[int]) -> list[dict[str, Any]]:
-    return table.take(list(rows)).to_pylist()
-
-
 def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignment: ShardAssignment,
                   skip: Container[int] = frozenset(), on_error: str = "raise",
                   order: Sequence[int] | None = None) -> Job:
@@ -577,7 +573,8 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
     ShardEnd(rows))``: a unit is read as a shard is.
 
     ``order``: the rows to emit, in this order (a shuffled read; not for a streamed unit): the
-    unit is decoded whole, then converted ``BATCH_ROWS`` rows at a time as they are emitted.
+    unit is decoded whole and converted at once (one ``to_pylist``: taking rows in another order
+    first copied them twice).
 
     A sample: ``__key__`` (the file's key less ``.parquet``, a slash, the row's number in the
     file), ``__url__`` (the file's URL) and the selected columns' values."""
@@ -656,11 +653,12 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         if table.num_rows != plan.rows:
             raise ParquetFormatError(f"{ref.url}: {plan.name} decoded {table.num_rows} rows, its footer "
                                      f"says {plan.rows}", url=ref.url)
-        wanted = [index for index in order if index not in skip]
-        for at in range(0, len(wanted), BATCH_ROWS):
-            chunk = wanted[at:at + BATCH_ROWS]
-            rows = await anyio.to_thread.run_sync(_take_rows, table, chunk)
-            for index, row in zip(chunk, rows):
+        rows = await anyio.to_thread.run_sync(table.to_pylist)  # one conversion; the table then goes
+        del table
+        for index in order:
+            if index not in skip:
+                row = rows[index]
+                rows[index] = None  # delivered: its bytes go with the consumer
                 sample = {"__key__": f"{stem}{first + index}", "__url__": url, **row}
                 await ctx.emit(((position, index), sample), row_nbytes(row))
         await ctx.emit(((position, END), ShardEnd(plan.rows, skipped=False)), 0)
