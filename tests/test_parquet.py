@@ -528,3 +528,11 @@ def test_a_part_size_below_the_floor_names_the_default_of_its_mode(entry, defaul
     uri = {"from_parquet": "s3://bucket/pq/", "from_shards": "s3://bucket/s-{0..1}.tar"}[entry]
     with pytest.raises(ConfigError, match=rf"^part_size=10 is below the floor .* or leave the default \({default}\)$"):
         getattr(AsyncS3Dataset, entry)(uri, store=reusable(FAKE), reading=Reading(part_size=10))
+
+
+def test_unshuffled_rows_come_in_file_order_though_units_are_read_side_by_side():
+    ds = dataset()  # row_groups_inflight: 4 units read at once, several units a file
+    assert ds.source.size() > len(ROWS)
+    assert keys(ds) == [f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)]
+    blocks = dataset(batch_size=4)
+    assert keys(blocks) == [f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)]
