@@ -42,14 +42,14 @@ def make(s3_server, bucket, mode, **topology):
     return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", **options)
 
 
-def run(s3_server, bucket, mode, world_size, num_workers, *, steps=None, seen=None):
+def run(s3_server, bucket, mode, world_size, num_workers, *, steps=None, seen=None, lanes=None):
     """Every rank's batches (keys), the samples_seen a checkpoint after ``steps`` would save, and
-    the bytes all ranks fetched."""
+    the bytes all ranks fetched (``lanes``: the rank x worker slots whose lanes deal the epoch)."""
     out, saved, fetched = [], None, 0
     for rank in range(world_size):
         ds = make(s3_server, bucket, mode, rank=rank, world_size=world_size)
-        if seen is not None:
-            ds.resume(epoch=EPOCH, samples_seen=seen)
+        if seen is not None or lanes is not None:
+            ds.resume(epoch=EPOCH, samples_seen=seen or 0, lanes=lanes)
         ds.set_epoch(EPOCH)
         loader = DataLoader(ds, batch_size=BATCH, num_workers=num_workers, collate_fn=list,
                             timeout=120 if num_workers else 0)
@@ -65,7 +65,8 @@ def test_stop_on_3x2_resume_on_2x3_and_on_1x0_reads_each_sample_once(s3_server, 
     bucket, everything = data
     if mode == "shards":  # loader shard names samples relative to the source prefix
         everything = {key.removeprefix("train/") for key in everything}
-    (order,), _, epoch_bytes = run(s3_server, bucket, mode, 1, 0)  # one rank, in order: the epoch's order
+    # one rank, in order: the epoch's order, as the 3 x 2 run below deals it (shuffled shards: lanes)
+    (order,), _, epoch_bytes = run(s3_server, bucket, mode, 1, 0, lanes=3 * 2)
     order = [key for batch in order for key in batch]
     assert sorted(order) == sorted(everything)
 
@@ -77,7 +78,7 @@ def test_stop_on_3x2_resume_on_2x3_and_on_1x0_reads_each_sample_once(s3_server, 
     first = [key for batches in head for batch in batches for key in batch]
 
     for world_size, num_workers in ((2, 3), (1, 0)):
-        tail, _, tail_bytes = run(s3_server, bucket, mode, world_size, num_workers, seen=seen)
+        tail, _, tail_bytes = run(s3_server, bucket, mode, world_size, num_workers, seen=seen, lanes=3 * 2)
         # 131 of 251 samples left: ranged GETs from the index's offsets fetch about their share
         # (streaming each shard a rank touches from its start fetched 1.5x the epoch here).
         assert tail_bytes < 0.75 * epoch_bytes, (world_size, tail_bytes, epoch_bytes)

@@ -188,10 +188,10 @@ def make_dataset(mode, fake, counts=None, **options):
     return AsyncS3Dataset.from_shards("s3://bucket/shards/", sample_counts=counts, **options)
 
 
-def rank_run(make, rank, world_size, num_workers, steps=None, resume=None):
+def rank_run(make, rank, world_size, num_workers, steps=None, resume=None, lanes=None):
     ds = make(rank=rank, world_size=world_size)
     if resume is not None:
-        ds.resume(epoch=2, samples_seen=resume)
+        ds.resume(epoch=2, samples_seen=resume, lanes=lanes)
     ds.set_epoch(2)
     loader = DataLoader(ds, batch_size=BATCH, num_workers=num_workers,
                         collate_fn=lambda batch: [s["__key__"] for s in batch])
@@ -225,7 +225,8 @@ def test_stop_on_three_ranks_resume_on_two_then_one(mode):
     for world_size, num_workers in ((2, 3), (1, 0)):
         tail = []
         for rank in range(world_size):
-            batches, ds = rank_run(make, rank, world_size, num_workers, resume=seen)
+            # the epoch was dealt to the lanes of 3 ranks x 2 workers (shuffled shards: lanes.py)
+            batches, ds = rank_run(make, rank, world_size, num_workers, resume=seen, lanes=3 * 2)
             assert len(ds) == sum(len(b) for b in batches)
             tail.append(batches)
         assert len({len(batches) for batches in tail}) == 1, "equal steps on every rank"
@@ -251,7 +252,8 @@ def test_with_the_index_offsets_each_rank_fetches_only_its_blocks():
     def epoch(counts=None):
         batches, read = [], 0
         for rank in range(3):
-            ds = make_dataset("shards", fake, counts, rank=rank, world_size=3, chunk_size=256)
+            # unshuffled: blocks of the shards' stored order (shuffled ones are read in lanes)
+            ds = make_dataset("shards", fake, counts, rank=rank, world_size=3, chunk_size=256, shuffle=False)
             ds.set_epoch(1)
             loader = DataLoader(ds, batch_size=BATCH, collate_fn=lambda b: [s["__key__"] for s in b])
             batches.append(list(loader))

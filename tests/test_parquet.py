@@ -139,7 +139,7 @@ def test_resume_mid_epoch_on_another_topology_reads_the_rest_once():
     rest = []
     for rank in range(2):
         ds = dataset(batch_size=4, shuffle=True, seed=2, rank=rank, world_size=2)
-        ds.resume(epoch=3, samples_seen=24)
+        ds.resume(epoch=3, samples_seen=24, lanes=1)  # dealt to one lane
         rest += [s["__key__"] for s in ds]
     assert taken == whole[:24]
     assert sorted(taken + rest) == sorted(whole)
@@ -528,3 +528,11 @@ def test_a_part_size_below_the_floor_names_the_default_of_its_mode(entry, defaul
     uri = {"from_parquet": "s3://bucket/pq/", "from_shards": "s3://bucket/s-{0..1}.tar"}[entry]
     with pytest.raises(ConfigError, match=rf"^part_size=10 is below the floor .* or leave the default \({default}\)$"):
         getattr(AsyncS3Dataset, entry)(uri, store=reusable(FAKE), reading=Reading(part_size=10))
+
+
+def test_unshuffled_rows_come_in_file_order_though_units_are_read_side_by_side():
+    ds = dataset()  # row_groups_inflight: 4 units read at once, several units a file
+    assert ds.source.size() > len(ROWS)
+    assert keys(ds) == [f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)]
+    blocks = dataset(batch_size=4)
+    assert keys(blocks) == [f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)]

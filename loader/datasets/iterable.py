@@ -46,9 +46,11 @@ log = logging.getLogger(__name__)
 stats_log = logging.getLogger("loader.stats")
 """One line per worker and pass, at INFO, when this logger's level is set."""
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 """2: shuffled orders of more than ``partition.SMALL_ORDER`` items are a keyed permutation
-computed per index; version 1 states are accepted only where their order is unchanged."""
+computed per index; version 1 states are accepted only where their order is unchanged.
+3: shuffled shards and row groups are read in lanes (``lanes``); version 2 states are accepted
+only where their order is unchanged (objects, or not shuffled)."""
 
 
 class AsyncS3Dataset(IterableDataset):
@@ -109,6 +111,8 @@ class AsyncS3Dataset(IterableDataset):
         self._unpickled_in: int | None = None  # the process that unpickled this copy
         self._resume: dict[str, Any] | None = None  # a load_state_dict() state for its epoch
         self._elastic: tuple[int, int] | None = None  # (epoch, samples_seen) from resume()
+        self._lanes: tuple[int, int] | None = None  # (epoch, lanes) from resume() or a state
+        self._read_lanes = 0  # the lanes of the last iteration's order (see Slot.lanes)
         self._progress: Progress = self.source.progress({})
         self._samples_skipped = 0  # by on_error in this pass: an object gone, a transform that raised
         self._last_stats: dict[str, Any] | None = None
@@ -309,6 +313,8 @@ class AsyncS3Dataset(IterableDataset):
             self._resume = None
         if self._elastic is not None and self._elastic[0] != epoch:
             self._elastic = None
+        if self._lanes is not None and self._lanes[0] != epoch:
+            self._lanes = None
         self.epoch = epoch
 
     @property
@@ -366,9 +372,14 @@ class AsyncS3Dataset(IterableDataset):
             positions = [seen + p for p in partition.block_positions(
                 rest, batch_size=self.options.batch_size, rank=rank, world_size=world_size,
                 worker=worker, num_workers=num_workers, policy=self.options.pad_policy)]
+        lanes = world_size * max(1, num_workers)
+        if self._lanes is not None and self._lanes[0] == self.epoch:
+            lanes = self._lanes[1]
+        self._read_lanes = lanes
         return Slot(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
                     seed=self.options.effective_seed, epoch=self.epoch, shuffle=self.options.shuffle,
-                    policy=self.options.pad_policy, positions=positions, seen=self._seen())
+                    policy=self.options.pad_policy, positions=positions, seen=self._seen(),
+                    lanes=lanes if positions is not None else None)
 
     # ----------------------------------------------------------------------- iteration
 
@@ -496,6 +507,7 @@ class AsyncS3Dataset(IterableDataset):
             "size": self.source.size(),
             "batch_size": self.options.batch_size,
             "samples_seen": self._seen(),
+            "lanes": self._read_lanes or None,
             **self._progress.to_state(),
         }
 
@@ -504,6 +516,8 @@ class AsyncS3Dataset(IterableDataset):
         kind = self.source.kind
         if state.get("version") == 1 and state.get("mode") == kind:
             _check_old_order(state, shuffled=self.options.shuffle)
+        elif state.get("version") == 2 and state.get("mode") == kind:
+            _check_unlaned(state, shuffled=self.options.shuffle)
         elif state.get("version") != STATE_VERSION or state.get("mode") != kind:
             raise ConfigError(
                 f"this state (version {state.get('version')!r}, mode {state.get('mode')!r}) is not "
@@ -521,8 +535,10 @@ class AsyncS3Dataset(IterableDataset):
         self._resume = dict(state)
         seen = state.get("samples_seen", 0)
         self._elastic = (state["epoch"], seen) if seen else None
+        lanes = state.get("lanes")
+        self._lanes = (state["epoch"], lanes) if lanes else None
 
-    def resume(self, *, epoch: int, samples_seen: int) -> None:
+    def resume(self, *, epoch: int, samples_seen: int, lanes: int | None = None) -> None:
         """Continue ``epoch`` after the first ``samples_seen`` samples of its order, on any
         number of ranks and DataLoader workers (needs ``batch_size=``).
 
@@ -532,6 +548,11 @@ class AsyncS3Dataset(IterableDataset):
         starts its workers: persistent workers keep the plan they were started with. A source
         that fixes each rank's epoch length (shards with ``samples_per_epoch=N``) counts
         ``samples_seen`` per rank: every rank then yields the ``N - samples_seen`` left.
+
+        ``lanes``: a shuffled epoch of shards or row groups is dealt to one lane per rank x
+        DataLoader worker of the run that started it (docs/design/shuffle.md); resuming on
+        another number of them, give that run's ``world_size * max(1, num_workers)`` (None:
+        this run's). The rest of the epoch is then read in smaller runs, slower, never wrong.
         """
         fixed = self.source.fixed_rank_length()
         if self.options.batch_size is None and fixed is None:
@@ -547,9 +568,13 @@ class AsyncS3Dataset(IterableDataset):
             per = "" if fixed is None else " per rank"
             raise ConfigError(f"samples_seen={samples_seen!r} is more than the {total} samples{per} "
                               "of an epoch of this data set; is it the same data set?")
+        if lanes is not None and (not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1):
+            raise ConfigError(f"lanes={lanes!r} must be a positive integer: the ranks x DataLoader "
+                              "workers (at least 1) of the run that saved samples_seen")
         self.epoch = epoch
         self._resume = None
         self._elastic = (epoch, samples_seen)
+        self._lanes = None if lanes is None else (epoch, lanes)
 
     def resume_from_batches(self, epoch: int, batches_seen: int, batch_size: int) -> None:
         """Deprecated: ``ds.set_epoch(epoch); ds.resume(epoch=epoch,
@@ -686,6 +711,20 @@ def source_from_keywords(options: LoaderOptions, *, bucket: str | None = None,
                           "from_keys(bucket, keys) or from_manifest(path))")
     return ObjectSource(bucket, options, keys=keys, prefix=prefix, group=group, label_from=label_from,
                         labels=labels)
+
+
+def _check_unlaned(state: Mapping[str, Any], *, shuffled: bool) -> None:
+    """A state of version 2 (shuffled shards and row groups read unit after unit) resumes only
+    where this release reads in the same order: objects, or unshuffled."""
+    if state.get("mode") not in ("shards", "parquet") or not shuffled:
+        return
+    epoch = state.get("epoch")
+    raise ConfigError(
+        f"this state was saved by an earlier release (state version 2) in the middle of epoch "
+        f"{epoch!r}; this release reads shuffled {state.get('mode')} in another order (mixed across "
+        f"runs of samples), so the samples it delivered cannot be told apart. Start that epoch "
+        f"again (ds.set_epoch({epoch!r}) instead of load_state_dict), or finish it with the release "
+        "that saved the state and upgrade at an epoch boundary")
 
 
 def _check_old_order(state: Mapping[str, Any], *, shuffled: bool) -> None:

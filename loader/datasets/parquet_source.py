@@ -51,6 +51,7 @@ from ..retry import RetryPolicy
 from ..s3 import ObjectStore, StoreFactory
 from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri
+from . import lanes
 from .options import LoaderOptions
 from .shard_source import ShardSource
 
@@ -58,6 +59,11 @@ FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
 # Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
 # pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
 DEFAULT_UNIT_BYTES = 32 << 20
+SHUFFLED_UNIT_BYTES = 8 << 20
+SHUFFLED_UNITS = 256
+"""Shuffled, units of row groups hold at most ``SHUFFLED_UNIT_BYTES`` and a ``SHUFFLED_UNITS``-th
+of the rows (a row group is never cut): a lane mixes its open units, so more, smaller units mix a
+sorted file better (the Hub's 100-row image groups stay one each)."""
 
 log = logging.getLogger(__name__)
 
@@ -252,11 +258,14 @@ class ParquetSource(ShardSource):
             raise_if_failed_before_fork(self)
             shared = self._files_and_footers()
             files, footers = unpack_footers(shared)
-            plans: list[RowGroupPlan] = []
+            groups: list[RowGroupPlan] = []
             for number, (ref, footer) in enumerate(zip(files, footers)):
                 meta = self._metas[number] = parse_footer(ref, footer)
-                plans.extend(coalesce([plan for plan in plan_row_groups(ref, number, meta, footer, self.columns)
-                                       if plan.rows], self.shard_options.part_size, self._unit_need()))
+                groups.extend(plan for plan in plan_row_groups(ref, number, meta, footer, self.columns) if plan.rows)
+            # Shuffled, units hold at most 1/SHUFFLED_UNITS of the rows (row groups allowing):
+            # enough units for every lane to mix many, whatever the number of workers.
+            most_rows = max(1, sum(g.rows for g in groups) // SHUFFLED_UNITS) if self.options.shuffle else None
+            plans = coalesce(groups, self._unit_bytes(), self._unit_need(), max_rows=most_rows)
             if not plans:
                 raise EmptyDatasetError(f"{len(files)} Parquet file(s) under {self._specs[:2]} hold no rows")
             self._check_budget(files, plans)
@@ -297,6 +306,12 @@ class ParquetSource(ShardSource):
                 f"{STREAM_AHEAD + 2} held at once), more than Limits(memory={self.options.memory_budget}) "
                 f"leaves for reads ({reads} bytes); raise the memory limit, select fewer columns, give "
                 "Reading(part_size=) smaller pieces, or write smaller row groups")
+
+    def _unit_bytes(self) -> int:
+        """Fetched bytes a unit of row groups holds at most: ``part_size``, and when shuffling
+        ``SHUFFLED_UNIT_BYTES`` (smaller units, more of them to mix in each lane)."""
+        part = self.shard_options.part_size
+        return min(part, SHUFFLED_UNIT_BYTES) if self.options.shuffle else part
 
     def _piece(self) -> int:
         """Bytes of one ranged GET of a unit (and of a piece of a streamed row group)."""
@@ -381,14 +396,50 @@ class ParquetSource(ShardSource):
         return f"row {key!r} of {url}, going on with the rest of the row group"
 
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
-            offsets: bool = True) -> Job:
+            offsets: bool = True, order: Sequence[int] | None = None) -> Job:
         plan = self.plans()[assignment.shard]
         read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns,
                             self._piece(), self.shard_options.parts_inflight, self._streams(plan))
-        return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error)
+        return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error,
+                             order=order)
 
     def reserve(self, assignment: ShardAssignment) -> int:
         return self._need(self.plans()[assignment.shard])
+
+    # ------------------------------------------------------------------ shuffled: lanes of units
+
+    def piece_sizes(self, counts: list[int], lanes_count: int, lane_samples: int) -> list[int]:
+        """A unit is cut only where a lane's length needs it (each piece of it fetches the same
+        column chunks again), or where there are too few units for every lane to mix
+        ``lanes.MIN_MIXING`` of them (a small data set): then every lane gets a piece of each
+        (a random share of its rows), and each unit is fetched once per lane."""
+        if len(counts) >= lanes.MIN_MIXING * lanes_count:
+            return list(counts)
+        return [max(1, -(-count // lanes_count)) for count in counts]
+
+    def permuted(self, unit: int) -> bool:
+        """A unit decoded whole gives its rows permuted; a streamed one (too large for the budget
+        to hold whole) in stored order."""
+        return not self._streams(self.plans()[unit])
+
+    def open_count(self) -> int:
+        """Units a lane reads at once: ``lanes.OPEN_PIECES``, fewer where what the memory budget
+        leaves for reads cannot hold that many of the largest (each is held until its last row
+        is delivered)."""
+        reads = self.read_bytes()
+        if reads is None:
+            return lanes.OPEN_PIECES
+        largest = max(self._need(plan) for plan in self.plans())
+        return max(2, min(lanes.OPEN_PIECES, reads // max(1, largest)))
+
+    def lane_job(self, unit: int, position: int, indices: list[int], skip: Container[int]) -> Job:
+        first, stop = min(indices), max(indices) + 1
+        assignment = ShardAssignment(unit, 1, 0, first, stop, lanes.ranges_of(indices))
+        return self.job(assignment, position, skip=skip, order=indices if self.permuted(unit) else None)
+
+    def lane_limits(self) -> EngineLimits:
+        return self.options.limits("scheduled", max_inflight=self.open_count() + 2,
+                                   inflight_bytes=self.read_bytes())
 
     def inflight(self) -> int:
         """Units this process delivers side by side: ``row_groups_inflight`` (the engine reads as

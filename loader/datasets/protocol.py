@@ -36,6 +36,8 @@ class Slot:
     epoch itself (``partition``: strided samples, or shards dealt to slots).
     ``seen``: samples of the epoch a ``resume()`` skipped (per rank for a source of fixed rank
     length, see ``Source.fixed_rank_length``; ``positions`` already start after them).
+    ``lanes``: with ``batch_size=``, the rank x worker slots of the run that started the epoch,
+    whose lanes a shuffled order of shards or row groups comes from (None: this run's).
     """
 
     rank: int
@@ -48,6 +50,7 @@ class Slot:
     policy: PadPolicy
     positions: Sequence[int] | None = None
     seen: int = 0
+    lanes: int | None = None
 
     def where(self) -> dict[str, Any]:
         """The keywords ``partition``'s functions take."""

@@ -280,10 +280,11 @@ def plan_row_groups(ref: ParquetRef, file: int, meta: pq.FileMetaData, footer: F
     return plans
 
 
-def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = None) -> list[RowGroupPlan]:
+def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = None,
+             max_rows: int | None = None) -> list[RowGroupPlan]:
     """Consecutive row groups of one file joined into units of at most ``limit`` fetched bytes
-    that need at most ``max_need`` bytes to read (a row group larger than that stays alone): one
-    ranged GET reads several small row groups.
+    (and ``max_rows`` rows) that need at most ``max_need`` bytes to read (a row group larger than
+    that stays alone): one ranged GET reads several small row groups.
 
     Why: a server's cost is mostly per request (SeaweedFS spends ~20 ms of CPU on a ranged GET of
     a 96 MiB object whatever its length, measured), and the Hub writes image data sets in row
@@ -292,7 +293,8 @@ def coalesce(plans: Sequence[RowGroupPlan], limit: int, max_need: int | None = N
     for plan in plans:
         last = out[-1] if out else None
         if (last is not None and last.file == plan.file and last.groups[-1] + 1 == plan.groups[0]
-                and last.first + last.rows == plan.first and last.fetched + plan.fetched <= limit):
+                and last.first + last.rows == plan.first and last.fetched + plan.fetched <= limit
+                and (max_rows is None or last.rows + plan.rows <= max_rows)):
             joined = RowGroupPlan(plan.file, last.groups + plan.groups, last.rows + plan.rows, last.first,
                                   merge_ranges(last.ranges + plan.ranges), last.decoded + plan.decoded,
                                   last.chunks + plan.chunks)
@@ -516,6 +518,24 @@ def decode_rows(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
         reader.close()
 
 
+def decode_table(ref: ParquetRef, meta: pq.FileMetaData, plan: RowGroupPlan,
+                 pieces: Sequence[tuple[int, bytes]], columns: Sequence[str] | None) -> Any:
+    """The rows of one unit of row groups as one Arrow table, decoded from the fetched ``pieces``
+    (for a read that gives them in another order than stored)."""
+    parquet = pyarrow_parquet()
+    import pyarrow as pa
+
+    reader = parquet.ParquetFile(SparseFile(ref.url, ref.size, pieces), metadata=meta, pre_buffer=False)
+    try:
+        return reader.read_row_groups(list(plan.groups), columns=None if columns is None else list(columns),
+                                      use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise ParquetFormatError(f"{ref.url}: {plan.name} does not decode ({exc}); the file "
+                                 "is corrupt", url=ref.url) from exc
+    finally:
+        reader.close()
+
+
 def row_nbytes(row: dict[str, Any]) -> int:
     """Bytes a row holds in its binary values (top level and one level down: an image column's
     ``{"bytes": ..., "path": ...}``), what the engine's byte budget counts."""
@@ -544,16 +564,23 @@ class RowGroupRead(NamedTuple):
 
 
 def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignment: ShardAssignment,
-                  skip: Container[int] = frozenset(), on_error: str = "raise") -> Job:
+                  skip: Container[int] = frozenset(), on_error: str = "raise",
+                  order: Sequence[int] | None = None) -> Job:
     """Read one unit of row groups: fetch its selected column chunks (ranged GETs of at most
     ``part_size`` bytes, ``parts_inflight`` at a time, every one pinned to the listed ETag), decode
     them in a worker thread, and emit ``((position, row), sample)`` for each row (numbered in the
     unit) the assignment keeps and ``skip`` does not hold, then ``((position, END),
     ShardEnd(rows))``: a unit is read as a shard is.
 
+    ``order``: the rows to emit, in this order (a shuffled read; not for a streamed unit): the
+    unit is decoded whole and converted at once (one ``to_pylist``: taking rows in another order
+    first copied them twice).
+
     A sample: ``__key__`` (the file's key less ``.parquet``, a slash, the row's number in the
     file), ``__url__`` (the file's URL) and the selected columns' values."""
     ref = read.ref
+    if order is not None and read.streamed:
+        raise ValueError("a streamed row group is read in stored order")
 
     def changed(exc: ObjectChangedError) -> ObjectChangedError:
         # Not the store's own advice ("read it again, the next epoch"): this dataset's later epochs
@@ -603,7 +630,38 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
             raise changed(exc) from exc
         pieces = sorted(fetched.items())  # each part its own piece: no copy joins them
         fetched.clear()
+        if order is not None:
+            await emit_in_order(ctx, pieces, order)
+            return
         await emit_rows(ctx, pieces)
+
+    async def emit_in_order(ctx: JobContext, pieces: list[tuple[int, bytes]], order: Sequence[int]) -> None:
+        stem, url, first = ref.stem + "/", ref.url, plan.first
+        try:
+            table = await anyio.to_thread.run_sync(decode_table, ref, read.meta, plan, pieces, read.columns)
+        except ParquetFormatError as exc:
+            if on_error == "raise":
+                raise
+            message = f"skipping {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
+            if on_error == "warn":
+                warnings.warn(message, RuntimeWarning, stacklevel=1)
+            else:  # said once, one way or the other
+                log.warning(message)
+            await ctx.emit(((position, END), ShardEnd(0, skipped=True)), 0)
+            return
+        pieces.clear()  # the table holds the rows now
+        if table.num_rows != plan.rows:
+            raise ParquetFormatError(f"{ref.url}: {plan.name} decoded {table.num_rows} rows, its footer "
+                                     f"says {plan.rows}", url=ref.url)
+        rows = await anyio.to_thread.run_sync(table.to_pylist)  # one conversion; the table then goes
+        del table
+        for index in order:
+            if index not in skip:
+                row = rows[index]
+                rows[index] = None  # delivered: its bytes go with the consumer
+                sample = {"__key__": f"{stem}{first + index}", "__url__": url, **row}
+                await ctx.emit(((position, index), sample), row_nbytes(row))
+        await ctx.emit(((position, END), ShardEnd(plan.rows, skipped=False)), 0)
 
     async def emit_rows(ctx: JobContext, pieces: Sequence[tuple[int, bytes]] | StreamedFile) -> None:
         rows = decode_rows(ref, read.meta, plan, pieces, read.columns)

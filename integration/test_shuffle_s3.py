@@ -1,0 +1,127 @@
+"""Shuffled reading of label-sorted data against the real server: tar shards written in class
+order by webdataset's ``ShardWriter`` (indexed by ``loader index``) and a Parquet file written by
+Hugging Face ``datasets`` (an ``Image`` and a ``ClassLabel``, rows sorted by label), read with
+0 and 2 DataLoader workers, with ``batch_size=`` 8 and 32 and without it, give batches as mixed
+as a permutation's (>= 0.9x its distinct labels, <= 1 % single-label batches: counts, not time);
+stopped mid-epoch on 2 workers and resumed on 3, every sample comes once; unshuffled, the
+stored order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+from torch.utils.data import DataLoader
+
+from bench.labelmix import label_mix
+from loader import AsyncS3Dataset
+
+from s3servers import S3_VARS
+
+CLASSES, PER_CLASS, PER_SHARD = 10, 60, 20
+LABELS = [i // PER_CLASS for i in range(CLASSES * PER_CLASS)]
+
+# Written in a process of its own: this folder's ``datasets`` module hides Hugging Face's here.
+HF_WRITER = textwrap.dedent("""
+    import io, sys
+    import datasets
+    from PIL import Image
+
+    def png(i):
+        out = io.BytesIO()
+        Image.new("L", (2, 2), i % 256).save(out, "PNG")
+        return out.getvalue()
+
+    labels = [int(x) for x in sys.argv[2].split(",")]
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=[f"c{i}" for i in range(10)])})
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": png(i), "path": f"{i}.png"} for i in range(len(labels))],
+                                     "label": labels}, features=features)
+    ds.to_parquet(sys.argv[1])
+""")
+
+
+@pytest.fixture(scope="module")
+def sorted_set(s3_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sorted")
+    bucket = s3_server.new_bucket("sorted")
+    with wds.ShardWriter(str(tmp / "train-%05d.tar"), maxcount=PER_SHARD, verbose=0) as sink:
+        for i, label in enumerate(LABELS):
+            sink.write({"__key__": f"s{i:05d}", "cls": str(label), "bin": bytes([i % 256]) * 300})
+    for path in sorted(tmp.glob("train-*.tar")):
+        s3_server.minio.fput_object(bucket, f"tar/{path.name}", str(path))
+    clean = {k: v for k, v in os.environ.items() if k not in S3_VARS and k != "PYTHONPATH"}
+    index = subprocess.run([sys.executable, "-m", "loader", "index", f"s3://{bucket}/tar/", "--no-progress"],
+                           env={**clean, **s3_server.env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+                           capture_output=True, text=True, timeout=300)
+    assert index.returncode == 0, index.stderr
+    parquet = tmp / "train-00000-of-00001.parquet"
+    written = subprocess.run([sys.executable, "-c", HF_WRITER, str(parquet), ",".join(map(str, LABELS))],
+                             cwd=tmp, env=clean, capture_output=True, text=True, timeout=300)
+    assert written.returncode == 0, written.stderr
+    s3_server.minio.fput_object(bucket, f"pq/{parquet.name}", str(parquet))
+    return bucket
+
+
+def dataset(s3_server, bucket: str, mode: str, **options):
+    options = {"shuffle": True, "seed": 11, "config": s3_server.config, **options}
+    if mode == "shards":
+        return AsyncS3Dataset.from_shards(f"s3://{bucket}/tar/", **options)
+    return AsyncS3Dataset.from_parquet(f"s3://{bucket}/pq/", columns=["image", "label"], **options)
+
+
+def label_of(sample) -> int:
+    return int(sample["cls"]) if "cls" in sample else int(sample["label"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("dealt", [True, False], ids=["batch_size", "no-batch_size"])
+@pytest.mark.parametrize("mode", ["shards", "parquet"])
+def test_label_sorted_data_gives_mixed_batches(s3_server, sorted_set, mode, dealt, workers):
+    for batch in (8, 32):
+        ds = dataset(s3_server, sorted_set, mode, **({"batch_size": batch} if dealt else {}))
+        ds.set_epoch(1)
+        batches = list(DataLoader(ds, batch_size=batch, num_workers=workers,
+                                  collate_fn=lambda samples: [label_of(s) for s in samples]))
+        assert sorted(label for b in batches for label in b) == LABELS
+        found = label_mix(batches, [PER_CLASS] * CLASSES)
+        assert found.ratio >= 0.9 and found.single_fraction <= 0.01, (batch, found)
+
+
+@pytest.mark.parametrize("mode", ["shards", "parquet"])
+def test_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, sorted_set, mode):
+    batch = 8
+
+    def keys(samples):
+        return [s["__key__"] for s in samples]
+
+    whole_ds = dataset(s3_server, sorted_set, mode, batch_size=batch)
+    whole_ds.resume(epoch=2, samples_seen=0, lanes=2)  # the order of the 2-worker run, read by one
+    whole = [k for b in DataLoader(whole_ds, batch_size=batch, collate_fn=keys) for k in b]
+    first = dataset(s3_server, sorted_set, mode, batch_size=batch)
+    first.set_epoch(2)
+    before: list[str] = []
+    for step, b in enumerate(DataLoader(first, batch_size=batch, num_workers=2, collate_fn=keys)):
+        before += b
+        if step == 20:
+            break
+    seen = first.samples_seen(21)
+    second = dataset(s3_server, sorted_set, mode, batch_size=batch)
+    second.resume(epoch=2, samples_seen=seen, lanes=2)
+    after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
+    assert seen == len(before) == 21 * batch
+    assert sorted(before) == sorted(whole[:seen])  # a resume skips a slice of the epoch's order
+    assert sorted(before + after) == sorted(whole) and len(set(whole)) == len(LABELS)
+
+
+@pytest.mark.parametrize("mode", ["shards", "parquet"])
+def test_unshuffled_is_the_stored_order(s3_server, sorted_set, mode):
+    for options in ({}, {"batch_size": 8}):
+        ds = dataset(s3_server, sorted_set, mode, shuffle=False, **options)
+        ds.set_epoch(0)
+        assert [label_of(s) for s in ds] == LABELS
