@@ -334,7 +334,8 @@ def test_same_topology_resumes_still_work_with_batch_size(mode, how):
 
     def dataset():
         ds = make_dataset(mode, fake, counts, rank=1, world_size=2)
-        ds.resume(epoch=2, samples_seen=16)  # itself resumed elastically, then stopped again
+        # itself resumed elastically (from a run of 2 ranks x 2 workers), then stopped again
+        ds.resume(epoch=2, samples_seen=16, lanes=4)
         ds.set_epoch(2)
         return ds
 
@@ -367,3 +368,13 @@ def test_a_dataloader_batch_size_other_than_the_datasets_still_reads_each_sample
 def keys_of_batch(batch):
     return [sample["__key__"] for sample in batch]
 
+
+
+def test_resuming_shuffled_shards_by_samples_seen_asks_for_the_lanes_of_the_run_that_saved_it():
+    """A shuffled epoch of shards is dealt to one lane per rank x worker of the run that started
+    it; without that number a resume would repeat and skip samples: it is asked for, by name."""
+    fake, counts = shard_store(payloads(90, size=16))
+    ds = make_dataset("shards", fake, counts, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match=r"needs lanes=.*world_size \* max\(1, num_workers\)"):
+        ds.resume(epoch=1, samples_seen=16)
+    ds.resume(epoch=1, samples_seen=16, lanes=3)  # given: accepted

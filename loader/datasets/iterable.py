@@ -571,6 +571,17 @@ class AsyncS3Dataset(IterableDataset):
         if lanes is not None and (not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1):
             raise ConfigError(f"lanes={lanes!r} must be a positive integer: the ranks x DataLoader "
                               "workers (at least 1) of the run that saved samples_seen")
+        # shards and row groups (the sources cut into pieces) deal a shuffled epoch to lanes: the
+        # order depends on how many, which this run cannot know; a guess would repeat and skip
+        if lanes is None and self._lanes is not None and self._lanes[0] == epoch:
+            lanes = self._lanes[1]  # the epoch's lanes, as an earlier resume or state gave them
+        if (lanes is None and samples_seen and self.options.shuffle and fixed is None
+                and hasattr(self.source, "piece_sizes")):
+            raise ConfigError(
+                "resume(samples_seen=) of a shuffled epoch of shards or row groups needs lanes=: "
+                "the order was dealt to one lane per rank x DataLoader worker of the run that "
+                "saved samples_seen; pass lanes=<its world_size * max(1, num_workers)> (its "
+                "state_dict()['lanes'] records it), or resume with load_state_dict()")
         self.epoch = epoch
         self._resume = None
         self._elastic = (epoch, samples_seen)
