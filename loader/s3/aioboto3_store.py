@@ -28,10 +28,20 @@ from botocore import exceptions as bce
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
-from ..retry import RetryPolicy, answered
+from ..retry import DEFAULT_READ_TIMEOUT, RetryPolicy, answered
 from ..uri import object_url
 from .addressing import NotServed
 from .answer_checks import Asked, asked_for, check_head, check_length
+from .answer_pace import (
+    AnswerTooSlow,
+    Pace,
+    body_deadline,
+    head_deadline,
+    paced,
+    too_slow_head,
+    too_slow_whole,
+    within,
+)
 from .credentials import credentials_error, no_credentials_found
 from .direct import SignedGetter
 from .error_answers import (
@@ -64,6 +74,8 @@ _STREAM_ERRORS = (
     asyncio.TimeoutError,
     ConnectionError,  # http1's ResponseBroken too
 )
+
+_LISTED_BYTES = 2 << 10  # a listing page's bytes per key at most (a key is at most 1 KiB, plus its XML)
 
 _SAID: set[tuple[str, str, str]] = set()  # fallbacks already named in this process
 
@@ -150,7 +162,9 @@ class Aioboto3Store:
         stack: contextlib.AsyncExitStack,
         endpoint: str,
         getter: SignedGetter | None = None,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
     ) -> None:
+        self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
         self._made_client = client  # or an async factory of it: made on first use
         self._client_lock = asyncio.Lock()
         self._stack = stack
@@ -216,7 +230,8 @@ class Aioboto3Store:
 
         try:
             if not direct_gets:
-                return cls(await make_client(), stack, config.endpoint_url or "AWS S3")
+                return cls(await make_client(), stack, config.endpoint_url or "AWS S3",
+                           read_timeout=retry.read_timeout)
             frozen = _given_credentials(config) or _found_credentials(config)
             if frozen is None:
                 with _SESSIONS.borrow(config) as session:
@@ -232,7 +247,8 @@ class Aioboto3Store:
         except BaseException:
             await stack.aclose()
             raise
-        return cls(make_client, stack, config.endpoint_url or "AWS S3", getter)
+        return cls(make_client, stack, config.endpoint_url or "AWS S3", getter,
+                   read_timeout=retry.read_timeout)
 
     def _direct(self, bucket: str) -> SignedGetter | None:
         """The signed path for ``bucket``'s requests, or None where botocore's serves them."""
@@ -303,7 +319,11 @@ class Aioboto3Store:
             kwargs["StartAfter"] = start_after
         if delimiter:
             kwargs["Delimiter"] = delimiter
-        page = await (await self._botocore()).list_objects_v2(**kwargs)
+        # botocore reads a page whole: one deadline, for a page of page_size keys at most
+        allowed = head_deadline(self._read_timeout) + body_deadline(self._read_timeout,
+                                                                    page_size * _LISTED_BYTES)
+        page = await within(allowed, (await self._botocore()).list_objects_v2(**kwargs),
+                            lambda: AnswerTooSlow(f"the listing page was not whole after {allowed:g} s"))
         answered(self._endpoint)
         objects = [ObjectInfo(item["Key"], int(item["Size"]), normalize_etag(item.get("ETag")))
                    for item in page.get("Contents", ())]
@@ -359,14 +379,16 @@ class Aioboto3Store:
             if conditions and header in conditions:
                 kwargs[name] = conditions[header]
         try:
-            response = await (await self._botocore()).get_object(**kwargs)
+            client, read_timeout = await self._botocore(), self._read_timeout
+            response = await within(head_deadline(read_timeout), client.get_object(**kwargs),
+                                    lambda: too_slow_head(read_timeout))
             answered(self._endpoint)
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
                 asked = asked_for(byte_range, conditions)
                 expected = _checked_head(response, asked, bucket, key)
-                data = await body.read()  # verifies Content-Length: short bodies raise
+                data = await _paced_body(body, expected, read_timeout)  # short bodies raise
                 check_length(len(data), expected, asked, bucket, key)
         except Exception as exc:
             if conditions and "If-None-Match" in conditions and _error_code(exc) in _NOT_MODIFIED:
@@ -448,8 +470,11 @@ class Aioboto3Store:
             kwargs["Range"] = _range_header(start, None)
         if if_match is not None:
             kwargs["IfMatch"] = if_match
+        read_timeout = self._read_timeout
         try:
-            response = await (await self._botocore()).get_object(**kwargs)
+            response = await within(head_deadline(read_timeout),
+                                    (await self._botocore()).get_object(**kwargs),
+                                    lambda: too_slow_head(read_timeout))
             answered(self._endpoint)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
@@ -459,9 +484,11 @@ class Aioboto3Store:
             asked = asked_for(kwargs.get("Range"), None if if_match is None else {"If-Match": if_match})
             due = _checked_head(response, asked, bucket, key)
             expected = -1 if due is None else due
+            pace = Pace(read_timeout)  # the consumer's own time between pieces is not counted
             while True:
                 try:
-                    chunk = await body.read(chunk_size)
+                    chunk = await paced(pace, body.read(chunk_size))
+                    pace.received += len(chunk)
                 except Exception as exc:
                     raise self._translate(exc, bucket, key) from exc
                 if not chunk:
@@ -720,6 +747,19 @@ def _checked_head(response: dict[str, Any], asked: Asked, bucket: str, key: str)
     meta = response.get("ResponseMetadata", {})
     headers = meta.get("HTTPHeaders", {})  # botocore's names are in lower case
     return check_head(int(meta.get("HTTPStatusCode", 200)), headers.get, asked, bucket, key)
+
+
+async def _paced_body(body: Any, length: int | None, read_timeout: float) -> bytes:
+    """botocore's body, read whole at the pace every answer keeps (``answer_pace``): one
+    deadline where its length is known, else one per piece."""
+    if length is not None:
+        return bytes(await within(body_deadline(read_timeout, length), body.read(),
+                                  lambda: too_slow_whole(read_timeout, length)))
+    pace, pieces = Pace(read_timeout), []
+    while piece := await paced(pace, body.read(DEFAULT_CHUNK_SIZE)):
+        pace.received += len(piece)
+        pieces.append(piece)
+    return b"".join(pieces)
 
 
 def _error_code(exc: BaseException | None) -> str:

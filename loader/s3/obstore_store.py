@@ -29,9 +29,19 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..retry import RetryPolicy, answered
+from ..retry import DEFAULT_READ_TIMEOUT, RetryPolicy, answered
 from ..uri import object_url
 from .answer_checks import Asked, asked_for, check_length, check_span
+from .answer_pace import (
+    AnswerTooSlow,
+    Pace,
+    body_deadline,
+    head_deadline,
+    paced,
+    too_slow_head,
+    too_slow_whole,
+    within,
+)
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
     DENIED_CODES,
@@ -88,8 +98,10 @@ class ObstoreStore:
     """``ObjectStore`` over obstore's ``S3Store``s; build it with ``await ObstoreStore.open()``."""
 
     def __init__(self, options: dict[str, Any], *, endpoint: str, custom_endpoint: str | None,
-                 virtual_host: bool, max_connections: int) -> None:
+                 virtual_host: bool, max_connections: int,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
         self._options = options
+        self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
         self._endpoint = endpoint
         self._custom_endpoint = custom_endpoint
         self._virtual_host = virtual_host
@@ -136,7 +148,8 @@ class ObstoreStore:
         # (bounded by botocore's timeouts); obstore calls the provider from its own threads.
         options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
         return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
-                   virtual_host=not config.path_style, max_connections=max_connections)
+                   virtual_host=not config.path_style, max_connections=max_connections,
+                   read_timeout=retry.read_timeout)
 
     def __repr__(self) -> str:
         return (f"ObstoreStore(endpoint={self._endpoint!r}, buckets={sorted(self._stores)!r}, "
@@ -210,9 +223,11 @@ class ObstoreStore:
         if self._whole_by_range:
             store = self._store(bucket)
             try:
-                data = bytes(await obstore.get_range_async(store, key, start=0, end=_TO_THE_END))
+                data = bytes(await self._one_await(obstore.get_range_async(store, key, start=0, end=_TO_THE_END)))
                 answered(self._endpoint)
                 return data
+            except AnswerTooSlow:
+                pass  # slow, or only long: the paced reading below tells which
             except Exception as exc:
                 facts = read_error_text(str(exc))
                 status = facts.status
@@ -234,11 +249,16 @@ class ObstoreStore:
             options = {**(options or {}), "if_match": pin.if_match()}
         store = self._store(bucket)
         result = None
+        read_timeout = self._read_timeout
         try:
-            result = await obstore.get_async(store, key, options=options)
+            result = await within(head_deadline(read_timeout),
+                                  obstore.get_async(store, key, options=options),
+                                  lambda: too_slow_head(read_timeout))
             if pin is not None:
                 pin.observe(result.meta.get("e_tag"), bucket, key)
-            data = await result.bytes_async()
+            length = result.range[1] - result.range[0]
+            data = await within(body_deadline(read_timeout, length), result.bytes_async(),
+                                lambda: too_slow_whole(read_timeout, length))
             answered(self._endpoint)
             start, stop = result.range
             check_span(_asked(options), start, stop, _size(result.meta), result.meta.get("e_tag"),
@@ -267,9 +287,20 @@ class ObstoreStore:
             return await self._get_pinned_range(bucket, key, start, end, pin)
         store = self._store(bucket)
         try:
-            data = await obstore.get_range_async(
-                store, key, start=start, end=_TO_THE_END if end is None else end
-            )
+            if end is None:
+                data = await self._one_await(obstore.get_range_async(store, key, start=start,
+                                                                     end=_TO_THE_END))
+            else:
+                read_timeout, length = self._read_timeout, end - start
+                data = await within(
+                    head_deadline(read_timeout) + body_deadline(read_timeout, length),
+                    obstore.get_range_async(store, key, start=start, end=end),
+                    lambda: too_slow_whole(read_timeout, length))
+        except AnswerTooSlow as exc:
+            if end is not None:
+                raise self._translate(exc, bucket, key) from exc
+            # slow, or only long: the paced reading tells which
+            return await self._get_pinned_range(bucket, key, start, end, None)
         except Exception as exc:
             if _status_of(exc) == 416:
                 await self._past_the_end(bucket, key, start, end)
@@ -285,7 +316,7 @@ class ObstoreStore:
         return bytes(data)
 
     async def _get_pinned_range(
-        self, bucket: str, key: str, start: int, end: int | None, pin: Pin
+        self, bucket: str, key: str, start: int, end: int | None, pin: Pin | None
     ) -> bytes:
         """``get_range`` through ``get_async``, which reports the ETag (one await more)."""
         byte_range: Any = {"offset": start} if end is None else (start, end)
@@ -323,8 +354,11 @@ class ObstoreStore:
         options: Any = {"range": {"offset": start}} if start else None
         if pin is not None and pin.etag is not None:
             options = {**(options or {}), "if_match": pin.if_match()}
+        read_timeout = self._read_timeout
         try:
-            result = await obstore.get_async(store, key, options=options)
+            result = await within(head_deadline(read_timeout),
+                                  obstore.get_async(store, key, options=options),
+                                  lambda: too_slow_head(read_timeout))
             first, stop = result.range
             check_span(_asked(options), first, stop, _size(result.meta), result.meta.get("e_tag"),
                        bucket, key)
@@ -345,14 +379,16 @@ class ObstoreStore:
         # (up to ~400 KiB here). Asking for half keeps chunks of 1 MiB within bounds; anything
         # longer is split below, which copies, so it should stay rare.
         chunks = result.stream(min_chunk_size=max(1, chunk_size // 2))
+        pace = Pace(read_timeout)  # the consumer's own time between chunks is not counted
         try:
             while True:
                 try:
-                    chunk = await chunks.__anext__()
+                    chunk = await paced(pace, chunks.__anext__())
                 except StopAsyncIteration:
                     break
                 except Exception as exc:
                     raise self._translate(exc, bucket, key) from exc
+                pace.received += len(chunk)
                 received += len(chunk)
                 if len(chunk) <= chunk_size:
                     yield chunk
@@ -430,6 +466,15 @@ class ObstoreStore:
             bucket=bucket, key=key,
         )
 
+    def _one_await(self, request: Any) -> Any:
+        """``request`` (head and body in one await, of a length not known before) within the
+        time the pace allows an object of up to ``read_timeout`` x ``MIN_RATE`` bytes; one that
+        takes longer is read again by ``_get_plain``, whose two awaits keep the pace for any length
+        (a body that long and slow is rare; the one await saves a third of the CPU per GET)."""
+        read_timeout = self._read_timeout
+        return within(head_deadline(read_timeout) + body_deadline(read_timeout, 0), request,
+                      lambda: AnswerTooSlow("not whole in one await"))
+
     def _translate(
         self, exc: BaseException, bucket: str, key: str, *, listing: bool = False
     ) -> BaseException:
@@ -449,6 +494,8 @@ def translate_error(
     """
     if isinstance(exc, (StoreError, ConfigError, asyncio.CancelledError)):
         return exc
+    if isinstance(exc, AnswerTooSlow):  # ours (answer_pace): its message says which limit
+        return failed_mid_request(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing)
     facts = read_error_text(str(exc))
     status, code = facts.status, facts.code
     if status is None and code != "NoSuchBucket":  # the exception's class is all there is
