@@ -386,3 +386,103 @@ async def test_a_server_that_answers_wrong_every_time_is_tried_three_times_not_t
             await call_with_retries(lambda: store.get_range("bkt", "key", 10, 20),
                                     RetryPolicy(deadline=120, base_delay=0.01))
     assert len(seen) == BAD_ANSWER_ATTEMPTS
+
+
+# ---------------------------------------------------------------- whole reads against the listing
+
+def listing_of(objects: dict[str, tuple[int, str]]) -> bytes:
+    """A ListBucketResult naming each key with the size and ETag given."""
+    contents = "".join(f"<Contents><Key>{key}</Key><LastModified>2026-11-28T10:00:00.000Z</LastModified>"
+                       f"<Size>{size}</Size><ETag>&quot;{etag}&quot;</ETag></Contents>"
+                       for key, (size, etag) in objects.items())
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="http://s3.amazonaws.com/doc/'
+            f'2006-03-01/"><Name>bkt</Name><Prefix>p/</Prefix><KeyCount>{len(objects)}</KeyCount>'
+            f"<MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>{contents}</ListBucketResult>").encode()
+
+
+def listed_server(listed: dict[str, tuple[int, str]], served: dict[str, tuple[bytes, str]]):
+    """LIST answers ``listed``; a GET of a key answers its body and ETag from ``served``."""
+
+    def answer(request):
+        path = request.target.split("?")[0]
+        if "list-type=2" in request.target:
+            return [ok(listing_of(listed), ETag="")]
+        body, etag = served[path.removeprefix("/bkt/")]
+        return [right(request, body).replace(b'ETag: "e"', f'ETag: "{etag}"'.encode())]
+
+    return answer
+
+
+def dataset_over(transport: str, endpoint: str, mapped: bool = False) -> Any:
+    from loader import AsyncS3Dataset, AsyncS3MapDataset, Store
+
+    async def factory() -> Any:
+        return await _open(transport, endpoint)
+
+    kind = AsyncS3MapDataset if mapped else AsyncS3Dataset
+    return kind.from_prefix("s3://bkt/p/", store=Store(backend=factory, retry=RetryPolicy(deadline=5, base_delay=0.01)))
+
+
+async def _open(transport: str, endpoint: str) -> Any:
+    config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
+    retry = RetryPolicy(connect_timeout=2, read_timeout=2, deadline=5)
+    if transport == "obstore":
+        from loader.s3.obstore_store import ObstoreStore
+
+        return await ObstoreStore.open(config, max_connections=2, retry=retry)
+    from loader.s3.aioboto3_store import Aioboto3Store
+
+    return await Aioboto3Store.open(config, max_connections=2, retry=retry, direct_gets=transport == "http1")
+
+
+WHOLE_READS = ["http1", "botocore", "obstore"]
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["iterable", "map"])
+@pytest.mark.parametrize("transport", WHOLE_READS)
+def test_a_listed_version_shorter_than_listed_is_an_error(transport, mapped):
+    """990 of the 1,000 bytes the listing gave, under the ETag it gave: never a sample."""
+    listed = {"p/a.bin": (1000, "e")}
+    answer = listed_server(listed, {"p/a.bin": (OBJECT[:990], "e")})
+    with _serving(answer) as (endpoint, seen):
+        ds = dataset_over(transport, endpoint, mapped)
+        with pytest.raises(BadAnswerError, match=r"s3://bkt/p/a\.bin: .*listed size 1,000.* 990 bytes of "
+                                                 r"the listed version \(ETag e\).*gave up after 3 attempt"):
+            list(ds) if not mapped else ds[0]
+    gets = [r for r in seen if "list-type" not in r.target]
+    assert 2 <= len(gets) <= 8, f"{len(gets)} GETs: one read, then three that learn the ETag"
+
+
+@pytest.mark.parametrize("transport", WHOLE_READS)
+def test_a_version_written_since_the_listing_is_read_as_it_now_is(transport):
+    listed = {"p/a.bin": (1000, "e"), "p/b.bin": (1000, "e")}
+    newer = (OBJECT + b"more", "f")
+    answer = listed_server(listed, {"p/a.bin": (OBJECT, "e"), "p/b.bin": newer})
+    with _serving(answer) as (endpoint, _):
+        samples = list(dataset_over(transport, endpoint))
+    assert [s["bin"] for s in samples] == [OBJECT, OBJECT + b"more"]
+
+
+@contextlib.contextmanager
+def _serving(answer):
+    """``bent_server`` in a thread of its own, for datasets, which run their own event loops."""
+    import threading
+
+    ready: Any = {}
+    stop = threading.Event()
+
+    async def run() -> None:
+        async with bent_server(answer) as served:
+            ready["served"] = served
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+
+    thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
+    thread.start()
+    while "served" not in ready and thread.is_alive():
+        stop.wait(0.01)
+    try:
+        yield ready["served"]
+    finally:
+        stop.set()
+        thread.join(5)
