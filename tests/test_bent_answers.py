@@ -109,10 +109,9 @@ async def test_an_answer_not_what_was_asked_is_an_error_naming_both(transport, c
             pytest.fail(f"{case}: {len(got)} bytes handed on: {got[:40]!r}")
     error = info.value
     assert seen, "the request reached the server"
-    if transport != "obstore" or isinstance(error, BadAnswerError):
-        assert isinstance(error, BadAnswerError), f"{case} through {transport}: {error!r}"
-        assert "s3://bkt/key" in str(error) and "GET" in str(error), str(error)
-        assert len(str(error)) < 600
+    assert isinstance(error, BadAnswerError), f"{case} through {transport}: {error!r}"
+    assert "s3://bkt/key" in str(error) and "GET" in str(error), str(error)
+    assert len(str(error)) < 600
 
 
 GOOD = {
@@ -149,13 +148,11 @@ OBSTORE_BLIND = {"206 to a plain GET", "206 of half to a whole read by range",
                  "206 of part of the remainder"}
 
 
-@pytest.mark.parametrize("transport", ["http1", "botocore", "stdlib"])
+@pytest.mark.parametrize("transport", ["http1", "botocore", "obstore"])  # (the lister does not stream)
 async def test_a_stream_of_a_range_ignored_fails_before_a_byte(transport):
-    if transport == "stdlib":
-        return  # the lister does not stream
     async with bent_server(lambda r: [ok(OBJECT)]) as (endpoint, _), store_at(transport, endpoint) as store:
         pieces = []
-        with pytest.raises(BadAnswerError, match=r"HTTP 200 .* to a ranged read"):
+        with pytest.raises(BadAnswerError, match=r"HTTP 200 .* to a ranged read|non-partial response"):
             async for piece in store.stream("bkt", "key", start=100):
                 pieces.append(piece)
         assert pieces == [], "nothing of the wrong answer was delivered"
@@ -165,7 +162,8 @@ async def test_a_stream_of_a_range_ignored_fails_before_a_byte(transport):
 
 def page(keys: list[str], *, truncated: bool = False, token: str | None = None, root: str = "ListBucketResult",
          raw_keys: list[str] | None = None) -> bytes:
-    contents = "".join(f"<Contents><Key>{key}</Key><Size>3</Size><ETag>&quot;e&quot;</ETag></Contents>"
+    contents = "".join(f"<Contents><Key>{key}</Key><LastModified>2026-11-28T10:00:00.000Z</LastModified>"
+                       "<Size>3</Size><ETag>&quot;e&quot;</ETag></Contents>"
                        for key in (raw_keys if raw_keys is not None else keys))
     tail = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<{root} xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
@@ -210,7 +208,40 @@ async def test_a_listing_page_is_a_list_bucket_result_or_an_error(transport, cas
         assert "page" in text
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+# object_store parses listing pages and follows their continuation tokens itself: what it reads
+# as a listing though it is none (it sees no root element's name, and a missing token as the end),
+# recorded here and in docs/design/obstore.md; every other case is refused, by it or by our
+# checks above it (keys that go backwards, a deadline per batch of keys)
+OBSTORE_LISTS = {"an HTML page": [], "an <Error> with 200": [], "truncated without a token": ["p/a", "p/b"]}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGES))
+async def test_obstore_ends_every_listing_that_is_not_one_or_is_recorded(case):
+    count = [0]
+
+    def answer(request):
+        count[0] += 1
+        return [ok(BAD_PAGES[case](count[0]), ETag="")]
+
+    async with bent_server(answer) as (endpoint, seen), \
+            store_at("obstore", endpoint, read_timeout=0.2) as store, \
+            contextlib.aclosing(store.list_pages("bkt", "p/", page_size=5)) as pages:
+        if case in OBSTORE_LISTS:
+            assert [info.key async for page in pages for info in page.objects] == OBSTORE_LISTS[case]
+            assert len(seen) == 1
+            return
+        with pytest.raises(StoreError) as info:
+            async for _ in pages:
+                pass
+    text = str(info.value)
+    assert "s3://bkt/p/" in text and len(text) < 700, text
+    if case == "zero keys claiming more":  # object_store asks on and on, unseen: a deadline ends it
+        assert isinstance(info.value, TransientStoreError) and "no page of 5 keys within" in text, text
+    else:  # ('p/10' after 'p/9' goes backwards in either order: the tenth page ends the loop)
+        assert isinstance(info.value, BadAnswerError) and len(seen) <= 10, (text, len(seen))
+
+
+@pytest.mark.parametrize("transport", ["http1", "stdlib", "obstore"])
 async def test_keys_are_read_as_xml_means_them_not_as_html_would(transport):
     """A server that ignores encoding-type=url sends ``&#x85;`` for U+0085: html.unescape made
     it an ellipsis (another key); expat reads the character itself."""
@@ -243,11 +274,19 @@ FRAMINGS = {
 }
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+# hyper (under obstore) reads a body framed both ways by its chunks, as RFC 9112 says to, where
+# ours refuse it as a sign of smuggling: both read the chunked body whole, no byte past it
+OBSTORE_READS = {"Transfer-Encoding and Content-Length": b"abc"}
+
+
+@pytest.mark.parametrize("transport", ["http1", "stdlib", "obstore"])
 @pytest.mark.parametrize("case", list(FRAMINGS))
 async def test_an_answer_that_breaks_framing_is_an_error_and_its_connection_closed(transport, case):
     async with bent_server(lambda r: [FRAMINGS[case]]) as (endpoint, seen), \
             store_at(transport, endpoint) as store:
+        if transport == "obstore" and case in OBSTORE_READS:
+            assert await store.get("bkt", "key") == OBSTORE_READS[case]
+            return
         with pytest.raises(BadAnswerError, match=r"s3://bkt/key") as info:
             await store.get("bkt", "key")
         assert len(str(info.value)) < 600
@@ -256,7 +295,7 @@ async def test_an_answer_that_breaks_framing_is_an_error_and_its_connection_clos
     assert len(seen) == 2
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+@pytest.mark.parametrize("transport", ["http1", "stdlib", "obstore"])
 async def test_bytes_past_an_answer_never_become_the_next_one(transport):
     smuggled = head("200 OK", {"Content-Length": 12, "ETag": '"e"'}) + b"WRONG BYTES!"
     answers = iter([[ok(OBJECT) + smuggled], [ok(OBJECT)], [ok(OBJECT)]])
@@ -376,13 +415,14 @@ async def test_error_answers_are_ours_short_and_say_what_to_do(transport, case):
     assert len(text) < 700 and "\x1b" not in text, text
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_server_that_answers_wrong_every_time_is_tried_three_times_not_two_minutes(transport):
     from loader.retry import BAD_ANSWER_ATTEMPTS, call_with_retries
 
     async with bent_server(lambda r: [ok(OBJECT)]) as (endpoint, seen), \
             store_at(transport, endpoint) as store:
-        with pytest.raises(BadAnswerError, match=r"HTTP 200 .* to a ranged read.*gave up after 3 attempt"):
+        with pytest.raises(BadAnswerError, match=r"(HTTP 200 .* to a ranged read|non-partial response)"
+                                                 r".*gave up after 3 attempt"):
             await call_with_retries(lambda: store.get_range("bkt", "key", 10, 20),
                                     RetryPolicy(deadline=120, base_delay=0.01))
     assert len(seen) == BAD_ANSWER_ATTEMPTS

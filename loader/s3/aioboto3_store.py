@@ -33,6 +33,7 @@ from ..uri import object_url
 from .addressing import NotServed
 from .answer_checks import Asked, asked_for, check_head, check_length
 from .answer_pace import (
+    LISTED_BYTES,
     AnswerTooSlow,
     Pace,
     body_deadline,
@@ -74,8 +75,6 @@ _STREAM_ERRORS = (
     asyncio.TimeoutError,
     ConnectionError,  # http1's ResponseBroken too
 )
-
-_LISTED_BYTES = 2 << 10  # a listing page's bytes per key at most (a key is at most 1 KiB, plus its XML)
 
 _SAID: set[tuple[str, str, str]] = set()  # fallbacks already named in this process
 
@@ -321,7 +320,7 @@ class Aioboto3Store:
             kwargs["Delimiter"] = delimiter
         # botocore reads a page whole: one deadline, for a page of page_size keys at most
         allowed = head_deadline(self._read_timeout) + body_deadline(self._read_timeout,
-                                                                    page_size * _LISTED_BYTES)
+                                                                    page_size * LISTED_BYTES)
         page = await within(allowed, (await self._botocore()).list_objects_v2(**kwargs),
                             lambda: AnswerTooSlow(f"the listing page was not whole after {allowed:g} s"))
         answered(self._endpoint)

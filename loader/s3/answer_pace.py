@@ -19,6 +19,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 MIN_RATE = 16 << 10  # bytes/s: a body waited for read_timeout in all must have come this fast
+LISTED_BYTES = 2 << 10  # a listing page's bytes per key at most (a key is at most 1 KiB, plus its XML)
 
 
 class AnswerTooSlow(TimeoutError):

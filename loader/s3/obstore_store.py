@@ -31,8 +31,9 @@ from ..errors import (
 )
 from ..retry import DEFAULT_READ_TIMEOUT, RetryPolicy, answered
 from ..uri import object_url
-from .answer_checks import Asked, asked_for, check_length, check_span
+from .answer_checks import Asked, asked_for, bad_answer, check_length, check_span
 from .answer_pace import (
+    LISTED_BYTES,
     AnswerTooSlow,
     Pace,
     body_deadline,
@@ -46,6 +47,7 @@ from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
     DENIED_CODES,
     certificate_rejected,
+    clean,
     error_for_answer,
     failed_mid_request,
     no_credentials,
@@ -53,6 +55,7 @@ from .error_answers import (
     target,
     unreachable,
 )
+from .list_xml import not_a_listing
 from .listing_order import SERVERS
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
@@ -196,13 +199,28 @@ class ObstoreStore:
         if offset is None or (below is not None and offset < below):
             offset = below
         batches = obstore.list(store, directory or None, offset=offset, chunk_size=page_size)
+        # object_store follows continuation tokens itself, unseen: a server that answers one
+        # again, or answers empty pages that claim more, would have it ask forever. So each
+        # batch has a deadline, as a page's answer would, and keys must go forward.
+        read_timeout, last = self._read_timeout, None
+        allowed = head_deadline(read_timeout) + body_deadline(read_timeout, page_size * LISTED_BYTES)
         while True:
             try:
-                batch = await batches.__anext__()
+                batch = await within(allowed, batches.__anext__(), lambda: AnswerTooSlow(
+                    f"no page of {page_size} keys within {allowed:g} s; object_store follows the "
+                    "continuation tokens itself: a server that answers empty pages that claim more "
+                    "keeps it asking"))
             except StopAsyncIteration:
                 break
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
+            for meta in batch:
+                key = meta["path"]
+                if last is not None and not SERVERS.forward(last, key):
+                    raise not_a_listing(bucket, prefix, token, f"{clean(key, 80)!r} came after "
+                                        f"{clean(last, 80)!r}: a continuation token answered again "
+                                        "(object_store follows them itself); the listing would loop")
+                last = key
             objects = []
             for meta in batch:
                 key = meta["path"]
@@ -515,6 +533,12 @@ def translate_error(
         return plain_http_server(endpoint, bucket, key, listing=listing)
     if facts.kind == "Connect":
         return unreachable(endpoint, bucket, key, listing=listing, reason=facts.os_message)
+    if facts.refused_answer is not None:  # a server that answered, but not what was asked
+        refused = facts.refused_answer
+        if refused.startswith("Content-Length Header missing"):
+            refused += (" (object_store reads only bodies of a stated length: store='aioboto3' "
+                        "reads chunked ones too)")
+        return bad_answer(Asked(), bucket, key, f"{refused} (object_store's check)", listing=listing)
     if facts.failure is not None:
         return failed_mid_request(bucket, key, facts.failure, listing=listing)
     what = target(bucket, key, listing=listing)
@@ -547,6 +571,11 @@ _RANGE_NOT_HONOURED_RE = re.compile(
     r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
 )
 _PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
+# an answer object_store refused: a range or framing not asked for, a listing page it cannot read
+_REFUSED_RE = re.compile(r"(Received non-partial response when range requested|Requested \d+\.\.\d+, "
+                         r"got \d+\.\.\d+|Content-Length Header missing from response|Got invalid "
+                         r"list response: [^\n]{0,160})")
+_HYPER_PARSE_RE = re.compile(r"hyper::Error\(\s*Parse\(\s*(\w+)(?:\(\s*(\w+))?")
 
 
 class ErrorText(NamedTuple):
@@ -561,6 +590,7 @@ class ErrorText(NamedTuple):
     failure: str | None  # how a request failed mid-way, in a few words (None: it did not)
     range_not_honoured: bool  # a 200 or another range where a range was asked for
     unaddressable: bool  # a key object_store cannot express as a path
+    refused_answer: str | None  # object_store's or hyper's words for an answer it refused (None: none)
 
 
 def read_error_text(text: str) -> ErrorText:
@@ -599,7 +629,19 @@ def read_error_text(text: str) -> ErrorText:
         failure=failure,
         range_not_honoured=_RANGE_NOT_HONOURED_RE.search(text) is not None,
         unaddressable=any(marker in text for marker in _PATH_ERROR_MARKERS),
+        refused_answer=_refused(text),
     )
+
+
+def _refused(text: str) -> str | None:
+    """What object_store (or hyper under it) refused in an answer, in its words."""
+    found = _REFUSED_RE.search(text)
+    if found is not None:
+        return found.group(1)
+    parse = _HYPER_PARSE_RE.search(text)
+    if parse is not None:
+        return "hyper could not parse the answer: " + " ".join(part for part in parse.groups() if part)
+    return None
 
 
 def _status_of(exc: BaseException | None) -> int | None:
