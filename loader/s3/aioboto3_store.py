@@ -585,18 +585,19 @@ class Aioboto3Store:
         return translate_error(exc, bucket=bucket, key=key, endpoint=self._endpoint, listing=listing)
 
 
-def _aiohttp_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
-    """aiohttp's TLS, connect and mid-request error classes, where botocore's path imported it;
-    empty where nothing did.
+def _aiohttp_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """aiohttp's TLS, connect, mid-request and unparsable-answer error classes, where botocore's
+    path imported it; empty where nothing did.
 
     The direct transport needs no aiohttp, and importing it costs ~90 ms before a first sample
     (its connector builds SSL contexts at import), so this module does not import it: an
     aiohttp error can only come from a store that did."""
     aiohttp = sys.modules.get("aiohttp")
     if aiohttp is None:
-        return (), (), ()
+        return (), (), (), ()
     return ((aiohttp.ClientSSLError,), (aiohttp.ClientConnectorError,),
-            (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+            (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError),
+            (aiohttp.ClientResponseError,))  # what its parser refused (botocore never raises for status)
 
 
 def translate_error(
@@ -611,7 +612,12 @@ def translate_error(
         status = int(meta.get("HTTPStatusCode", 0) or 0)
         return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
                                 listing=listing, headers=meta.get("HTTPHeaders", {}).get)
-    aiohttp_tls, aiohttp_connect, aiohttp_stream = _aiohttp_errors()
+    aiohttp_tls, aiohttp_connect, aiohttp_stream, aiohttp_unparsable = _aiohttp_errors()
+    inner: Any = exc.kwargs.get("error") if isinstance(exc, bce.HTTPClientError) else None
+    if isinstance(inner, aiohttp_unparsable):  # an answer that broke HTTP/1.1 (a status line,
+        # a length, a chunk size): aiohttp closes such a connection
+        return broken_framing(bucket, key, " ".join(str(getattr(inner, "message", inner)).split()),
+                              listing=listing)
     if isinstance(exc, (bce.SSLError, ssl.SSLError, *aiohttp_tls)):
         return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
