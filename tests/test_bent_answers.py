@@ -529,3 +529,16 @@ def _serving(answer):
     finally:
         stop.set()
         thread.join(5)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_throttles_retry_after_reaches_the_retries(transport):
+    """``Retry-After`` on a SlowDown is what the retries wait for (within the policy); obstore
+    exposes no header of an error answer, so there the backoff alone decides (recorded)."""
+    from loader.errors import ThrottledError
+
+    answer = s3_error("503 Slow Down", "SlowDown", "slow", Retry_After=2)
+    async with bent_server(lambda r: [answer]) as (endpoint, _), store_at(transport, endpoint) as store:
+        with pytest.raises(ThrottledError, match=r"s3://bkt/key.*SlowDown") as info:
+            await store.get("bkt", "key")
+    assert info.value.retry_after == (None if transport == "obstore" else 2)
