@@ -29,9 +29,10 @@ def anyio_backend():
 
 
 @contextlib.asynccontextmanager
-async def store_at(transport: str, endpoint: str, read_timeout: float = 2) -> AsyncIterator[Any]:
+async def store_at(transport: str, endpoint: str, read_timeout: float = 2,
+                   deadline: float = 5) -> AsyncIterator[Any]:
     config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
-    retry = RetryPolicy(connect_timeout=2, read_timeout=read_timeout, deadline=5)
+    retry = RetryPolicy(connect_timeout=2, read_timeout=read_timeout, deadline=deadline)
     if transport == "stdlib":
         from loader.s3.http_client import HttpLister
 
@@ -365,17 +366,15 @@ SLOW_HEADS = {"http1": ["get"], "stdlib": ["get"], "botocore": ["get", "stream"]
                          + [(t, how, "head") for t, hows in SLOW_HEADS.items() for how in hows])
 async def test_a_slowloris_answer_fails_like_a_stall(transport, how, part):
     """One byte every 50 ms never leaves a read waiting for read_timeout (0.2 s), yet the answer
-    fails well before the trickle ends (10 s), as a stall does (retried: TransientStoreError)."""
+    fails before the trickle ends (10 s, which would read it whole: obstore's own limit per
+    request, the deadline, is 60 s here), as a stall does (retried: TransientStoreError)."""
     async with bent_server(trickle(part)) as (endpoint, seen), \
-            store_at(transport, endpoint, read_timeout=0.2) as store:
-        started = asyncio.get_running_loop().time()
+            store_at(transport, endpoint, read_timeout=0.2, deadline=60) as store:
         with pytest.raises(TransientStoreError) as info:
             await read_by(store, how)
-        took = asyncio.get_running_loop().time() - started
     assert not isinstance(info.value, BadAnswerError), "a slow server is a stall, not a wrong answer"
     text = str(info.value)
     assert "s3://bkt/key" in text and any(word in text for word in SLOW_WORDS), text
-    assert took < 8, f"{took:.1f} s: the trickle ran its course"  # a bound, not a measurement
     assert len(seen) <= 2
 
 
