@@ -30,9 +30,9 @@ def anyio_backend():
 
 @contextlib.asynccontextmanager
 async def store_at(transport: str, endpoint: str, read_timeout: float = 2,
-                   deadline: float = 5) -> AsyncIterator[Any]:
+                   deadline: float = 5, connect_timeout: float = 2) -> AsyncIterator[Any]:
     config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
-    retry = RetryPolicy(connect_timeout=2, read_timeout=read_timeout, deadline=deadline)
+    retry = RetryPolicy(connect_timeout=connect_timeout, read_timeout=read_timeout, deadline=deadline)
     if transport == "stdlib":
         from loader.s3.http_client import HttpLister
 
@@ -228,7 +228,7 @@ async def test_obstore_ends_every_listing_that_is_not_one_or_is_recorded(case):
         return [ok(BAD_PAGES[case](count[0]), ETag="")]
 
     async with bent_server(answer) as (endpoint, seen), \
-            store_at("obstore", endpoint, read_timeout=0.2) as store, \
+            store_at("obstore", endpoint, read_timeout=0.2, connect_timeout=0.2) as store, \
             contextlib.aclosing(store.list_pages("bkt", "p/", page_size=5)) as pages:
         if case in OBSTORE_LISTS:
             assert [info.key async for page in pages for info in page.objects] == OBSTORE_LISTS[case]
@@ -369,7 +369,7 @@ async def test_a_slowloris_answer_fails_like_a_stall(transport, how, part):
     fails before the trickle ends (10 s, which would read it whole: obstore's own limit per
     request, the deadline, is 60 s here), as a stall does (retried: TransientStoreError)."""
     async with bent_server(trickle(part)) as (endpoint, seen), \
-            store_at(transport, endpoint, read_timeout=0.2, deadline=60) as store:
+            store_at(transport, endpoint, read_timeout=0.2, deadline=60, connect_timeout=0.2) as store:
         with pytest.raises(TransientStoreError) as info:
             await read_by(store, how)
     assert not isinstance(info.value, BadAnswerError), "a slow server is a stall, not a wrong answer"

@@ -28,7 +28,7 @@ from botocore import exceptions as bce
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
-from ..retry import DEFAULT_READ_TIMEOUT, RetryPolicy, answered
+from ..retry import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RetryPolicy, answered
 from ..uri import object_url
 from .addressing import NotServed
 from .answer_checks import Asked, asked_for, check_head, check_length
@@ -162,8 +162,10 @@ class Aioboto3Store:
         endpoint: str,
         getter: SignedGetter | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
+        self._head = head_deadline(read_timeout, connect_timeout)  # connecting included
         self._made_client = client  # or an async factory of it: made on first use
         self._client_lock = asyncio.Lock()
         self._stack = stack
@@ -230,7 +232,7 @@ class Aioboto3Store:
         try:
             if not direct_gets:
                 return cls(await make_client(), stack, config.endpoint_url or "AWS S3",
-                           read_timeout=retry.read_timeout)
+                           read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
             frozen = _given_credentials(config) or _found_credentials(config)
             if frozen is None:
                 with _SESSIONS.borrow(config) as session:
@@ -247,7 +249,7 @@ class Aioboto3Store:
             await stack.aclose()
             raise
         return cls(make_client, stack, config.endpoint_url or "AWS S3", getter,
-                   read_timeout=retry.read_timeout)
+                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
 
     def _direct(self, bucket: str) -> SignedGetter | None:
         """The signed path for ``bucket``'s requests, or None where botocore's serves them."""
@@ -319,7 +321,7 @@ class Aioboto3Store:
         if delimiter:
             kwargs["Delimiter"] = delimiter
         # botocore reads a page whole: one deadline, for a page of page_size keys at most
-        allowed = head_deadline(self._read_timeout) + body_deadline(self._read_timeout,
+        allowed = self._head + body_deadline(self._read_timeout,
                                                                     page_size * LISTED_BYTES)
         page = await within(allowed, (await self._botocore()).list_objects_v2(**kwargs),
                             lambda: AnswerTooSlow(f"the listing page was not whole after {allowed:g} s"))
@@ -379,8 +381,8 @@ class Aioboto3Store:
                 kwargs[name] = conditions[header]
         try:
             client, read_timeout = await self._botocore(), self._read_timeout
-            response = await within(head_deadline(read_timeout), client.get_object(**kwargs),
-                                    lambda: too_slow_head(read_timeout))
+            response = await within(self._head, client.get_object(**kwargs),
+                                    lambda: too_slow_head(self._head))
             answered(self._endpoint)
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
@@ -471,9 +473,9 @@ class Aioboto3Store:
             kwargs["IfMatch"] = if_match
         read_timeout = self._read_timeout
         try:
-            response = await within(head_deadline(read_timeout),
+            response = await within(self._head,
                                     (await self._botocore()).get_object(**kwargs),
-                                    lambda: too_slow_head(read_timeout))
+                                    lambda: too_slow_head(self._head))
             answered(self._endpoint)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc

@@ -2,7 +2,7 @@
 
 A read timeout restarts at every byte, so a server that sends one byte a second never trips it.
 Every answer is therefore also held to a pace: its head whole within ``head_deadline`` (twice
-the read timeout), its body, once waited for ``read_timeout`` in all, come at ``MIN_RATE``
+the read timeout, after connecting), its body, once waited for ``read_timeout`` in all, come at ``MIN_RATE``
 bytes/s or faster. ``http1`` and the standard-library lister check it as bytes arrive;
 botocore's and obstore's readers are not ours, so their paths put ``within`` around their awaits:
 one for the head, one for a body of known length (``body_deadline``), one per piece (``Pace``)
@@ -26,9 +26,10 @@ class AnswerTooSlow(TimeoutError):
     """An answer that did not keep the pace; its message says which part, and its limit."""
 
 
-def head_deadline(read_timeout: float) -> float:
-    """Seconds an answer's status line and headers may take, together."""
-    return 2 * read_timeout
+def head_deadline(read_timeout: float, connect_timeout: float = 0.0) -> float:
+    """Seconds an answer's status line and headers may take, together; with ``connect_timeout``
+    where the awaited request opens its connection too (botocore's, obstore's)."""
+    return connect_timeout + 2 * read_timeout
 
 
 def body_deadline(read_timeout: float, length: int) -> float:
@@ -36,9 +37,9 @@ def body_deadline(read_timeout: float, length: int) -> float:
     return max(read_timeout, length / MIN_RATE)
 
 
-def too_slow_head(read_timeout: float) -> AnswerTooSlow:
-    return AnswerTooSlow(f"the answer's head was not whole after {head_deadline(read_timeout):g} s "
-                         "(twice RetryPolicy.read_timeout)")
+def too_slow_head(seconds: float) -> AnswerTooSlow:
+    return AnswerTooSlow(f"the answer's head was not whole after {seconds:g} s (RetryPolicy's "
+                         "connect_timeout, then twice its read_timeout)")
 
 
 def too_slow_body(read_timeout: float, received: int, waited: float) -> AnswerTooSlow:

@@ -29,7 +29,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..retry import DEFAULT_READ_TIMEOUT, RetryPolicy, answered
+from ..retry import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RetryPolicy, answered
 from ..uri import object_url
 from .answer_checks import Asked, asked_for, bad_answer, check_length, check_span
 from .answer_pace import (
@@ -102,9 +102,11 @@ class ObstoreStore:
 
     def __init__(self, options: dict[str, Any], *, endpoint: str, custom_endpoint: str | None,
                  virtual_host: bool, max_connections: int,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
         self._options = options
         self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
+        self._head = head_deadline(read_timeout, connect_timeout)  # connecting included
         self._endpoint = endpoint
         self._custom_endpoint = custom_endpoint
         self._virtual_host = virtual_host
@@ -152,7 +154,7 @@ class ObstoreStore:
         options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
         return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
                    virtual_host=not config.path_style, max_connections=max_connections,
-                   read_timeout=retry.read_timeout)
+                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
 
     def __repr__(self) -> str:
         return (f"ObstoreStore(endpoint={self._endpoint!r}, buckets={sorted(self._stores)!r}, "
@@ -203,7 +205,7 @@ class ObstoreStore:
         # again, or answers empty pages that claim more, would have it ask forever. So each
         # batch has a deadline, as a page's answer would, and keys must go forward.
         read_timeout, last = self._read_timeout, None
-        allowed = head_deadline(read_timeout) + body_deadline(read_timeout, page_size * LISTED_BYTES)
+        allowed = self._head + body_deadline(read_timeout, page_size * LISTED_BYTES)
         while True:
             try:
                 batch = await within(allowed, batches.__anext__(), lambda: AnswerTooSlow(
@@ -269,9 +271,9 @@ class ObstoreStore:
         result = None
         read_timeout = self._read_timeout
         try:
-            result = await within(head_deadline(read_timeout),
+            result = await within(self._head,
                                   obstore.get_async(store, key, options=options),
-                                  lambda: too_slow_head(read_timeout))
+                                  lambda: too_slow_head(self._head))
             if pin is not None:
                 pin.observe(result.meta.get("e_tag"), bucket, key)
             length = result.range[1] - result.range[0]
@@ -311,7 +313,7 @@ class ObstoreStore:
             else:
                 read_timeout, length = self._read_timeout, end - start
                 data = await within(
-                    head_deadline(read_timeout) + body_deadline(read_timeout, length),
+                    self._head + body_deadline(read_timeout, length),
                     obstore.get_range_async(store, key, start=start, end=end),
                     lambda: too_slow_whole(read_timeout, length))
         except AnswerTooSlow as exc:
@@ -374,9 +376,9 @@ class ObstoreStore:
             options = {**(options or {}), "if_match": pin.if_match()}
         read_timeout = self._read_timeout
         try:
-            result = await within(head_deadline(read_timeout),
+            result = await within(self._head,
                                   obstore.get_async(store, key, options=options),
-                                  lambda: too_slow_head(read_timeout))
+                                  lambda: too_slow_head(self._head))
             first, stop = result.range
             check_span(_asked(options), first, stop, _size(result.meta), result.meta.get("e_tag"),
                        bucket, key)
@@ -490,7 +492,7 @@ class ObstoreStore:
         takes longer is read again by ``_get_plain``, whose two awaits keep the pace for any length
         (a body that long and slow is rare; the one await saves a third of the CPU per GET)."""
         read_timeout = self._read_timeout
-        return within(head_deadline(read_timeout) + body_deadline(read_timeout, 0), request,
+        return within(self._head + body_deadline(read_timeout, 0), request,
                       lambda: AnswerTooSlow("not whole in one await"))
 
     def _translate(
