@@ -498,7 +498,8 @@ def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
     listed_keys = index.keys
     etags = ([listed_keys.etag(p) for p in index.positions(sample)]
              if index.pinned and isinstance(listed_keys, KeyList) else None)
-    listings = [listed(listed_keys, p) for p in index.positions(sample)]
+    listings = ([listed(listed_keys, p) for p in index.positions(sample)]
+                if isinstance(listed_keys, KeyList) and listed_keys.has_sizes else None)
 
     async def job(ctx: JobContext) -> None:
         try:
