@@ -2,8 +2,8 @@
 
 A read timeout restarts at every byte, so a server that sends one byte a second never trips it.
 Every answer is therefore also held to a pace: its head whole within ``head_deadline`` (twice
-the read timeout, after connecting), its body, once waited for ``read_timeout`` in all, come at ``MIN_RATE``
-bytes/s or faster. ``http1`` and the standard-library lister check it as bytes arrive;
+the read timeout, after connecting), its body, once waited for ``read_timeout`` in all, come at
+``MIN_RATE`` bytes/s or faster. ``http1`` and the standard-library lister check it as bytes arrive;
 botocore's and obstore's readers are not ours, so their paths put ``within`` around their awaits:
 one for the head, one for a body of known length (``body_deadline``), one per piece (``Pace``)
 where the body is streamed or its length unknown. Pure but for ``within``.
