@@ -175,6 +175,21 @@ def test_shard_replaced_between_listing_and_reading_is_read_in_its_new_version(s
     assert len(samples) == 30 and versions_of(samples) == {2}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_object_replaced_at_another_size_after_the_listing_is_read_in_its_new_version(s3_server, backend):
+    """A whole read is held to the size its listing gave only for the version listed: the
+    server's ETag on the answer tells that a shorter or longer body is a version written since."""
+    bucket = s3_server.new_bucket()
+    for name in ("a", "b", "c"):
+        upload(s3_server, bucket, f"p/{name}.bin", bytes([1]) * 1000)
+    dataset = AsyncS3Dataset.from_prefix(f"s3://{bucket}/p/", shuffle=False,
+                                         store=functools.partial(open_backend, backend, s3_server.config))
+    assert len(dataset) == 3  # listed: 1,000 bytes each
+    upload(s3_server, bucket, "p/b.bin", bytes([2]) * 990)
+    upload(s3_server, bucket, "p/c.bin", bytes([3]) * 1500)
+    assert [sample["bin"] for sample in dataset] == [bytes([1]) * 1000, bytes([2]) * 990, bytes([3]) * 1500]
+
+
 # --------------------------------------------------------------------------- resumed streams
 
 

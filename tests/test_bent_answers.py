@@ -4,6 +4,7 @@ wrong answer is an error naming the request and what came back, never bytes hand
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ from bent_server import CLOSE, bent_server, head, ok
 from loader.config import S3Config
 from loader.errors import BadAnswerError, StoreError, TransientStoreError
 from loader.retry import RetryPolicy
-from loader.s3.answer_checks import check_size
+from loader.s3.listed_reads import reread_listed
 from loader.s3.protocol import Pin
 
 pytestmark = pytest.mark.anyio
@@ -28,9 +29,10 @@ def anyio_backend():
 
 
 @contextlib.asynccontextmanager
-async def store_at(transport: str, endpoint: str, read_timeout: float = 2) -> AsyncIterator[Any]:
+async def store_at(transport: str, endpoint: str, read_timeout: float = 2,
+                   deadline: float = 5, connect_timeout: float = 2) -> AsyncIterator[Any]:
     config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
-    retry = RetryPolicy(connect_timeout=2, read_timeout=read_timeout, deadline=5)
+    retry = RetryPolicy(connect_timeout=connect_timeout, read_timeout=read_timeout, deadline=deadline)
     if transport == "stdlib":
         from loader.s3.http_lister import HttpLister
 
@@ -99,19 +101,21 @@ async def test_an_answer_not_what_was_asked_is_an_error_naming_both(transport, c
     if _skip_unasked(transport, request):
         return
     async with bent_server(answer) as (endpoint, seen), store_at(transport, endpoint) as store:
-        with pytest.raises(StoreError) as info:
-            got = await ask(store, request)
-            if transport == "obstore" and case in OBSTORE_BLIND:
-                # object_store reports such an answer as a whole object of that length: only
-                # the size a listing gave catches it, which the caller checks
-                check_size(got, len(OBJECT), "bkt", "key")
-            pytest.fail(f"{case}: {len(got)} bytes handed on: {got[:40]!r}")
+        if transport == "obstore" and case in OBSTORE_BLIND:
+            # object_store reports such an answer as a whole object of that length (recorded
+            # here): only the size a listing gave catches it, which the dataset checks
+            assert len(await ask(store, request)) == 500
+            with pytest.raises(StoreError) as info:
+                await reread_listed(store, "bkt", "key", len(OBJECT), "e", RetryPolicy(base_delay=0.01))
+        else:
+            with pytest.raises(StoreError) as info:
+                got = await ask(store, request)
+                pytest.fail(f"{case}: {len(got)} bytes handed on: {got[:40]!r}")
     error = info.value
     assert seen, "the request reached the server"
-    if transport != "obstore" or isinstance(error, BadAnswerError):
-        assert isinstance(error, BadAnswerError), f"{case} through {transport}: {error!r}"
-        assert "s3://bkt/key" in str(error) and "GET" in str(error), str(error)
-        assert len(str(error)) < 600
+    assert isinstance(error, BadAnswerError), f"{case} through {transport}: {error!r}"
+    assert "s3://bkt/key" in str(error) and "GET" in str(error), str(error)
+    assert len(str(error)) < 600
 
 
 GOOD = {
@@ -142,19 +146,17 @@ async def test_answers_that_are_what_was_asked_are_read(transport, case):
 # what obstore (object_store's own HTTP client) refuses of answers that are right
 OBSTORE_REFUSES = {"200 to a range that covers the object": "non-partial response when range requested",
                    "chunked": "Content-Length Header missing"}
-# what obstore hands on as right (object_store checks a Content-Range's start, not its end or total,
-# and takes a 206 to a GET without Range as the whole object): only a listed size catches it
-OBSTORE_BLIND = {"206 to a plain GET", "206 of half to a whole read by range",
-                 "206 of part of the remainder"}
+# what obstore hands on as right: object_store takes a 206 to a GET without Range as the whole
+# object (a whole read by range, refused whole, falls back to such a GET); only a listed size
+# catches it (its other range checks hold: a Content-Range's start, end and total)
+OBSTORE_BLIND = {"206 to a plain GET", "206 of half to a whole read by range"}
 
 
-@pytest.mark.parametrize("transport", ["http1", "botocore", "stdlib"])
+@pytest.mark.parametrize("transport", ["http1", "botocore", "obstore"])  # (the lister does not stream)
 async def test_a_stream_of_a_range_ignored_fails_before_a_byte(transport):
-    if transport == "stdlib":
-        return  # the lister does not stream
     async with bent_server(lambda r: [ok(OBJECT)]) as (endpoint, _), store_at(transport, endpoint) as store:
         pieces = []
-        with pytest.raises(BadAnswerError, match=r"HTTP 200 .* to a ranged read"):
+        with pytest.raises(BadAnswerError, match=r"HTTP 200 .* to a ranged read|non-partial response"):
             async for piece in store.stream("bkt", "key", start=100):
                 pieces.append(piece)
         assert pieces == [], "nothing of the wrong answer was delivered"
@@ -164,7 +166,8 @@ async def test_a_stream_of_a_range_ignored_fails_before_a_byte(transport):
 
 def page(keys: list[str], *, truncated: bool = False, token: str | None = None, root: str = "ListBucketResult",
          raw_keys: list[str] | None = None) -> bytes:
-    contents = "".join(f"<Contents><Key>{key}</Key><Size>3</Size><ETag>&quot;e&quot;</ETag></Contents>"
+    contents = "".join(f"<Contents><Key>{key}</Key><LastModified>2026-11-28T10:00:00.000Z</LastModified>"
+                       "<Size>3</Size><ETag>&quot;e&quot;</ETag></Contents>"
                        for key in (raw_keys if raw_keys is not None else keys))
     tail = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<{root} xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
@@ -209,7 +212,40 @@ async def test_a_listing_page_is_a_list_bucket_result_or_an_error(transport, cas
         assert "page" in text
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+# object_store parses listing pages and follows their continuation tokens itself: what it reads
+# as a listing though it is none (it sees no root element's name, and a missing token as the end),
+# recorded here and in docs/design/obstore.md; every other case is refused, by it or by our
+# checks above it (keys that go backwards, a deadline per batch of keys)
+OBSTORE_LISTS = {"an HTML page": [], "an <Error> with 200": [], "truncated without a token": ["p/a", "p/b"]}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAGES))
+async def test_obstore_ends_every_listing_that_is_not_one_or_is_recorded(case):
+    count = [0]
+
+    def answer(request):
+        count[0] += 1
+        return [ok(BAD_PAGES[case](count[0]), ETag="")]
+
+    async with bent_server(answer) as (endpoint, seen), \
+            store_at("obstore", endpoint, read_timeout=0.2, connect_timeout=0.2) as store, \
+            contextlib.aclosing(store.list_pages("bkt", "p/", page_size=5)) as pages:
+        if case in OBSTORE_LISTS:
+            assert [info.key async for page in pages for info in page.objects] == OBSTORE_LISTS[case]
+            assert len(seen) == 1
+            return
+        with pytest.raises(StoreError) as info:
+            async for _ in pages:
+                pass
+    text = str(info.value)
+    assert "s3://bkt/p/" in text and len(text) < 700, text
+    if case == "zero keys claiming more":  # object_store asks on and on, unseen: a deadline ends it
+        assert isinstance(info.value, TransientStoreError) and "no page of 5 keys within" in text, text
+    else:  # ('p/10' after 'p/9' goes backwards in either order: the tenth page ends the loop)
+        assert isinstance(info.value, BadAnswerError) and len(seen) <= 10, (text, len(seen))
+
+
+@pytest.mark.parametrize("transport", ["http1", "stdlib", "botocore", "obstore"])
 async def test_keys_are_read_as_xml_means_them_not_as_html_would(transport):
     """A server that ignores encoding-type=url sends ``&#x85;`` for U+0085: html.unescape made
     it an ellipsis (another key); expat reads the character itself."""
@@ -242,11 +278,19 @@ FRAMINGS = {
 }
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+# hyper (under obstore) reads a body framed both ways by its chunks, as RFC 9112 says to, where
+# ours refuse it as a sign of smuggling: both read the chunked body whole, no byte past it
+OBSTORE_READS = {"Transfer-Encoding and Content-Length": b"abc"}
+
+
+@pytest.mark.parametrize("transport", ["http1", "stdlib", "botocore", "obstore"])
 @pytest.mark.parametrize("case", list(FRAMINGS))
 async def test_an_answer_that_breaks_framing_is_an_error_and_its_connection_closed(transport, case):
     async with bent_server(lambda r: [FRAMINGS[case]]) as (endpoint, seen), \
             store_at(transport, endpoint) as store:
+        if transport == "obstore" and case in OBSTORE_READS:
+            assert await store.get("bkt", "key") == OBSTORE_READS[case]
+            return
         with pytest.raises(BadAnswerError, match=r"s3://bkt/key") as info:
             await store.get("bkt", "key")
         assert len(str(info.value)) < 600
@@ -255,7 +299,7 @@ async def test_an_answer_that_breaks_framing_is_an_error_and_its_connection_clos
     assert len(seen) == 2
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+@pytest.mark.parametrize("transport", ["http1", "stdlib", "botocore", "obstore"])
 async def test_bytes_past_an_answer_never_become_the_next_one(transport):
     smuggled = head("200 OK", {"Content-Length": 12, "ETag": '"e"'}) + b"WRONG BYTES!"
     answers = iter([[ok(OBJECT) + smuggled], [ok(OBJECT)], [ok(OBJECT)]])
@@ -272,25 +316,69 @@ async def test_bytes_past_an_answer_never_become_the_next_one(transport):
 
 # ---------------------------------------------------------------- deadlines
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
-@pytest.mark.parametrize("part", ["head", "body"])
-async def test_a_slowloris_answer_fails_like_a_stall(transport, part):
-    """One byte every 50 ms never leaves a read waiting for read_timeout (0.4 s), yet the answer
-    fails well before the trickle ends, as a stall does (retried: TransientStoreError)."""
-    wire = ok(OBJECT[:200])
-    start = wire.index(b"\r\n\r\n") + 4 if part == "body" else 0
+def right(request, body: bytes = OBJECT) -> bytes:
+    """The answer ``request`` asked for: a 206 of its range, else the whole object."""
+    asked = request.headers.get("range")
+    if not asked:
+        return ok(body)
+    first, _, last = asked.removeprefix("bytes=").partition("-")
+    stop = min(len(body), int(last) + 1) if last else len(body)
+    return partial(int(first), stop - 1, body[int(first):stop], total=len(body))
+
+
+def trickle(part: str, body: bytes = OBJECT[:200]):
+    """An answer of one byte every 50 ms, from the head on or once the head is whole."""
 
     def answer(request):
+        wire = right(request, body)
+        start = wire.index(b"\r\n\r\n") + 4 if part == "body" else 0
         script: list = [wire[:start]] if start else []
         for at in range(start, len(wire)):
             script += [0.05, wire[at:at + 1]]
         return script
 
-    async with bent_server(answer) as (endpoint, _), store_at(transport, endpoint, read_timeout=0.4) as store:
+    return answer
+
+
+async def read_by(store: Any, how: str) -> bytes:
+    if how == "get":
+        return await store.get("bkt", "key")
+    if how == "range":
+        return await store.get_range("bkt", "key", 0, 150)
+    if how == "remainder":
+        return await store.get_range("bkt", "key", 50, None)
+    if how == "pinned":
+        return await store.get("bkt", "key", pin=Pin())
+    return b"".join([piece async for piece in store.stream("bkt", "key", start=10)])
+
+
+# each way a transport reads (with its own deadline code), the body trickled; the head trickled
+# where the head is awaited apart (one await of head and body in obstore's get and get_range)
+SLOW_BODIES = {"http1": ["get", "range", "stream"], "stdlib": ["get", "range"],
+               "botocore": ["get", "range", "stream"],
+               "obstore": ["get", "range", "remainder", "pinned", "stream"]}
+SLOW_HEADS = {"http1": ["get"], "stdlib": ["get"], "botocore": ["get", "stream"],
+              "obstore": ["get", "range", "pinned", "stream"]}
+
+
+@pytest.mark.parametrize(("transport", "how", "part"),
+                         [(t, how, "body") for t, hows in SLOW_BODIES.items() for how in hows]
+                         + [(t, how, "head") for t, hows in SLOW_HEADS.items() for how in hows])
+async def test_a_slowloris_answer_fails_like_a_stall(transport, how, part):
+    """One byte every 50 ms never leaves a read waiting for read_timeout (0.2 s), yet the answer
+    fails before the trickle ends (10 s, which would read it whole: obstore's own limit per
+    request, the deadline, is 60 s here), as a stall does (retried: TransientStoreError)."""
+    async with bent_server(trickle(part)) as (endpoint, seen), \
+            store_at(transport, endpoint, read_timeout=0.2, deadline=60, connect_timeout=0.2) as store:
         with pytest.raises(TransientStoreError) as info:
-            await store.get("bkt", "key")
+            await read_by(store, how)
     assert not isinstance(info.value, BadAnswerError), "a slow server is a stall, not a wrong answer"
-    assert "s3://bkt/key" in str(info.value)
+    text = str(info.value)
+    assert "s3://bkt/key" in text and any(word in text for word in SLOW_WORDS), text
+    assert len(seen) <= 2
+
+
+SLOW_WORDS = ("not whole", "bytes/s", "timed out")  # ours (answer_pace, http1), or obstore's own
 
 
 # ---------------------------------------------------------------- error answers
@@ -329,13 +417,130 @@ async def test_error_answers_are_ours_short_and_say_what_to_do(transport, case):
     assert len(text) < 700 and "\x1b" not in text, text
 
 
-@pytest.mark.parametrize("transport", ["http1", "stdlib"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_server_that_answers_wrong_every_time_is_tried_three_times_not_two_minutes(transport):
     from loader.retry import BAD_ANSWER_ATTEMPTS, call_with_retries
 
     async with bent_server(lambda r: [ok(OBJECT)]) as (endpoint, seen), \
             store_at(transport, endpoint) as store:
-        with pytest.raises(BadAnswerError, match=r"HTTP 200 .* to a ranged read.*gave up after 3 attempt"):
+        with pytest.raises(BadAnswerError, match=r"(HTTP 200 .* to a ranged read|non-partial response)"
+                                                 r".*gave up after 3 attempt"):
             await call_with_retries(lambda: store.get_range("bkt", "key", 10, 20),
                                     RetryPolicy(deadline=120, base_delay=0.01))
     assert len(seen) == BAD_ANSWER_ATTEMPTS
+
+
+# ---------------------------------------------------------------- whole reads against the listing
+
+def listing_of(objects: dict[str, tuple[int, str]]) -> bytes:
+    """A ListBucketResult naming each key with the size and ETag given."""
+    contents = "".join(f"<Contents><Key>{key}</Key><LastModified>2026-11-28T10:00:00.000Z</LastModified>"
+                       f"<Size>{size}</Size><ETag>&quot;{etag}&quot;</ETag></Contents>"
+                       for key, (size, etag) in objects.items())
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="http://s3.amazonaws.com/doc/'
+            f'2006-03-01/"><Name>bkt</Name><Prefix>p/</Prefix><KeyCount>{len(objects)}</KeyCount>'
+            f"<MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>{contents}</ListBucketResult>").encode()
+
+
+def listed_server(listed: dict[str, tuple[int, str]], served: dict[str, tuple[bytes, str]]):
+    """LIST answers ``listed``; a GET of a key answers its body and ETag from ``served``."""
+
+    def answer(request):
+        path = request.target.split("?")[0]
+        if "list-type=2" in request.target:
+            return [ok(listing_of(listed), ETag="")]
+        body, etag = served[path.removeprefix("/bkt/")]
+        return [right(request, body).replace(b'ETag: "e"', f'ETag: "{etag}"'.encode())]
+
+    return answer
+
+
+def dataset_over(transport: str, endpoint: str, mapped: bool = False) -> Any:
+    from loader import AsyncS3Dataset, AsyncS3MapDataset, Store
+
+    async def factory() -> Any:
+        return await _open(transport, endpoint)
+
+    kind = AsyncS3MapDataset if mapped else AsyncS3Dataset
+    return kind.from_prefix("s3://bkt/p/", store=Store(backend=factory, retry=RetryPolicy(deadline=5, base_delay=0.01)))
+
+
+async def _open(transport: str, endpoint: str) -> Any:
+    config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
+    retry = RetryPolicy(connect_timeout=2, read_timeout=2, deadline=5)
+    if transport == "obstore":
+        from loader.s3.obstore_store import ObstoreStore
+
+        return await ObstoreStore.open(config, max_connections=2, retry=retry)
+    from loader.s3.aioboto3_store import Aioboto3Store
+
+    return await Aioboto3Store.open(config, max_connections=2, retry=retry, direct_gets=transport == "http1")
+
+
+WHOLE_READS = ["http1", "botocore", "obstore"]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one object", "two objects"])
+@pytest.mark.parametrize("mapped", [False, True], ids=["iterable", "map"])
+@pytest.mark.parametrize("transport", WHOLE_READS)
+def test_a_listed_version_shorter_than_listed_is_an_error(transport, mapped, grouped):
+    """990 of the 1,000 bytes the listing gave, under the ETag it gave: never a sample (of one
+    object, or of two, p/a.bin and p/a.cls, read together)."""
+    listed = {"p/a.bin": (1000, "e"), **({"p/a.cls": (1000, "e")} if grouped else {})}
+    short = "p/a.cls" if grouped else "p/a.bin"
+    answer = listed_server(listed, {"p/a.bin": (OBJECT, "e"), short: (OBJECT[:990], "e")})
+    with _serving(answer) as (endpoint, seen):
+        ds = dataset_over(transport, endpoint, mapped)
+        with pytest.raises(BadAnswerError, match=rf"s3://bkt/{short}: .*listed size 1,000.* 990 bytes of "
+                                                 r"the listed version \(ETag e\).*gave up after 3 attempt"):
+            list(ds) if not mapped else ds[0]
+    gets = [r for r in seen if "list-type" not in r.target and r.target.endswith(short)]
+    assert 2 <= len(gets) <= 8, f"{len(gets)} GETs: one read, then three that learn the ETag"
+
+
+@pytest.mark.parametrize("transport", WHOLE_READS)
+def test_a_version_written_since_the_listing_is_read_as_it_now_is(transport):
+    listed = {"p/a.bin": (1000, "e"), "p/b.bin": (1000, "e")}
+    newer = (OBJECT + b"more", "f")
+    answer = listed_server(listed, {"p/a.bin": (OBJECT, "e"), "p/b.bin": newer})
+    with _serving(answer) as (endpoint, _):
+        samples = list(dataset_over(transport, endpoint))
+    assert [s["bin"] for s in samples] == [OBJECT, OBJECT + b"more"]
+
+
+@contextlib.contextmanager
+def _serving(answer):
+    """``bent_server`` in a thread of its own, for datasets, which run their own event loops."""
+    import threading
+
+    ready: Any = {}
+    stop = threading.Event()
+
+    async def run() -> None:
+        async with bent_server(answer) as served:
+            ready["served"] = served
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+
+    thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
+    thread.start()
+    while "served" not in ready and thread.is_alive():
+        stop.wait(0.01)
+    try:
+        yield ready["served"]
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_throttles_retry_after_reaches_the_retries(transport):
+    """``Retry-After`` on a SlowDown is what the retries wait for (within the policy); obstore
+    exposes no header of an error answer, so there the backoff alone decides (recorded)."""
+    from loader.errors import ThrottledError
+
+    answer = s3_error("503 Slow Down", "SlowDown", "slow", Retry_After=2)
+    async with bent_server(lambda r: [answer]) as (endpoint, _), store_at(transport, endpoint) as store:
+        with pytest.raises(ThrottledError, match=r"s3://bkt/key.*SlowDown") as info:
+            await store.get("bkt", "key")
+    assert info.value.retry_after == (None if transport == "obstore" else 2)

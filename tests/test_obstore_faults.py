@@ -225,8 +225,9 @@ async def test_stalled_body_times_out_as_transient():
     with anyio.fail_after(DEADLINE):
         async with stub(lambda line: stalled) as endpoint:
             store = await open_at(endpoint, read_timeout=0.5)  # the default 30 s: past fail_after
-            await fails(store.get("b", "k"), TransientStoreError, r"timed out\)$")
-            with pytest.raises(TransientStoreError, match="timed out"):
+            # the read timeout, or the body's deadline (answer_pace) at the same moment
+            await fails(store.get("b", "k"), TransientStoreError, r"(timed out|not whole after .*)\)$")
+            with pytest.raises(TransientStoreError, match="timed out|bytes/s"):
                 await drain(store.stream("b", "k"))
 
 

@@ -106,6 +106,21 @@ async def test_a_range_answered_whole():
     assert facts.range_not_honoured and facts.status is None
 
 
+@pytest.mark.parametrize(("answer", "call", "refused"), [
+    (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 2\r\nContent-Range: bytes 2-3/6\r\n\r\ncd", "range",
+     "Requested 1..3, got 2..4"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", "get",
+     "Content-Length Header missing from response"),
+    (b"HTTP/1.1 2000 OK\r\nContent-Length: 3\r\n\r\nabc", "get", "hyper could not parse the answer: Status"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999999\r\n\r\nabc", "get",
+     "hyper could not parse the answer: Header ContentLengthInvalid"),
+])
+async def test_an_answer_object_store_refused(answer, call, refused):
+    async with stub(lambda head: answer) as endpoint:
+        facts = read_error_text(str(await raw_error(endpoint, call)))
+    assert (facts.refused_answer, facts.status, facts.failure) == (refused, None, None)
+
+
 async def tls_error(context: ssl.SSLContext | None) -> BaseException:
     """obstore's error for a GET over https to a server that answers plain HTTP to the TLS
     handshake (``context`` None), or shakes hands with ``context``."""
@@ -147,4 +162,4 @@ def test_a_key_object_store_cannot_address():
 
 def test_text_without_any_of_it():
     facts = read_error_text("boom")
-    assert facts == (None, "", "", None, None, False, None, False, False)
+    assert facts == (None, "", "", None, None, False, None, False, False, None)

@@ -37,9 +37,10 @@ from ..listing.keylist import KeyList
 from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
+from ..s3.listed_reads import reread_listed
 from ..uri import parse_s3_uri
 from .groups import Limits, Store, flat_options
-from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, skippable
+from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, listed, skippable
 from .object_source import ObjectSource
 from .options import LoaderOptions, Transform, warn_direct_construction
 
@@ -184,11 +185,14 @@ class AsyncS3MapDataset(Dataset):
         if not wanted:
             return []
         unique = list(dict.fromkeys(key for i in wanted for key in index.objects(i)))
-        etags = None
-        if index.pinned and isinstance(index.keys, KeyList):  # a snapshot: the versions it recorded
-            listed = {index.keys[p]: index.keys.etag(p) for i in wanted for p in index.positions(i)}
-            etags = [listed[key] for key in unique]
-        bodies = self._client_here().get_many(self.bucket, unique, missing_ok=skip, etags=etags)
+        etags = listings = None
+        if isinstance(index.keys, KeyList) and (index.pinned or index.keys.has_sizes):
+            where = {index.keys[p]: p for i in wanted for p in index.positions(i)}
+            listings = [listed(index.keys, where[key]) for key in unique]  # what the listing gave
+            if index.pinned:  # a snapshot: the versions it recorded
+                etags = [index.keys.etag(where[key]) for key in unique]
+        bodies = self._client_here().get_many(self.bucket, unique, missing_ok=skip, etags=etags,
+                                              listings=listings)
         fetched = dict(zip(unique, bodies))
         out = []
         for i in wanted:
@@ -322,12 +326,14 @@ class _Client:
         return client
 
     def get_many(self, bucket: str, keys: list[str], *, missing_ok: bool = False,
-                 etags: list[str | None] | None = None) -> list[Any]:
+                 etags: list[str | None] | None = None,
+                 listings: list[tuple[int | None, str | None]] | None = None) -> list[Any]:
         """The objects ``keys`` of ``bucket``, in order; runs in the loop, waits here.
 
         ``missing_ok``: an object that is gone (404) gives its ``NoSuchKeyError`` in its place
-        instead of failing the batch. ``etags``: the versions to get (a snapshot's, one per key)."""
-        future = self.portal.start_task_soon(self._get_many, bucket, keys, missing_ok, etags)
+        instead of failing the batch. ``etags``: the versions to get (a snapshot's, one per key).
+        ``listings``: the size and ETag the listing gave each key, which each body is held to."""
+        future = self.portal.start_task_soon(self._get_many, bucket, keys, missing_ok, etags, listings)
         try:
             return future.result()
         except BaseException:
@@ -335,7 +341,8 @@ class _Client:
             raise
 
     async def _get_many(self, bucket: str, keys: list[str], missing_ok: bool,
-                        etags: list[str | None] | None = None) -> list[Any]:
+                        etags: list[str | None] | None = None,
+                        listings: list[tuple[int | None, str | None]] | None = None) -> list[Any]:
         out: list[Any] = [None] * len(keys)
         failures: list[Exception] = []
         store, limiter = self.store, self.limiter
@@ -343,10 +350,13 @@ class _Client:
 
         async def get(slot: int, key: str) -> None:
             try:
+                size, etag = listings[slot] if listings else (None, None)
                 async with limiter:
-                    get = (functools.partial(get_pinned, store, bucket, key, etags[slot]) if etags
+                    get = (functools.partial(get_pinned, store, bucket, key, etags[slot], size) if etags
                            else functools.partial(store.get, bucket, key))
                     out[slot] = await call_with_retries(get, self.retry)
+                    if not etags and size is not None and len(out[slot]) != size:
+                        out[slot] = await reread_listed(store, bucket, key, size, etag, self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
                     failures.append(exc)

@@ -22,6 +22,8 @@ from ..formats.grouping import NO_EXTENSION_FIELD, split_key
 from ..listing.keyfile import origin
 from ..listing.keylist import KeyList
 from ..retry import call_with_retries
+from ..s3.answer_checks import check_size
+from ..s3.listed_reads import reread_listed
 from ..s3.protocol import Pin
 from ..uri import object_url
 
@@ -380,46 +382,62 @@ def object_sample(bucket: str, key: str, data: bytes) -> dict[str, Any]:
     return {"__key__": stem, "__url__": object_url(bucket, key), ext or NO_EXTENSION_FIELD: data}
 
 
-def object_job(bucket: str, key: str, position: int) -> JobFn:
+def object_job(bucket: str, key: str, position: int, size: int | None = None,
+               etag: str | None = None) -> JobFn:
     """Fetch ``s3://bucket/key`` with one GET (retried) and emit ``(position, sample)``.
 
-    One request cannot mix versions, so nothing is pinned.
+    One request cannot mix versions, so nothing is pinned. ``size`` and ``etag``: what the
+    listing gave (``listed``), which a body of another size is held to (``reread_listed``).
     """
 
     async def job(ctx: JobContext) -> None:
         data = await call_with_retries(lambda: ctx.store.get(bucket, key), ctx.retry,
                                        on_retry=ctx.retried)
+        if size is not None and len(data) != size:
+            data = await reread_listed(ctx.store, bucket, key, size, etag, ctx.retry, ctx.retried)
         await ctx.emit((position, object_sample(bucket, key, data)), len(data))
 
     return job
 
 
+def listed(keys: Sequence[str], at: int) -> tuple[int | None, str | None]:
+    """The size and ETag a listing gave key ``at`` of ``keys`` (None where it gave none)."""
+    if isinstance(keys, KeyList) and keys.has_sizes:
+        return keys.size(at), keys.etag(at)
+    return None, None
+
+
 async def fetch_all(ctx: JobContext, bucket: str, keys: Sequence[str],
-                    etags: Sequence[str | None] | None = None) -> list[bytes]:
+                    etags: Sequence[str | None] | None = None,
+                    listings: Sequence[tuple[int | None, str | None]] | None = None) -> list[bytes]:
     """Every object of ``keys`` (one GET each, retried), concurrently; the first failure
     cancels the others and is raised as itself (not wrapped in an exception group).
 
     One request cannot mix versions, so nothing is pinned, unless ``etags`` (a snapshot's, one
-    per key) asks each GET for that version (``get_pinned``).
+    per key) asks each GET for that version (``get_pinned``). ``listings``: the size and ETag
+    the listing gave each key (``listed``), which each body is held to.
     """
-    pins = {} if etags is None else dict(zip(keys, etags))
 
-    async def get(key: str) -> bytes:
-        etag = pins.get(key) if pins else None
-        if etag is None:
-            return await call_with_retries(lambda: ctx.store.get(bucket, key), ctx.retry,
+    async def get(slot: int) -> bytes:
+        key, pin = keys[slot], etags[slot] if etags else None
+        size, etag = listings[slot] if listings else (None, None)
+        if pin is None:
+            data = await call_with_retries(lambda: ctx.store.get(bucket, key), ctx.retry,
                                            on_retry=ctx.retried)
-        return await call_with_retries(lambda: get_pinned(ctx.store, bucket, key, etag), ctx.retry,
+            if size is not None and len(data) != size:
+                data = await reread_listed(ctx.store, bucket, key, size, etag, ctx.retry, ctx.retried)
+            return data
+        return await call_with_retries(lambda: get_pinned(ctx.store, bucket, key, pin, size), ctx.retry,
                                        on_retry=ctx.retried)
 
     if len(keys) == 1:
-        return [await get(keys[0])]
+        return [await get(0)]
     out: list[Any] = [None] * len(keys)
     failures: list[Exception] = []
 
     async def one(slot: int, key: str) -> None:
         try:
-            out[slot] = await get(key)
+            out[slot] = await get(slot)
         except Exception as exc:  # noqa: BLE001 - the first one ends the sample; cancellation passes by
             failures.append(exc)
             tg.cancel_scope.cancel()
@@ -436,13 +454,15 @@ _STALE_SNAPSHOT = ("so the snapshot no longer describes the data: save a new one
                    "--save`, or delete the snapshot file to list again)")
 
 
-async def get_pinned(store: Any, bucket: str, key: str, etag: str | None) -> bytes:
+async def get_pinned(store: Any, bucket: str, key: str, etag: str | None,
+                     size: int | None = None) -> bytes:
     """One GET of the version ``etag`` that a listing snapshot recorded (any version without
-    one): an object replaced since is an ``ObjectChangedError`` naming it, never other bytes."""
+    one): an object replaced since is an ``ObjectChangedError`` naming it, never other bytes;
+    that version is the ``size`` the snapshot recorded, when given."""
     if etag is None:
         return await store.get(bucket, key)
     try:
-        return await store.get(bucket, key, pin=Pin(etag))
+        return check_size(await store.get(bucket, key, pin=Pin(etag)), size, bucket, key)
     except ObjectChangedError as exc:
         raise ObjectChangedError(
             f"s3://{bucket}/{key} was replaced after the listing snapshot was saved (it recorded "
@@ -475,13 +495,15 @@ def _objects_job(index: SampleIndex, bucket: str, sample: int, position: int,
     """``sample_job`` for a sample of several objects, fetched concurrently, or of a pinned
     index (a snapshot's key list, whose ETags each GET asks for)."""
     keys = index.objects(sample)
-    listed = index.keys
-    etags = ([listed.etag(p) for p in index.positions(sample)]
-             if index.pinned and isinstance(listed, KeyList) else None)
+    listed_keys = index.keys
+    etags = ([listed_keys.etag(p) for p in index.positions(sample)]
+             if index.pinned and isinstance(listed_keys, KeyList) else None)
+    listings = ([listed(listed_keys, p) for p in index.positions(sample)]
+                if isinstance(listed_keys, KeyList) and listed_keys.has_sizes else None)
 
     async def job(ctx: JobContext) -> None:
         try:
-            bodies = await fetch_all(ctx, bucket, keys, etags)
+            bodies = await fetch_all(ctx, bucket, keys, etags, listings)
         except NoSuchKeyError as exc:
             if on_error == "raise":
                 raise
@@ -501,15 +523,18 @@ def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int,
     own and, without a label, keeps no body in a local: each of these made the garbage collector
     run several times as often (figures: bench/results/docstring-figures.md)."""
     key = index.keys[at]
+    size, etag = listed(index.keys, at)
     label = None if index.labels is None else index.labels[sample]
     if on_error == "raise":
         if label is None:
-            return object_job(bucket, key, position)  # the leanest: no local holds the body
+            return object_job(bucket, key, position, size, etag)  # the leanest: no local holds the body
 
         async def job(ctx: JobContext) -> None:
             data = await call_with_retries(
                 lambda: ctx.store.get(bucket, key), ctx.retry, on_retry=ctx.retried
             )
+            if size is not None and len(data) != size:
+                data = await reread_listed(ctx.store, bucket, key, size, etag, ctx.retry, ctx.retried)
             out = object_sample(bucket, key, data)
             if label is not None:
                 out[LABEL_FIELD] = label
@@ -522,6 +547,8 @@ def _one_object_job(index: SampleIndex, bucket: str, sample: int, position: int,
             data = await call_with_retries(
                 lambda: ctx.store.get(bucket, key), ctx.retry, on_retry=ctx.retried
             )
+            if size is not None and len(data) != size:
+                data = await reread_listed(ctx.store, bucket, key, size, etag, ctx.retry, ctx.retried)
         except NoSuchKeyError as exc:
             await ctx.emit((position, Skipped(object_url(bucket, key), str(exc))), 0)
             return

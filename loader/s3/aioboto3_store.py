@@ -28,10 +28,21 @@ from botocore import exceptions as bce
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
-from ..retry import RetryPolicy, answered
+from ..retry import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RetryPolicy, answered
 from ..uri import object_url
 from .addressing import NotServed
 from .answer_checks import Asked, asked_for, check_head, check_length
+from .answer_pace import (
+    LISTED_BYTES,
+    AnswerTooSlow,
+    Pace,
+    body_deadline,
+    head_deadline,
+    paced,
+    too_slow_head,
+    too_slow_whole,
+    within,
+)
 from .credentials import credentials_error, no_credentials_found
 from .error_answers import (
     broken_framing,
@@ -150,7 +161,11 @@ class Aioboto3Store:
         stack: contextlib.AsyncExitStack,
         endpoint: str,
         getter: SignedGetter | None = None,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
+        self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
+        self._head = head_deadline(read_timeout, connect_timeout)  # connecting included
         self._made_client = client  # or an async factory of it: made on first use
         self._client_lock = asyncio.Lock()
         self._stack = stack
@@ -216,7 +231,8 @@ class Aioboto3Store:
 
         try:
             if not direct_gets:
-                return cls(await make_client(), stack, config.endpoint_url or "AWS S3")
+                return cls(await make_client(), stack, config.endpoint_url or "AWS S3",
+                           read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
             frozen = _given_credentials(config) or _found_credentials(config)
             if frozen is None:
                 with _SESSIONS.borrow(config) as session:
@@ -232,7 +248,8 @@ class Aioboto3Store:
         except BaseException:
             await stack.aclose()
             raise
-        return cls(make_client, stack, config.endpoint_url or "AWS S3", getter)
+        return cls(make_client, stack, config.endpoint_url or "AWS S3", getter,
+                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
 
     def _direct(self, bucket: str) -> SignedGetter | None:
         """The signed path for ``bucket``'s requests, or None where botocore's serves them."""
@@ -296,7 +313,11 @@ class Aioboto3Store:
             kwargs["StartAfter"] = start_after
         if delimiter:
             kwargs["Delimiter"] = delimiter
-        page = await (await self._botocore()).list_objects_v2(**kwargs)
+        # botocore reads a page whole: one deadline, for a page of page_size keys at most
+        allowed = self._head + body_deadline(self._read_timeout,
+                                                                    page_size * LISTED_BYTES)
+        page = await within(allowed, (await self._botocore()).list_objects_v2(**kwargs),
+                            lambda: AnswerTooSlow(f"the listing page was not whole after {allowed:g} s"))
         answered(self._endpoint)
         objects = [ObjectInfo(item["Key"], int(item["Size"]), normalize_etag(item.get("ETag")))
                    for item in page.get("Contents", ())]
@@ -352,14 +373,16 @@ class Aioboto3Store:
             if conditions and header in conditions:
                 kwargs[name] = conditions[header]
         try:
-            response = await (await self._botocore()).get_object(**kwargs)
+            client, read_timeout = await self._botocore(), self._read_timeout
+            response = await within(self._head, client.get_object(**kwargs),
+                                    lambda: too_slow_head(self._head))
             answered(self._endpoint)
             body = response["Body"]
             async with body:  # releases the connection even on error (its __aenter__ returns
                 # the raw aiohttp response, so keep the StreamingBody, which checks the length)
                 asked = asked_for(byte_range, conditions)
                 expected = _checked_head(response, asked, bucket, key)
-                data = await body.read()  # verifies Content-Length: short bodies raise
+                data = await _paced_body(body, expected, read_timeout)  # short bodies raise
                 check_length(len(data), expected, asked, bucket, key)
         except Exception as exc:
             if conditions and "If-None-Match" in conditions and _error_code(exc) in _NOT_MODIFIED:
@@ -441,8 +464,11 @@ class Aioboto3Store:
             kwargs["Range"] = _range_header(start, None)
         if if_match is not None:
             kwargs["IfMatch"] = if_match
+        read_timeout = self._read_timeout
         try:
-            response = await (await self._botocore()).get_object(**kwargs)
+            response = await within(self._head,
+                                    (await self._botocore()).get_object(**kwargs),
+                                    lambda: too_slow_head(self._head))
             answered(self._endpoint)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
@@ -452,9 +478,11 @@ class Aioboto3Store:
             asked = asked_for(kwargs.get("Range"), None if if_match is None else {"If-Match": if_match})
             due = _checked_head(response, asked, bucket, key)
             expected = -1 if due is None else due
+            pace = Pace(read_timeout)  # the consumer's own time between pieces is not counted
             while True:
                 try:
-                    chunk = await body.read(chunk_size)
+                    chunk = await paced(pace, body.read(chunk_size))
+                    pace.received += len(chunk)
                 except Exception as exc:
                     raise self._translate(exc, bucket, key) from exc
                 if not chunk:
@@ -552,18 +580,19 @@ class Aioboto3Store:
         return translate_error(exc, bucket=bucket, key=key, endpoint=self._endpoint, listing=listing)
 
 
-def _aiohttp_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
-    """aiohttp's TLS, connect and mid-request error classes, where botocore's path imported it;
-    empty where nothing did.
+def _aiohttp_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """aiohttp's TLS, connect, mid-request and unparsable-answer error classes, where botocore's
+    path imported it; empty where nothing did.
 
     The direct transport needs no aiohttp, and importing it costs ~90 ms before a first sample
     (its connector builds SSL contexts at import), so this module does not import it: an
     aiohttp error can only come from a store that did."""
     aiohttp = sys.modules.get("aiohttp")
     if aiohttp is None:
-        return (), (), ()
+        return (), (), (), ()
     return ((aiohttp.ClientSSLError,), (aiohttp.ClientConnectorError,),
-            (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+            (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError),
+            (aiohttp.ClientResponseError,))  # what its parser refused (botocore never raises for status)
 
 
 def translate_error(
@@ -578,7 +607,12 @@ def translate_error(
         status = int(meta.get("HTTPStatusCode", 0) or 0)
         return error_for_answer(code, status, bucket=bucket, key=key, endpoint=endpoint,
                                 listing=listing, headers=meta.get("HTTPHeaders", {}).get)
-    aiohttp_tls, aiohttp_connect, aiohttp_stream = _aiohttp_errors()
+    aiohttp_tls, aiohttp_connect, aiohttp_stream, aiohttp_unparsable = _aiohttp_errors()
+    inner: Any = exc.kwargs.get("error") if isinstance(exc, bce.HTTPClientError) else None
+    if isinstance(inner, aiohttp_unparsable):  # an answer that broke HTTP/1.1 (a status line,
+        # a length, a chunk size): aiohttp closes such a connection
+        return broken_framing(bucket, key, " ".join(str(getattr(inner, "message", inner)).split()),
+                              listing=listing)
     if isinstance(exc, (bce.SSLError, ssl.SSLError, *aiohttp_tls)):
         return _tls_error(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing)
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
@@ -713,6 +747,19 @@ def _checked_head(response: dict[str, Any], asked: Asked, bucket: str, key: str)
     meta = response.get("ResponseMetadata", {})
     headers = meta.get("HTTPHeaders", {})  # botocore's names are in lower case
     return check_head(int(meta.get("HTTPStatusCode", 200)), headers.get, asked, bucket, key)
+
+
+async def _paced_body(body: Any, length: int | None, read_timeout: float) -> bytes:
+    """botocore's body, read whole at the pace every answer keeps (``answer_pace``): one
+    deadline where its length is known, else one per piece."""
+    if length is not None:
+        return bytes(await within(body_deadline(read_timeout, length), body.read(),
+                                  lambda: too_slow_whole(read_timeout, length)))
+    pace, pieces = Pace(read_timeout), []
+    while piece := await paced(pace, body.read(DEFAULT_CHUNK_SIZE)):
+        pace.received += len(piece)
+        pieces.append(piece)
+    return b"".join(pieces)
 
 
 def _error_code(exc: BaseException | None) -> str:

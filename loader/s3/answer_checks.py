@@ -176,6 +176,24 @@ def check_size(data: bytes, size: int | None, bucket: str, key: str) -> bytes:
     return data
 
 
+def check_listed(length: int, answer_etag: str | None, size: int, listed_etag: str | None,
+                 bucket: str, key: str) -> None:
+    """A whole read of ``length`` bytes whose answer carried ``answer_etag``, against the
+    ``size`` and ``listed_etag`` its listing gave: the listed version must be the listed size;
+    another ETag is a version written since, read as it is now. Without an ETag in the listing
+    there is no version to compare (any length passes); with one, an answer without an ETag
+    cannot be told apart from a wrong one and is refused."""
+    if length == size or normalize_etag(listed_etag) is None:
+        return
+    asked = Asked(size=size)
+    answer, listed = normalize_etag(answer_etag), normalize_etag(listed_etag)
+    if answer is None:
+        raise bad_answer(asked, bucket, key, f"{length:,} bytes, and no ETag to tell a version "
+                         f"written since the listing (ETag {listed}) from a wrong answer")
+    if answer == listed:
+        raise bad_answer(asked, bucket, key, f"{length:,} bytes of the listed version (ETag {listed})")
+
+
 def check_span(asked: Asked, first: int, stop: int, size: int | None, etag: str | None,
                bucket: str, key: str) -> None:
     """For a client that parsed the answer itself (obstore): the span ``[first, stop)`` of an

@@ -26,12 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .addressing import Proxy
+from .answer_pace import MIN_RATE as _MIN_RATE  # the pace every transport holds answers to
 
 _MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3 answer
 _HIGH_WATER = 256 << 10  # a streamed body pauses the socket with this much received and unread
 # (about one read of asyncio's; aiohttp paused at 128 KiB): buffers the engine does not count stay small
 _NO_BODY = (204, 304)
-_MIN_RATE = 16 << 10  # bytes/s: a body waited for read_timeout in all must have come this fast
 # The grammar h11 reads (RFC 9112), and tests/test_http1_differential.py holds this parser to it
 STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00\n\r\x0b\x0c]*)?\Z")
 _TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -34,6 +34,7 @@ from ..errors import BadAnswerError, StoreError
 from ..retry import RetryPolicy, answered
 from .addressing import NotServed, Origin, Proxy, bucket_address, proxy_for, redirected, unserved
 from .answer_checks import asked_for, check_codings, check_head, check_length
+from .answer_pace import MIN_RATE as _MIN_RATE
 from .credentials import resolve_credentials
 from .error_answers import (
     answer_code,
@@ -97,7 +98,12 @@ class _DeadlineSocket:
             raise AnswerDeadline("the whole answer did not arrive in time (the server sends, but "
                                  f"too slowly: under {_MIN_RATE} bytes/s past the read timeout)")
         self.sock.settimeout(min(left, self._read_timeout))
-        return self.sock.recv_into(buffer, nbytes, flags)
+        try:
+            return self.sock.recv_into(buffer, nbytes, flags)
+        except TimeoutError:
+            if time.monotonic() < self.deadline:
+                raise  # a stall: no byte for read_timeout
+            return self.recv_into(buffer, nbytes, flags)  # past the deadline: says so
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -140,7 +146,6 @@ class _CheckedResponse(http.client.HTTPResponse):
 
 
 _MAX_LINE = 65536  # http.client's own limit on a line
-_MIN_RATE = 16 << 10  # bytes/s a body must arrive at, past its head's deadline (as http1's)
 
 
 def usable(config: S3Config) -> bool:

@@ -37,6 +37,12 @@ class ListingOrder:
         are guessed in byte order), so it must not be split again; it still lists exactly."""
         return start_after is not None and first_key <= start_after
 
+    def forward(self, previous: str, key: str) -> bool:
+        """Whether ``key`` may follow ``previous`` in one listing: after it in byte order or
+        directory by directory. A key that follows in neither (the same key, an earlier one) is
+        a page answered again: the listing would loop."""
+        return key > previous or key.split("/") > previous.split("/")
+
     def beyond_stem(self, key: str, skip: int, stem: str) -> bool:
         """Whether a key listed from a directory (``skip`` characters of it) shows that no later
         key starts with ``directory/stem``: compared by its first path segment below the

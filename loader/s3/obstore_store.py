@@ -29,13 +29,25 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..retry import RetryPolicy, answered
+from ..retry import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RetryPolicy, answered
 from ..uri import object_url
-from .answer_checks import Asked, asked_for, check_length, check_span
+from .answer_checks import Asked, asked_for, bad_answer, check_length, check_span
+from .answer_pace import (
+    LISTED_BYTES,
+    AnswerTooSlow,
+    Pace,
+    body_deadline,
+    head_deadline,
+    paced,
+    too_slow_head,
+    too_slow_whole,
+    within,
+)
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
     DENIED_CODES,
     certificate_rejected,
+    clean,
     error_for_answer,
     failed_mid_request,
     no_credentials,
@@ -43,6 +55,7 @@ from .error_answers import (
     target,
     unreachable,
 )
+from .list_xml import not_a_listing
 from .listing_order import SERVERS
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
@@ -88,8 +101,12 @@ class ObstoreStore:
     """``ObjectStore`` over obstore's ``S3Store``s; build it with ``await ObstoreStore.open()``."""
 
     def __init__(self, options: dict[str, Any], *, endpoint: str, custom_endpoint: str | None,
-                 virtual_host: bool, max_connections: int) -> None:
+                 virtual_host: bool, max_connections: int,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
         self._options = options
+        self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
+        self._head = head_deadline(read_timeout, connect_timeout)  # connecting included
         self._endpoint = endpoint
         self._custom_endpoint = custom_endpoint
         self._virtual_host = virtual_host
@@ -136,7 +153,8 @@ class ObstoreStore:
         # (bounded by botocore's timeouts); obstore calls the provider from its own threads.
         options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
         return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
-                   virtual_host=not config.path_style, max_connections=max_connections)
+                   virtual_host=not config.path_style, max_connections=max_connections,
+                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
 
     def __repr__(self) -> str:
         return (f"ObstoreStore(endpoint={self._endpoint!r}, buckets={sorted(self._stores)!r}, "
@@ -183,13 +201,28 @@ class ObstoreStore:
         if offset is None or (below is not None and offset < below):
             offset = below
         batches = obstore.list(store, directory or None, offset=offset, chunk_size=page_size)
+        # object_store follows continuation tokens itself, unseen: a server that answers one
+        # again, or answers empty pages that claim more, would have it ask forever. So each
+        # batch has a deadline, as a page's answer would, and keys must go forward.
+        read_timeout, last = self._read_timeout, None
+        allowed = self._head + body_deadline(read_timeout, page_size * LISTED_BYTES)
         while True:
             try:
-                batch = await batches.__anext__()
+                batch = await within(allowed, batches.__anext__(), lambda: AnswerTooSlow(
+                    f"no page of {page_size} keys within {allowed:g} s; object_store follows the "
+                    "continuation tokens itself: a server that answers empty pages that claim more "
+                    "keeps it asking"))
             except StopAsyncIteration:
                 break
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
+            for meta in batch:
+                key = meta["path"]
+                if last is not None and not SERVERS.forward(last, key):
+                    raise not_a_listing(bucket, prefix, token, f"{clean(key, 80)!r} came after "
+                                        f"{clean(last, 80)!r}: a continuation token answered again "
+                                        "(object_store follows them itself); the listing would loop")
+                last = key
             objects = []
             for meta in batch:
                 key = meta["path"]
@@ -210,9 +243,11 @@ class ObstoreStore:
         if self._whole_by_range:
             store = self._store(bucket)
             try:
-                data = bytes(await obstore.get_range_async(store, key, start=0, end=_TO_THE_END))
+                data = bytes(await self._one_await(obstore.get_range_async(store, key, start=0, end=_TO_THE_END)))
                 answered(self._endpoint)
                 return data
+            except AnswerTooSlow:
+                pass  # slow, or only long: the paced reading below tells which
             except Exception as exc:
                 facts = read_error_text(str(exc))
                 status = facts.status
@@ -234,11 +269,16 @@ class ObstoreStore:
             options = {**(options or {}), "if_match": pin.if_match()}
         store = self._store(bucket)
         result = None
+        read_timeout = self._read_timeout
         try:
-            result = await obstore.get_async(store, key, options=options)
+            result = await within(self._head,
+                                  obstore.get_async(store, key, options=options),
+                                  lambda: too_slow_head(self._head))
             if pin is not None:
                 pin.observe(result.meta.get("e_tag"), bucket, key)
-            data = await result.bytes_async()
+            length = result.range[1] - result.range[0]
+            data = await within(body_deadline(read_timeout, length), result.bytes_async(),
+                                lambda: too_slow_whole(read_timeout, length))
             answered(self._endpoint)
             start, stop = result.range
             check_span(_asked(options), start, stop, _size(result.meta), result.meta.get("e_tag"),
@@ -267,9 +307,20 @@ class ObstoreStore:
             return await self._get_pinned_range(bucket, key, start, end, pin)
         store = self._store(bucket)
         try:
-            data = await obstore.get_range_async(
-                store, key, start=start, end=_TO_THE_END if end is None else end
-            )
+            if end is None:
+                data = await self._one_await(obstore.get_range_async(store, key, start=start,
+                                                                     end=_TO_THE_END))
+            else:
+                read_timeout, length = self._read_timeout, end - start
+                data = await within(
+                    self._head + body_deadline(read_timeout, length),
+                    obstore.get_range_async(store, key, start=start, end=end),
+                    lambda: too_slow_whole(read_timeout, length))
+        except AnswerTooSlow as exc:
+            if end is not None:
+                raise self._translate(exc, bucket, key) from exc
+            # slow, or only long: the paced reading tells which
+            return await self._get_pinned_range(bucket, key, start, end, None)
         except Exception as exc:
             if _status_of(exc) == 416:
                 await self._past_the_end(bucket, key, start, end)
@@ -285,7 +336,7 @@ class ObstoreStore:
         return bytes(data)
 
     async def _get_pinned_range(
-        self, bucket: str, key: str, start: int, end: int | None, pin: Pin
+        self, bucket: str, key: str, start: int, end: int | None, pin: Pin | None
     ) -> bytes:
         """``get_range`` through ``get_async``, which reports the ETag (one await more)."""
         byte_range: Any = {"offset": start} if end is None else (start, end)
@@ -323,8 +374,11 @@ class ObstoreStore:
         options: Any = {"range": {"offset": start}} if start else None
         if pin is not None and pin.etag is not None:
             options = {**(options or {}), "if_match": pin.if_match()}
+        read_timeout = self._read_timeout
         try:
-            result = await obstore.get_async(store, key, options=options)
+            result = await within(self._head,
+                                  obstore.get_async(store, key, options=options),
+                                  lambda: too_slow_head(self._head))
             first, stop = result.range
             check_span(_asked(options), first, stop, _size(result.meta), result.meta.get("e_tag"),
                        bucket, key)
@@ -345,14 +399,16 @@ class ObstoreStore:
         # (up to ~400 KiB here). Asking for half keeps chunks of 1 MiB within bounds; anything
         # longer is split below, which copies, so it should stay rare.
         chunks = result.stream(min_chunk_size=max(1, chunk_size // 2))
+        pace = Pace(read_timeout)  # the consumer's own time between chunks is not counted
         try:
             while True:
                 try:
-                    chunk = await chunks.__anext__()
+                    chunk = await paced(pace, chunks.__anext__())
                 except StopAsyncIteration:
                     break
                 except Exception as exc:
                     raise self._translate(exc, bucket, key) from exc
+                pace.received += len(chunk)
                 received += len(chunk)
                 if len(chunk) <= chunk_size:
                     yield chunk
@@ -430,6 +486,15 @@ class ObstoreStore:
             bucket=bucket, key=key,
         )
 
+    def _one_await(self, request: Any) -> Any:
+        """``request`` (head and body in one await, of a length not known before) within the
+        time the pace allows an object of up to ``read_timeout`` x ``MIN_RATE`` bytes; one that
+        takes longer is read again by ``_get_plain``, whose two awaits keep the pace for any length
+        (a body that long and slow is rare; the one await saves a third of the CPU per GET)."""
+        read_timeout = self._read_timeout
+        return within(self._head + body_deadline(read_timeout, 0), request,
+                      lambda: AnswerTooSlow("not whole in one await"))
+
     def _translate(
         self, exc: BaseException, bucket: str, key: str, *, listing: bool = False
     ) -> BaseException:
@@ -449,6 +514,8 @@ def translate_error(
     """
     if isinstance(exc, (StoreError, ConfigError, asyncio.CancelledError)):
         return exc
+    if isinstance(exc, AnswerTooSlow):  # ours (answer_pace): its message says which limit
+        return failed_mid_request(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing)
     facts = read_error_text(str(exc))
     status, code = facts.status, facts.code
     if status is None and code != "NoSuchBucket":  # the exception's class is all there is
@@ -468,6 +535,12 @@ def translate_error(
         return plain_http_server(endpoint, bucket, key, listing=listing)
     if facts.kind == "Connect":
         return unreachable(endpoint, bucket, key, listing=listing, reason=facts.os_message)
+    if facts.refused_answer is not None:  # a server that answered, but not what was asked
+        refused = facts.refused_answer
+        if refused.startswith("Content-Length Header missing"):
+            refused += (" (object_store reads only bodies of a stated length: store='aioboto3' "
+                        "reads chunked ones too)")
+        return bad_answer(Asked(), bucket, key, f"{refused} (object_store's check)", listing=listing)
     if facts.failure is not None:
         return failed_mid_request(bucket, key, facts.failure, listing=listing)
     what = target(bucket, key, listing=listing)
@@ -500,6 +573,11 @@ _RANGE_NOT_HONOURED_RE = re.compile(
     r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
 )
 _PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
+# an answer object_store refused: a range or framing not asked for, a listing page it cannot read
+_REFUSED_RE = re.compile(r"(Received non-partial response when range requested|Requested \d+\.\.\d+, "
+                         r"got \d+\.\.\d+|Content-Length Header missing from response|Got invalid "
+                         r"list response: [^\n]{0,160})")
+_HYPER_PARSE_RE = re.compile(r"hyper::Error\(\s*Parse\(\s*(\w+)(?:\(\s*(\w+))?")
 
 
 class ErrorText(NamedTuple):
@@ -514,6 +592,7 @@ class ErrorText(NamedTuple):
     failure: str | None  # how a request failed mid-way, in a few words (None: it did not)
     range_not_honoured: bool  # a 200 or another range where a range was asked for
     unaddressable: bool  # a key object_store cannot express as a path
+    refused_answer: str | None  # object_store's or hyper's words for an answer it refused (None: none)
 
 
 def read_error_text(text: str) -> ErrorText:
@@ -552,7 +631,19 @@ def read_error_text(text: str) -> ErrorText:
         failure=failure,
         range_not_honoured=_RANGE_NOT_HONOURED_RE.search(text) is not None,
         unaddressable=any(marker in text for marker in _PATH_ERROR_MARKERS),
+        refused_answer=_refused(text),
     )
+
+
+def _refused(text: str) -> str | None:
+    """What object_store (or hyper under it) refused in an answer, in its words."""
+    found = _REFUSED_RE.search(text)
+    if found is not None:
+        return found.group(1)
+    parse = _HYPER_PARSE_RE.search(text)
+    if parse is not None:
+        return "hyper could not parse the answer: " + " ".join(part for part in parse.groups() if part)
+    return None
 
 
 def _status_of(exc: BaseException | None) -> int | None:
