@@ -93,7 +93,7 @@ async def within(seconds: float, awaitable: Awaitable[T], too_slow: Callable[[],
 
 async def paced(pace: Pace, awaitable: Awaitable[T]) -> T:
     """One piece of a body read at ``pace``: ``await awaitable`` within what the pace allows,
-    counting the wait; the caller adds the piece's length to ``pace.received``."""
+    counting the wait; the caller adds the piece's length to ``Pace.received``."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     try:
