@@ -80,7 +80,7 @@ def run(rank: int, world_size: int, plan: dict[str, Any], init: Any) -> None:
             if cell.get("group") and not dist.is_initialized():
                 init()
             started = time.monotonic()
-            result = read(cell, datasets[cell["name"]])
+            result = read(cell, datasets[cell["name"]], world_size)
             result["seconds"] = round(time.monotonic() - started, 2)
             save_result(plan["out"], cell["name"], rank, result)
     finally:
@@ -111,7 +111,7 @@ def build(mode: str, data: dict[str, Any], config: S3Config) -> Any:
     return dataset
 
 
-def read(cell: dict[str, Any], dataset: Any) -> dict[str, Any]:
+def read(cell: dict[str, Any], dataset: Any, world_size: int) -> dict[str, Any]:
     context = None if cell["start"] == "default" else cell["start"]
     options: dict[str, Any] = {"batch_size": BATCH, "num_workers": cell.get("workers", 2),
                                "multiprocessing_context": context, "collate_fn": keys_and_started,
@@ -134,7 +134,9 @@ def read(cell: dict[str, Any], dataset: Any) -> dict[str, Any]:
     elif cell["mode"] == "shards":  # two steps, then the rest after resume(samples_seen=)
         length = len(dataset)
         take(DataLoader(dataset, **options), RESUME_AFTER)
-        dataset.resume(epoch=EPOCH, samples_seen=dataset.samples_seen(RESUME_AFTER))
+        # the lanes of the run that saved samples_seen: its ranks x workers (this run's here)
+        lanes = world_size * max(1, options["num_workers"])
+        dataset.resume(epoch=EPOCH, samples_seen=dataset.samples_seen(RESUME_AFTER), lanes=lanes)
         take(DataLoader(dataset, **options))
     elif cell["mode"] == "shards-prefix":  # two steps, then the rest from the loader's state
         length = len(dataset)
