@@ -210,3 +210,14 @@ def test_step_waits_leave_the_loop_free_to_break():
             break
     assert ds.stats()["steps"] == 3
     assert AsyncS3Dataset.from_keys("bucket", ["a.bin"], store=None).report().startswith("no epoch yet")
+
+
+def test_a_throttled_job_is_told_in_one_line_what_helps_on_s3():
+    from loader.datasets.stats import report
+
+    text = report({"requests": 10_000, "throttled": 900, "get_s": 1.0})
+    lines = [line for line in text.splitlines() if "SlowDown" in line]
+    assert len(lines) == 1 and "9% of requests (900)" in lines[0]
+    for advice in ("more prefixes", "Limits(concurrency=)", "shards instead of objects"):
+        assert advice in lines[0]
+    assert "SlowDown" not in report({"requests": 10_000, "throttled": 0, "get_s": 1.0})

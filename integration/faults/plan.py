@@ -172,6 +172,11 @@ class FaultDecider:
         self._answered: collections.deque[float] = collections.deque()  # the window's answered requests
         self._load_since: float | None = None  # when the current stretch of sustained load began
         self._last_seen: float | None = None
+        # for benchmarks: requests the throttle let through in each second since its first, and
+        # when (seconds after its first) the limit doubled
+        self.first_at: float | None = None
+        self.rose_after: float | None = None
+        self.passed_per_second: collections.Counter[int] = collections.Counter()
 
     def decide(self, method: str, target: str, now: float = 0.0) -> Decision:
         """The fate of the next request, which arrived at ``now`` (seconds, any clock; only
@@ -200,9 +205,21 @@ class FaultDecider:
             self._load_since = now
         self._last_seen = now
         assert self._load_since is not None
-        return 2 * rate if now - self._load_since >= rise else rate
+        if now - self._load_since < rise:
+            return rate
+        if self.rose_after is None and self.first_at is not None:
+            self.rose_after = now - self.first_at
+        return 2 * rate
 
     def _take_token(self, now: float) -> bool:
+        if self.first_at is None:
+            self.first_at = now
+        if self._passes(now):
+            self.passed_per_second[int(now - self.first_at)] += 1
+            return True
+        return False
+
+    def _passes(self, now: float) -> bool:
         rate = self.rate_at(now)
         assert rate is not None
         if self.plan.throttle == "window":

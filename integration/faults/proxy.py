@@ -114,6 +114,14 @@ class FaultProxy:
         with self._lock:
             return list(self._heads)
 
+    def throttle_timeline(self) -> tuple[float | None, list[int]]:
+        """The throttle's requests let through in each second since its first, and when (seconds
+        after its first) a rising limit doubled (None: it has not), under the current plan."""
+        with self._lock:
+            decider = self._decider
+            seconds = max(decider.passed_per_second, default=-1) + 1
+            return decider.rose_after, [decider.passed_per_second[i] for i in range(seconds)]
+
     def reset_counts(self) -> None:
         """Forget counts and decisions (not the random sequence; use ``set_plan`` for that)."""
         with self._lock:

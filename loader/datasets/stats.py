@@ -200,8 +200,10 @@ def report(stats: dict[str, Any], *, inflight_limit: int | None = None) -> str:
     throttled, hedged = stats.get("throttled", 0), stats.get("hedged", 0)
     if requests and throttled:
         lines.append(f"S3 throttled this job: {throttled / requests:.0%} of requests ({throttled:,}) were "
-                     "answered SlowDown; the loader sent fewer requests until the answers were good "
-                     "(spread keys over more prefixes, or ask AWS to raise the prefix's rate)")
+                     "answered SlowDown and the loader held its request rate under the prefix's limit; "
+                     "on S3 a prefix answers ~5,500 GET/s: spread keys over more prefixes, keep fewer "
+                     "requests in flight (Limits(concurrency=)), or read shards instead of objects "
+                     "(from_shards: one GET for thousands of samples)")
     if requests and hedged:
         lines.append(f"{hedged:,} straggling requests ({hedged / requests:.1%}) were sent again; "
                      f"the second answer came first {stats.get('hedges_won', 0):,} times")
