@@ -222,11 +222,13 @@ class ParkingLot:
                 for parked in self._by_key.pop(each, []):
                     parked.sock.close()
 
-    def count(self, key: Hashable | None = None) -> int:
+    def count(self) -> int:
+        """How many connections are parked (those past ``PARK_SECONDS`` closed first)."""
         with self._lock:
             self._forget_if_forked()
-            if key is not None:
-                return len(self._by_key.get(key, []))
+            now = time.monotonic()
+            for kept in self._by_key.values():
+                self._expire(kept, now)
             return sum(len(kept) for kept in self._by_key.values())
 
     def _expire(self, kept: list[Parked], now: float) -> None:
