@@ -25,9 +25,10 @@ class TlsServer:
     counts ``handshakes`` (connections whose TLS came up); ``end_idle()`` closes every connection
     (a server that ends idle keep-alive connections)."""
 
-    def __init__(self, context: ssl.SSLContext) -> None:
+    def __init__(self, context: ssl.SSLContext, *, delay: float = 0.0, repeat: int = 2000) -> None:
         self.handshakes = 0
         self.requests = 0
+        self.delay, self.repeat = delay, repeat  # seconds before each answer; its body's size
         self._writers: set[asyncio.StreamWriter] = set()
         self._context = context
         self._ready = threading.Event()
@@ -45,8 +46,9 @@ class TlsServer:
                     await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                body = f"body {self.requests}".encode() * 2000  # ~20 KB: records in several reads
+                body = f"body {self.requests}".encode() * self.repeat  # ~14 KB: records in several reads
                 self.requests += 1
+                await asyncio.sleep(self.delay)
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
                 await writer.drain()
         finally:
@@ -223,3 +225,34 @@ def test_a_forked_child_makes_its_own_connections_and_leaves_the_parents_alive(p
         before = server.handshakes
         assert len(epoch(server.port, client)) == 6
         assert server.handshakes == before, "the child's exit closed the parent's parked connections"
+
+
+@pytest.mark.parametrize(("repeat", "handshakes"), [(2000, 1), (1_000_000, 2)])
+def test_a_called_off_request_leaves_a_small_answers_connection_to_the_next(pki, lab_name, repeat, handshakes):
+    """A hedge that lost is cancelled while its answer is on the way: with little left to read
+    (~14 KB), the connection is read to the end in the background and a later request takes it
+    (one handshake); with ~7 MB left it is closed, and the next request shakes hands again."""
+    server_context, client = pki
+    with TlsServer(server_context, delay=0.2, repeat=repeat) as server:
+        async def run() -> bytes:
+            pool = ConnectionPool(HOST, server.port, ssl_context=client, limit=1, connect_timeout=5.0,
+                                  read_timeout=5.0)
+            head = f"GET /b/k HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+
+            async def one() -> bytes:
+                async with await pool.get(head) as response:
+                    return await response.read()
+
+            try:
+                called_off = asyncio.create_task(one())
+                await asyncio.sleep(0.05)
+                called_off.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await called_off
+                await asyncio.gather(*pool._drains)  # the called-off answer read to its end (or not)
+                return await one()
+            finally:
+                await pool.aclose()
+
+        assert asyncio.run(run()) == b"body 1" * repeat
+        assert server.handshakes == handshakes
