@@ -256,3 +256,41 @@ def test_a_called_off_request_leaves_a_small_answers_connection_to_the_next(pki,
 
         assert asyncio.run(run()) == b"body 1" * repeat
         assert server.handshakes == handshakes
+
+
+
+class _Wire:
+    """A transport that takes what is written and goes nowhere."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    close = abort
+
+
+def test_a_handshake_cut_off_with_no_one_waiting_is_not_logged(pki, caplog):
+    """A connect called off mid-handshake (a hedge cancelled inside ``create_connection``) ends
+    the connection with nobody awaiting the handshake: its failure is not logged as a future's
+    exception that was never retrieved."""
+    import gc
+
+    from loader.s3.http1 import _Connection, _Watchdog
+
+    _, client = pki
+
+    async def run() -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        layer = tls.TlsLayer(_Connection(_Watchdog(5)), client.wrap_bio(incoming, outgoing, server_hostname=HOST),
+                             incoming, outgoing)
+        layer.connection_made(_Wire())  # type: ignore[arg-type]
+        assert outgoing.pending == 0  # the ClientHello went to the wire
+        layer.connection_lost(None)
+        assert layer.handshake.done()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(run())
+        gc.collect()
+    assert "never retrieved" not in caplog.text

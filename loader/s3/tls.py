@@ -53,6 +53,8 @@ class TlsLayer(asyncio.Protocol):
         self.tls, self.incoming, self.outgoing = tls, incoming, outgoing
         self.transport: asyncio.Transport | None = None
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # a connect called off mid-handshake (a hedge cancelled) leaves no one to read its outcome
+        self.handshake.add_done_callback(_outcome_read)
         if established:
             self.handshake.set_result(None)
 
@@ -155,6 +157,12 @@ class TlsLayer(asyncio.Protocol):
             self.app.data_received(chunks[0])
         elif chunks:
             self.app.data_received(b"".join(chunks))
+
+
+def _outcome_read(future: asyncio.Future[None]) -> None:
+    """Mark a handshake's failure as seen (asyncio logs a future's unread exception)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class Parked(NamedTuple):
