@@ -142,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
                             limit=args.peer_cap if loader == "s3tc-map" else None)
                 tree = before if loader.startswith("before-") else after
                 aws.reset_counts()
+                lab.reset_counts()
                 proxy = aws if shape == "aws" else lab
                 before_cpu = _thread_cpu(proxy)
                 out = run_child(tree, spec, child_env)
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
+                # connections the proxy accepted over both epochs (on aws a TLS handshake each)
+                out["connections"] = proxy.counts["connections"]
                 # the proxy's own CPU (a thread of this process: TLS, pacing) per sample read through
                 # it, both epochs: near a core's worth at the rate measured, the proxy was the bound
                 if "samples" in out:
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 proxy_us = out.get("proxy_cpu", float("nan")) * 1e6
                 print(f"round {round_} {loader:<16} {shape:<4} w={w} {rate:8.0f}/s {cpu:7.0f} us/sample"
                       f"  proxy {proxy_us:5.0f} us/sample ({proxy_us * rate / 1e6:.0%} of a core)"
+                      f"  {out['connections']} connections"
                       + (f"  {out['error']}" if "error" in out else ""), flush=True)
     return report(args, loaders, workers, results)
 
@@ -233,7 +237,16 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
                 if runs and rate:
                     cost = statistics.median(r["proxy_cpu"] for r in runs) * 1e6
                     proxy.append(f"| {loader} | {shape} | {w} | {cost:,.0f} | {cost * rate / 1e6:.0%} |")
-    table = "\n".join(lines + ratios + regression + (proxy if len(proxy) > 3 else [])) + "\n"
+    made = ["", "| connections the proxy accepted, warm-up and timed epoch (median) | endpoint | w | connections |",
+            "|---|---|--:|--:|"]
+    for loader in loaders:
+        for shape in ("lab", "aws"):
+            for w in workers:
+                counted = [r["connections"] for r in results.get(f"{loader}|{shape}|{w}", []) if "connections" in r]
+                if counted:
+                    made.append(f"| {loader} | {shape} | {w} | {statistics.median(counted):,.0f} |")
+    table = "\n".join(lines + ratios + regression + (proxy if len(proxy) > 3 else [])
+                      + (made if len(made) > 3 else [])) + "\n"
     print()
     print(table)
     stamp = datetime.date.today().isoformat()

@@ -20,9 +20,9 @@ import warnings
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, S3Config
+from loader import AsyncS3Dataset, Limits, S3Config
 from loader.retry import RetryPolicy
-from loader.s3 import open_listing_store, open_store
+from loader.s3 import open_listing_store, open_store, tls
 from loader.s3.aioboto3_store import Aioboto3Store, FallbackWarning
 from loader.tools.devserver import DevServer
 
@@ -178,6 +178,28 @@ def read_all(config: S3Config, store: str = "aioboto3") -> dict[str, str]:
             await reader.aclose()
 
     return asyncio.run(main())
+
+
+def test_a_second_epoch_makes_no_new_tls_connection(lab, clean_env):
+    """Each epoch's engine runs its own event loop; the first epoch's TLS connections are parked
+    when it ends and taken by the second (``loader.s3.tls``): counted at an ``HTTPS_PROXY``,
+    where every new TLS connection is one CONNECT, and every byte read as written both times."""
+    server, digests = lab
+    config = vhost_config(server)
+    try:
+        with ForwardProxy() as proxy:
+            clean_env.setenv("HTTPS_PROXY", proxy.url)
+            dataset = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", config=config, shuffle=True, seed=3,
+                                                 limits=Limits(concurrency=4))
+            loader = DataLoader(dataset, batch_size=8, collate_fn=collate)
+            assert digests_of(loader) == digests
+            first = proxy.methods().count("CONNECT")
+            dataset.set_epoch(1)
+            assert digests_of(loader) == digests
+            assert proxy.methods().count("CONNECT") == first, "the second epoch shook hands again"
+    finally:
+        tls.PARKED.clear()  # the tunnels end with the proxy
+    assert first >= 2, "the listing's connection and at least one for the GETs"
 
 
 def test_https_proxy_carries_listing_and_gets_in_connect_tunnels(lab, clean_env):

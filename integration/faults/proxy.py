@@ -39,8 +39,9 @@ class FaultProxy:
 
     ``counts`` is a snapshot ``Counter``: ``"requests"`` (every request head received),
     ``"latency"`` (requests delayed), one key per fault kind injected, ``"straggle"`` (answered
-    late), ``"throttled"`` (the ``slowdown`` answers the plan's ``get_rate`` made), and ``"upstream_errors"``
-    when the upstream could not be reached or broke mid-answer. ``decisions`` lists
+    late), ``"throttled"`` (the ``slowdown`` answers the plan's ``get_rate`` made), ``"connections"``
+    (accepted: with ``tls``, a TLS handshake each), and ``"upstream_errors"`` when the upstream
+    could not be reached or broke mid-answer. ``decisions`` lists
     ``(method, target, kind)`` for the last ``history`` requests in arrival order.
     """
 
@@ -244,6 +245,7 @@ class FaultProxy:
         self._tasks.add(task)
         connection = Connection(self, reader, writer)
         self._connections.add(connection)
+        self._count("connections")  # accepted (with ``tls``: a TLS handshake each)
         try:
             await connection.serve()
         except asyncio.CancelledError:

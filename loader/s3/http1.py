@@ -7,11 +7,12 @@ socket reads included): a ``ClientRequest``, multidicts, URL objects, a cookie j
 and a timer per request, none of which a signed S3 GET uses (bench/results/http1-2026-11-28.md).
 What is here is what such a GET needs and no more: requests without a body, one endpoint, a
 status line and headers, bodies framed by ``Content-Length``, by chunked transfer coding or by
-the connection's end, keep-alive reuse, connect and read timeouts, TLS by asyncio's own
-transport, and flow control for streamed bodies. Errors are three kinds, which the store
-translates (``aioboto3_store.translate_error``): ``ConnectFailed`` (nothing reached),
-``ResponseBroken`` (a connection that ended or sent garbage mid-answer, a ``ConnectionError``)
-and ``TimeoutError`` (no byte for ``read_timeout`` seconds while one was awaited).
+the connection's end, keep-alive reuse, connect and read timeouts, TLS on memory BIOs
+(``tls``: a closing pool's idle TLS connections wait for the next pool of the process, so an
+epoch does not pay a handshake per connection again), and flow control for streamed bodies.
+Errors are three kinds, which the store translates (``aioboto3_store.translate_error``):
+``ConnectFailed`` (nothing reached), ``ResponseBroken`` (a connection that ended or sent garbage
+mid-answer, a ``ConnectionError``) and ``TimeoutError`` (no byte for ``read_timeout`` seconds while one was awaited).
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ import re
 import socket
 import ssl
 from collections.abc import Callable
-from typing import Any
 
 from .addressing import Proxy
 from .answer_pace import MIN_RATE as _MIN_RATE  # the pace every transport holds answers to
+from .tls import PARKED, TlsLayer
 
 _MAX_HEAD = 64 << 10  # a status line and headers longer than this are not an S3 answer
 _HIGH_WATER = 256 << 10  # a streamed body pauses the socket with this much received and unread
 # (about one read of asyncio's; aiohttp paused at 128 KiB): buffers the engine does not count stay small
 _NO_BODY = (204, 304)
+_DRAIN_MOST = 512 << 10  # a called-off answer on a TLS connection with at most this much body left
+# is read to its end and the connection kept: decrypting 512 KiB costs less than a handshake (~0.85 ms)
+_DRAIN_SECONDS = 0.5  # ... if it ends within this: its place in the pool waits for it meanwhile
 # The grammar h11 reads (RFC 9112), and tests/test_http1_differential.py holds this parser to it
 STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00\n\r\x0b\x0c]*)?\Z")
 _TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -67,6 +71,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.used = False  # whether a request went out on it before (a stale one may be reset)
+        self.adopted = False  # parked by an earlier pool (tls.PARKED) and taken by this one
         self._head = bytearray()  # the start of a head that arrived in pieces
         self._waiter: asyncio.Future[None] | None = None
         self._until = ""  # what the waiter waits for: "head", "some" (bytes of the body), "all"
@@ -150,6 +155,14 @@ class _Connection(asyncio.Protocol):
         self._buffered, self._whole = 0, False
         self.used = True
         self.transport.write(head)
+
+    @property
+    def body_left(self) -> int | None:
+        """Bytes of the answer's body still to come, where its framing says (None: chunked, or
+        to the connection's end)."""
+        if self.done:
+            return 0
+        return self._left if self._framing == "length" else None
 
     @property
     def answered_nothing(self) -> bool:
@@ -536,13 +549,17 @@ class ConnectionPool:
         self._open = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
+        self._drains: set[asyncio.Task[None]] = set()
+        # where this pool's idle TLS connections are parked for the next pool (``tls.PARKED``):
+        # the same origin, proxy and TLS settings (the context, cached per process)
+        self._parking = (host, port, proxy, ssl_context) if ssl_context is not None else None
 
     async def get(self, head: bytes) -> Response:
         """Send a request (its whole head, ending in an empty line) and return its answer once the
         headers are in. A kept-alive connection that the server had closed unseen is tried again
         on a new one, once (as aiohttp does: a GET that got no byte of answer is safe to send again)."""
         for attempt in (0, 1):
-            connection = await self._take()
+            connection = await self._take(parked=attempt == 0)
             reused = connection.used
             try:
                 connection.send(head)
@@ -550,25 +567,42 @@ class ConnectionPool:
             except ResponseBroken:
                 self._drop(connection)
                 if attempt == 0 and reused and connection.answered_nothing:
+                    if connection.adopted and self._parking is not None:
+                        PARKED.clear(self._parking)  # the others waited as long: closed too, likely
                     continue
                 raise
-            except BaseException:  # a timeout or a cancellation (a hedge called off)
+            except asyncio.CancelledError:  # a hedge called off: its TLS connection may be kept
+                self._release_unfinished(connection)
+                raise
+            except BaseException:  # a timeout
                 self._drop(connection)
                 raise
             return Response(connection, self._give_back)
         raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
+        """Close the idle connections; idle TLS ones are parked for the process's next pool to
+        the same origin (``tls.PARKED``) instead."""
         self._closed = True
+        drains = list(self._drains)
+        for task in drains:
+            task.cancel()
+        await asyncio.gather(*drains, return_exceptions=True)
         idle, self._idle = self._idle, []
         for connection in idle:
-            if connection.transport is not None:
-                connection.transport.close()
+            layer = connection.transport
+            if (isinstance(layer, TlsLayer) and self._parking is not None and layer.transport is not None
+                    and connection.reusable
+                    and PARKED.park(self._parking, layer.transport, layer, self._limit)):
+                continue
+            if layer is not None:
+                layer.close()
         self._open -= len(idle)
 
     # -- connections
 
-    async def _take(self) -> _Connection:
+    async def _take(self, *, parked: bool = True) -> _Connection:
+        """An idle connection, a parked one (``parked``), or a new one, within the limit."""
         while self._idle:
             connection = self._idle.pop()
             if not connection.closed:
@@ -592,18 +626,33 @@ class ConnectionPool:
                 self._open -= 1
         self._open += 1
         try:
+            if parked and self._parking is not None:
+                adopted = await self._adopt()
+                if adopted is not None:
+                    return adopted
             return await self._connect()
         except BaseException:
             self._open -= 1
             self._signal()
             raise
 
+    async def _adopt(self) -> _Connection | None:
+        """A connection a closed pool parked (``tls.PARKED``), taken into this loop, or None."""
+        parked = PARKED.take(self._parking)
+        if parked is None:
+            return None
+        connection = _Connection(self._watchdog)
+        connection.used = connection.adopted = True  # a stale one gets the retry on a new one
+        layer = TlsLayer(connection, parked.tls, parked.incoming, parked.outgoing, established=True)
+        try:
+            await asyncio.get_running_loop().create_connection(lambda: layer, sock=parked.sock)
+        except OSError:
+            parked.sock.close()
+            return None
+        return connection
+
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        extra: dict[str, Any] = {}
-        if self._ssl is not None:
-            extra = {"ssl": self._ssl, "server_hostname": self._host,
-                     "ssl_handshake_timeout": self._connect_timeout}
         host, port = self._host, self._port
         if self._proxy is not None:
             host, port = self._proxy.origin.host, self._proxy.origin.port
@@ -611,9 +660,18 @@ class ConnectionPool:
             async with asyncio.timeout(self._connect_timeout):
                 if self._proxy is not None and self._ssl is not None:
                     return await self._tunnel()
+                if self._ssl is not None:
+                    connection = _Connection(self._watchdog)
+                    transport, layer = await loop.create_connection(
+                        lambda: self._tls_for(connection), host, port)
+                    try:
+                        await layer.handshake
+                    except BaseException:
+                        transport.abort()
+                        raise
+                    return connection
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self._watchdog), host, port,
-                    **({} if self._proxy is not None else extra))
+                    lambda: _Connection(self._watchdog), host, port)
         except ssl.SSLError:
             raise  # the certificate or a plain-http server: worded by the store
         except TimeoutError:
@@ -644,16 +702,56 @@ class ConnectionPool:
                 raise ConnectFailed(f"the proxy at {proxy.host}:{proxy.port} refused "
                                     f"CONNECT {authority}: {status_line[:80]!r}")
             connection = _Connection(self._watchdog)
-            tls = await loop.start_tls(transport, connection, self._ssl, server_hostname=self._host,
-                                       ssl_handshake_timeout=self._connect_timeout)
+            layer = self._tls_for(connection)
+            transport.set_protocol(layer)
+            layer.connection_made(transport)
+            await layer.handshake
         except BaseException:
             transport.abort()
             raise
-        assert tls is not None
-        connection.connection_made(tls)
         return connection
 
+    def _tls_for(self, connection: _Connection) -> TlsLayer:
+        """TLS to the host (its name checked against the certificate) under ``connection``."""
+        assert self._ssl is not None
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        return TlsLayer(connection, self._ssl.wrap_bio(incoming, outgoing, server_hostname=self._host),
+                        incoming, outgoing)
+
     def _give_back(self, connection: _Connection) -> None:
+        if connection.reusable and not self._closed:
+            self._idle.append(connection)
+            self._signal()
+        elif not connection.done:  # an answer left unread (called off)
+            self._release_unfinished(connection)
+        else:
+            self._drop(connection)
+
+    def _release_unfinished(self, connection: _Connection) -> None:
+        """A connection whose answer was called off before its end (a hedge that lost): a TLS one
+        is read to the end in the background when what is left is small (``_DRAIN_MOST``) and
+        comes within ``_DRAIN_SECONDS``, then kept, since a new one costs a handshake; any other
+        is closed. It keeps its place in the pool's limit meanwhile: freeing it opened a new
+        connection for the next request while the old one drained (21-24 handshakes a worker
+        in an epoch with ~50 drains, none when the place is kept)."""
+        left = connection.body_left if connection.status else 0
+        if (self._parking is None or self._closed or connection.closed or left is None
+                or left > _DRAIN_MOST):
+            self._drop(connection)
+            return
+        task = asyncio.get_running_loop().create_task(self._drain(connection))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
+    async def _drain(self, connection: _Connection) -> None:
+        try:
+            async with asyncio.timeout(_DRAIN_SECONDS):
+                await connection.wait_head()
+                left = connection.body_left
+                if left is not None and left <= _DRAIN_MOST:
+                    await connection.read_all()
+        except BaseException:  # noqa: BLE001 - broken, stalled or the pool closing: not kept
+            pass
         if connection.reusable and not self._closed:
             self._idle.append(connection)
             self._signal()

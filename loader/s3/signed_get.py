@@ -45,20 +45,22 @@ def ssl_setting(config: S3Config) -> ssl.SSLContext | None:
     ``verify`` asks (a CA bundle's path, the system's CAs, or nothing)."""
     if (config.endpoint_url or "https://").startswith("http://"):
         return None  # no context built: keeps OpenSSL out of forked workers (see aioboto3_store)
-    if config.verify is False:
+    return _context(config.verify if isinstance(config.verify, str) else config.verify is not False)
+
+
+@functools.cache
+def _context(verify: str | bool) -> ssl.SSLContext:
+    """One context per process for each ``verify`` (a CA bundle's path, the system's CAs, or no
+    check): loading CAs costs milliseconds, paid before the first sample of every engine
+    otherwise, and the TLS connections a pool parks for the next epoch's (``tls``) are kept
+    by their context."""
+    if verify is False:
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         return context
-    if isinstance(config.verify, str):
-        return ssl.create_default_context(cafile=config.verify)
-    return _system_context()
-
-
-@functools.cache
-def _system_context() -> ssl.SSLContext:
-    """One context with the system's CAs per process: loading them costs milliseconds, paid
-    before the first sample of every engine otherwise."""
+    if isinstance(verify, str):
+        return ssl.create_default_context(cafile=verify)
     return ssl.create_default_context()
 
 
