@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = run_child(tree, spec, child_env)
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
                 # connections the proxy accepted over both epochs (on aws a TLS handshake each)
-                out["connections"] = proxy.counts["connections"]
+                out["connections"] = proxy.accepted
                 # the proxy's own CPU (a thread of this process: TLS, pacing) per sample read through
                 # it, both epochs: near a core's worth at the rate measured, the proxy was the bound
                 if "samples" in out:

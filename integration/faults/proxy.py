@@ -39,9 +39,9 @@ class FaultProxy:
 
     ``counts`` is a snapshot ``Counter``: ``"requests"`` (every request head received),
     ``"latency"`` (requests delayed), one key per fault kind injected, ``"straggle"`` (answered
-    late), ``"throttled"`` (the ``slowdown`` answers the plan's ``get_rate`` made), ``"connections"``
-    (accepted: with ``tls``, a TLS handshake each), and ``"upstream_errors"`` when the upstream
-    could not be reached or broke mid-answer. ``decisions`` lists
+    late), ``"throttled"`` (the ``slowdown`` answers the plan's ``get_rate`` made), and
+    ``"upstream_errors"`` when the upstream could not be reached or broke mid-answer;
+    ``accepted`` counts the connections accepted (with ``tls``, a TLS handshake each). ``decisions`` lists
     ``(method, target, kind)`` for the last ``history`` requests in arrival order.
     """
 
@@ -71,6 +71,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._decider = FaultDecider(plan)
         self._counts: collections.Counter[str] = collections.Counter()
+        self._accepted = 0
         self._decisions: collections.deque[tuple[str, str, str | None]] = collections.deque(maxlen=history)
         self._heads: collections.deque[dict[str, list[str]]] = collections.deque(maxlen=history)
         self._thread: threading.Thread | None = None
@@ -101,6 +102,12 @@ class FaultProxy:
         """A snapshot of what happened so far (see the class docstring for the keys)."""
         with self._lock:
             return collections.Counter(self._counts)
+
+    @property
+    def accepted(self) -> int:
+        """Connections accepted so far (over ``tls``: a TLS handshake each)."""
+        with self._lock:
+            return self._accepted
 
     @property
     def decisions(self) -> list[tuple[str, str, str | None]]:
@@ -245,7 +252,8 @@ class FaultProxy:
         self._tasks.add(task)
         connection = Connection(self, reader, writer)
         self._connections.add(connection)
-        self._count("connections")  # accepted (with ``tls``: a TLS handshake each)
+        with self._lock:
+            self._accepted += 1
         try:
             await connection.serve()
         except asyncio.CancelledError:
