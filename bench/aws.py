@@ -75,6 +75,31 @@ def endpoint_for(loader: str, shape: str, ports: dict[str, int], ca: str, region
             "domain": None}
 
 
+def lab_and_aws(stack: contextlib.ExitStack, tmp: Path, bucket: str, objects: int,
+                aws_plan: Any) -> tuple[Any, list[str], dict[str, str], Any, Any]:
+    """The two endpoints the AWS-shaped benchmarks compare, over one SeaweedFS server holding
+    ``objects`` photo-like samples in ``bucket``: the lab path (plain http, +20 ms) and the
+    AWS-shaped one (``aws_plan`` behind TLS with the lab's private CA, names under ``DOMAIN``).
+    Returns ``(server, keys, pki, lab proxy, aws proxy)``; ``stack`` closes them."""
+    from loader.tools.devserver import DevServer
+
+    from .data import make_samples
+
+    faults = load_faults_module()
+    pki = faults.lab_certificates(tmp, DOMAIN)
+    server = stack.enter_context(DevServer(data_dir=tmp / "data", buckets=[bucket], domain=DOMAIN))
+    client = server.client()
+    samples = make_samples(objects)
+    for key, body in samples.items():
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki["cert"], pki["key"])
+    lab = stack.enter_context(faults.FaultProxy(server.endpoint_url, faults.FaultPlan(latency=0.02),
+                                                max_lifetime=4 * 3600))
+    aws = stack.enter_context(faults.FaultProxy(server.endpoint_url, aws_plan, max_lifetime=4 * 3600, tls=tls))
+    return server, sorted(samples), pki, lab, aws
+
+
 def run_child(tree: Path, spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(spec), cwd=tree, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
@@ -88,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = [int(w) for w in args.workers.split(",")]
     loaders = [name.strip() for name in args.loaders.split(",") if name.strip()]
     faults = load_faults_module()
-    from loader.tools.devserver import DevServer
 
-    from .data import make_samples
 
     results: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
@@ -107,21 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                            capture_output=True)
             stack.callback(subprocess.run, ["git", "worktree", "remove", "--force", str(after)], cwd=REPO,
                            capture_output=True)
-        pki = faults.lab_certificates(tmp, DOMAIN)
-        server = stack.enter_context(DevServer(data_dir=tmp / "data", buckets=[BUCKET], domain=DOMAIN))
-        client = server.client()
-        samples = make_samples(args.objects)
-        for key, body in samples.items():
-            client.put_object(Bucket=BUCKET, Key=key, Body=body)
-        keys = sorted(samples)
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(pki["cert"], pki["key"])
-        lab = stack.enter_context(faults.FaultProxy(server.endpoint_url, faults.FaultPlan(latency=0.02),
-                                                    max_lifetime=4 * 3600))
         aws_plan = faults.FaultPlan(latency=0.02, bandwidth=90e6, slowdown=args.slowdown, get_rate=args.get_rate,
                                     slowdown_close=True)
-        aws = stack.enter_context(faults.FaultProxy(server.endpoint_url, aws_plan, max_lifetime=4 * 3600,
-                                                    tls=tls))
+        server, keys, pki, lab, aws = lab_and_aws(stack, tmp, BUCKET, args.objects, aws_plan)
         ports = {"lab": lab.port, "aws": aws.port}
         env = {k: v for k, v in os.environ.items() if k not in _ENV_DROP}
         config = server.config

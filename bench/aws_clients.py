@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import datetime
 import socket
-import ssl
 import statistics
 import tempfile
 import time
@@ -36,9 +35,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from .aws import DOMAIN, lab_and_aws
 from .harness import RESULTS_DIR, load_faults_module
 
-DOMAIN = "s3.lab.test"
 BUCKET = "awsclients"
 INFLIGHT = 64
 
@@ -197,26 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     faults = load_faults_module()
     from loader import S3Config
-    from loader.tools.devserver import DevServer
 
-    from .data import make_samples
 
     resolve_lab_names()
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loader-aws-clients-")))
-        pki = faults.lab_certificates(tmp, DOMAIN)
-        server = stack.enter_context(DevServer(data_dir=tmp / "data", buckets=[BUCKET], domain=DOMAIN))
-        client = server.client()
-        samples = make_samples(args.objects)
-        for key, body in samples.items():
-            client.put_object(Bucket=BUCKET, Key=key, Body=body)
-        keys = sorted(samples)
-        tls_server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls_server.load_cert_chain(pki["cert"], pki["key"])
-        lab = stack.enter_context(faults.FaultProxy(server.endpoint_url, faults.FaultPlan(latency=0.02)))
-        aws = stack.enter_context(faults.FaultProxy(
-            server.endpoint_url, faults.FaultPlan(latency=0.02, bandwidth=90e6), tls=tls_server))
+        server, keys, pki, lab, aws = lab_and_aws(stack, tmp, BUCKET, args.objects,
+                                                  faults.FaultPlan(latency=0.02, bandwidth=90e6))
         base = server.config
         keys_of: dict[str, Any] = dict(region=base.region, access_key_id=base.access_key_id,
                                        secret_access_key=base.secret_access_key)
