@@ -15,8 +15,6 @@ from contextlib import aclosing, asynccontextmanager
 import anyio
 import obstore  # noqa: F401  (an installed test dependency: a broken install must fail, not skip)
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from loader.config import S3Config
 from loader.errors import (
@@ -33,7 +31,6 @@ from loader.errors import (
 from loader.retry import RetryPolicy
 from loader.s3.obstore_store import (
     ObstoreStore,
-    _start_after,
     forked_after_use,
     translate_error,
 )
@@ -455,24 +452,3 @@ def test_unaddressable_keys_say_what_to_do():
     assert type(out) is StoreError and "store='aioboto3'" in str(out)
 
 
-# ----------------------------------------------------------------------- start-after for prefixes
-
-
-def test_start_after_examples():
-    assert _start_after("") is None
-    assert _start_after("train/") is None
-    assert _start_after("train/shard-9") == "train/shard-8~"
-    assert _start_after("train/0") == "train"  # '/' would make an empty segment: fall back
-    assert _start_after("a") is None  # '`' is not a plain character: list from the start
-    assert _start_after("/") is None
-
-
-@settings(max_examples=300, deadline=None)
-@given(prefix=st.text(min_size=1, max_size=12), suffix=st.text(max_size=6))
-def test_start_after_is_below_every_key_with_the_prefix(prefix, suffix):
-    """Correctness of ``list`` needs only this: no key with the prefix is skipped."""
-    after = _start_after(prefix)
-    if after is not None:
-        assert after < prefix + suffix
-        if "//" not in prefix and not prefix.startswith("/"):  # else no valid offset exists anyway
-            assert "//" not in after and not after.startswith("/") and not after.endswith("/")

@@ -5,15 +5,17 @@ hands Python one buffer per response, for a fraction of the client CPU per GET. 
 ``store="obstore"`` (extra ``obstore``). ``S3Config`` is its only source of settings (never the
 ``AWS_*`` environment obstore would read), its own retries are off (``loader.retry`` retries),
 and it does not survive ``fork``: ``open()`` refuses in a child forked after a request.
+Listings go through this package's own lister, which checks every page (object_store shows none).
 How each part is wired, and why: docs/design/obstore.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -33,7 +35,6 @@ from ..retry import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RetryPolicy, 
 from ..uri import object_url
 from .answer_checks import Asked, asked_for, bad_answer, check_length, check_span
 from .answer_pace import (
-    LISTED_BYTES,
     AnswerTooSlow,
     Pace,
     body_deadline,
@@ -47,7 +48,6 @@ from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
     DENIED_CODES,
     certificate_rejected,
-    clean,
     error_for_answer,
     failed_mid_request,
     no_credentials,
@@ -55,8 +55,6 @@ from .error_answers import (
     target,
     unreachable,
 )
-from .list_xml import not_a_listing
-from .listing_order import SERVERS
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -103,8 +101,11 @@ class ObstoreStore:
     def __init__(self, options: dict[str, Any], *, endpoint: str, custom_endpoint: str | None,
                  virtual_host: bool, max_connections: int,
                  read_timeout: float = DEFAULT_READ_TIMEOUT,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 listing: Callable[[], Awaitable[Any]] | None = None) -> None:
         self._options = options
+        self._open_lister = listing  # opens the store that lists (``list_pages``)
+        self._lister: Any = None
         self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
         self._head = head_deadline(read_timeout, connect_timeout)  # connecting included
         self._endpoint = endpoint
@@ -152,9 +153,14 @@ class ObstoreStore:
         # Blocking, once per store: files, maybe a credential_process or a metadata request
         # (bounded by botocore's timeouts); obstore calls the provider from its own threads.
         options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
+        from . import open_listing_store  # (loader.s3 imports this module)
+
+        listing = functools.partial(open_listing_store, config, max_connections=max_connections,
+                                    retry=retry)
         return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
                    virtual_host=not config.path_style, max_connections=max_connections,
-                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
+                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout,
+                   listing=listing)
 
     def __repr__(self) -> str:
         return (f"ObstoreStore(endpoint={self._endpoint!r}, buckets={sorted(self._stores)!r}, "
@@ -175,66 +181,19 @@ class ObstoreStore:
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
-        """Pages of ``page_size`` keys; the token is the page's last key, and resuming lists
-        from just after it (S3's ``start-after``; object_store has no continuation tokens), as
-        ``start_after`` does.
-
-        With a delimiter, object_store's ``list_with_delimiter`` fetches every page of that one
-        level at once, so it comes back as a single page (it holds the folders, not their keys).
-        """
-        store = self._store(bucket)
-        if delimiter is not None:
-            if delimiter != "/" or (prefix and not prefix.endswith("/")):
-                raise ValueError(f"store='obstore' lists by folder only with delimiter '/' and a "
-                                 f"prefix ending in '/' (got {delimiter!r}, {prefix!r})")
-            try:
-                found = await obstore.list_with_delimiter_async(store, prefix.rstrip("/") or None)
-            except Exception as exc:
-                raise self._translate(exc, bucket, prefix, listing=True) from exc
-            objects = [ObjectInfo(meta["path"], int(meta["size"])) for meta in found["objects"]]
-            yield ListPage(objects, [f"{path}/" for path in found["common_prefixes"]], None)
-            return
-        directory, slash, stem = prefix.rpartition("/")
-        skip = len(directory) + len(slash)  # keys listed all begin with "directory/"
-        offset = token or start_after
-        below = _start_after(prefix)  # nearer than start_after when that is below the prefix
-        if offset is None or (below is not None and offset < below):
-            offset = below
-        batches = obstore.list(store, directory or None, offset=offset, chunk_size=page_size)
-        # object_store follows continuation tokens itself, unseen: a server that answers one
-        # again, or answers empty pages that claim more, would have it ask forever. So each
-        # batch has a deadline, as a page's answer would, and keys must go forward.
-        read_timeout, last = self._read_timeout, None
-        allowed = self._head + body_deadline(read_timeout, page_size * LISTED_BYTES)
-        while True:
-            try:
-                batch = await within(allowed, batches.__anext__(), lambda: AnswerTooSlow(
-                    f"no page of {page_size} keys within {allowed:g} s; object_store follows the "
-                    "continuation tokens itself: a server that answers empty pages that claim more "
-                    "keeps it asking"))
-            except StopAsyncIteration:
-                break
-            except Exception as exc:
-                raise self._translate(exc, bucket, prefix, listing=True) from exc
-            for meta in batch:
-                key = meta["path"]
-                if last is not None and not SERVERS.forward(last, key):
-                    raise not_a_listing(bucket, prefix, token, f"{clean(key, 80)!r} came after "
-                                        f"{clean(last, 80)!r}: a continuation token answered again "
-                                        "(object_store follows them itself); the listing would loop")
-                last = key
-            objects = []
-            for meta in batch:
-                key = meta["path"]
-                if key.startswith(prefix):
-                    objects.append(ObjectInfo(key, int(meta["size"]), normalize_etag(meta.get("e_tag"))))
-                elif stem and SERVERS.beyond_stem(key, skip, stem):
-                    yield ListPage(objects, [], None)
-                    return
-            answered(self._endpoint)
-            if batch:
-                yield ListPage(objects, [], batch[-1]["path"])
-        yield ListPage([], [], None)
+        """``ListObjectsV2`` pages through this package's own lister, not object_store's: that
+        one follows continuation tokens unseen and reads an HTML page, an ``<Error>`` answered
+        200 or a truncated page without a token as the listing's end; ours reads each page
+        (``list_xml``: a ``ListBucketResult`` or an error, no token answered twice). Same
+        settings: the config's endpoint, addressing, credentials, CA bundle and proxy."""
+        lister = await self._listing()
+        pages = lister.list_pages(bucket, prefix, token=token, start_after=start_after,
+                                  delimiter=delimiter, page_size=page_size)
+        try:
+            async for page in pages:
+                yield page
+        finally:
+            await pages.aclose()
 
     async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         _check_key(bucket, key)
@@ -435,11 +394,26 @@ class ObstoreStore:
             raise self._translate(exc, bucket, key) from exc
 
     async def aclose(self) -> None:
-        """Drop every bucket's store (and with it its connection pool)."""
+        """Drop every bucket's store (and with it its connection pool), and close the lister."""
         self._closed = True
         self._stores.clear()
+        lister, self._lister = self._lister, None
+        if lister is not None:
+            await lister.aclose()
 
     # ------------------------------------------------------------------------- helpers
+
+    async def _listing(self) -> Any:
+        """The store every listing goes through, opened on first use: ``HttpLister`` (the
+        standard library's HTTP client, which checks every page) where it serves the config,
+        else the aioboto3 backend (``loader.s3.open_listing_store``)."""
+        if self._closed:
+            raise RuntimeError("ObstoreStore is closed; a listing came after aclose()")
+        if self._lister is None:
+            if self._open_lister is None:
+                raise RuntimeError("ObstoreStore made without open() has no lister")
+            self._lister = await self._open_lister()
+        return self._lister
 
     def _store(self, bucket: str) -> S3Store:
         """The bucket's ``S3Store``, created on first use."""
@@ -658,23 +632,6 @@ def _summary(exc: BaseException, limit: int = 300) -> str:
     """obstore's message without its debug dump (which repeats the whole response)."""
     text = str(exc).split("\n\nDebug source", 1)[0].strip()
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _start_after(prefix: str) -> str | None:
-    """A ``start-after`` key below every key that starts with ``prefix`` and close to it.
-
-    The last character is decremented and ``~`` appended (``shard-9`` -> ``shard-8~``), so
-    the listing skips the siblings before the prefix. Only plain characters are used, since
-    object_store refuses control characters and empty segments in the offset too.
-    """
-    if not prefix or prefix.endswith("/"):
-        return None
-    head, last = prefix[:-1], prefix[-1]
-    lower = chr(ord(last) - 1) if ord(last) > 0 else ""
-    if lower and lower.isascii() and (lower.isalnum() or lower in "-_.+=,@~"):
-        return head + lower + "~"
-    head = head.rstrip("/")
-    return head or None
 
 
 def _check_key(bucket: str, key: str) -> None:
