@@ -19,6 +19,7 @@ import pytest
 from loader.config import S3Config
 from loader.errors import (
     AccessDeniedError,
+    BadAnswerError,
     ConfigError,
     EndpointUnreachableError,
     InvalidRangeError,
@@ -312,8 +313,9 @@ async def test_empty_object_falls_back_to_a_plain_get():
     "206 without Content-Range",
     "206 of another range",
 ])
-async def test_a_server_that_does_not_honour_ranges_gets_plain_gets(answer):
-    """The whole object still comes back; after the first such answer no range is asked for."""
+async def test_a_server_that_ignores_ranges_gets_plain_gets_and_a_wrong_206_is_an_error(answer):
+    """A 200 to the range from byte 0 is the whole object (a server that ignores Range): after
+    it no range is asked for. A 206 that is not that range is a wrong answer, never the object."""
     body = b"0123456789" * 100
     seen: list[bool] = []
 
@@ -328,6 +330,10 @@ async def test_a_server_that_does_not_honour_ranges_gets_plain_gets(answer):
     with anyio.fail_after(DEADLINE):
         async with stub(behaviour) as endpoint:
             store = await open_at(endpoint)
+            if answer != "200":
+                with pytest.raises(BadAnswerError, match=r"s3://b/k: .*(Requested|Content-Range)"):
+                    await store.get("b", "k")
+                return
             assert await store.get("b", "k") == body
             assert await store.get("b", "k") == body
     assert seen == [True, False, False]

@@ -210,20 +210,31 @@ class ObstoreStore:
             except Exception as exc:
                 facts = read_error_text(str(exc))
                 status = facts.status
-                if status is None and facts.range_not_honoured:
+                if status is None and facts.range_ignored:
                     self._whole_by_range = False
                 elif status != 416:  # a 416 to a range from byte 0: the object is empty
                     raise self._translate(exc, bucket, key) from exc
+                return await self._get_plain(bucket, key, by_range=False)
             finally:
                 del store  # see _get_plain()
         return await self._get_plain(bucket, key)
 
     async def _get_plain(
         self, bucket: str, key: str, options: Any = None,
-        pin: Pin | None = None,
+        pin: Pin | None = None, *, by_range: bool = True,
     ) -> bytes:
         """The object (or ``options["range"]`` of it) with ``get_async``: two awaits, its length
-        checked, its ETag handed to ``pin`` (which adds ``If-Match`` once it holds one)."""
+        checked, its ETag handed to ``pin`` (which adds ``If-Match`` once it holds one).
+        ``by_range`` False: a whole object by a plain GET (a range from 0 was just refused)."""
+        if by_range and self._whole_by_range and "range" not in (options or {}):
+            # the whole object asked as the range from byte 0: object_store holds a 206's
+            # Content-Range to it, where it takes any 206 to a plain GET for the whole object
+            try:
+                return await self._get_plain(bucket, key, {**(options or {}), "range": {"offset": 0}}, pin)
+            except StoreError as exc:
+                if not self._plain_instead(exc.__cause__):
+                    raise
+            return await self._get_plain(bucket, key, options, pin, by_range=False)
         if pin is not None and pin.etag is not None:
             options = {**(options or {}), "if_match": pin.if_match()}
         store = self._store(bucket)
@@ -330,14 +341,21 @@ class ObstoreStore:
         check_int("chunk_size", chunk_size, minimum=1)
         _check_range_args(bucket, key, start, None)
         store = self._store(bucket)
-        options: Any = {"range": {"offset": start}} if start else None
+        options: Any = {"range": {"offset": start}} if start or self._whole_by_range else {}
         if pin is not None and pin.etag is not None:
-            options = {**(options or {}), "if_match": pin.if_match()}
+            options["if_match"] = pin.if_match()
         read_timeout = self._read_timeout
         try:
-            result = await within(self._head,
-                                  obstore.get_async(store, key, options=options),
-                                  lambda: too_slow_head(self._head))
+            while True:
+                try:
+                    result = await within(self._head,
+                                          obstore.get_async(store, key, options=options),
+                                          lambda: too_slow_head(self._head))
+                    break
+                except Exception as exc:
+                    if start or "range" not in options or not self._plain_instead(exc):
+                        raise
+                    del options["range"]  # the whole object, by a plain GET
             first, stop = result.range
             check_span(_asked(options), first, stop, _size(result.meta), result.meta.get("e_tag"),
                        bucket, key)
@@ -460,6 +478,16 @@ class ObstoreStore:
             bucket=bucket, key=key,
         )
 
+    def _plain_instead(self, exc: BaseException | None) -> bool:
+        """Whether a whole read asked as the range from byte 0 failed with ``exc`` only for
+        being a range, and is asked again as a plain GET: a 416 (an empty object), or a 200 (a
+        server that ignores Range, asked by plain GETs from then on)."""
+        facts = read_error_text(str(exc))
+        if facts.status is None and facts.range_ignored:
+            self._whole_by_range = False
+            return True
+        return facts.status == 416
+
     def _one_await(self, request: Any) -> Any:
         """``request`` (head and body in one await, of a length not known before) within the
         time the pace allows an object of up to ``read_timeout`` x ``MIN_RATE`` bytes; one that
@@ -542,15 +570,15 @@ _OS_MESSAGE_RE = re.compile(r'message: "([^"]{1,200})"')
 # rustls's verdict on the server's certificate, e.g. InvalidCertificate(UnknownIssuer) or
 # InvalidCertificate(Other(OtherError(CaUsedAsEndEntity)))
 _CERT_RE = re.compile(r"InvalidCertificate\(\s*(\w+)(?:\(\s*(?:\w+\(\s*)?(\w+))?")
-# object_store's complaints about a 206 that is not the range it asked for (or a 200 instead)
-_RANGE_NOT_HONOURED_RE = re.compile(
-    r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
-)
+# object_store's complaint about a 200 (the whole object) where it asked for a range: a server
+# that ignores Range (a 206 of another range is a wrong answer, ``_REFUSED_RE``)
+_RANGE_IGNORED_RE = re.compile(r"non-partial response", re.I)
 _PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
 # an answer object_store refused: a range or framing not asked for, a listing page it cannot read
 _REFUSED_RE = re.compile(r"(Received non-partial response when range requested|Requested \d+\.\.\d+, "
-                         r"got \d+\.\.\d+|Content-Length Header missing from response|Got invalid "
-                         r"list response: [^\n]{0,160})")
+                         r"got \d+\.\.\d+|Content-Length Header missing from response|Content-Range "
+                         r"header (?:not present|contained)[^\n]{0,60}|Failed to parse value for "
+                         r"CONTENT_RANGE header[^\n]{0,60}|Got invalid list response: [^\n]{0,160})")
 _HYPER_PARSE_RE = re.compile(r"hyper::Error\(\s*Parse\(\s*(\w+)(?:\(\s*(\w+))?")
 
 
@@ -564,7 +592,7 @@ class ErrorText(NamedTuple):
     certificate: str | None  # rustls's verdict on the server's certificate (UnknownIssuer, ...)
     plain_http: bool  # a TLS handshake answered with plain HTTP
     failure: str | None  # how a request failed mid-way, in a few words (None: it did not)
-    range_not_honoured: bool  # a 200 or another range where a range was asked for
+    range_ignored: bool  # a 200 (the whole object) where a range was asked for
     unaddressable: bool  # a key object_store cannot express as a path
     refused_answer: str | None  # object_store's or hyper's words for an answer it refused (None: none)
 
@@ -603,7 +631,7 @@ def read_error_text(text: str) -> ErrorText:
         certificate=certificate,
         plain_http="InvalidContentType" in text,
         failure=failure,
-        range_not_honoured=_RANGE_NOT_HONOURED_RE.search(text) is not None,
+        range_ignored=_RANGE_IGNORED_RE.search(text) is not None,
         unaddressable=any(marker in text for marker in _PATH_ERROR_MARKERS),
         refused_answer=_refused(text),
     )
