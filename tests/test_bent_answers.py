@@ -495,14 +495,57 @@ def _serving(answer):
         thread.join(5)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_a_throttles_retry_after_reaches_the_retries(transport):
-    """``Retry-After`` on a SlowDown is what the retries wait for (within the policy); obstore
-    exposes no header of an error answer, so there the backoff alone decides (recorded)."""
-    from loader.errors import ThrottledError
+class RecordedClock:
+    """A retry clock that waits no time: it records each wait asked for and moves by it."""
 
-    answer = s3_error("503 Slow Down", "SlowDown", "slow", Retry_After=2)
-    async with bent_server(lambda r: [answer]) as (endpoint, _), store_at(transport, endpoint) as store:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.now += seconds
+
+
+def http_date(seconds_from_now: float) -> str:
+    import email.utils
+    import time
+
+    return email.utils.formatdate(time.time() + seconds_from_now, usegmt=True)
+
+
+RETRY_AFTER = {  # the header, the policy's max_delay, and the wait due (at least, at most)
+    "2 seconds": ("2", 5.0, (2.0, 2.0)),
+    "30 seconds, past max_delay": ("30", 4.0, (4.0, 4.0)),
+    "an HTTP date a minute on, past max_delay": (http_date(60), 4.0, (4.0, 4.0)),
+    "an HTTP date past": (http_date(-60), 4.0, (0.0, 0.01)),
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case", list(RETRY_AFTER))
+async def test_a_throttles_retry_after_is_waited_within_the_policy(transport, case):
+    """Twice ``503 SlowDown`` with ``Retry-After``, then the object: each wait between attempts
+    is what the header asked, bounded by ``max_delay`` (the clock records waits: no wall time).
+    obstore exposes no header of an error answer: there the backoff alone decides (recorded)."""
+    from loader.errors import ThrottledError
+    from loader.retry import call_with_retries
+
+    header, max_delay, (least, most) = RETRY_AFTER[case]
+    answers = iter([s3_error("503 Slow Down", "SlowDown", "slow", Retry_After=header)] * 2)
+    clock = RecordedClock()
+    async with bent_server(lambda r: [next(answers, None) or right(r)]) as (endpoint, seen), \
+            store_at(transport, endpoint) as store:
         with pytest.raises(ThrottledError, match=r"s3://bkt/key.*SlowDown") as info:
             await store.get("bkt", "key")
-    assert info.value.retry_after == (None if transport == "obstore" else 2)
+        policy = RetryPolicy(base_delay=0.01, max_delay=max_delay, deadline=60)
+        assert await call_with_retries(lambda: store.get("bkt", "key"), policy, clock=clock) == OBJECT
+    assert len(seen) == 3 and len(clock.waits) == 1
+    if transport == "obstore":
+        assert info.value.retry_after is None and clock.waits[0] <= 0.01
+    else:
+        assert info.value.retry_after is not None
+        assert least <= clock.waits[0] <= most, clock.waits
