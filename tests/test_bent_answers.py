@@ -417,14 +417,15 @@ def listed_server(listed: dict[str, tuple[int, str]], served: dict[str, tuple[by
     return answer
 
 
-def dataset_over(transport: str, endpoint: str, mapped: bool = False) -> Any:
+def dataset_over(transport: str, endpoint: str, mapped: bool = False, cache: Any = None) -> Any:
     from loader import AsyncS3Dataset, AsyncS3MapDataset, Store
 
     async def factory() -> Any:
         return await _open(transport, endpoint)
 
     kind = AsyncS3MapDataset if mapped else AsyncS3Dataset
-    return kind.from_prefix("s3://bkt/p/", store=Store(backend=factory, retry=RetryPolicy(deadline=5, base_delay=0.01)))
+    return kind.from_prefix("s3://bkt/p/", store=Store(backend=factory, cache=cache,
+                                                       retry=RetryPolicy(deadline=5, base_delay=0.01)))
 
 
 async def _open(transport: str, endpoint: str) -> Any:
@@ -468,6 +469,81 @@ def test_a_version_written_since_the_listing_is_read_as_it_now_is(transport):
     with _serving(answer) as (endpoint, _):
         samples = list(dataset_over(transport, endpoint))
     assert [s["bin"] for s in samples] == [OBJECT, OBJECT + b"more"]
+
+
+def cached_bodies(directory: Any) -> list[bytes]:
+    """Every entry a disk cache folder holds, read back whole."""
+    from loader.cache.files import DiskCache
+
+    cache = DiskCache(directory, 1 << 30)
+    bodies = []
+    for path in sorted(directory.glob("*/*")):
+        if len(path.name) == 64:
+            entry = cache.open(path.name)
+            if entry is not None:
+                bodies.append(entry.read(0, entry.length))
+                entry.close()
+    return bodies
+
+
+@pytest.mark.parametrize("transport", ["http1", "obstore"])
+@pytest.mark.parametrize("short", ["once", "always"])
+def test_a_short_body_is_never_cached(tmp_path, transport, short):
+    """990 of the listed 1,000 bytes under the listed ETag, once (then the object) or every time:
+    the disk cache holds the right bytes or nothing, and a later epoch never serves the wrong
+    body (it was cached before the listing's size was checked, and every later read hit it)."""
+    gets = [0]
+    right_answer = listed_server({"p/a.bin": (1000, "e")}, {"p/a.bin": (OBJECT, "e")})
+    short_answer = listed_server({"p/a.bin": (1000, "e")}, {"p/a.bin": (OBJECT[:990], "e")})
+
+    def answer(request):
+        if "list-type" not in request.target:
+            gets[0] += 1
+            if short == "always" or gets[0] == 1:
+                return short_answer(request)
+        return right_answer(request)
+
+    with _serving(answer) as (endpoint, _):
+        for _epoch in range(2):
+            ds = dataset_over(transport, endpoint, cache=tmp_path / "cache")
+            if short == "always":
+                with pytest.raises(BadAnswerError, match=r"s3://bkt/p/a.bin: .*990 bytes"):
+                    list(ds)
+            else:
+                assert [sample["bin"] for sample in list(ds)] == [OBJECT]
+            assert cached_bodies(tmp_path / "cache") in ([], [OBJECT])
+    if short == "once":
+        assert gets[0] == 2, "the second epoch read the right bytes from the cache"
+
+
+async def test_a_cached_body_unlike_its_listing_is_not_served(tmp_path):
+    """An entry of the listed version at another size (cached before this check existed) is
+    read again from the store, not served, and replaced by the right bytes."""
+    from typing import NamedTuple
+
+    from loader.cache.files import DiskCache
+    from loader.cache.store import CachedStore
+    from loader.listing.versions import versions_of
+
+    from fakes import FakeStore
+
+    class Listed(NamedTuple):
+        bucket: str
+        key: str
+        etag: str | None
+        size: int | None
+
+    inner = FakeStore({("bkt", "p/a.bin"): OBJECT})
+    etag = [info async for info in inner.list("bkt", "p/")][0].etag
+    cache = DiskCache(tmp_path, 1 << 20)
+    cache.put(cache.name_for("ep", "bkt", "p/a.bin"), OBJECT[:990], etag)
+    store = CachedStore(inner, cache, "ep", versions=versions_of([Listed("bkt", "p/a.bin", etag, 1000)]))
+    try:
+        assert await store.get("bkt", "p/a.bin") == OBJECT
+        assert store.statistics().hits == 0
+        assert cached_bodies(tmp_path) == [OBJECT]
+    finally:
+        await store.aclose()
 
 
 @contextlib.contextmanager
