@@ -625,3 +625,95 @@ async def test_a_throttles_retry_after_is_waited_within_the_policy(transport, ca
     else:
         assert info.value.retry_after is not None
         assert least <= clock.waits[0] <= most, clock.waits
+
+
+# ---------------------------------------------------------------- shards through a DataLoader
+
+SHARDS = 3
+PER_SHARD = 12
+
+
+def shard_objects() -> tuple[dict[str, bytes], dict[str, dict[str, str]]]:
+    """Three tar shards and the index beside them (with each shard's sample offsets, which
+    ``batch_size=`` reads by ranged GETs), and the fingerprint of every sample."""
+    import hashlib
+    import json
+
+    from test_shards import build_shard, fingerprint_fields
+
+    from loader.shard_index.format import entry_document, index_document
+
+    objects, expected, entries = {}, {}, []
+    for s in range(SHARDS):
+        data, samples = build_shard(s, PER_SHARD, 100, 400)
+        key = f"shards/train-{s:04d}.tar"
+        objects[key] = data
+        expected.update({name: fingerprint_fields(fields) for name, fields, _, _ in samples})
+        entries.append(entry_document(f"s3://bkt/{key}", key, samples=PER_SHARD, size=len(data),
+                                      etag=hashlib.md5(data).hexdigest(), tar_bytes=len(data),
+                                      offsets=[first for _, _, first, _ in samples]))
+    objects["shards/index.json"] = json.dumps(index_document(entries)).encode()
+    return objects, expected
+
+
+def serving_objects(objects: dict[str, bytes], bend: str, times: int, probes: bool = False):
+    """Each object at ``/bkt/key`` (its ETag its MD5); the first ``times`` ranged GETs of a
+    shard's samples bent (the one-byte probes before the DataLoader starts too with ``probes``):
+    the whole shard (``range ignored``), or a 206 of the range 4 bytes on, labelled as such
+    (``shifted 206``)."""
+    import hashlib
+
+    bent = [0]
+
+    def answer(request):
+        key = request.target.split("?")[0].removeprefix("/bkt/")
+        body = objects.get(key)
+        if body is None:
+            return [s3_error("404 Not Found", "NoSuchKey", "no such key")]
+        etag = f'"{hashlib.md5(body).hexdigest()}"'.encode()
+        asked = request.headers.get("range")
+        if asked and (probes or asked != "bytes=0-0") and key.endswith(".tar") and bent[0] < times:
+            bent[0] += 1
+            if bend == "range ignored":
+                return [ok(body).replace(b'ETag: "e"', b"ETag: " + etag)]
+            first, _, last = asked.removeprefix("bytes=").partition("-")
+            stop = min(len(body), int(last) + 5 if last else len(body))
+            start = min(int(first) + 4, stop - 1)
+            return [partial(start, stop - 1, body[start:stop], total=len(body))
+                    .replace(b'ETag: "e"', b"ETag: " + etag)]
+        return [right(request, body).replace(b'ETag: "e"', b"ETag: " + etag)]
+
+    return answer
+
+
+@pytest.mark.parametrize(("bend", "times", "probes"), [
+    ("range ignored", 1_000, False), ("shifted 206", 1, False), ("shifted 206", 1_000, False),
+    ("range ignored", 1, False), ("range ignored", 1_000, True)])
+def test_shards_by_batch_through_two_workers_never_repeat_or_drop_a_sample(bend, times, probes):
+    """``from_shards(batch_size=)`` reads an indexed shard by ranged GETs; with the range bent
+    every time, the epoch ends in an error naming the shard (the probes of the shards against
+    their index too: our error, not a task group's, which the workers could not even unpickle);
+    bent once, the retry reads the right bytes: every sample exactly once, never one twice or
+    one lost. Through a DataLoader with two workers, started the platform's default way."""
+    from test_shards import assert_exactly
+    from torch.utils.data import DataLoader
+
+    from loader import AsyncS3Dataset, Store
+
+    objects, expected = shard_objects()
+    with _serving(serving_objects(objects, bend, times, probes)) as (endpoint, seen):
+        config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
+        ds = AsyncS3Dataset.from_shards(
+            "s3://bkt/shards/train-{0000..0002}.tar", batch_size=4, config=config,
+            store=Store(backend="aioboto3", retry=RetryPolicy(deadline=10, base_delay=0.01,
+                                                              read_timeout=5)))
+        loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list)
+        if times > 1:
+            with pytest.raises(Exception, match=r"s3://bkt/shards/train-000[0-2]\.tar") as info:
+                [sample for batch in loader for sample in batch]
+            assert "gave up after 3 attempt" in str(info.value), str(info.value)
+            assert type(info.value).__name__ == "BadAnswerError", repr(info.value)
+            return
+        samples = [sample for batch in loader for sample in batch]
+    assert_exactly(samples, expected)
+    assert any("range" in request.headers for request in seen), "the shards were read by ranges"

@@ -6,12 +6,16 @@ DataLoader workers alike, and leaves no thread behind.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from anyio.from_thread import start_blocking_portal
 
 from .protocol import ObjectStore
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 T = TypeVar("T")
 
@@ -33,10 +37,16 @@ def run_async(fn: Callable[[], Awaitable[T]], meanwhile: Callable[[], object] | 
 async def with_store(
     factory: Callable[[], Awaitable[ObjectStore]], use: Callable[[ObjectStore], Awaitable[T]]
 ) -> T:
-    """Open a store, run ``use(store)``, always close it."""
+    """Open a store, run ``use(store)``, always close it. An error of a task group in ``use``
+    is raised as itself (the first that is not a cancellation), never as the group: callers
+    and users want our error, and a group does not survive the pickling into DataLoader workers."""
     store = await factory()
     try:
         return await use(store)
+    except BaseExceptionGroup as group:
+        from ..engine.core import first_error  # here: only an error pays for it
+
+        raise first_error(group) from None
     finally:
         await store.aclose()
 
