@@ -520,6 +520,8 @@ def translate_error(
         return failed_mid_request(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing)
     facts = read_error_text(str(exc))
     status, code = facts.status, facts.code
+    if status is None and _REDIRECT_MARKER in str(exc):  # S3's 301 (no Location): a wrong region
+        status, code = 301, code or "PermanentRedirect"
     if status is None and code != "NoSuchBucket":  # the exception's class is all there is
         if isinstance(exc, (FileNotFoundError, obe.NotFoundError)):
             status = 404
@@ -573,6 +575,8 @@ _CERT_RE = re.compile(r"InvalidCertificate\(\s*(\w+)(?:\(\s*(?:\w+\(\s*)?(\w+))?
 # object_store's complaint about a 200 (the whole object) where it asked for a range: a server
 # that ignores Range (a 206 of another range is a wrong answer, ``_REFUSED_RE``)
 _RANGE_IGNORED_RE = re.compile(r"non-partial response", re.I)
+# object_store's words for a 3xx it could not follow (S3's 301 for another region has no Location)
+_REDIRECT_MARKER = "Received redirect without LOCATION"
 _PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
 # an answer object_store refused: a range or framing not asked for, a listing page it cannot read
 _REFUSED_RE = re.compile(r"(Received non-partial response when range requested|Requested \d+\.\.\d+, "
