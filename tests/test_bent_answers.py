@@ -284,6 +284,8 @@ def right(request, body: bytes = OBJECT) -> bytes:
     if not asked:
         return ok(body)
     first, _, last = asked.removeprefix("bytes=").partition("-")
+    if int(first) >= len(body):
+        return s3_error("416 Requested Range Not Satisfiable", "InvalidRange", "past the end")
     stop = min(len(body), int(last) + 1) if last else len(body)
     return partial(int(first), stop - 1, body[int(first):stop], total=len(body))
 
@@ -717,3 +719,47 @@ def test_shards_by_batch_through_two_workers_never_repeat_or_drop_a_sample(bend,
         samples = [sample for batch in loader for sample in batch]
     assert_exactly(samples, expected)
     assert any("range" in request.headers for request in seen), "the shards were read by ranges"
+
+
+@pytest.mark.parametrize("backend", ["aioboto3", "obstore"])
+@pytest.mark.parametrize("times", [1, 1_000])
+@pytest.mark.parametrize("parts", [False, True], ids=["streamed", "in parts"])
+def test_a_shard_cut_short_cleanly_is_held_to_its_listed_size(backend, times, parts):
+    """A listed shard answered with a well-framed body that ends early, at a member's boundary
+    (its Content-Length short of the listing, under the listed ETag): before, 6 of its 12
+    samples and no error. Now an error naming the shard, or after one such answer the rest read
+    from where it stopped: every sample once. Streamed, or in ranged parts of known size."""
+    import hashlib
+
+    from test_shards import assert_exactly, build_shard, fingerprint_fields
+
+    from loader import AsyncS3Dataset, Reading, Store
+
+    data, samples = build_shard(0, 12, 100, 400) if not parts else build_shard(1, 12, 150_000, 300_000)
+    cut, etag = samples[6][2], hashlib.md5(data).hexdigest()
+    listed = {"p/train-0000.tar": (len(data), etag)}
+    short = [0]
+
+    def answer(request):
+        if "list-type" in request.target:
+            return [ok(listing_of(listed), ETag="")]
+        if not request.target.startswith("/bkt/p/train-0000.tar"):
+            return [s3_error("404 Not Found", "NoSuchKey", "no such key")]
+        body = data
+        if short[0] < times:
+            short[0] += 1
+            body = data[:cut]
+        return [right(request, body).replace(b'ETag: "e"', f'ETag: "{etag}"'.encode())]
+
+    with _serving(answer) as (endpoint, _):
+        config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
+        ds = AsyncS3Dataset.from_shards(
+            "s3://bkt/p/", config=config, reading=Reading(part_size=1 << 20) if parts else None,
+            store=Store(backend=backend, retry=RetryPolicy(deadline=10, base_delay=0.01)))
+        if times > 1:
+            with pytest.raises(BadAnswerError, match=r"s3://bkt/p/train-0000\.tar: .*"
+                                                     r"gave up .*after 3 attempt"):
+                list(ds)
+            return
+        got = list(ds)
+    assert_exactly(got, {key: fingerprint_fields(fields) for key, fields, _, _ in samples})
