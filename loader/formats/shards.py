@@ -516,7 +516,7 @@ async def _read_stream(
 
 
 def _unlike_listing(shard: ShardRef, end: int, pin: Pin) -> BadAnswerError | None:
-    """A shard's stream that ended at byte ``end`` of an object listed at ``shard.size`` bytes:
+    """A shard's stream that ended at byte ``end`` of an object whose listing or index gave its size:
     the listed version must end there (``check_listed``); a body cut short cleanly, or a
     Content-Length short of the listing, is an error, retried from where it stopped."""
     if shard.size is None or end == shard.size:

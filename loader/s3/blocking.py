@@ -10,6 +10,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import anyio
 from anyio.from_thread import start_blocking_portal
 
 from .protocol import ObjectStore
@@ -44,9 +45,23 @@ async def with_store(
     try:
         return await use(store)
     except BaseExceptionGroup as group:
-        from ..engine.core import first_error  # here: only an error pays for it
-
         raise first_error(group) from None
     finally:
         await store.aclose()
 
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error that made a task group fail: its first leaf that is not a cancellation (the
+    others are mostly the cancellations it caused); its own traceback stays attached."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    cancelled = anyio.get_cancelled_exc_class()
+    return next((leaf for leaf in leaves if not isinstance(leaf, cancelled)), leaves[0] if leaves else group)

@@ -153,10 +153,9 @@ class ObstoreStore:
         # Blocking, once per store: files, maybe a credential_process or a metadata request
         # (bounded by botocore's timeouts); obstore calls the provider from its own threads.
         options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
-        from . import open_listing_store  # (loader.s3 imports this module)
+        from .http_lister import open_lister  # (here: not with this module)
 
-        listing = functools.partial(open_listing_store, config, max_connections=max_connections,
-                                    retry=retry)
+        listing = functools.partial(open_lister, config, max_connections=max_connections, retry=retry)
         return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
                    virtual_host=not config.path_style, max_connections=max_connections,
                    read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout,
@@ -424,7 +423,7 @@ class ObstoreStore:
     async def _listing(self) -> Any:
         """The store every listing goes through, opened on first use: ``HttpLister`` (the
         standard library's HTTP client, which checks every page) where it serves the config,
-        else the aioboto3 backend (``loader.s3.open_listing_store``)."""
+        else the aioboto3 backend (``http_lister.open_lister``)."""
         if self._closed:
             raise RuntimeError("ObstoreStore is closed; a listing came after aclose()")
         if self._lister is None:
