@@ -56,7 +56,12 @@ async def bent_server(answer: Answer) -> AsyncIterator[tuple[str, list[Request]]
                         headers[name.strip().lower()] = value.strip()
                 request = Request(method, target, headers)
                 seen.append(request)
-                for item in answer(request):
+                try:
+                    script = answer(request)
+                except Exception:  # a test's script that failed: close, never leave a client waiting
+                    writer.close()
+                    raise
+                for item in script:
                     if item is None:
                         writer.close()
                         return

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from loader.errors import BadAnswerError, ThrottledError
 from loader.retry import BAD_ANSWER_ATTEMPTS, Retrying, RetryPolicy
 from loader.s3.answer_checks import Asked, asked_for, check_head, check_length, check_listed
-from loader.s3.error_answers import clean, error_for_answer
+from loader.s3.error_answers import clean, error_for_answer, retry_after
 
 
 def right_answer(size: int, asked: Asked) -> tuple[int, dict[str, str], int]:
@@ -99,6 +99,33 @@ def test_retry_after_is_waited_within_the_policy():
     policy = RetryPolicy(max_delay=2.0, base_delay=0.01)
     assert Retrying(policy, started=None).failed(throttled) == 2.0, "capped by max_delay"
     assert Retrying(RetryPolicy(max_delay=5.0), started=None).failed(throttled) == 3.0
+
+
+NOW = 1_800_000_000.0  # a moment in 2027, seconds since the epoch
+
+
+@settings(deadline=None)
+@given(st.integers(0, 10**9))
+def test_retry_after_in_seconds_is_that_many(seconds):
+    assert retry_after(f" {seconds} ", NOW) == seconds
+
+
+@settings(deadline=None)
+@given(st.integers(-10**6, 10**6), st.sampled_from(["GMT", "+0000", "-0000"]))
+def test_retry_after_as_an_http_date_is_the_time_until_it(offset, zone):
+    import email.utils
+
+    date = email.utils.formatdate(NOW + offset, usegmt=True).replace("GMT", zone)
+    assert retry_after(date, NOW) == max(0.0, offset)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.text(max_size=80))
+def test_retry_after_never_raises_and_is_never_negative(text):
+    waited = retry_after(text, NOW)
+    assert waited is None or waited >= 0
+    assert retry_after(None, NOW) is None and retry_after("-5", NOW) is None
+    assert retry_after("1.5", NOW) is None and retry_after("١٠", NOW) is None
 
 
 def test_server_codes_are_cleaned_capped_and_a_redirect_names_the_region():

@@ -103,7 +103,7 @@ async def test_a_refused_connection():
 async def test_a_range_answered_whole():
     async with stub(lambda head: response("200 OK", b"abcdef")) as endpoint:
         facts = read_error_text(str(await raw_error(endpoint, "range")))
-    assert facts.range_not_honoured and facts.status is None
+    assert facts.range_ignored and facts.status is None
 
 
 @pytest.mark.parametrize(("answer", "call", "refused"), [

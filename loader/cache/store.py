@@ -19,8 +19,9 @@ import anyio
 import anyio.lowlevel
 
 from ..checks import check_int
-from ..errors import ConfigError, InvalidRangeError
-from ..listing.versions import Versions
+from ..errors import BadAnswerError, ConfigError, InvalidRangeError
+from ..listing.versions import Versions, listed_size
+from ..s3.answer_checks import check_listed
 from ..s3.protocol import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 from .files import CacheEntry, CorruptEntry, DiskCache, TempFile
 from .options import DEFAULT_VALIDATE, check_validate
@@ -161,7 +162,8 @@ class CachedStore:
         puts = self._puts.get(name, 0)
         used = Pin() if pin is None else pin  # learns the version, to record it with the bytes
         data = await self.inner.get(bucket, key, pin=used)
-        if self.cache.fits(len(data)) and self._puts.get(name, 0) == puts:
+        if self.cache.fits(len(data)) and self._puts.get(name, 0) == puts \
+                and not self._unlike_listing(bucket, key, len(data), used.etag):
             try:
                 evicted = await anyio.to_thread.run_sync(self.cache.put, name, data, used.etag)
                 self.evictions += evicted or 0
@@ -211,7 +213,7 @@ class CachedStore:
             data, size = data[: end - start], None
         await self._tee(assembly, start, data, used.etag)
         if size is not None:
-            await self._ended(assembly, size)
+            await self._ended(assembly, size, bucket, key)
         return data
 
     async def _get_part(self, bucket: str, key: str, start: int, end: int | None, pin: Pin | None) -> bytes:
@@ -302,13 +304,13 @@ class CachedStore:
                         yield chunk
             keep = True
             if assembly is not None:
-                await self._ended(assembly, offset)
+                await self._ended(assembly, offset, bucket, key)
             if offset < position:  # asked to start past the end: what the store would have said
                 _check_start(offset, position, bucket, key)
         except InvalidRangeError:
             keep = True
             if assembly is not None and offset > 0 and assembly.covers(0, offset):
-                await self._ended(assembly, offset)  # resumed exactly at the end of the object
+                await self._ended(assembly, offset, bucket, key)  # resumed exactly at the end
             raise
         except Exception:
             keep = True  # a store error: the caller may resume with stream(start=...) into this file
@@ -390,6 +392,8 @@ class CachedStore:
         listed = None if self.versions is None or self.validate == "never" else self.versions(bucket, key)
         if listed is not None:
             fresh = entry.etag == listed
+        if fresh and self._unlike_listing(bucket, key, entry.length, entry.etag):
+            fresh = False  # (a body cached before its listing's check: never served)
         if fresh and self.validate == "always" and name not in self._validated:
             fresh = entry.etag is not None and await self._unchanged(bucket, key, entry.etag)
         if not fresh:
@@ -400,6 +404,20 @@ class CachedStore:
         if pin is not None:
             pin.observe(entry.etag, bucket, key)
         return True
+
+    def _unlike_listing(self, bucket: str, key: str, length: int, etag: str | None) -> bool:
+        """Whether ``length`` bytes of version ``etag`` cannot be the object the key list gave
+        (``answer_checks.check_listed``: its listed version at another size, or no ETag to tell):
+        such bytes are never cached, and a cached entry like them is never served."""
+        size = listed_size(self.versions, bucket, key)
+        if size is None or length == size:
+            return False
+        try:
+            check_listed(length, etag, size, self.versions(bucket, key) if self.versions else None,
+                         bucket, key)
+        except BadAnswerError:
+            return True
+        return False
 
     async def _unchanged(self, bucket: str, key: str, etag: str) -> bool:
         """One conditional GET of one byte: whether the object is still version ``etag``."""
@@ -502,10 +520,11 @@ class CachedStore:
         assembly.add(offset, end)
         await self._finish(assembly)
 
-    async def _ended(self, assembly: _Assembly, size: int) -> None:
+    async def _ended(self, assembly: _Assembly, size: int, bucket: str, key: str) -> None:
         """A read reached the object's end at ``size``."""
-        if assembly.size is not None and assembly.size != size:  # the object changed under us
-            self._drop(assembly)
+        if (assembly.size is not None and assembly.size != size) \
+                or self._unlike_listing(bucket, key, size, assembly.etag):
+            self._drop(assembly)  # the object changed under us, or the answers are wrong
             return
         assembly.size = size
         await self._finish(assembly)

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
-
-if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
-    from exceptiongroup import BaseExceptionGroup
 
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
@@ -368,18 +364,3 @@ def _wake(parked: asyncio.Future[None]) -> None:
         parked.set_result(None)
 
 
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The error that made a task group fail: its first leaf that is not a cancellation (the
-    others are mostly the cancellations it caused); its own traceback stays attached."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    cancelled = anyio.get_cancelled_exc_class()
-    return next((leaf for leaf in leaves if not isinstance(leaf, cancelled)), leaves[0] if leaves else group)

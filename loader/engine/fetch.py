@@ -22,7 +22,8 @@ from ..errors import ConfigError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
-from .core import AnyJob, EngineCore, Job, JobContext, JobFn, first_error
+from ..s3.blocking import first_error
+from .core import AnyJob, EngineCore, Job, JobContext, JobFn
 from .limits import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_QUEUE_BYTES,

@@ -22,6 +22,7 @@ import anyio
 from ..checks import check_int
 from ..engine.fetch import JobContext, JobFn
 from ..errors import (
+    BadAnswerError,
     ConfigError,
     InvalidRangeError,
     ObjectChangedError,
@@ -29,6 +30,7 @@ from ..errors import (
     TransientStoreError,
 )
 from ..retry import Retrying, call_with_retries
+from ..s3.answer_checks import asked_for, check_length, check_listed
 from ..s3.protocol import Pin
 from ..uri import object_url, parse_s3_uri
 from .compression import Compression, compression_of, open_decoder
@@ -464,6 +466,8 @@ async def _read_stream(
     while True:
         resume = parser.resume_offset
         start = 0 if compression is not None else resume
+        received = start  # where the stream's bytes end: the listed size, for the listed version
+        failure: TransientStoreError | None
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size,
@@ -471,11 +475,13 @@ async def _read_stream(
             ) as chunks:
                 if compression is None:
                     async for chunk in chunks:
+                        received += len(chunk)
                         await feed(chunk)
                 else:
                     decoder = open_decoder(compression, shard.url, options.chunk_size)
                     skip = resume  # tar bytes parsed by an earlier pass
                     async for chunk in chunks:
+                        received += len(chunk)
                         for piece in decoder.decode(chunk):
                             if skip:
                                 if len(piece) <= skip:
@@ -489,18 +495,37 @@ async def _read_stream(
                             f"{shard.url}: the shard is shorter than when it was first read "
                             f"({resume - skip} of {resume} tar bytes before the resume offset); it "
                             "changed during the read", url=shard.url, offset=resume - skip)
-            return
+            failure = _unlike_listing(shard, received, pin)
+            if failure is None:
+                return
         except InvalidRangeError:
-            if start > 0:
+            if start == 0:
+                raise
+            failure = _unlike_listing(shard, start, pin)
+            if failure is None:
                 return  # resumed exactly at the end: nothing was left to read
-            raise
         except TransientStoreError as exc:
-            retrying.what = f"{shard.url} at byte {parser.resume_offset}"
-            # a member completed since the last failure (bytes alone are no progress)
-            delay = retrying.failed(exc, progressed=parser.resume_offset > resume)
-            ctx.retried(exc)
-            await anyio.sleep(delay)
-            parser.restart_at(parser.resume_offset)
+            failure = exc
+        assert failure is not None  # every way here failed
+        retrying.what = f"{shard.url} at byte {parser.resume_offset}"
+        # a member completed since the last failure (bytes alone are no progress)
+        delay = retrying.failed(failure, progressed=parser.resume_offset > resume)
+        ctx.retried(failure)
+        await anyio.sleep(delay)
+        parser.restart_at(parser.resume_offset)
+
+
+def _unlike_listing(shard: ShardRef, end: int, pin: Pin) -> BadAnswerError | None:
+    """A shard's stream that ended at byte ``end`` of an object whose listing or index gave its size:
+    the listed version must end there (``check_listed``); a body cut short cleanly, or a
+    Content-Length short of the listing, is an error, retried from where it stopped."""
+    if shard.size is None or end == shard.size:
+        return None
+    try:
+        check_listed(end, pin.etag, shard.size, shard.etag, shard.bucket, shard.key)
+    except BadAnswerError as exc:
+        return exc
+    return None
 
 
 async def _read_parts(
@@ -523,12 +548,14 @@ async def _read_parts(
 
     async def fetch(i: int, done: anyio.Event) -> None:
         end = min(size, (i + 1) * part)
+        async def get() -> bytes:  # a part of the listed size's object is that long, or wrong
+            data = await ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin)
+            check_length(len(data), end - i * part, asked_for(f"bytes={i * part}-{end - 1}"),
+                         shard.bucket, shard.key)
+            return data
+
         try:
-            results[i] = await call_with_retries(
-                lambda: ctx.store.get_range(shard.bucket, shard.key, i * part, end, pin=pin),
-                ctx.retry,
-                on_retry=ctx.retried,
-            )
+            results[i] = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
         except Exception as exc:  # noqa: BLE001 - handed to the reader below, which raises it in order
             results[i] = exc
         done.set()  # not arrived[i]: the reader pops that entry as soon as it starts waiting

@@ -13,7 +13,15 @@ from typing import Protocol
 from .keylist import KeyList
 
 Versions = Callable[[str, str], "str | None"]
-"""``versions(bucket, key)``: the ETag the key list gave for the object, or None (none given)."""
+"""``versions(bucket, key)``: the ETag the key list gave for the object, or None (none given).
+The lookups made here also answer ``.size(bucket, key)`` (``listed_size``)."""
+
+
+def listed_size(versions: Versions | None, bucket: str, key: str) -> int | None:
+    """The size the key list gave the object, where ``versions`` knows sizes (None otherwise):
+    the disk cache keeps no body of the listed version at another size."""
+    size = getattr(versions, "size", None)
+    return None if size is None else size(bucket, key)
 
 
 class Listed(Protocol):
@@ -40,14 +48,25 @@ def listed_versions(bucket: str, keys: Sequence[str]) -> Versions | None:
 def versions_of(objects: Iterable[Listed]) -> Versions | None:
     """The versions of a few listed objects (a shard list), by ``(bucket, key)``; None when
     none carries an ETag."""
-    table = {(item.bucket, item.key): item.etag for item in objects if item.etag is not None}
-    if not table:
-        return None
+    table: dict[tuple[str, str], tuple[str | None, int | None]] = {
+        (item.bucket, item.key): (item.etag, getattr(item, "size", None))
+        for item in objects if item.etag is not None}
+    return _Table(table) if table else None
 
-    def versions(bucket: str, key: str) -> str | None:
-        return table.get((bucket, key))
 
-    return versions
+class _Table:
+    """A few listed objects' ETags and sizes, by ``(bucket, key)``."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: dict[tuple[str, str], tuple[str | None, int | None]]) -> None:
+        self.table = table
+
+    def __call__(self, bucket: str, key: str) -> str | None:
+        return self.table.get((bucket, key), (None, None))[0]
+
+    def size(self, bucket: str, key: str) -> int | None:
+        return self.table.get((bucket, key), (None, None))[1]
 
 
 def first_known(lookups: Iterable[Versions | None]) -> Versions | None:
@@ -56,15 +75,29 @@ def first_known(lookups: Iterable[Versions | None]) -> Versions | None:
     found = [lookup for lookup in lookups if lookup is not None]
     if len(found) <= 1:
         return found[0] if found else None
+    return _First(found)
 
-    def versions(bucket: str, key: str) -> str | None:
-        for lookup in found:
+
+class _First:
+    """The first of several lookups that has an ETag for the object answers (its size too)."""
+
+    __slots__ = ("found",)
+
+    def __init__(self, found: list[Versions]) -> None:
+        self.found = found
+
+    def __call__(self, bucket: str, key: str) -> str | None:
+        for lookup in self.found:
             etag = lookup(bucket, key)
             if etag is not None:
                 return etag
         return None
 
-    return versions
+    def size(self, bucket: str, key: str) -> int | None:
+        for lookup in self.found:
+            if lookup(bucket, key) is not None:
+                return listed_size(lookup, bucket, key)
+        return None
 
 
 class _SortedKeys:
@@ -81,17 +114,24 @@ class _SortedKeys:
         self._positions: dict[str, int] | None = None
 
     def __call__(self, bucket: str, key: str) -> str | None:
+        at = self._index(bucket, key)
+        return None if at is None else self.keys.etag(at)
+
+    def size(self, bucket: str, key: str) -> int | None:
+        at = self._index(bucket, key)
+        return None if at is None or not self.keys.has_sizes else self.keys.size(at)
+
+    def _index(self, bucket: str, key: str) -> int | None:
         if bucket != self.bucket:
             return None
         keys = self.keys
         if self._positions is None:
             at = keys.find(key)
             if at is not None:
-                return keys.etag(at)
+                return at
             if self._ascending is None:
                 self._ascending = all(a < b for a, b in itertools.pairwise(keys))
             if self._ascending:
                 return None
             self._positions = {name: at for at, name in enumerate(keys)}
-        found = self._positions.get(key)
-        return None if found is None else keys.etag(found)
+        return self._positions.get(key)

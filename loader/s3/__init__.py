@@ -72,11 +72,9 @@ async def open_listing_store(
     """A store to list prefixes with in the process that builds a dataset, whichever backend
     reads the data: ``HttpLister`` (the standard library's HTTP client: nothing to import, nothing
     that a later fork breaks) where it serves, else the aioboto3 backend."""
-    from .http_lister import HttpLister, usable
+    from .http_lister import open_lister
 
-    if usable(config):
-        return HttpLister(config, max_connections=max_connections, retry=retry)
-    return await open_store("aioboto3", config, max_connections=max_connections, retry=retry)
+    return await open_lister(config, max_connections=max_connections, retry=retry)
 
 
 class ListingOpener:

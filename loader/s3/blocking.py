@@ -6,12 +6,17 @@ DataLoader workers alike, and leaves no thread behind.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import anyio
 from anyio.from_thread import start_blocking_portal
 
 from .protocol import ObjectStore
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 T = TypeVar("T")
 
@@ -33,10 +38,30 @@ def run_async(fn: Callable[[], Awaitable[T]], meanwhile: Callable[[], object] | 
 async def with_store(
     factory: Callable[[], Awaitable[ObjectStore]], use: Callable[[ObjectStore], Awaitable[T]]
 ) -> T:
-    """Open a store, run ``use(store)``, always close it."""
+    """Open a store, run ``use(store)``, always close it. An error of a task group in ``use``
+    is raised as itself (the first that is not a cancellation), never as the group: callers
+    and users want our error, and a group does not survive the pickling into DataLoader workers."""
     store = await factory()
     try:
         return await use(store)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
     finally:
         await store.aclose()
 
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error that made a task group fail: its first leaf that is not a cancellation (the
+    others are mostly the cancellations it caused); its own traceback stays attached."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    cancelled = anyio.get_cancelled_exc_class()
+    return next((leaf for leaf in leaves if not isinstance(leaf, cancelled)), leaves[0] if leaves else group)

@@ -7,6 +7,8 @@ reads the same advice whichever ``store=`` they picked (and tests hold both to i
 
 from __future__ import annotations
 
+import datetime
+import time
 from collections.abc import Callable
 
 from ..errors import (
@@ -137,7 +139,8 @@ def error_for_answer(
             f"{what}: the server answered {code or status} (HTTP {status})",
             bucket=bucket, key=key,
         )
-        throttled.retry_after = retry_after(headers("retry-after") if headers is not None else None)
+        throttled.retry_after = retry_after(headers("retry-after") if headers is not None else None,
+                                            time.time())
         return throttled
     if code in TRANSIENT_CODES or status >= 500 or status == 408:  # 408: the server gave up
         # waiting (on a kept-alive connection, often one it was closing): another try is right
@@ -149,15 +152,29 @@ def error_for_answer(
                       bucket=bucket, key=key)
 
 
-def retry_after(value: str | None) -> float | None:
-    """Seconds a ``Retry-After`` header asks to wait (delta-seconds only; an HTTP date or
-    garbage: None). The retry policy bounds it (``loader.retry``)."""
+def retry_after(value: str | None, now: float) -> float | None:
+    """Seconds a ``Retry-After`` header asks to wait at ``now`` (seconds since the epoch): its
+    delta-seconds, or the time until its HTTP date (RFC 9110 10.2.3; a date past is 0); None for
+    anything else. The retry policy bounds it (``loader.retry``). Pure."""
     if value is None:
         return None
     value = value.strip()
-    if not value.isascii() or not value.isdigit() or len(value) > 6:
+    if value.isascii() and value.isdigit():
+        return float(value) if len(value) <= 19 else None
+    if len(value) > 64 or not value.isascii():
         return None
-    return float(value)
+    import email.utils  # here: a date is rare, and the import is not free
+
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": UTC with no zone said
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    try:
+        return max(0.0, when.timestamp() - now)
+    except (ValueError, OverflowError):
+        return None
 
 
 def changed_during_read(bucket: str, key: str, how: str) -> ObjectChangedError:

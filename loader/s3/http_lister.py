@@ -148,6 +148,16 @@ class _CheckedResponse(http.client.HTTPResponse):
 _MAX_LINE = 65536  # http.client's own limit on a line
 
 
+async def open_lister(config: S3Config, *, max_connections: int, retry: RetryPolicy) -> ObjectStore:
+    """The store to list with for ``config``: ``HttpLister`` where it serves (``usable``), else
+    the aioboto3 backend (docs/design/listing.md)."""
+    if usable(config):
+        return HttpLister(config, max_connections=max_connections, retry=retry)
+    from .aioboto3_store import Aioboto3Store
+
+    return await Aioboto3Store.open(config, max_connections=max_connections, retry=retry)
+
+
 def usable(config: S3Config) -> bool:
     """Whether ``HttpLister`` can list for ``config``: every endpoint, unless a setting asks for
     what only botocore serves (FIPS or dual-stack endpoints, an https proxy: ``addressing.unserved``)."""

@@ -5,15 +5,17 @@ hands Python one buffer per response, for a fraction of the client CPU per GET. 
 ``store="obstore"`` (extra ``obstore``). ``S3Config`` is its only source of settings (never the
 ``AWS_*`` environment obstore would read), its own retries are off (``loader.retry`` retries),
 and it does not survive ``fork``: ``open()`` refuses in a child forked after a request.
+Listings go through this package's own lister, which checks every page (object_store shows none).
 How each part is wired, and why: docs/design/obstore.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -33,7 +35,6 @@ from ..retry import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, RetryPolicy, 
 from ..uri import object_url
 from .answer_checks import Asked, asked_for, bad_answer, check_length, check_span
 from .answer_pace import (
-    LISTED_BYTES,
     AnswerTooSlow,
     Pace,
     body_deadline,
@@ -47,7 +48,6 @@ from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
     DENIED_CODES,
     certificate_rejected,
-    clean,
     error_for_answer,
     failed_mid_request,
     no_credentials,
@@ -55,8 +55,6 @@ from .error_answers import (
     target,
     unreachable,
 )
-from .list_xml import not_a_listing
-from .listing_order import SERVERS
 from .protocol import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
@@ -103,8 +101,11 @@ class ObstoreStore:
     def __init__(self, options: dict[str, Any], *, endpoint: str, custom_endpoint: str | None,
                  virtual_host: bool, max_connections: int,
                  read_timeout: float = DEFAULT_READ_TIMEOUT,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 listing: Callable[[], Awaitable[Any]] | None = None) -> None:
         self._options = options
+        self._open_lister = listing  # opens the store that lists (``list_pages``)
+        self._lister: Any = None
         self._read_timeout = read_timeout  # and the pace every answer keeps (answer_pace)
         self._head = head_deadline(read_timeout, connect_timeout)  # connecting included
         self._endpoint = endpoint
@@ -152,9 +153,13 @@ class ObstoreStore:
         # Blocking, once per store: files, maybe a credential_process or a metadata request
         # (bounded by botocore's timeouts); obstore calls the provider from its own threads.
         options["credential_provider"] = BotocoreCredentialProvider(resolve_credentials(config))
+        from .http_lister import open_lister  # (here: not with this module)
+
+        listing = functools.partial(open_lister, config, max_connections=max_connections, retry=retry)
         return cls(options, endpoint=endpoint or "AWS S3", custom_endpoint=endpoint,
                    virtual_host=not config.path_style, max_connections=max_connections,
-                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout)
+                   read_timeout=retry.read_timeout, connect_timeout=retry.connect_timeout,
+                   listing=listing)
 
     def __repr__(self) -> str:
         return (f"ObstoreStore(endpoint={self._endpoint!r}, buckets={sorted(self._stores)!r}, "
@@ -175,66 +180,19 @@ class ObstoreStore:
         delimiter: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> AsyncGenerator[ListPage, None]:
-        """Pages of ``page_size`` keys; the token is the page's last key, and resuming lists
-        from just after it (S3's ``start-after``; object_store has no continuation tokens), as
-        ``start_after`` does.
-
-        With a delimiter, object_store's ``list_with_delimiter`` fetches every page of that one
-        level at once, so it comes back as a single page (it holds the folders, not their keys).
-        """
-        store = self._store(bucket)
-        if delimiter is not None:
-            if delimiter != "/" or (prefix and not prefix.endswith("/")):
-                raise ValueError(f"store='obstore' lists by folder only with delimiter '/' and a "
-                                 f"prefix ending in '/' (got {delimiter!r}, {prefix!r})")
-            try:
-                found = await obstore.list_with_delimiter_async(store, prefix.rstrip("/") or None)
-            except Exception as exc:
-                raise self._translate(exc, bucket, prefix, listing=True) from exc
-            objects = [ObjectInfo(meta["path"], int(meta["size"])) for meta in found["objects"]]
-            yield ListPage(objects, [f"{path}/" for path in found["common_prefixes"]], None)
-            return
-        directory, slash, stem = prefix.rpartition("/")
-        skip = len(directory) + len(slash)  # keys listed all begin with "directory/"
-        offset = token or start_after
-        below = _start_after(prefix)  # nearer than start_after when that is below the prefix
-        if offset is None or (below is not None and offset < below):
-            offset = below
-        batches = obstore.list(store, directory or None, offset=offset, chunk_size=page_size)
-        # object_store follows continuation tokens itself, unseen: a server that answers one
-        # again, or answers empty pages that claim more, would have it ask forever. So each
-        # batch has a deadline, as a page's answer would, and keys must go forward.
-        read_timeout, last = self._read_timeout, None
-        allowed = self._head + body_deadline(read_timeout, page_size * LISTED_BYTES)
-        while True:
-            try:
-                batch = await within(allowed, batches.__anext__(), lambda: AnswerTooSlow(
-                    f"no page of {page_size} keys within {allowed:g} s; object_store follows the "
-                    "continuation tokens itself: a server that answers empty pages that claim more "
-                    "keeps it asking"))
-            except StopAsyncIteration:
-                break
-            except Exception as exc:
-                raise self._translate(exc, bucket, prefix, listing=True) from exc
-            for meta in batch:
-                key = meta["path"]
-                if last is not None and not SERVERS.forward(last, key):
-                    raise not_a_listing(bucket, prefix, token, f"{clean(key, 80)!r} came after "
-                                        f"{clean(last, 80)!r}: a continuation token answered again "
-                                        "(object_store follows them itself); the listing would loop")
-                last = key
-            objects = []
-            for meta in batch:
-                key = meta["path"]
-                if key.startswith(prefix):
-                    objects.append(ObjectInfo(key, int(meta["size"]), normalize_etag(meta.get("e_tag"))))
-                elif stem and SERVERS.beyond_stem(key, skip, stem):
-                    yield ListPage(objects, [], None)
-                    return
-            answered(self._endpoint)
-            if batch:
-                yield ListPage(objects, [], batch[-1]["path"])
-        yield ListPage([], [], None)
+        """``ListObjectsV2`` pages through this package's own lister, not object_store's: that
+        one follows continuation tokens unseen and reads an HTML page, an ``<Error>`` answered
+        200 or a truncated page without a token as the listing's end; ours reads each page
+        (``list_xml``: a ``ListBucketResult`` or an error, no token answered twice). Same
+        settings: the config's endpoint, addressing, credentials, CA bundle and proxy."""
+        lister = await self._listing()
+        pages = lister.list_pages(bucket, prefix, token=token, start_after=start_after,
+                                  delimiter=delimiter, page_size=page_size)
+        try:
+            async for page in pages:
+                yield page
+        finally:
+            await pages.aclose()
 
     async def get(self, bucket: str, key: str, *, pin: Pin | None = None) -> bytes:
         _check_key(bucket, key)
@@ -251,20 +209,31 @@ class ObstoreStore:
             except Exception as exc:
                 facts = read_error_text(str(exc))
                 status = facts.status
-                if status is None and facts.range_not_honoured:
+                if status is None and facts.range_ignored:
                     self._whole_by_range = False
                 elif status != 416:  # a 416 to a range from byte 0: the object is empty
                     raise self._translate(exc, bucket, key) from exc
+                return await self._get_plain(bucket, key, by_range=False)
             finally:
                 del store  # see _get_plain()
         return await self._get_plain(bucket, key)
 
     async def _get_plain(
         self, bucket: str, key: str, options: Any = None,
-        pin: Pin | None = None,
+        pin: Pin | None = None, *, by_range: bool = True,
     ) -> bytes:
         """The object (or ``options["range"]`` of it) with ``get_async``: two awaits, its length
-        checked, its ETag handed to ``pin`` (which adds ``If-Match`` once it holds one)."""
+        checked, its ETag handed to ``pin`` (which adds ``If-Match`` once it holds one).
+        ``by_range`` False: a whole object by a plain GET (a range from 0 was just refused)."""
+        if by_range and self._whole_by_range and "range" not in (options or {}):
+            # the whole object asked as the range from byte 0: object_store holds a 206's
+            # Content-Range to it, where it takes any 206 to a plain GET for the whole object
+            try:
+                return await self._get_plain(bucket, key, {**(options or {}), "range": {"offset": 0}}, pin)
+            except StoreError as exc:
+                if not self._plain_instead(exc.__cause__):
+                    raise
+            return await self._get_plain(bucket, key, options, pin, by_range=False)
         if pin is not None and pin.etag is not None:
             options = {**(options or {}), "if_match": pin.if_match()}
         store = self._store(bucket)
@@ -371,14 +340,21 @@ class ObstoreStore:
         check_int("chunk_size", chunk_size, minimum=1)
         _check_range_args(bucket, key, start, None)
         store = self._store(bucket)
-        options: Any = {"range": {"offset": start}} if start else None
+        options: Any = {"range": {"offset": start}} if start or self._whole_by_range else {}
         if pin is not None and pin.etag is not None:
-            options = {**(options or {}), "if_match": pin.if_match()}
+            options["if_match"] = pin.if_match()
         read_timeout = self._read_timeout
         try:
-            result = await within(self._head,
-                                  obstore.get_async(store, key, options=options),
-                                  lambda: too_slow_head(self._head))
+            while True:
+                try:
+                    result = await within(self._head,
+                                          obstore.get_async(store, key, options=options),
+                                          lambda: too_slow_head(self._head))
+                    break
+                except Exception as exc:
+                    if start or "range" not in options or not self._plain_instead(exc):
+                        raise
+                    del options["range"]  # the whole object, by a plain GET
             first, stop = result.range
             check_span(_asked(options), first, stop, _size(result.meta), result.meta.get("e_tag"),
                        bucket, key)
@@ -435,11 +411,26 @@ class ObstoreStore:
             raise self._translate(exc, bucket, key) from exc
 
     async def aclose(self) -> None:
-        """Drop every bucket's store (and with it its connection pool)."""
+        """Drop every bucket's store (and with it its connection pool), and close the lister."""
         self._closed = True
         self._stores.clear()
+        lister, self._lister = self._lister, None
+        if lister is not None:
+            await lister.aclose()
 
     # ------------------------------------------------------------------------- helpers
+
+    async def _listing(self) -> Any:
+        """The store every listing goes through, opened on first use: ``HttpLister`` (the
+        standard library's HTTP client, which checks every page) where it serves the config,
+        else the aioboto3 backend (``http_lister.open_lister``)."""
+        if self._closed:
+            raise RuntimeError("ObstoreStore is closed; a listing came after aclose()")
+        if self._lister is None:
+            if self._open_lister is None:
+                raise RuntimeError("ObstoreStore made without open() has no lister")
+            self._lister = await self._open_lister()
+        return self._lister
 
     def _store(self, bucket: str) -> S3Store:
         """The bucket's ``S3Store``, created on first use."""
@@ -486,6 +477,16 @@ class ObstoreStore:
             bucket=bucket, key=key,
         )
 
+    def _plain_instead(self, exc: BaseException | None) -> bool:
+        """Whether a whole read asked as the range from byte 0 failed with ``exc`` only for
+        being a range, and is asked again as a plain GET: a 416 (an empty object), or a 200 (a
+        server that ignores Range, asked by plain GETs from then on)."""
+        facts = read_error_text(str(exc))
+        if facts.status is None and facts.range_ignored:
+            self._whole_by_range = False
+            return True
+        return facts.status == 416
+
     def _one_await(self, request: Any) -> Any:
         """``request`` (head and body in one await, of a length not known before) within the
         time the pace allows an object of up to ``read_timeout`` x ``MIN_RATE`` bytes; one that
@@ -518,6 +519,8 @@ def translate_error(
         return failed_mid_request(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing)
     facts = read_error_text(str(exc))
     status, code = facts.status, facts.code
+    if status is None and _REDIRECT_MARKER in str(exc):  # S3's 301 (no Location): a wrong region
+        status, code = 301, code or "PermanentRedirect"
     if status is None and code != "NoSuchBucket":  # the exception's class is all there is
         if isinstance(exc, (FileNotFoundError, obe.NotFoundError)):
             status = 404
@@ -568,15 +571,17 @@ _OS_MESSAGE_RE = re.compile(r'message: "([^"]{1,200})"')
 # rustls's verdict on the server's certificate, e.g. InvalidCertificate(UnknownIssuer) or
 # InvalidCertificate(Other(OtherError(CaUsedAsEndEntity)))
 _CERT_RE = re.compile(r"InvalidCertificate\(\s*(\w+)(?:\(\s*(?:\w+\(\s*)?(\w+))?")
-# object_store's complaints about a 206 that is not the range it asked for (or a 200 instead)
-_RANGE_NOT_HONOURED_RE = re.compile(
-    r"non-partial response|Content.Range header|Requested \d+\.\.\d+, got \d+\.\.\d+", re.I
-)
+# object_store's complaint about a 200 (the whole object) where it asked for a range: a server
+# that ignores Range (a 206 of another range is a wrong answer, ``_REFUSED_RE``)
+_RANGE_IGNORED_RE = re.compile(r"non-partial response", re.I)
+# object_store's words for a 3xx it could not follow (S3's 301 for another region has no Location)
+_REDIRECT_MARKER = "Received redirect without LOCATION"
 _PATH_ERROR_MARKERS = ("Could not parse path", "Error parsing Path", "empty path segment")
 # an answer object_store refused: a range or framing not asked for, a listing page it cannot read
 _REFUSED_RE = re.compile(r"(Received non-partial response when range requested|Requested \d+\.\.\d+, "
-                         r"got \d+\.\.\d+|Content-Length Header missing from response|Got invalid "
-                         r"list response: [^\n]{0,160})")
+                         r"got \d+\.\.\d+|Content-Length Header missing from response|Content-Range "
+                         r"header (?:not present|contained)[^\n]{0,60}|Failed to parse value for "
+                         r"CONTENT_RANGE header[^\n]{0,60}|Got invalid list response: [^\n]{0,160})")
 _HYPER_PARSE_RE = re.compile(r"hyper::Error\(\s*Parse\(\s*(\w+)(?:\(\s*(\w+))?")
 
 
@@ -590,7 +595,7 @@ class ErrorText(NamedTuple):
     certificate: str | None  # rustls's verdict on the server's certificate (UnknownIssuer, ...)
     plain_http: bool  # a TLS handshake answered with plain HTTP
     failure: str | None  # how a request failed mid-way, in a few words (None: it did not)
-    range_not_honoured: bool  # a 200 or another range where a range was asked for
+    range_ignored: bool  # a 200 (the whole object) where a range was asked for
     unaddressable: bool  # a key object_store cannot express as a path
     refused_answer: str | None  # object_store's or hyper's words for an answer it refused (None: none)
 
@@ -629,7 +634,7 @@ def read_error_text(text: str) -> ErrorText:
         certificate=certificate,
         plain_http="InvalidContentType" in text,
         failure=failure,
-        range_not_honoured=_RANGE_NOT_HONOURED_RE.search(text) is not None,
+        range_ignored=_RANGE_IGNORED_RE.search(text) is not None,
         unaddressable=any(marker in text for marker in _PATH_ERROR_MARKERS),
         refused_answer=_refused(text),
     )
@@ -658,23 +663,6 @@ def _summary(exc: BaseException, limit: int = 300) -> str:
     """obstore's message without its debug dump (which repeats the whole response)."""
     text = str(exc).split("\n\nDebug source", 1)[0].strip()
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _start_after(prefix: str) -> str | None:
-    """A ``start-after`` key below every key that starts with ``prefix`` and close to it.
-
-    The last character is decremented and ``~`` appended (``shard-9`` -> ``shard-8~``), so
-    the listing skips the siblings before the prefix. Only plain characters are used, since
-    object_store refuses control characters and empty segments in the offset too.
-    """
-    if not prefix or prefix.endswith("/"):
-        return None
-    head, last = prefix[:-1], prefix[-1]
-    lower = chr(ord(last) - 1) if ord(last) > 0 else ""
-    if lower and lower.isascii() and (lower.isalnum() or lower in "-_.+=,@~"):
-        return head + lower + "~"
-    head = head.rstrip("/")
-    return head or None
 
 
 def _check_key(bucket: str, key: str) -> None:
