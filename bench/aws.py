@@ -161,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                 aws.reset_counts()
                 lab.reset_counts()
                 proxy = aws if shape == "aws" else lab
-                before_cpu = _thread_cpu(proxy)
+                before_cpu, server_before = _thread_cpu(proxy), _process_cpu(server.pid)
                 out = run_child(tree, spec, child_env)
+                if "samples" in out:  # the server's CPU (weed) per sample, both epochs
+                    out["server_cpu"] = (_process_cpu(server.pid) - server_before) / (2 * out["samples"])
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
                 # connections the proxy accepted over both epochs (on aws a TLS handshake each)
                 out["connections"] = proxy.accepted
@@ -187,6 +189,17 @@ def _thread_cpu(proxy: Any) -> float:
 
     native = proxy._thread.native_id
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == native)
+
+
+def _process_cpu(pid: int | None) -> float:
+    """CPU seconds of process ``pid`` so far (0 when it is gone)."""
+    import psutil
+
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.Error, ValueError):
+        return 0.0
+    return times.user + times.system
 
 
 def _median(runs: list[dict[str, Any]], what: str) -> float | None:
@@ -244,16 +257,19 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
                 ours_cpu, their_cpu = _median(after, "cpu"), _median(before, "cpu")
                 if ours and theirs and ours_cpu and their_cpu:
                     regression.append(f"| {backend} | {shape} | {w} | {ours / theirs:.2f}x | {ours_cpu / their_cpu:.2f}x |")
-    proxy = ["", "| proxy thread (TLS, pacing: in the harness process) | endpoint | w | µs per sample | "
-             "share of a core at the median rate |", "|---|---|--:|--:|--:|"]
+    proxy = ["", "| proxy thread (TLS, pacing: in the harness process) and server (weed) | endpoint | w | "
+             "proxy µs per sample | share of a core at the median rate | server µs per sample | "
+             "client + proxy + server µs per sample |", "|---|---|--:|--:|--:|--:|--:|"]
     for loader in loaders:
         for shape in ("lab", "aws"):
             for w in workers:
                 runs = [r for r in results.get(f"{loader}|{shape}|{w}", []) if "proxy_cpu" in r]
-                rate = _median(runs, "rate")
+                rate, client = _median(runs, "rate"), _median(runs, "cpu")
                 if runs and rate:
                     cost = statistics.median(r["proxy_cpu"] for r in runs) * 1e6
-                    proxy.append(f"| {loader} | {shape} | {w} | {cost:,.0f} | {cost * rate / 1e6:.0%} |")
+                    weed = statistics.median(r.get("server_cpu", 0.0) for r in runs) * 1e6
+                    proxy.append(f"| {loader} | {shape} | {w} | {cost:,.0f} | {cost * rate / 1e6:.0%} | {weed:,.0f} | "
+                                 f"{(client or 0) + cost + weed:,.0f} |")
     made = ["", "| connections the proxy accepted, warm-up and timed epoch (median) | endpoint | w | connections |",
             "|---|---|--:|--:|"]
     for loader in loaders:
