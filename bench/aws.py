@@ -162,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                 lab.reset_counts()
                 proxy = aws if shape == "aws" else lab
                 before_cpu, server_before = _thread_cpu(proxy), _process_cpu(server.pid)
+                accepted = proxy.accepted  # counted since the proxy started: not reset with its counts
                 out = run_child(tree, spec, child_env)
                 if "samples" in out:  # the server's CPU (weed) per sample, both epochs
                     out["server_cpu"] = (_process_cpu(server.pid) - server_before) / (2 * out["samples"])
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
                 # connections the proxy accepted over both epochs (on aws a TLS handshake each)
-                out["connections"] = proxy.accepted
+                out["connections"] = proxy.accepted - accepted
                 # the proxy's own CPU (a thread of this process: TLS, pacing) per sample read through
                 # it, both epochs: near a core's worth at the rate measured, the proxy was the bound
                 if "samples" in out:

@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                 lab.reset_counts()
                 proxy = aws if shape == "aws" else lab
                 before_cpu = _thread_cpu(proxy)
+                accepted = proxy.accepted  # counted since the proxy started: not reset with its counts
                 out = run_child(REPO, spec, child_env)
-                out["connections"] = proxy.accepted
+                out["connections"] = proxy.accepted - accepted
                 out["requests"] = proxy.counts["requests"]
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
                 if out.get("samples"):
