@@ -198,8 +198,8 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
                 lab_rate = _median(results.get(f"{loader}|lab|{w}", []), "rate")
                 lab_cpu = _median(results.get(f"{loader}|lab|{w}", []), "cpu")
                 if rate is None or cpu is None:
-                    errors = "; ".join(sorted({r["error"] for r in runs if "error" in r}))
-                    lines.append(f"| {loader} | {fmt} | {shape} | {w} | - | - | - | - | - | - | {errors}")
+                    errors = "; ".join(sorted({r["error"].split(":", 1)[0] for r in runs if "error" in r}))
+                    lines.append(f"| {loader} | {fmt} | {shape} | {w} | - | - | - | - | {errors or '-'} | - |")
                     continue
                 size = (sizes["litdata"] if loader == "litdata-opt" else per_sample[fmt]) / args.objects
                 vs_rate = f"{rate / lab_rate:.2f}x" if shape == "aws" and lab_rate else ""
