@@ -91,7 +91,7 @@ class _Connection(asyncio.Protocol):
         self._left = 0  # body bytes still to come ("length"), or of the current chunk ("chunked")
         self._chunk_state = "size"  # chunked: "size", "data", "data-end", "trailer"
         self._pending = bytearray()  # chunked: bytes of a size line or trailer not yet complete
-        self._body: collections.deque[bytes | bytearray | memoryview] = collections.deque()
+        self._body: collections.deque[bytes | memoryview] = collections.deque()
         self._buffered = 0
         self._keep_alive = False  # the answer's headers allow another request on this connection
         self._got_bytes = False  # whether any byte of the current answer came
@@ -102,11 +102,11 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes | bytearray) -> None:
+    def data_received(self, data: bytes) -> None:
         self._last_data = self._loop.time()
         self._got_bytes = True
         try:
-            body: bytes | bytearray | memoryview | None = data
+            body: bytes | memoryview | None = data
             if self._in_head:
                 body = self._take_head(data)
                 if body is None:
@@ -204,8 +204,8 @@ class _Connection(asyncio.Protocol):
             return b""
         data = self._body.popleft()
         self._buffered -= len(data)
-        if not isinstance(data, bytes):  # a view of what arrived, or TLS's decrypted buffer
-            data = bytes(data)
+        if isinstance(data, memoryview):
+            data = data.tobytes()
         if self._paused and self._buffered < _HIGH_WATER // 2 and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
@@ -218,7 +218,7 @@ class _Connection(asyncio.Protocol):
 
     # -- parsing
 
-    def _take_head(self, data: bytes | bytearray) -> memoryview | None:
+    def _take_head(self, data: bytes) -> memoryview | None:
         """Parse the head once it is complete; what followed it (the body's start), or None while
         the head is incomplete. The body's bytes are not copied on the way: the usual answer
         arrives with its head and the first ~64 KB of body in one read."""
@@ -238,7 +238,7 @@ class _Connection(asyncio.Protocol):
                 return memoryview(data)[end + 4:]
             data = data[end + 4:]  # after an interim (1xx) answer, rare: a copy will do
 
-    def _parse_head(self, head: bytes | bytearray) -> bool:
+    def _parse_head(self, head: bytes) -> bool:
         """Read a status line and headers; whether it was an interim (1xx) answer, after which
         the real one follows. Sets the body's framing; anything outside RFC 9112's grammar (as
         h11 reads it), or a framing that is ambiguous, is ``FramingBroken``."""
@@ -281,7 +281,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = keep_alive
         return False
 
-    def _take_body(self, data: bytes | bytearray | memoryview) -> None:
+    def _take_body(self, data: bytes | memoryview) -> None:
         if self._framing == "length":
             if len(data) > self._left:
                 raise FramingBroken(f"{len(data) - self._left} bytes past the Content-Length")
@@ -294,7 +294,7 @@ class _Connection(asyncio.Protocol):
         else:
             self._keep(data)
 
-    def _take_chunked(self, data: bytes | bytearray | memoryview) -> None:
+    def _take_chunked(self, data: bytes | memoryview) -> None:
         """Chunked transfer coding (RFC 9112 section 7.1), read incrementally; extensions and
         trailers are read past."""
         view = memoryview(data)
@@ -341,7 +341,7 @@ class _Connection(asyncio.Protocol):
                         raise FramingBroken(f"malformed trailer line: {field[:80]!r}")
                     _read_fields([field])
 
-    def _keep(self, data: bytes | bytearray | memoryview) -> None:
+    def _keep(self, data: bytes | memoryview) -> None:
         if not data:
             return
         self._body.append(data)
