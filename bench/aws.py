@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ from .harness import REPO, RESULTS_DIR, load_faults_module
 DOMAIN = "s3.lab.test"
 BUCKET = "awsbench"
 CHILD = (Path(__file__).resolve().parent / "aws_child.py").read_text()
+# the loaders whose clients resolve names in Python (this package's default backend, boto3):
+# virtual-hosted on the AWS-shaped endpoint; the others read it path-style at https://127.0.0.1
+VIRTUAL_HOSTED = ("ours-aioboto3", "before-aioboto3", "ours-shard-aioboto3", "ours-parquet-aioboto3", "wds")
 _ENV_DROP = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "S3_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN",
              "AWS_DEFAULT_PROFILE", "MINIO_ENDPOINT", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_SECURE",
              "LOADER_STORE", "AWS_CA_BUNDLE", "PYTHONPATH", "HTTPS_PROXY", "HTTP_PROXY", "https_proxy",
@@ -68,7 +72,7 @@ def endpoint_for(loader: str, shape: str, ports: dict[str, int], ca: str, region
     """The config a loader gets on ``shape`` ("lab" or "aws"), and the domain to resolve."""
     if shape == "lab":
         return {"config": {"endpoint_url": f"http://127.0.0.1:{ports['lab']}", "region": region}, "domain": None}
-    if loader in ("ours-aioboto3", "before-aioboto3"):  # resolves in Python: the lab's names
+    if loader in VIRTUAL_HOSTED:  # resolves in Python: the lab's names
         return {"config": {"endpoint_url": f"https://{DOMAIN}:{ports['aws']}", "region": region,
                            "addressing_style": "virtual", "verify": ca}, "domain": DOMAIN}
     return {"config": {"endpoint_url": f"https://127.0.0.1:{ports['aws']}", "region": region, "verify": ca},
@@ -76,9 +80,11 @@ def endpoint_for(loader: str, shape: str, ports: dict[str, int], ca: str, region
 
 
 def lab_and_aws(stack: contextlib.ExitStack, tmp: Path, bucket: str, objects: int,
-                aws_plan: Any) -> tuple[Any, list[str], dict[str, str], Any, Any]:
+                aws_plan: Any, derive: Callable[[dict[str, bytes]], dict[str, bytes]] | None = None,
+                ) -> tuple[Any, list[str], dict[str, str], Any, Any]:
     """The two endpoints the AWS-shaped benchmarks compare, over one SeaweedFS server holding
-    ``objects`` photo-like samples in ``bucket``: the lab path (plain http, +20 ms) and the
+    ``objects`` photo-like samples in ``bucket`` (and what ``derive`` makes of them: shards, files):
+    the lab path (plain http, +20 ms) and the
     AWS-shaped one (``aws_plan`` behind TLS with the lab's private CA, names under ``DOMAIN``).
     Returns ``(server, keys, pki, lab proxy, aws proxy)``; ``stack`` closes them."""
     from loader.tools.devserver import DevServer
@@ -90,7 +96,7 @@ def lab_and_aws(stack: contextlib.ExitStack, tmp: Path, bucket: str, objects: in
     server = stack.enter_context(DevServer(data_dir=tmp / "data", buckets=[bucket], domain=DOMAIN))
     client = server.client()
     samples = make_samples(objects)
-    for key, body in samples.items():
+    for key, body in {**samples, **(derive(samples) if derive else {})}.items():
         client.put_object(Bucket=bucket, Key=key, Body=body)
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(pki["cert"], pki["key"])
@@ -155,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                 aws.reset_counts()
                 lab.reset_counts()
                 proxy = aws if shape == "aws" else lab
-                before_cpu = _thread_cpu(proxy)
+                before_cpu, server_before = _thread_cpu(proxy), _process_cpu(server.pid)
+                accepted = proxy.accepted  # counted since the proxy started: not reset with its counts
                 out = run_child(tree, spec, child_env)
+                if "samples" in out:  # the server's CPU (weed) per sample, both epochs
+                    out["server_cpu"] = (_process_cpu(server.pid) - server_before) / (2 * out["samples"])
                 out["slowdowns"] = aws.counts["slowdown"] if shape == "aws" else 0
                 # connections the proxy accepted over both epochs (on aws a TLS handshake each)
-                out["connections"] = proxy.accepted
+                out["connections"] = proxy.accepted - accepted
                 # the proxy's own CPU (a thread of this process: TLS, pacing) per sample read through
                 # it, both epochs: near a core's worth at the rate measured, the proxy was the bound
                 if "samples" in out:
@@ -181,6 +190,17 @@ def _thread_cpu(proxy: Any) -> float:
 
     native = proxy._thread.native_id
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == native)
+
+
+def _process_cpu(pid: int | None) -> float:
+    """CPU seconds of process ``pid`` so far (0 when it is gone)."""
+    import psutil
+
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.Error, ValueError):
+        return 0.0
+    return times.user + times.system
 
 
 def _median(runs: list[dict[str, Any]], what: str) -> float | None:
@@ -238,16 +258,19 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
                 ours_cpu, their_cpu = _median(after, "cpu"), _median(before, "cpu")
                 if ours and theirs and ours_cpu and their_cpu:
                     regression.append(f"| {backend} | {shape} | {w} | {ours / theirs:.2f}x | {ours_cpu / their_cpu:.2f}x |")
-    proxy = ["", "| proxy thread (TLS, pacing: in the harness process) | endpoint | w | µs per sample | "
-             "share of a core at the median rate |", "|---|---|--:|--:|--:|"]
+    proxy = ["", "| proxy thread (TLS, pacing: in the harness process) and server (weed) | endpoint | w | "
+             "proxy µs per sample | share of a core at the median rate | server µs per sample | "
+             "client + proxy + server µs per sample |", "|---|---|--:|--:|--:|--:|--:|"]
     for loader in loaders:
         for shape in ("lab", "aws"):
             for w in workers:
                 runs = [r for r in results.get(f"{loader}|{shape}|{w}", []) if "proxy_cpu" in r]
-                rate = _median(runs, "rate")
+                rate, client = _median(runs, "rate"), _median(runs, "cpu")
                 if runs and rate:
                     cost = statistics.median(r["proxy_cpu"] for r in runs) * 1e6
-                    proxy.append(f"| {loader} | {shape} | {w} | {cost:,.0f} | {cost * rate / 1e6:.0%} |")
+                    weed = statistics.median(r.get("server_cpu", 0.0) for r in runs) * 1e6
+                    proxy.append(f"| {loader} | {shape} | {w} | {cost:,.0f} | {cost * rate / 1e6:.0%} | {weed:,.0f} | "
+                                 f"{(client or 0) + cost + weed:,.0f} |")
     made = ["", "| connections the proxy accepted, warm-up and timed epoch (median) | endpoint | w | connections |",
             "|---|---|--:|--:|"]
     for loader in loaders:

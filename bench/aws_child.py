@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import psutil
+from torch.utils import data as torch_data
 from torch.utils.data import DataLoader
 
 BATCH_SIZE = 32
@@ -50,6 +51,8 @@ def from_reader(reader: Any) -> bytes:
 def build(spec: dict[str, Any]) -> tuple[Any, bool]:
     """The dataset, and whether the DataLoader shuffles (map-style peers) or it does itself."""
     name, bucket, keys = spec["loader"], spec["bucket"], spec["keys"]
+    if name in FORMATS:
+        return FORMATS[name](spec), False
     if name.startswith("ours-"):
         from loader import AsyncS3Dataset, Limits, S3Config
 
@@ -67,21 +70,139 @@ def build(spec: dict[str, Any]) -> tuple[Any, bool]:
                                             s3client_config=S3ClientConfig(force_path_style=True))
         return dataset, True
     if name == "litdata":
-        import litdata.streaming.downloader as downloader
         from litdata import StreamingRawDataset
 
-        options = dict(downloader._OBSTORE_CLIENT_OPTIONS)
-        if spec["config"]["endpoint_url"].startswith("http://"):
-            options["allow_http"] = True  # LitData's obstore options leave http out
-        if isinstance(spec["config"].get("verify"), str):
-            with open(spec["config"]["verify"]) as ca:
-                options["root_certificate"] = ca.read()
-        downloader._OBSTORE_CLIENT_OPTIONS = options
+        _litdata_client_options(spec)
         prefix = os.path.commonprefix(keys).rsplit("/", 1)[0]
         dataset = StreamingRawDataset(f"s3://{bucket}/{prefix}/", cache_dir=tempfile.mkdtemp(),
                                       transform=raw)
         return dataset, True
     raise ValueError(f"unknown loader {name!r}")
+
+
+def _ours_shards(spec: dict[str, Any]) -> Any:
+    from loader import AsyncS3Dataset, S3Config
+
+    return AsyncS3Dataset.from_shards([f"s3://{spec['bucket']}/{key}" for key in spec["keys"]], shuffle=True,
+                                      seed=0, config=S3Config(**spec["config"]), store=spec["loader"].rsplit("-", 1)[1],
+                                      transform=from_sample)
+
+
+def _ours_parquet(spec: dict[str, Any]) -> Any:
+    from loader import AsyncS3Dataset, S3Config
+
+    return AsyncS3Dataset.from_parquet([f"s3://{spec['bucket']}/{key}" for key in spec["keys"]],
+                                       columns=["image", "label"], shuffle=True, seed=0,
+                                       config=S3Config(**spec["config"]), store=spec["loader"].rsplit("-", 1)[1],
+                                       transform=image_bytes)
+
+
+def image_bytes(row: dict[str, Any]) -> bytes:
+    return bytes(row["image"]["bytes"])
+
+
+class Boto3Opener:
+    """webdataset's stage from a shard URL to its streaming body: boto3, one client a process,
+    addressed as the spec says (virtual-hosted on the AWS-shaped endpoint: boto3 resolves in Python)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self._client: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "_client": None}
+
+    def __call__(self, source: Any) -> Any:
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            self._client = boto3.client("s3", endpoint_url=self.config["endpoint_url"],
+                                        region_name=self.config["region"], verify=self.config.get("verify"),
+                                        config=Config(s3={"addressing_style": self.config.get(
+                                            "addressing_style", "path")}))
+        for item in source:
+            bucket, _, key = item["url"][len("s3://"):].partition("/")
+            body = self._client.get_object(Bucket=bucket, Key=key)["Body"]
+            try:
+                yield {**item, "stream": body}
+            finally:
+                body.close()
+
+
+def _expand(source: Any) -> Any:
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    return group_by_keys(tar_file_expander(source))
+
+
+def _webdataset(spec: dict[str, Any]) -> Any:
+    import webdataset as wds
+
+    return wds.DataPipeline(wds.SimpleShardList([f"s3://{spec['bucket']}/{key}" for key in spec["keys"]]),
+                            wds.split_by_worker, Boto3Opener(spec["config"]), _expand, wds.shuffle(1000),
+                            wds.map(from_sample))
+
+
+def _litdata_optimized(spec: dict[str, Any]) -> Any:
+    from litdata import StreamingDataset
+
+    _litdata_client_options(spec)
+    # a cache smaller than the data set: chunks are deleted once read, every epoch reads the server
+    # (with room for all of them, the timed epoch would read the local disk)
+    return StreamingDataset(f"s3://{spec['bucket']}/{spec['keys'][0]}", cache_dir=tempfile.mkdtemp(),
+                            shuffle=True, seed=0, transform=_litdata_jpg, max_cache_size=spec["cache_bytes"])
+
+
+def _litdata_jpg(item: dict[str, Any]) -> bytes:
+    return bytes(item["jpg"])
+
+
+def _litdata_client_options(spec: dict[str, Any]) -> None:
+    """LitData's obstore options, opened to an http endpoint and the lab's CA."""
+    import litdata.streaming.downloader as downloader
+
+    options = dict(downloader._OBSTORE_CLIENT_OPTIONS)
+    if spec["config"]["endpoint_url"].startswith("http://"):
+        options["allow_http"] = True  # LitData's obstore options leave http out
+    if isinstance(spec["config"].get("verify"), str):
+        with open(spec["config"]["verify"]) as ca:
+            options["root_certificate"] = ca.read()
+    downloader._OBSTORE_CLIENT_OPTIONS = options
+
+
+class ParquetRows(torch_data.IterableDataset):
+    """``pyarrow.dataset`` over pyarrow's ``S3FileSystem`` (path-style: its AWS SDK resolves names
+    itself), each DataLoader worker reading every n-th file; the image bytes of each row."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+
+    def __iter__(self) -> Any:
+        import pyarrow.dataset as pads
+        from pyarrow import fs
+
+        config = self.spec["config"]
+        scheme, _, where = config["endpoint_url"].partition("://")
+        extra = {"tls_ca_file_path": config["verify"]} if isinstance(config.get("verify"), str) else {}
+        s3 = fs.S3FileSystem(access_key=os.environ["AWS_ACCESS_KEY_ID"],
+                             secret_key=os.environ["AWS_SECRET_ACCESS_KEY"], endpoint_override=where,
+                             scheme=scheme, region=config["region"], force_virtual_addressing=False, **extra)
+        paths = [f"{self.spec['bucket']}/{key}" for key in self.spec["keys"]]
+        info = torch_data.get_worker_info()
+        if info is not None:
+            paths = paths[info.id::info.num_workers]
+        dataset = pads.dataset(paths, format="parquet", filesystem=s3)
+        for batch in dataset.to_batches(columns=["image"]):
+            for image in batch.column(0).to_pylist():
+                yield image["bytes"]
+
+
+FORMATS = {
+    "ours-shard-aioboto3": _ours_shards, "ours-shard-obstore": _ours_shards, "wds": _webdataset,
+    "litdata-opt": _litdata_optimized,
+    "ours-parquet-aioboto3": _ours_parquet, "ours-parquet-obstore": _ours_parquet, "pyarrow": ParquetRows,
+}
 
 
 def tree_cpu(process: psutil.Process) -> float:

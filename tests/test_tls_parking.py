@@ -6,6 +6,7 @@ its own, so that it outlives the client's loops."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import ssl
 import threading
@@ -13,6 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 import trustme
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loader.s3 import tls
 from loader.s3.http1 import ConnectionPool
@@ -297,3 +300,94 @@ def test_a_handshake_cut_off_with_no_one_waiting_is_not_logged(pki, caplog):
         asyncio.run(run())
         gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+class _Pipe:
+    """A transport that keeps what is written (the client's side of an in-memory TLS pair)."""
+
+    def __init__(self) -> None:
+        self.sent = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.sent += data
+
+    def abort(self) -> None:
+        pass
+
+    close = abort
+
+
+class _App:
+    """What ``TlsLayer`` feeds: the plain text it hands up, and whether the server's end came."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.calls = 0
+        self.ended = False
+
+    def connection_made(self, transport: object) -> None:
+        pass
+
+    def data_received(self, data: bytes | bytearray) -> None:
+        assert data  # never called with nothing
+        self.received += data
+        self.calls += 1
+
+    def eof_received(self) -> bool | None:
+        self.ended = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
+
+
+def _tls_pair(pki: tuple[ssl.SSLContext, ssl.SSLContext]) -> tuple[tls.TlsLayer, _App, _Pipe, ssl.SSLObject,
+                                                                     ssl.MemoryBIO, ssl.MemoryBIO]:
+    """A client ``TlsLayer`` with its handshake done against a server ``SSLObject`` in memory."""
+    server_context, client_context = pki
+    app, pipe = _App(), _Pipe()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    layer = tls.TlsLayer(app, client_context.wrap_bio(incoming, outgoing, server_hostname=HOST), incoming, outgoing)
+    s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_context.wrap_bio(s_in, s_out, server_side=True)
+    layer.connection_made(pipe)  # type: ignore[arg-type]
+    for _ in range(10):
+        s_in.write(bytes(pipe.sent))
+        pipe.sent.clear()
+        try:
+            server.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        if s_out.pending:
+            layer.data_received(s_out.read())
+        if layer.handshake.done() and not pipe.sent:
+            break
+    assert layer.handshake.done() and layer.handshake.exception() is None
+    return layer, app, pipe, server, s_in, s_out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 70_000), min_size=1, max_size=4),
+       cuts=st.lists(st.integers(1, 200_000), max_size=12), close=st.booleans())
+def test_records_decrypt_exactly_however_the_stream_is_cut(pki, sizes, cuts, close):
+    """What the server encrypts (several records a write, up to 16 KiB each) reaches the app
+    byte for byte and in order, whatever pieces the socket hands the layer (a record cut across
+    reads, many records in one read), and the server's close_notify ends the stream after it."""
+    async def run() -> None:
+        layer, app, _, server, _, s_out = _tls_pair(pki)
+        plain = b"".join(bytes([n % 251]) * size for n, size in enumerate(sizes))
+        server.write(plain)
+        if close:
+            with contextlib.suppress(ssl.SSLWantReadError):
+                server.unwrap()
+        wire = s_out.read()
+        at = 0
+        for cut in sorted(set(cuts)) + [len(wire)]:
+            if cut > at:
+                layer.data_received(wire[at:cut])
+                at = cut
+        assert bytes(app.received) == plain
+        assert app.ended is close
+        assert app.calls <= len([c for c in set(cuts) if 0 < c < len(wire)]) + 1  # at most one a read
+
+    asyncio.run(run())
