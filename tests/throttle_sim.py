@@ -80,7 +80,7 @@ class Job:
     """The job's side: ``processes`` each with ``concurrency`` requests in flight; an answer takes
     ``latency`` s plus an exponential part of mean ``jitter``; a request on a connection a
     SlowDown closed pays ``reconnect`` s more; ``samples``: GETs each process needs (None: it
-    reads until the run ends)."""
+    reads until the run ends); ``starts``, ``stall``: when the processes start, and a busy machine."""
 
     processes: int = 64
     concurrency: int = 64
@@ -88,6 +88,10 @@ class Job:
     jitter: float = 0.015
     reconnect: float = 0.010  # TCP and TLS handshakes
     samples: int | None = None
+    starts: float = 0.01  # seconds from the first process's start to the last's, the others evenly between
+    # a loaded machine: a process runs only every ``stall`` s (its own phase), so what it has to do
+    # (book, send, take an answer) waits for then and goes out bunched (0: it runs at once)
+    stall: float = 0.0
 
 
 @dataclasses.dataclass
@@ -198,17 +202,23 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
             state[4] += 1
             push(min(look, due), WAKE, p, slot, state[4])
 
+    phases = [rng.uniform(0, job.stall) for _ in range(n)]
     slots = 0
     for p in range(n):
-        start = rng.uniform(0, 0.01)
+        start = job.starts * p / max(1, n - 1)
         for _ in range(job.concurrency):
             push(start, BOOK, p, slots, 0)
             slots += 1
     end = seconds
     while events:
-        t, _, kind, p, slot, extra = heapq.heappop(events)
+        t, order, kind, p, slot, extra = heapq.heappop(events)
         if t > seconds:
             break
+        if job.stall:
+            runs = phases[p] + math.ceil((t - phases[p]) / job.stall - 1e-9) * job.stall
+            if runs > t + 1e-9:  # the process is not on a CPU now: it does this when it next runs
+                heapq.heappush(events, (runs, order, kind, p, slot, extra))
+                continue
         now[0] = t
         control = controls[p]
         if kind == BOOK:
@@ -221,16 +231,16 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
             if state is None or state[4] != extra:
                 continue  # a look superseded by a later one
             booked, due, generation, schedule, _, attempt = state
-            if schedule != control.schedule:  # reset while it waited: book again
+            if due <= t:  # its turn came: it goes, whatever was reset since
+                del waiting[p][slot]
+                send(t, p, slot, generation, attempt)
+            elif schedule != control.schedule:  # reset while it waited: book again
                 del waiting[p][slot]
                 control.unbook(generation)
                 take_turn(t, p, slot, attempt)
-            elif due > t:
+            else:
                 state[4] += 1
                 push(due, WAKE, p, slot, state[4])
-            else:
-                del waiting[p][slot]
-                send(t, p, slot, generation, attempt)
         elif kind == ANSWER:
             control.on_answer(extra)
             good[p] += 1

@@ -69,6 +69,7 @@ RATE_WINDOW = 1.0
 # seconds in which a limit cut by a full limit's refusals doubles back up to what got through:
 # a sliding second that refused a burst opens within RATE_WINDOW, and is found within a tenth of it
 RECOVER_DOUBLING = RATE_WINDOW / 10
+MAX_GROWTH = math.log(2) / RATE_WINDOW  # per second: a probe at most doubles a limit in a second
 MIN_RATE = 1.0  # requests/s: the lowest limit (a process answered only SlowDown waits no longer)
 RECHECK = 0.1  # seconds: a request waiting for its turn looks this often whether the limit was reset
 
@@ -137,8 +138,13 @@ class ThrottleControl:
             booked = self.booked
             while booked and booked[0] <= now:
                 self.last_due = booked.popleft()
-            if self.next_free >= now:  # the limit held requests back since the last turn: it grows
-                rate = self.rate = self._grown(rate, now)
+            if self.next_free >= now:  # the limit held requests back since the last turn: it grows ...
+                answered = self.answered
+                while answered and answered[0] < now - RATE_WINDOW:
+                    answered.popleft()
+                # ... at most to twice what got through (a limit is tested by its answers)
+                ceiling = max(rate, self.known, 2 * len(answered) / RATE_WINDOW)
+                rate = self.rate = min(ceiling, self._grown(rate, now))
                 if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
                     self._reschedule(max(now, self.last_due + 1.0 / rate))
             self.grown_at = now
@@ -161,8 +167,8 @@ class ThrottleControl:
             elapsed -= RECOVER_DOUBLING * math.log2(self.known / rate)
             rate = self.known
         quiet = min(now - self.cut_at, RISE_FOUND)  # seconds since the last cut
-        growth = GROWTH * 2.0 ** (quiet / RATE_WINDOW)
-        return rate * (1 + growth * elapsed) + CATCH_UP * elapsed
+        growth = min(MAX_GROWTH, GROWTH * 2.0 ** (quiet / RATE_WINDOW))
+        return rate * math.exp(growth * elapsed) + CATCH_UP * elapsed
 
     def _reschedule(self, at: float) -> None:
         """Turns booked ahead are void (their requests book again); the next one is at ``at``."""
@@ -203,9 +209,10 @@ class ThrottleControl:
                 return
             assert self.started is not None
             span = now - self.started
-            sent = self.sent / span if span > 0 else math.inf  # below the limit while requests back off
-            if self.rate is not None:
-                sent = min(sent, self.rate)
+            if self.rate is None:  # the first: what was sent in a second at most (a burst's rate says nothing)
+                sent = self.sent / max(span, RATE_WINDOW)
+            else:  # below the limit while requests back off
+                sent = min(self.sent / span if span > 0 else math.inf, self.rate)
             if full:
                 taken = 1 - slowdowns / len(recent)
             else:  # over the last second, counted as if 1 / TARGET_SHARE more were answered at TARGET_SHARE
@@ -220,6 +227,8 @@ class ThrottleControl:
                 while answered and answered[0] < now - RATE_WINDOW:
                     answered.popleft()
                 self.known = max(self.rate, min(self.known, len(answered) / RATE_WINDOW))
+                if not answered:  # never let through (others took the limit): doubles until a share shows
+                    self.known = math.inf
             self.grown_at = self.started = self.cut_at = now
             self.sent = 0
             self.generation += 1
@@ -262,7 +271,7 @@ class ThrottleControl:
                 step = min(wait, RECHECK)
                 await anyio.sleep(step)
                 wait -= step
-            if schedule == self.schedule:
+            if wait <= 0:  # its turn came (however late a busy loop woke it): it goes
                 return generation
             self.unbook(generation)  # booked under a limit since reset: book again under the new one
 
