@@ -117,6 +117,7 @@ class ThrottleControl:
         self.sent = 0  # requests sent in this generation
         self.answered: deque[float] = deque()  # good answers' times within the last RATE_WINDOW
         self.last_throttled = -math.inf
+        self.clean = 0  # good answers since the last SlowDown
         self.cut_at = -math.inf
         self.requests = 0
         self.throttled = 0
@@ -166,8 +167,10 @@ class ThrottleControl:
                 return recovered
             elapsed -= RECOVER_DOUBLING * math.log2(self.known / rate)
             rate = self.known
-        quiet = min(now - self.cut_at, RISE_FOUND)  # seconds since the last cut
-        growth = min(MAX_GROWTH, GROWTH * 2.0 ** (quiet / RATE_WINDOW))
+        # quiet: seconds since the last cut, and answers since the last SlowDown (a share of
+        # TARGET_SHARE shows within 1 / TARGET_SHARE of them), whichever says less
+        quiet = min((now - self.cut_at) / RATE_WINDOW, self.clean * TARGET_SHARE)
+        growth = min(MAX_GROWTH, GROWTH * 2.0 ** quiet)
         return rate * math.exp(growth * elapsed) + CATCH_UP * elapsed
 
     def _reschedule(self, at: float) -> None:
@@ -186,6 +189,7 @@ class ThrottleControl:
             answered.append(now)
             while answered[0] < now - RATE_WINDOW:
                 answered.popleft()
+            self.clean += 1
             if generation == self.generation:
                 self._note(now, False)
 
@@ -195,6 +199,7 @@ class ThrottleControl:
             now = self.clock()
             self.throttled += 1
             self.last_throttled = now
+            self.clean = 0
             if generation != self.generation:
                 return  # sent before the last cut: that cut answered it
             self._note(now, True)
@@ -219,6 +224,7 @@ class ThrottleControl:
                 prior = 1 / TARGET_SHARE
                 n, k = len(self.second), self.second_slowdowns
                 taken = (n - k + prior - 1) / (n + prior)
+            before = self.rate
             self.rate = max(MIN_RATE, BACKOFF * taken * sent)
             if not full:
                 self.known = self.rate
@@ -227,8 +233,8 @@ class ThrottleControl:
                 while answered and answered[0] < now - RATE_WINDOW:
                     answered.popleft()
                 self.known = max(self.rate, min(self.known, len(answered) / RATE_WINDOW))
-                if not answered:  # never let through (others took the limit): doubles until a share shows
-                    self.known = math.inf
+                if not answered and before is not None:  # never let through (others took the limit):
+                    self.known = max(self.known, before)  # it waits, then goes back to its limit
             self.grown_at = self.started = self.cut_at = now
             self.sent = 0
             self.generation += 1
