@@ -92,6 +92,9 @@ class Job:
     # a loaded machine: a process runs only every ``stall`` s (its own phase), so what it has to do
     # (book, send, take an answer) waits for then and goes out bunched (0: it runs at once)
     stall: float = 0.0
+    # a DataLoader takes batches from its workers in turn: a process gets at most ``lead`` samples
+    # ahead of the slowest (its prefetched batches), then waits for it (None: processes run apart)
+    lead: int | None = None
 
 
 @dataclasses.dataclass
@@ -186,9 +189,14 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
         else:
             push(t + latency, SLOWDOWN, p, slot, generation * 1024 + min(attempt, 1023))
 
+    parked: list[list[int]] = [[] for _ in range(n)]  # slots waiting for the slowest process (``lead``)
+
     def next_sample(t: float, p: int, slot: int) -> None:
         if left[p] == 0:
             return  # this slot has nothing more to ask
+        if job.lead is not None and good[p] + outstanding[p] >= min(good) + job.lead:
+            parked[p].append(slot)  # the DataLoader waits for a slower worker's batch first
+            return
         left[p] -= 1
         outstanding[p] += 1
         take_turn(t, p, slot, 0)
@@ -231,7 +239,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
             if state is None or state[4] != extra:
                 continue  # a look superseded by a later one
             booked, due, generation, schedule, _, attempt = state
-            if due <= t:  # its turn came: it goes, whatever was reset since
+            if due <= t and generation == control.generation:  # its turn came: it goes unless a cut came since
                 del waiting[p][slot]
                 send(t, p, slot, generation, attempt)
             elif schedule != control.schedule:  # reset while it waited: book again
@@ -252,6 +260,10 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
                     end = t
                     break
             next_sample(t, p, slot)
+            if job.lead is not None:  # the slowest may have moved: parked slots go on
+                for q in range(n):
+                    while parked[q] and good[q] + outstanding[q] < min(good) + job.lead:
+                        next_sample(t, q, parked[q].pop())
         else:
             generation, attempt = divmod(extra, 1024)
             control.on_throttled(generation)

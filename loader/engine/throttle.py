@@ -277,8 +277,8 @@ class ThrottleControl:
                 step = min(wait, RECHECK)
                 await anyio.sleep(step)
                 wait -= step
-            if wait <= 0:  # its turn came (however late a busy loop woke it): it goes
-                return generation
+            if wait <= 0 and generation == self.generation:
+                return generation  # its turn came: it goes, however late a busy loop woke it, unless a cut came since
             self.unbook(generation)  # booked under a limit since reset: book again under the new one
 
     def congested(self) -> bool:
