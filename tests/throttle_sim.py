@@ -290,7 +290,8 @@ def row(name: str, r: Result) -> str:
             f"{'-' if found is None else f'{found:.0f} s'} |")
 
 
-def table(jobs: tuple[Job, ...] = (Job(processes=8), Job(processes=64), Job(processes=512, concurrency=16)),
+def table(jobs: tuple[Job, ...] = (Job(processes=2, concurrency=256), Job(processes=8), Job(processes=64),
+                                   Job(processes=512, concurrency=16)),
           seconds: float = 40.0) -> str:
     """The markdown table of docs/design/throttle.md, one row per job and shape of limit."""
     lines = ["| processes x in flight | limit | total GET/s | of the limit | slowest / mean | SlowDown | "

@@ -167,9 +167,9 @@ class ThrottleControl:
                 return recovered
             elapsed -= RECOVER_DOUBLING * math.log2(self.known / rate)
             rate = self.known
-        # quiet: seconds since the last cut, and answers since the last SlowDown (a share of
-        # TARGET_SHARE shows within 1 / TARGET_SHARE of them), whichever says less
-        quiet = min((now - self.cut_at) / RATE_WINDOW, self.clean * TARGET_SHARE)
+        # quiet: seconds since the last cut, and RECENTs of good answers since the last SlowDown
+        # (over RECENT answers a share of TARGET_SHARE shows), whichever says less
+        quiet = min((now - self.cut_at) / RATE_WINDOW, self.clean / RECENT)
         growth = min(MAX_GROWTH, GROWTH * 2.0 ** quiet)
         return rate * math.exp(growth * elapsed) + CATCH_UP * elapsed
 
