@@ -218,10 +218,14 @@ class ThrottleControl:
                 sent = self.sent / max(span, RATE_WINDOW)
             else:  # below the limit while requests back off
                 sent = min(self.sent / span if span > 0 else math.inf, self.rate)
+            # the share answered well, counted as if 1 / TARGET_SHARE more were answered at
+            # TARGET_SHARE (a process with few answers is judged no worse for having few)
+            prior = 1 / TARGET_SHARE
+            n, k = len(recent), slowdowns
+            judged = (n - k + prior - 1) / (n + prior)
             if full:
                 taken = 1 - slowdowns / len(recent)
-            else:  # over the last second, counted as if 1 / TARGET_SHARE more were answered at TARGET_SHARE
-                prior = 1 / TARGET_SHARE
+            else:  # over the last second
                 n, k = len(self.second), self.second_slowdowns
                 taken = (n - k + prior - 1) / (n + prior)
             before = self.rate
@@ -232,9 +236,12 @@ class ThrottleControl:
                 answered = self.answered
                 while answered and answered[0] < now - RATE_WINDOW:
                     answered.popleft()
-                self.known = max(self.rate, min(self.known, len(answered) / RATE_WINDOW))
-                if not answered and before is not None:  # never let through (others took the limit):
-                    self.known = max(self.known, before)  # it waits, then goes back to its limit
+                # ... or the share of the limit it had that its answers show taken: a process
+                # answered little may have met a limit that others took (a DataLoader worker that
+                # starts late meets the bucket emptied), not one it overran
+                assert before is not None  # a full limit is met only once limited
+                got = max(len(answered) / RATE_WINDOW, judged * before)
+                self.known = max(self.rate, min(self.known, got))
             self.grown_at = self.started = self.cut_at = now
             self.sent = 0
             self.generation += 1
