@@ -12,21 +12,30 @@ the same class for a job of many processes against a simulated prefix. The rules
 
 * **Cut** when more than ``TARGET_SHARE`` of the last answers (at most ``RECENT``) to requests sent
   since the last cut are SlowDown: the limit becomes ``BACKOFF`` x what got through (the rate sent
-  since the last cut times the share answered well over the last ``RATE_WINDOW``; the share is
-  counted as if ``1 / TARGET_SHARE`` answers had been answered at ``TARGET_SHARE``, so a process
-  with few answers is cut no deeper for having few). At most one cut per ``RATE_WINDOW`` once
-  limited: a prefix counts a second, so what was sent before a cut still counts after it.
+  since the last cut, for the first cut what was sent in one ``RATE_WINDOW`` at most, times the
+  share answered well over the last ``RATE_WINDOW``; the share is counted as if
+  ``1 / TARGET_SHARE`` answers had been answered at ``TARGET_SHARE``, so a process with few
+  answers is cut no deeper for having few). At most one cut per ``RATE_WINDOW`` once limited: a
+  prefix counts a second, so what was sent before a cut still counts after it.
 * **Wait out a full limit**: when most answers were SlowDown, a burst met a full limit (a sliding
-  second refuses the rest of its second): the limit drops to what got through, and grows back
-  fast (doubling every ``RECOVER_DOUBLING`` s) to ``known``, what was answered well over the last
-  second.
+  second refuses the rest of its second) or others took it (a DataLoader worker that starts late
+  meets the bucket the first one emptied): the limit drops to what got through, and grows back
+  fast (doubling every ``RECOVER_DOUBLING`` s) to ``known``: what was answered well over the last
+  second, or the share of its limit its answers show taken (so a process answered nothing is
+  not left at nothing), whichever is more, and no more than the limit last found.
 * **Probe** while the limit holds requests back (an unused limit would run away): it grows by
   ``GROWTH`` of itself per second (a limit that doubled is found within ``RISE_FOUND`` s), twice
-  as fast for each ``RATE_WINDOW`` since the last cut (a rise, or processes that left, is found
-  in seconds; a process that cuts often probes slowly), plus ``CATCH_UP`` requests/s per second,
-  the part that is the same for every process and brings a job's processes to equal shares.
+  as fast for each ``RATE_WINDOW`` since the last cut and each ``RECENT`` good answers since the
+  last SlowDown, whichever says less (a rise, or processes that left, is found in seconds; a
+  process answered a few times a second probes no faster than its answers can show it wrong),
+  at most doubling in a ``RATE_WINDOW`` and up to twice what got through in the last one (a limit
+  is tested by its answers: a loop that ran late grows no untested limit), plus ``CATCH_UP``
+  requests/s per second, the part that is the same for every process and brings a job's
+  processes to equal shares.
 * The limit is paced (one request every ``1 / rate`` s, no burst); a request waiting for its turn
-  looks every ``RECHECK`` s whether a cut or a grown limit reset the schedule, and books again.
+  looks every ``RECHECK`` s whether a cut or a grown limit reset the schedule, and books again
+  (a cut: under the new limit; a grown limit: sooner); a turn that came due goes unless a cut
+  came since, however late a busy loop woke it.
 
 Why and the numbers: docs/design/throttle.md.
 """
