@@ -28,8 +28,8 @@ the same class for a job of many processes against a simulated prefix. The rules
   as fast for each ``RATE_WINDOW`` since the last cut and each ``RECENT`` good answers since the
   last SlowDown, whichever says less (a rise, or processes that left, is found in seconds; a
   process answered a few times a second probes no faster than its answers can show it wrong),
-  at most doubling in a ``RATE_WINDOW`` and up to twice what got through in the last one (a limit
-  is tested by its answers: a loop that ran late grows no untested limit), plus ``CATCH_UP``
+  up to twice what got through in the last ``RATE_WINDOW`` (a limit is tested by its answers: a
+  loop that ran late grows no untested limit), plus ``CATCH_UP``
   requests/s per second, the part that is the same for every process and brings a job's
   processes to equal shares.
 * The limit is paced (one request every ``1 / rate`` s, no burst); a request waiting for its turn
@@ -78,7 +78,6 @@ RATE_WINDOW = 1.0
 # seconds in which a limit cut by a full limit's refusals doubles back up to what got through:
 # a sliding second that refused a burst opens within RATE_WINDOW, and is found within a tenth of it
 RECOVER_DOUBLING = RATE_WINDOW / 10
-MAX_GROWTH = math.log(2) / RATE_WINDOW  # per second: a probe at most doubles a limit in a second
 MIN_RATE = 1.0  # requests/s: the lowest limit (a process answered only SlowDown waits no longer)
 RECHECK = 0.1  # seconds: a request waiting for its turn looks this often whether the limit was reset
 
@@ -179,7 +178,7 @@ class ThrottleControl:
         # quiet: seconds since the last cut, and RECENTs of good answers since the last SlowDown
         # (over RECENT answers a share of TARGET_SHARE shows), whichever says less
         quiet = min((now - self.cut_at) / RATE_WINDOW, self.clean / RECENT)
-        growth = min(MAX_GROWTH, GROWTH * 2.0 ** quiet)
+        growth = GROWTH * 2.0 ** quiet
         return rate * math.exp(growth * elapsed) + CATCH_UP * elapsed
 
     def _reschedule(self, at: float) -> None:
