@@ -1,7 +1,7 @@
 """The tail of real S3 through the fault proxy, on the real server: stragglers are hedged (the
 first answer wins, each sample once, within the hedging budget) and a throttle is met with fewer
 requests (few SlowDowns, nothing lost or duplicated, and the report says so). Counts, shares and
-bounds only: the rates are in bench/results/tail-2026-11-28-b.md (``python -m bench.tail``).
+bounds only: the rates are in bench/results/tail-2026-11-28-c.md (``python -m bench.tail``).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_every_shape_of_throttle_is_met_each_sample_once(s3_server, objects, sha
     has (the closing token bucket is the test above): every sample once, the throttle met and
     answered by sending less. Shares with slack for a busy machine and a run of ~4 s, where the
     first burst (both workers' 64 requests, sent before any answer) is most of the SlowDowns;
-    the rates are in bench/results/tail-2026-11-28-b.md."""
+    the rates are in bench/results/tail-2026-11-28-c.md."""
     bucket, digests = objects
     with FaultProxy(s3_server.config.endpoint_url, SHAPES[shape]) as proxy:
         got, stats, report = read_all(s3_server, proxy, bucket, sorted(digests), "aioboto3", num_workers=2)
