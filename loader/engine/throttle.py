@@ -3,24 +3,46 @@
 Every engine's reads pass through one (below its ``HedgedStore``, so hedges take their turn too);
 the state it consults, a ``ThrottleControl``, is one per endpoint and bucket in a process, shared
 by all of that process's engines (each runs its own loop thread, hence the lock), because S3
-throttles per prefix whoever sends.
+throttles per prefix whoever sends. Retrying alone turns a throttle into a storm (measured: 54 %
+of GETs answered SlowDown), so the control sends less, by what it measures, whatever the shape of
+the limit (token bucket, sliding second, one limit shared by many processes, a limit that rises).
+Each process sees only its own answers. ``ThrottleControl`` is a state machine driven by three
+events on an injected clock (a turn booked, an answer, a SlowDown); tests/throttle_sim.py runs
+the same class for a job of many processes against a simulated prefix. The rules:
 
-Throttling (``ThrottledError``: SlowDown, 503, 429): retrying alone turns a throttle into a storm
-(measured: 54 % of GETs answered SlowDown). A throttle shows as a share of SlowDowns that grows
-with the rate sent; a server's hiccups show as a few SlowDowns at any rate, which sending less
-would not spare. So the first cut needs ``CUT_COUNT`` SlowDowns making ``CUT_SHARE`` of the last
-answers (at most ``CUT_WINDOW``, within ``RATE_WINDOW``), or ``STORM_COUNT`` before any good answer
-(a job's first requests, all sent at once, meeting a throttle). Once limited, another cut needs
-``CUT_AGAIN_COUNT`` and ``CUT_AGAIN_SHARE`` of the answers since the previous cut, which must be
-``CUT_AGAIN_AFTER`` old. A cut sets a client-side rate limit at ``THROTTLE_CUT`` times the rate sent
-over the last ``RATE_WINDOW`` (the first) or the rate of good answers (the next). Every good answer
-grows the limit by ``GROWTH`` requests/s while the limit is in use; after ``UNLIMIT_AFTER`` seconds
-without a cut the limit goes away. Requests waiting for their turn when a cut comes wait again at
-the new rate. Why and the numbers: docs/design/retry.md.
+* **Cut** when more than ``TARGET_SHARE`` of the last answers (at most ``RECENT``) to requests sent
+  since the last cut are SlowDown: the limit becomes ``BACKOFF`` x what got through (the rate sent
+  since the last cut, for the first cut what was sent in one ``RATE_WINDOW`` at most, times the
+  share answered well over the last ``RATE_WINDOW``; the share is counted as if
+  ``1 / TARGET_SHARE`` answers had been answered at ``TARGET_SHARE``, so a process with few
+  answers is cut no deeper for having few). At most one cut per ``RATE_WINDOW`` once limited: a
+  prefix counts a second, so what was sent before a cut still counts after it.
+* **Wait out a full limit**: when most answers were SlowDown, a burst met a full limit (a sliding
+  second refuses the rest of its second) or others took it (a DataLoader worker that starts late
+  meets the bucket the first one emptied): the limit drops to what got through, and grows back
+  fast (doubling every ``RECOVER_DOUBLING`` s) to ``known``: what was answered well over the last
+  second, or the share of its limit its answers show taken (so a process answered nothing is
+  not left at nothing), whichever is more, and no more than the limit last found.
+* **Probe** while the limit holds requests back (an unused limit would run away): it grows by
+  ``GROWTH`` of itself per second (a limit that doubled is found within ``RISE_FOUND`` s), twice
+  as fast for each ``RATE_WINDOW`` since the last cut and each ``RECENT`` good answers since the
+  last SlowDown, whichever says less (a rise, or processes that left, is found in seconds; a
+  process answered a few times a second probes no faster than its answers can show it wrong),
+  up to twice what got through in the last ``RATE_WINDOW`` (a limit is tested by its answers: a
+  loop that ran late grows no untested limit), plus ``CATCH_UP``
+  requests/s per second, the part that is the same for every process and brings a job's
+  processes to equal shares.
+* The limit is paced (one request every ``1 / rate`` s, no burst); a request waiting for its turn
+  looks every ``RECHECK`` s whether a cut or a grown limit reset the schedule, and books again
+  (a cut: under the new limit; a grown limit: sooner); a turn that came due goes unless a cut
+  came since, however late a busy loop woke it.
+
+Why and the numbers: docs/design/throttle.md.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -36,18 +58,28 @@ from ..s3 import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 T = TypeVar("T")
 C = TypeVar("C")
 
-THROTTLE_CUT = 0.7  # a cut sets the limit to this share of the good answers' rate
-CUT_COUNT = 8  # SlowDowns, at least, for the first cut ...
-CUT_SHARE = 0.2  # ... making at least this share of the answers since ...
-STORM_COUNT = 4  # ... or this many before any good answer (a job's first requests meeting a throttle) ...
-CUT_AGAIN_COUNT = 5  # ... and for another cut, once limited (a throttle once met is watched closer) ...
-CUT_AGAIN_SHARE = 0.1  # ... at least this share
-CUT_WINDOW = 100  # ... (the last this many at most, within RATE_WINDOW)
-CUT_AGAIN_AFTER = 0.1  # seconds: cuts at most this often (answers to requests sent before the cut come after it)
-GROWTH = 0.3  # requests/s added to the limit per good answer (about 30 % a second at any rate)
-MIN_RATE = 1.0  # requests/s: the limit never goes below this
-UNLIMIT_AFTER = 30.0  # seconds without a cut before the limit is lifted
-RATE_WINDOW = 1.0  # seconds over which the rate of good answers and the share of SlowDowns are measured
+# Every value has its reason here; docs/design/throttle.md lists the test that fails when it
+# changes enough to matter.
+# cut above this share of SlowDowns: half the 10 % a throttled job may see, the other half being
+# what a probe sends over the limit before its answers show it
+TARGET_SHARE = 0.05
+RECENT = math.ceil(2 / TARGET_SHARE)  # answers the share is judged over: TARGET_SHARE of them is 2 (derived)
+# a cut leaves this share of what got through: the deeper, the more a process holding more than
+# its share gives back to those with less (0.9 left a job of 64 processes' slowest at a third of the mean)
+BACKOFF = 0.8
+# seconds to find a limit that doubled: S3 raises a busy prefix's limit under sustained load
+RISE_FOUND = 10.0
+GROWTH = math.log(2 / BACKOFF) / RISE_FOUND  # per second: from a cut to twice the rate cut from (derived)
+# requests/s added per second of probing, whatever the rate: the same for every process, it
+# brings those with less than their share up (AIMD's additive increase)
+CATCH_UP = 0.5
+# seconds: S3 states its limits per second; what got through is measured over one
+RATE_WINDOW = 1.0
+# seconds in which a limit cut by a full limit's refusals doubles back up to what got through:
+# a sliding second that refused a burst opens within RATE_WINDOW, and is found within a tenth of it
+RECOVER_DOUBLING = RATE_WINDOW / 10
+MIN_RATE = 1.0  # requests/s: the lowest limit (a process answered only SlowDown waits no longer)
+RECHECK = 0.1  # seconds: a request waiting for its turn looks this often whether the limit was reset
 
 
 class ThrottleStats(NamedTuple):
@@ -56,116 +88,221 @@ class ThrottleStats(NamedTuple):
     requests: int
     throttled: int
     rate_limit: float | None  # requests/s allowed now; None: no limit
+    cuts: int  # how often SlowDowns cut the limit
+
+
+class Turn(NamedTuple):
+    """A booked turn: seconds to wait, the generation (cuts so far) to report the answer with,
+    and the schedule it was booked in (reset by a cut or a grown limit: book again)."""
+
+    wait: float
+    generation: int
+    schedule: int
 
 
 class ThrottleControl:
-    """The shared rate limit for one endpoint and bucket in this process (see the module docstring)."""
+    """The shared rate limit for one endpoint and bucket in this process (see the module
+    docstring). A state machine driven by ``turn``, ``on_answer`` and ``on_throttled`` on
+    ``clock`` (seconds, monotonic; a simulation passes its own)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.lock = threading.Lock()
         self.rate: float | None = None
-        self.next_free = 0.0  # when the next request may go, under a limit
-        self.generation = 0  # bumped by every cut: waiters take a new turn
-        self.last_cut = -float("inf")
-        self.unsettled_until = -float("inf")  # SlowDowns were a share of the answers: a throttle may be forming
-        self.seen_good = False
-        # since the last cut, within RATE_WINDOW: (when, whether a SlowDown)
-        self.outcomes: deque[tuple[float, bool]] = deque(maxlen=CUT_WINDOW)
+        self.known = 0.0  # requests/s known to get through: the limit grows back to it fast
+        self.grown_at = 0.0  # when the limit last grew
+        self.next_free = 0.0  # when the next request may go, under the limit
+        self.booked_rate = 0.0  # the rate the current schedule spaces turns at
+        self.booked: deque[float] = deque()  # turns booked ahead in the current schedule
+        self.last_due = -math.inf  # the latest turn that came due
+        self.generation = 0  # bumped by every cut: answers to requests sent before stop counting
+        self.schedule = 0  # bumped by a cut or a grown limit: waiters book again
+        self.recent: deque[bool] = deque()  # this generation's last answers: SlowDown?
+        self.recent_slowdowns = 0
+        self.second: deque[tuple[float, bool]] = deque()  # this generation's answers within RATE_WINDOW
+        self.second_slowdowns = 0
+        self.started: float | None = None  # when this generation began (the first turn, or the cut)
+        self.sent = 0  # requests sent in this generation
         self.answered: deque[float] = deque()  # good answers' times within the last RATE_WINDOW
-        self.sent: deque[float] = deque()  # send times within the last RATE_WINDOW, until the first cut
+        self.last_throttled = -math.inf
+        self.clean = 0  # good answers since the last SlowDown
+        self.cut_at = -math.inf
         self.requests = 0
         self.throttled = 0
+        self.cuts = 0
 
-    def turn(self) -> tuple[float, int]:
-        """Book the next request: seconds to wait before sending it, and the generation booked in."""
+    # ---------------------------------------------------------------- the state machine
+
+    def turn(self) -> Turn:
+        """Book the next request: how long to wait before sending it, and what it was booked under."""
         with self.lock:
             now = self.clock()
             self.requests += 1
-            if self.rate is None:
-                sent = self.sent
-                sent.append(now)
-                if sent[0] < now - RATE_WINDOW:
-                    sent.popleft()  # one in, (at most) one out: trimmed fully where it is read
-                return 0.0, self.generation
-            if now - self.last_cut > UNLIMIT_AFTER:
-                self.rate = None
-                return 0.0, self.generation
+            self.sent += 1
+            if self.started is None:
+                self.started = now
+            rate = self.rate
+            if rate is None:
+                return Turn(0.0, self.generation, self.schedule)
+            booked = self.booked
+            while booked and booked[0] <= now:
+                self.last_due = booked.popleft()
+            if self.next_free >= now:  # the limit held requests back since the last turn: it grows ...
+                answered = self.answered
+                while answered and answered[0] < now - RATE_WINDOW:
+                    answered.popleft()
+                # ... at most to twice what got through (a limit is tested by its answers)
+                ceiling = max(rate, self.known, 2 * len(answered) / RATE_WINDOW)
+                rate = self.rate = min(ceiling, self._grown(rate, now))
+                if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
+                    self._reschedule(max(now, self.last_due + 1.0 / rate))
+            self.grown_at = now
             start = max(now, self.next_free)
-            self.next_free = start + 1.0 / self.rate
-            return start - now, self.generation
+            self.next_free = start + 1.0 / rate
+            if start > now:
+                booked.append(start)
+            else:
+                self.last_due = start
+            return Turn(start - now, self.generation, self.schedule)
 
-    async def acquire(self) -> None:
-        """Wait for this request's turn under the rate limit (at once when there is none)."""
-        while True:
-            wait, generation = self.turn()
-            if wait <= 0:
-                return
-            await anyio.sleep(wait)
+    def _grown(self, rate: float, now: float) -> float:
+        """The limit after holding requests back since ``grown_at``: fast back up to ``known``,
+        then the probe. Under the lock."""
+        elapsed = now - self.grown_at
+        if rate < self.known:
+            recovered = rate * 2.0 ** (elapsed / RECOVER_DOUBLING)
+            if recovered <= self.known:
+                return recovered
+            elapsed -= RECOVER_DOUBLING * math.log2(self.known / rate)
+            rate = self.known
+        # quiet: seconds since the last cut, and RECENTs of good answers since the last SlowDown
+        # (over RECENT answers a share of TARGET_SHARE shows), whichever says less
+        quiet = min((now - self.cut_at) / RATE_WINDOW, self.clean / RECENT)
+        growth = GROWTH * 2.0 ** quiet
+        return rate * math.exp(growth * elapsed) + CATCH_UP * elapsed
+
+    def _reschedule(self, at: float) -> None:
+        """Turns booked ahead are void (their requests book again); the next one is at ``at``."""
+        assert self.rate is not None
+        self.schedule += 1
+        self.booked_rate = self.rate
+        self.booked.clear()
+        self.next_free = at
+
+    def on_answer(self, generation: int) -> None:
+        """A good answer to a request booked in ``generation``."""
+        with self.lock:
+            now = self.clock()
+            answered = self.answered
+            answered.append(now)
+            while answered[0] < now - RATE_WINDOW:
+                answered.popleft()
+            self.clean += 1
             if generation == self.generation:
+                self._note(now, False)
+
+    def on_throttled(self, generation: int) -> None:
+        """A SlowDown to a request booked in ``generation``: cut when they are a share of the answers."""
+        with self.lock:
+            now = self.clock()
+            self.throttled += 1
+            self.last_throttled = now
+            self.clean = 0
+            if generation != self.generation:
+                return  # sent before the last cut: that cut answered it
+            self._note(now, True)
+            recent, slowdowns = self.recent, self.recent_slowdowns
+            if slowdowns < 2 or slowdowns <= TARGET_SHARE * len(recent):
                 return
-            with self.lock:  # a cut came while waiting: book again at the new rate
-                self.requests -= 1
+            # most answered SlowDown (not at the first cut: a job's first requests all go at once)
+            full = self.rate is not None and slowdowns > len(recent) / 2
+            if self.cuts >= (1 if not full else 2) and now - self.cut_at < RATE_WINDOW:
+                # the prefix counts a second: what was sent before the last cut still counts (the
+                # first cut, made mid-burst, may be followed at once by one more)
+                return
+            assert self.started is not None
+            span = now - self.started
+            if self.rate is None:  # the first: what was sent in a second at most (a burst's rate says nothing)
+                sent = self.sent / max(span, RATE_WINDOW)
+            else:  # below the limit while requests back off
+                sent = min(self.sent / span if span > 0 else math.inf, self.rate)
+            # the share answered well, counted as if 1 / TARGET_SHARE more were answered at
+            # TARGET_SHARE (a process with few answers is judged no worse for having few)
+            prior = 1 / TARGET_SHARE
+            n, k = len(recent), slowdowns
+            judged = (n - k + prior - 1) / (n + prior)
+            if full:
+                taken = 1 - slowdowns / len(recent)
+            else:  # over the last second
+                n, k = len(self.second), self.second_slowdowns
+                taken = (n - k + prior - 1) / (n + prior)
+            before = self.rate
+            self.rate = max(MIN_RATE, BACKOFF * taken * sent)
+            if not full:
+                self.known = self.rate
+            else:  # back fast to what was answered well over the last second, once the limit opens
+                answered = self.answered
+                while answered and answered[0] < now - RATE_WINDOW:
+                    answered.popleft()
+                # ... or the share of the limit it had that its answers show taken: a process
+                # answered little may have met a limit that others took (a DataLoader worker that
+                # starts late meets the bucket emptied), not one it overran
+                assert before is not None  # a full limit is met only once limited
+                got = max(len(answered) / RATE_WINDOW, judged * before)
+                self.known = max(self.rate, min(self.known, got))
+            self.grown_at = self.started = self.cut_at = now
+            self.sent = 0
+            self.generation += 1
+            self.cuts += 1
+            recent.clear()
+            self.recent_slowdowns = 0
+            self.second.clear()
+            self.second_slowdowns = 0
+            self._reschedule(now + 1.0 / self.rate)
+
+    def _note(self, now: float, slowdown: bool) -> None:
+        """One answer of this generation into the share's windows. Under the lock."""
+        recent = self.recent
+        recent.append(slowdown)
+        self.recent_slowdowns += slowdown
+        if len(recent) > RECENT:
+            self.recent_slowdowns -= recent.popleft()
+        second = self.second
+        second.append((now, slowdown))
+        self.second_slowdowns += slowdown
+        while second[0][0] < now - RATE_WINDOW:
+            self.second_slowdowns -= second.popleft()[1]
+
+    # ---------------------------------------------------------------- for the store wrapper
+
+    def unbook(self, generation: int) -> None:
+        """A turn booked in ``generation`` not taken (the schedule was reset while it waited: it
+        books again)."""
+        with self.lock:
+            self.requests -= 1
+            if generation == self.generation:
+                self.sent -= 1
+
+    async def acquire(self) -> int:
+        """Wait for this request's turn under the rate limit (at once when there is none); the
+        generation to report its answer with."""
+        while True:
+            wait, generation, schedule = self.turn()
+            while wait > 0 and schedule == self.schedule:
+                step = min(wait, RECHECK)
+                await anyio.sleep(step)
+                wait -= step
+            if wait <= 0 and generation == self.generation:
+                return generation  # its turn came: it goes, however late a busy loop woke it, unless a cut came since
+            self.unbook(generation)  # booked under a limit since reset: book again under the new one
 
     def congested(self) -> bool:
         """Whether a second request for the same object would add to a throttle: limited, or
-        SlowDowns made a share of the recent answers."""
-        return self.rate is not None or self.clock() < self.unsettled_until
-
-    def on_throttled(self) -> None:
-        """A SlowDown: cut the rate when SlowDowns are a share of the recent answers."""
-        with self.lock:
-            self.throttled += 1
-            now = self.clock()
-            outcomes = self.outcomes
-            outcomes.append((now, True))
-            if now - self.last_cut < CUT_AGAIN_AFTER:
-                return
-            while outcomes[0][0] < now - RATE_WINDOW:
-                outcomes.popleft()
-            slowdowns = sum(throttled for _, throttled in outcomes)
-            if slowdowns >= CUT_AGAIN_SHARE * len(outcomes):  # a throttle may be forming
-                self.unsettled_until = now + RATE_WINDOW
-            if self.rate is None:
-                storm = not self.seen_good and slowdowns >= STORM_COUNT  # no good answer yet
-                if not storm and (slowdowns < CUT_COUNT or slowdowns < CUT_SHARE * len(outcomes)):
-                    return
-            elif slowdowns < CUT_AGAIN_COUNT or slowdowns < CUT_AGAIN_SHARE * len(outcomes):
-                return
-            accepted = _rate_within(self.answered, now)
-            if self.rate is None:
-                base = _rate_within(self.sent, now)
-                self.sent.clear()
-            else:
-                base = min(self.rate, accepted)
-            self.rate = max(MIN_RATE, THROTTLE_CUT * base)
-            self.next_free = now + 1.0 / self.rate
-            self.last_cut = now
-            outcomes.clear()
-            self.generation += 1
-
-    def on_answer(self) -> None:
-        """A good answer: grow the limit while it holds requests back."""
-        with self.lock:
-            now = self.clock()
-            self.seen_good = True
-            self.outcomes.append((now, False))
-            answered = self.answered
-            answered.append(now)
-            if answered[0] < now - RATE_WINDOW:
-                answered.popleft()  # one in, (at most) one out: the window stays trimmed cheaply
-            if self.rate is not None and self.next_free >= now:
-                self.rate += GROWTH  # only while the limit holds requests back: unused, it would run away
+        answered SlowDown within the last ``RATE_WINDOW``."""
+        return self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
 
     def statistics(self) -> ThrottleStats:
-        return ThrottleStats(self.requests, self.throttled, self.rate)
-
-
-def _rate_within(times: deque[float], now: float) -> float:
-    """Events per second over the last ``RATE_WINDOW``, from their times (older ones dropped)."""
-    while times and times[0] < now - RATE_WINDOW:
-        times.popleft()
-    return len(times) / RATE_WINDOW
+        return ThrottleStats(self.requests, self.throttled, self.rate, self.cuts)
 
 
 class SharedControls(Generic[C]):
@@ -271,18 +408,18 @@ class ThrottledStore(ReadWrapper):
         pin: Pin | None = None,
     ) -> AsyncGenerator[bytes, None]:
         control = self.control(bucket)
-        await control.acquire()
+        generation = await control.acquire()
         chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin)
         first = True
         try:
             async for chunk in chunks:
                 if first:
-                    control.on_answer()
+                    control.on_answer(generation)
                     first = False
                 yield chunk
         except ThrottledError:
             self.throttled += 1
-            control.on_throttled()
+            control.on_throttled(generation)
             raise
         finally:
             await chunks.aclose()
@@ -292,12 +429,12 @@ class ThrottledStore(ReadWrapper):
 
     async def _read(self, bucket: str, call: Callable[[], Awaitable[T]]) -> T:
         control = self.control(bucket)
-        await control.acquire()
+        generation = await control.acquire()
         try:
             result = await call()
         except ThrottledError:
             self.throttled += 1
-            control.on_throttled()
+            control.on_throttled(generation)
             raise
-        control.on_answer()
+        control.on_answer(generation)
         return result
