@@ -301,11 +301,12 @@ class ShardSource:
 
     def open_count(self) -> int:
         """Pieces a lane reads at once: ``lanes.OPEN_PIECES``, fewer where the memory budget
-        cannot hold that many pieces being read (one read of ``PIECE_BYTES`` each)."""
+        cannot hold that many pieces being read (``lane_reserve`` each: pieces are streamed)."""
         budget = self.options.memory_budget
         if budget is None:
             return lanes.OPEN_PIECES
-        return max(2, min(lanes.OPEN_PIECES, (budget - self.options.queue_bytes) // PIECE_BYTES))
+        need = self.lane_reserve(0)
+        return max(2, min(lanes.OPEN_PIECES, (budget - self.options.queue_bytes) // need))
 
     def piece_sizes(self, counts: list[int], lanes_count: int, lane_samples: int) -> list[int]:
         """Samples of each unit one piece holds at most: about ``PIECE_BYTES`` where the index's
@@ -608,11 +609,11 @@ def slot_rng(slot: Slot) -> random.Random:
     return random.Random(partition.epoch_seed(slot.seed, slot.epoch) ^ (number << 20) ^ (slot.seen << 40))
 
 
-PIECE_BYTES = 8 << 20
-"""Bytes of one piece of a shard read in lanes (one ranged GET from the index's offsets, the
-8-16 MB AWS advises): at ``lanes.OPEN_PIECES`` open, 256 MiB of bodies at most. Smaller pieces
-cost requests: through the embedded server, pieces of 4 MiB made a shard epoch 0.6x as fast
-as streaming whole shards (93 GETs for 3,000 samples of 110 kB instead of 10)."""
+PIECE_BYTES = 32 << 20
+"""Bytes of one piece of a shard read in lanes at most (one ranged GET from the index's offsets,
+streamed): requests cost more than bytes (through the embedded server, pieces of 4 MiB made a
+shard epoch 0.6x as fast as whole-shard streams, 8 MiB 0.7x), and a streamed piece holds a chunk
+whatever its length. Pieces are smaller where a lane would hold fewer than ``lanes.LANE_PIECES``."""
 BUFFERED_PIECE = 1 << 20
 """A piece of at most this many bytes is one GET read whole; a longer one is streamed from its
 first byte and parsed as it arrives, so its first samples come before its last bytes and an
