@@ -126,6 +126,8 @@ def test_parquet_mixed_with_objects_and_shards(spec, s3_server):
     assert len(set(got)) == len(got)
     again = parquet_worker.build(mixed, s3_server.config)
     again.set_epoch(parquet_worker.EPOCH)
+    # shuffled Parquet and shards are dealt to lanes: two workers read the one-process run's one
+    again.resume(epoch=parquet_worker.EPOCH, samples_seen=0, lanes=1)
     from torch.utils.data import DataLoader
 
     loader = DataLoader(again, batch_size=parquet_worker.BATCH, num_workers=2, collate_fn=parquet_worker.keys)
