@@ -364,3 +364,18 @@ def test_shards_without_counts_warn_once_naming_them_and_the_index_command():
         unshuffled = AsyncS3Dataset.from_shards("s3://bucket/raw/", store=reusable(bare),
                                                 split=Split(uneven_ranks=True))
         unshuffled.set_epoch(0)
+
+
+def test_a_memory_budget_opens_as_many_streamed_pieces_as_their_chunks_fit():
+    """Streamed pieces hold a chunk each, not their length: 64 MiB leaves room for 24 open (8 MiB
+    bodies read whole allowed 6), and batches of label-sorted shards still mix under it."""
+    from loader import Limits
+
+    ds = dataset("shards", limits=Limits(memory=64 << 20))
+    assert ds.source.open_count() == 24
+    assert dataset("shards", limits=Limits(memory=16 << 20)).source.open_count() >= 2
+    ds.set_epoch(1)
+    batches = list(DataLoader(ds, batch_size=32, collate_fn=lambda samples: [label_of(s) for s in samples]))
+    assert sorted(label for b in batches for label in b) == LABELS
+    found = label_mix(batches, [PER_CLASS] * CLASSES)
+    assert found.ratio >= 0.9 and found.single_fraction <= 0.01, found
