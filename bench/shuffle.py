@@ -5,7 +5,8 @@
 Data, on the embedded server, ``--samples`` samples of 10 classes written two ways: sorted by
 label (keys in class order, tar shards packed in class order with their index, Hub-style Parquet
 files with row groups of 100 rows) and unsorted (the same labels in a seeded random order). Each
-mode (objects, shards, Parquet) x ``batch_size=`` (none, 8, 32) x data runs one epoch with
+mode (objects, shards, Parquet, a ``mix()`` of the shards and the Parquet files, each source
+shuffled) x ``batch_size=`` (none, 8, 32) x data runs one epoch with
 ``shuffle=True`` and a ``DataLoader`` of ``--workers`` workers (batch 8 and 32 where no
 ``batch_size=`` is dealt), in a child process per revision (``--base`` and ``--head``, commits
 exported with ``git archive``), revisions alternated over ``--rounds`` rounds. Per run:
@@ -83,7 +84,7 @@ def build(samples: int, size: int, per_shard: int) -> dict[str, bytes]:
 def runs() -> list[tuple[str, str, int | None, int]]:
     """(mode, data, batch_size=, the DataLoader's batch)."""
     out = []
-    for mode in ("objects", "shards", "parquet"):
+    for mode in ("objects", "shards", "parquet", "mix"):
         for data in ("sorted", "unsorted"):
             for dealt in (None, 8, 32):
                 for batch in ((8, 32) if dealt is None else (dealt,)):
@@ -109,8 +110,15 @@ def child(workers: int, samples: int) -> None:
             ds = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/{data}/obj/", **options)
         elif mode == "shards":
             ds = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/{data}/tar/", **options)
-        else:
+        elif mode == "parquet":
             ds = AsyncS3Dataset.from_parquet(f"s3://{BUCKET}/{data}/pq/", columns=["image", "label"], **options)
+        else:  # each sample twice: once from the shards, once from the Parquet files
+            from loader import mix
+
+            each = {"shuffle": True, "config": config}
+            ds = mix({"tar": AsyncS3Dataset.from_shards(f"s3://{BUCKET}/{data}/tar/", **each),
+                      "pq": AsyncS3Dataset.from_parquet(f"s3://{BUCKET}/{data}/pq/", columns=["image", "label"],
+                                                        **each)}, **options)
         ds.set_epoch(1)
 
         def labels(batch_samples):
@@ -121,7 +129,7 @@ def child(workers: int, samples: int) -> None:
         batches = list(loader)
         seconds = time.perf_counter() - started
         rows = sum(len(b) for b in batches)
-        counts = [samples // CLASSES] * CLASSES
+        counts = [(2 if mode == "mix" else 1) * samples // CLASSES] * CLASSES
         found = label_mix(batches, counts)
         print(json.dumps({"run": [mode, data, dealt, batch], "rows": rows, "rows_s": rows / seconds,
                           "distinct": found.distinct, "uniform": found.uniform, "single": found.single,

@@ -41,7 +41,7 @@ def spawned(rank: int, world_size: int, plan: dict[str, Any]) -> None:
     try:
         dataset = build(plan["spec"], S3Config.from_env())
         if plan.get("resume") is not None:
-            dataset.resume(epoch=EPOCH, samples_seen=plan["resume"])
+            dataset.resume(epoch=EPOCH, samples_seen=plan["resume"], lanes=plan["spec"].get("lanes"))
         dataset.set_epoch(EPOCH)
         loader = DataLoader(dataset, batch_size=BATCH, num_workers=plan["workers"],
                             collate_fn=source_and_key, timeout=120)

@@ -126,6 +126,8 @@ def test_parquet_mixed_with_objects_and_shards(spec, s3_server):
     assert len(set(got)) == len(got)
     again = parquet_worker.build(mixed, s3_server.config)
     again.set_epoch(parquet_worker.EPOCH)
+    # shuffled Parquet and shards are dealt to lanes: two workers read the one-process run's one
+    again.resume(epoch=parquet_worker.EPOCH, samples_seen=0, lanes=1)
     from torch.utils.data import DataLoader
 
     loader = DataLoader(again, batch_size=parquet_worker.BATCH, num_workers=2, collate_fn=parquet_worker.keys)
@@ -259,6 +261,17 @@ def test_later_epochs_read_parquet_from_the_disk_cache(s3_server, store, tmp_pat
     second = sorted((s["__key__"], s["label"]) for s in ds)
     assert second == first
     assert ds.stats()["requests"] == 0, ds.stats()
+    # shuffled (lanes: units cut into a piece per lane, each fetching the unit's chunks): the
+    # ranges are the unit's whatever the epoch's order, so a later epoch is served from disk too
+    shuffled = AsyncS3Dataset.from_parquet(f"s3://{bucket}/c/", columns=["label", "tokens"], shuffle=True,
+                                           config=s3_server.config,
+                                           store=Store(backend=store, cache=Cache(tmp_path / "shuffled")))
+    orders = []
+    for epoch in (0, 1):
+        shuffled.set_epoch(epoch)
+        orders.append([s["__key__"] for s in shuffled])
+    assert sorted(orders[1]) == sorted(orders[0]) == sorted(key for key, _ in first) and orders[0] != orders[1]
+    assert shuffled.stats()["requests"] == 0, shuffled.stats()
     if store == "obstore":  # its runtime does not survive fork() after the epochs above: spawn, or this
         return
     # DataLoader workers read what another process cached: the entries are files, shared

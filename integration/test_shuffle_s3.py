@@ -4,7 +4,7 @@ Hugging Face ``datasets`` (an ``Image`` and a ``ClassLabel``, rows sorted by lab
 0 and 2 DataLoader workers, with ``batch_size=`` 8 and 32 and without it, give batches as mixed
 as a permutation's (>= 0.9x its distinct labels, <= 1 % single-label batches: counts, not time);
 stopped mid-epoch on 2 workers and resumed on 3, every sample comes once; unshuffled, the
-stored order."""
+stored order; a mix of the two, the same."""
 
 from __future__ import annotations
 
@@ -125,3 +125,48 @@ def test_unshuffled_is_the_stored_order(s3_server, sorted_set, mode):
         ds = dataset(s3_server, sorted_set, mode, shuffle=False, **options)
         ds.set_epoch(0)
         assert [label_of(s) for s in ds] == LABELS
+
+
+def mixed(s3_server, bucket: str, **options):
+    from loader import mix
+
+    return mix({"tar": dataset(s3_server, bucket, "shards"), "pq": dataset(s3_server, bucket, "parquet")},
+               seed=4, config=s3_server.config, **options)
+
+
+@pytest.mark.parametrize("dealt", [True, False], ids=["batch_size", "no-batch_size"])
+def test_a_mix_of_label_sorted_shards_and_parquet_gives_mixed_batches(s3_server, sorted_set, dealt):
+    for batch in (8, 32):
+        ds = mixed(s3_server, sorted_set, **({"batch_size": batch} if dealt else {}))
+        ds.set_epoch(1)
+        batches = list(DataLoader(ds, batch_size=batch, num_workers=2,
+                                  collate_fn=lambda samples: [(s["__source__"], s["__key__"], label_of(s))
+                                                              for s in samples]))
+        got = [sample for b in batches for sample in b]
+        assert len(got) == len(set(got)) == 2 * len(LABELS), "each sample of each source once"
+        found = label_mix([[label for *_, label in b] for b in batches], [2 * PER_CLASS] * CLASSES)
+        assert found.ratio >= 0.9 and found.single_fraction <= 0.01, (batch, found)
+
+
+def test_a_mix_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, sorted_set):
+    batch = 8
+
+    def keys(samples):
+        return [(s["__source__"], s["__key__"]) for s in samples]
+
+    whole_ds = mixed(s3_server, sorted_set, batch_size=batch)
+    whole_ds.resume(epoch=2, samples_seen=0, lanes=2)
+    whole = [k for b in DataLoader(whole_ds, batch_size=batch, collate_fn=keys) for k in b]
+    first = mixed(s3_server, sorted_set, batch_size=batch)
+    first.set_epoch(2)
+    before: list[tuple[str, str]] = []
+    for step, b in enumerate(DataLoader(first, batch_size=batch, num_workers=2, collate_fn=keys)):
+        before += b
+        if step == 30:
+            break
+    seen = first.samples_seen(31)
+    second = mixed(s3_server, sorted_set, batch_size=batch)
+    second.resume(epoch=2, samples_seen=seen, lanes=2)
+    after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
+    assert sorted(before) == sorted(whole[:seen])
+    assert sorted(before + after) == sorted(whole) and len(set(whole)) == 2 * len(LABELS)

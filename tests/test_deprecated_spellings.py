@@ -179,3 +179,24 @@ def test_building_a_dataset_from_init_keywords_warns_naming_the_constructors(cls
     new = cls.from_keys("bkt", ["a.jpg", "b.jpg"], store=STORE)
     assert list(old.keys()) == list(new.keys()) == ["a.jpg", "b.jpg"]
     assert ("from_shards" in str(caught[0].message)) == (cls is AsyncS3Dataset)
+
+
+def test_no_module_of_the_package_builds_a_dataset_with_an_old_spelling():
+    """What the package runs itself (``loader demo``, examples) shows users the current names."""
+    import ast
+    from pathlib import Path
+
+    import loader
+
+    entry = {"from_prefix": "objects", "from_keys": "objects", "from_shards": "shards",
+             "from_parquet": "parquet", "mix": "mix"}
+    found = []
+    for path in sorted(Path(loader.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in entry:
+                found += [f"{path.name}:{node.lineno}: {name}({word.arg}=)" for word in node.keywords
+                          if word.arg in DEPRECATED[entry[name]]]
+    assert found == []

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from bench.labelmix import label_mix
-from loader import AsyncS3Dataset
+from loader import AsyncS3Dataset, Split
 from loader.datasets import lanes
 from loader.datasets.partition import epoch_order
 
@@ -238,3 +238,144 @@ def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode
     again.load_state_dict(state)
     rest = [key for batch in again for key in batch]
     assert taken + rest == whole and len(set(whole)) == len(LABELS)
+
+
+# ----------------------------------------------------------------------------- reading pieces
+
+
+def test_pieces_above_the_buffered_size_are_streamed_and_below_it_read_whole(monkeypatch):
+    """A lane's piece longer than ``BUFFERED_PIECE`` is streamed from its first sample (parsed as
+    it arrives), a shorter one is one bounded GET; either way every sample comes once."""
+    from loader.datasets import shard_source
+
+    calls = Counter()
+    fake = FakeStore.with_objects("bucket", {})
+    fake.objects.update(FAKE.objects)
+    for name in ("get_range", "stream"):
+        method = getattr(fake, name)
+
+        def counted(*args, _method=method, _name=name, **kwargs):
+            if args[1].endswith(".tar"):
+                calls[_name] += 1
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(fake, name, counted)
+    monkeypatch.setattr(shard_source, "MIN_PIECE_SAMPLES", 4)
+    monkeypatch.setattr(lanes, "LANE_PIECES", len(LABELS) // 4)  # pieces of 4: 4 a shard
+    shards = len(LABELS) // PER_SHARD
+    # the last piece of a shard reads on to its end (the count check): streamed either way
+    for limit, gets, streams in ((1 << 20, 3 * shards, shards), (0, 0, 4 * shards)):
+        monkeypatch.setattr(shard_source, "BUFFERED_PIECE", limit)
+        calls.clear()
+        ds = AsyncS3Dataset.from_shards("s3://bucket/tar/", shuffle=True, seed=3, store=reusable(fake))
+        ds.set_epoch(1)
+        assert sorted(label_of(s) for s in ds) == LABELS
+        assert calls == {"get_range": gets, "stream": streams} if gets else {"stream": streams}, (limit, calls)
+
+
+# ----------------------------------------------------------------------------- mixes
+
+
+def mixed(dealt=None, **options):
+    from loader import mix
+
+    store = reusable(FAKE)
+    datasets = {"tar": dataset("shards", store=store), "pq": dataset("parquet", store=store)}
+    return mix(datasets, store=store, seed=5, shuffle=True,
+               **({"batch_size": dealt} if dealt else {}), **options)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("dealt", [True, False], ids=["batch_size", "no-batch_size"])
+def test_a_mix_of_label_sorted_shards_and_parquet_gives_mixed_batches_each_sample_once(dealt, workers):
+    for batch in (8, 32):
+        ds = mixed(batch if dealt else None)
+        ds.set_epoch(1)
+        batches = list(DataLoader(ds, batch_size=batch, num_workers=workers,
+                                  collate_fn=lambda samples: [(s["__source__"], s["__key__"], label_of(s))
+                                                              for s in samples]))
+        got = [sample for b in batches for sample in b]
+        assert len(got) == 2 * len(LABELS) and len(set(got)) == len(got), "each sample once an epoch"
+        assert Counter(source for source, _, _ in got) == {"tar": len(LABELS), "pq": len(LABELS)}
+        found = label_mix([[label for _, _, label in b] for b in batches], [2 * PER_CLASS] * CLASSES)
+        assert found.ratio >= 0.9 and found.single_fraction <= 0.01, (batch, found)
+
+
+def test_a_mix_in_lanes_shuffles_every_epoch_anew():
+    orders = []
+    for epoch in (1, 2):
+        ds = mixed()
+        ds.set_epoch(epoch)
+        orders.append([(s["__source__"], s["__key__"]) for s in ds])
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
+
+
+@settings(deadline=None, max_examples=8)
+@given(dealt=st.booleans(), stop=st.integers(1, 2 * len(LABELS) - 1))
+def test_a_mix_in_lanes_resumes_from_a_saved_state_with_exactly_the_rest(dealt, stop):
+    whole_ds = mixed(8 if dealt else None)
+    whole_ds.set_epoch(3)
+    whole = [(s["__source__"], s["__key__"]) for s in whole_ds]
+    first = mixed(8 if dealt else None)
+    first.set_epoch(3)
+    taken = []
+    for sample in first:
+        taken.append((sample["__source__"], sample["__key__"]))
+        if len(taken) == stop:
+            state = first.state_dict()
+            break
+    second = mixed(8 if dealt else None)
+    second.load_state_dict(state)
+    assert taken + [(s["__source__"], s["__key__"]) for s in second] == whole
+
+
+# ----------------------------------------------------------------------------- which sources deal lanes
+
+
+def test_sources_say_whether_they_deal_lanes():
+    from loader import mix
+
+    assert dataset("shards").source.deals_lanes() and dataset("parquet").source.deals_lanes()
+    assert not dataset("shards", shuffle=False).source.deals_lanes()
+    objects = AsyncS3Dataset.from_prefix("s3://bucket/tar/", shuffle=True, store=reusable(FAKE))
+    assert not objects.source.deals_lanes()
+    assert mixed().source.deals_lanes()
+    assert not mix({"objects": objects}, store=objects.options.store).source.deals_lanes()
+
+
+def test_shards_without_counts_warn_once_naming_them_and_the_index_command():
+    bare = FakeStore.with_objects("bucket", {})  # the shards without their index
+    bare.objects.update({("bucket", key.replace("tar/", "raw/")): body for (_, key), body in FAKE.objects.items()
+                         if key.endswith(".tar")})
+    ds = AsyncS3Dataset.from_shards("s3://bucket/raw/", shuffle=True, store=reusable(bare),
+                                    split=Split(uneven_ranks=True))
+    with pytest.warns(RuntimeWarning, match="without sample counts") as said:
+        ds.set_epoch(0)
+        ds.set_epoch(1)
+    texts = [str(w.message) for w in said if "sample counts" in str(w.message)]
+    assert len(texts) == 1
+    assert "s3://bucket/raw/0000.tar" in texts[0] and "and 27 more" in texts[0]
+    assert "python -m loader index 's3://bucket/raw/'" in texts[0]
+    assert sorted(label_of(s) for s in ds) == LABELS  # read whole, mixed by the buffer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = AsyncS3Dataset.from_shards("s3://bucket/tar/", shuffle=True, store=reusable(FAKE))
+        quiet.set_epoch(0)  # an index: lanes, nothing to say
+        unshuffled = AsyncS3Dataset.from_shards("s3://bucket/raw/", store=reusable(bare),
+                                                split=Split(uneven_ranks=True))
+        unshuffled.set_epoch(0)
+
+
+def test_a_memory_budget_opens_as_many_streamed_pieces_as_their_chunks_fit():
+    """Streamed pieces hold a chunk each, not their length: 64 MiB leaves room for 24 open (8 MiB
+    bodies read whole allowed 6), and batches of label-sorted shards still mix under it."""
+    from loader import Limits
+
+    ds = dataset("shards", limits=Limits(memory=64 << 20))
+    assert ds.source.open_count() == 24
+    assert dataset("shards", limits=Limits(memory=16 << 20)).source.open_count() >= 2
+    ds.set_epoch(1)
+    batches = list(DataLoader(ds, batch_size=32, collate_fn=lambda samples: [label_of(s) for s in samples]))
+    assert sorted(label for b in batches for label in b) == LABELS
+    found = label_mix(batches, [PER_CLASS] * CLASSES)
+    assert found.ratio >= 0.9 and found.single_fraction <= 0.01, found

@@ -60,13 +60,14 @@ def make(weights=None, **options):
     return mix(datasets, weights, store=store, **options)
 
 
-def run(world_size, num_workers, epoch=1, steps=None, resume=None, **options):
-    """Every rank's batches of one epoch (ranks simulated with rank=/world_size=)."""
+def run(world_size, num_workers, epoch=1, steps=None, resume=None, lanes=None, **options):
+    """Every rank's batches of one epoch (ranks simulated with rank=/world_size=); ``lanes``:
+    the rank x worker slots of the run that started the epoch, where another one did."""
     out, probe = [], None
     for rank in range(world_size):
         ds = make(batch_size=BATCH, rank=rank, world_size=world_size, **options)
-        if resume is not None:
-            ds.resume(epoch=epoch, samples_seen=resume)
+        if resume is not None or lanes is not None:
+            ds.resume(epoch=epoch, samples_seen=resume or 0, lanes=lanes)
         ds.set_epoch(epoch)
         loader = DataLoader(ds, batch_size=BATCH, num_workers=num_workers,
                             collate_fn=lambda batch: [(s["__source__"], s["__key__"]) for s in batch])
@@ -102,18 +103,22 @@ def test_counts_per_source_follow_the_weights_and_every_sample_carries_its_sourc
 
 
 def test_the_order_is_the_same_on_any_topology():
-    one, _ = run(1, 0, samples_per_epoch=90)
+    """Given the lanes of the run that started the epoch (shuffled shards are dealt to them),
+    every topology reads the same order."""
     three, _ = run(3, 2, samples_per_epoch=90)
-    two, _ = run(2, 3, samples_per_epoch=90)
+    one, _ = run(1, 0, samples_per_epoch=90, lanes=6)
+    two, _ = run(2, 3, samples_per_epoch=90, lanes=6)
     assert global_order(one) == global_order(three) == global_order(two)
     assert [len(b) for b in three] == [8, 8, 8], "every rank the same number of batches"
 
 
 def test_resume_on_another_topology_continues_the_mix_exactly():
-    whole, _ = run(1, 0, epoch=2, samples_per_epoch=96)
+    whole, _ = run(1, 0, epoch=2, samples_per_epoch=96, lanes=6)
     head, probe = run(3, 2, epoch=2, steps=3, samples_per_epoch=96)
     seen = probe.samples_seen(3)
-    tail, _ = run(2, 3, epoch=2, resume=seen, samples_per_epoch=96)
+    with pytest.raises(ConfigError, match="lanes="):
+        make(batch_size=BATCH, rank=0, world_size=2).resume(epoch=2, samples_seen=seen)
+    tail, _ = run(2, 3, epoch=2, resume=seen, lanes=6, samples_per_epoch=96)
     assert global_order(head) + global_order(tail) == global_order(whole)
 
 

@@ -575,8 +575,7 @@ class AsyncS3Dataset(IterableDataset):
         # order depends on how many, which this run cannot know; a guess would repeat and skip
         if lanes is None and self._lanes is not None and self._lanes[0] == epoch:
             lanes = self._lanes[1]  # the epoch's lanes, as an earlier resume or state gave them
-        if (lanes is None and samples_seen and self.options.shuffle and fixed is None
-                and hasattr(self.source, "piece_sizes")):
+        if lanes is None and samples_seen and fixed is None and self.source.deals_lanes():
             raise ConfigError(
                 "resume(samples_seen=) of a shuffled epoch of shards or row groups needs lanes=: "
                 "the order was dealt to one lane per rank x DataLoader worker of the run that "

@@ -181,3 +181,35 @@ def ranges_of(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
         elif not out or out[-1][1] < index:
             out.append((index, index + 1))
     return tuple(out)
+
+
+class Segment(NamedTuple):
+    """Samples ``[start, stop)`` of unit ``unit`` (stored order), taken by a stretch of an order."""
+
+    unit: int
+    start: int
+    stop: int
+
+
+def stretch(counts: Sequence[int], order: Sequence[int], start: int, stop: int) -> list[Segment]:
+    """Samples ``[start, stop)`` of the units laid end to end in ``order``, as segments of units
+    (a mix's share of one pass over a source: which samples, before lanes order them)."""
+    out: list[Segment] = []
+    at = 0
+    for unit in order:
+        count = counts[unit]
+        low, high = max(start, at), min(stop, at + count)
+        if low < high:
+            out.append(Segment(unit, low - at, high - at))
+        at += count
+        if at >= stop:
+            break
+    return out
+
+
+def strided_lane(position: int, world_size: int, num_workers: int) -> int:
+    """The slot (``rank * workers + worker``) that reads ``position`` of an order dealt strided
+    (``partition.partition``: ranks take every ``world_size``-th, workers every
+    ``num_workers``-th of those), for positions short of the padding."""
+    workers = max(1, num_workers)
+    return (position % world_size) * workers + (position // world_size) % workers

@@ -11,10 +11,11 @@ epochs) or a stretch starting at a fresh pass (``"epoch"``). All sources share o
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import math
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ..checks import check_int
@@ -25,14 +26,14 @@ from ..errors import ConfigError, EmptyDatasetError
 from ..listing.versions import Versions, first_known
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore, StoreFactory
-from . import partition
+from . import lanes, partition
 from .groups import DEPRECATED, Limits, Split, Store, flat_options
 from .mix_order import DrawOrder, apportion
 from .object_samples import OnError
 from .object_source import ObjectProgress
 from .options import LoaderOptions, Transform, budget_options
 from .progress import Watermark
-from .protocol import Mixable, Progress, Read, Run, Slot, Tagged
+from .protocol import LaneMixable, Mixable, Progress, Read, Run, Slot, Tagged
 
 if TYPE_CHECKING:
     from .iterable import AsyncS3Dataset
@@ -114,6 +115,9 @@ class MixSource:
     def fixed_rank_length(self) -> None:
         return None  # the mix's epoch (samples_per_epoch= or the default) is an order dealt to ranks
 
+    def deals_lanes(self) -> bool:
+        return any(part.shuffle and part.source.deals_lanes() for part in self.parts)
+
     def skipped(self, url: str, key: str | None) -> str:
         return url if key is None else f"sample {key!r} from {url}"
 
@@ -132,8 +136,12 @@ class MixSource:
         todo = [(tag, q) for tag, q in enumerate(positions) if tag not in progress.delivered]
         located = DrawOrder(shares).locate([q for _, q in todo])
         groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (source, pass) -> [(tag, position)]
-        for (tag, _), (s, k) in zip(todo, located):
+        in_lanes: dict[int, list[tuple[int, int]]] = {}  # source -> [(tag, mix position)]
+        for (tag, q), (s, k) in zip(todo, located):
             part = self.parts[s]
+            if part.source.deals_lanes():
+                in_lanes.setdefault(s, []).append((tag, q))
+                continue
             first = slot.epoch * shares[s] if part.sampling == "continue" else 0
             stream_pass, at = divmod(first + k, sizes[s])
             if part.sampling == "epoch":
@@ -155,12 +163,82 @@ class MixSource:
                 for tag in tags:
                     owner[tag] = len(jobs)
                 jobs.append((tags[0], _labelled(read, tags, part)))
+        for s, entries, read, members in self._lane_reads(slot, in_lanes):
+            tags = [entries[m][0] for m in members]
+            for tag in tags:
+                owner[tag] = len(jobs)
+            jobs.append((tags[0], _labelled(read, tags, self.parts[s])))
         launch = sorted(range(len(jobs)), key=lambda j: jobs[j][0])
         number = {j: n for n, j in enumerate(launch)}
         schedule = [number[owner[tag]] for tag, _ in todo]
         budget = self.options.memory_budget or DEFAULT_MIX_BUDGET
         limits = self.options.limits("scheduled", inflight_bytes=max(1, budget - self.options.queue_bytes))
         yield from run((jobs[j][1] for j in launch), limits, schedule)
+
+    # ------------------------------------------------------------------ sources read in lanes
+
+    def _lane_reads(self, slot: Slot, in_lanes: dict[int, list[tuple[int, int]]],
+                    ) -> Generator[tuple[int, list[tuple[int, int]], Read, list[int]], None, None]:
+        """The reads of this slot's samples of shuffled shard and Parquet sources, which deal
+        their share of each epoch to lanes as they do alone (docs/design/shuffle.md): the
+        share's samples of each pass (a stretch of the source's passes) are cut into pieces
+        dealt to one lane per rank x worker slot of the run that started the epoch, and lane
+        ``l``'s ``j``-th draw is the ``j``-th of the pass's positions that slot ``l`` reads (a
+        pass's samples all come before the next pass's). Yields ``(source, entries, read,
+        indices into entries)``."""
+        if not in_lanes:
+            return
+        count, lane_of = self._lane_dealing(slot)
+        chunks = {s: self._share_chunks(s, slot.epoch) for s in in_lanes}
+        sizes = {s: [[0] * count for _ in chunks[s]] for s in in_lanes}
+        wanted = {q for entries in in_lanes.values() for _, q in entries}
+        draws: dict[int, tuple[int, int, int]] = {}  # mix position -> (chunk, lane, draw)
+        for q, (s, k) in enumerate(DrawOrder(self.shares()).walk()):
+            if s in sizes:
+                chunk, lane = bisect.bisect_right(chunks[s], k, key=lambda c: c[0]) - 1, lane_of(q)
+                if q in wanted:
+                    draws[q] = (chunk, lane, sizes[s][chunk][lane])
+                sizes[s][chunk][lane] += 1
+        for s, entries in in_lanes.items():
+            part = self.parts[s]
+            source = cast(LaneMixable, part.source)
+            for chunk, (_, segments) in enumerate(chunks[s]):
+                mine = [at for at, (_, q) in enumerate(entries) if draws[q][0] == chunk]
+                if not mine:
+                    continue
+                for read, members in source.lane_reads(
+                        segments, sizes[s][chunk], [draws[entries[at][1]][1:] for at in mine],
+                        seed=part.seed + chunk, epoch=slot.epoch):
+                    yield s, entries, read, [mine[m] for m in members]
+
+    def _lane_dealing(self, slot: Slot) -> tuple[int, Callable[[int], int]]:
+        """How many lanes, and the lane of each mix position: with ``batch_size=`` the blocks'
+        (``Slot.lanes``), else the strided slot's of this run."""
+        workers = max(1, slot.num_workers)
+        if slot.positions is not None:
+            count, batch = slot.lanes or slot.world_size * workers, self.options.batch_size
+            assert batch is not None  # positions are dealt in blocks of it
+            return count, lambda q: lanes.block_lane(q, batch, count)[0]
+        return slot.world_size * workers, lambda q: lanes.strided_lane(q, slot.world_size, workers)
+
+    def _share_chunks(self, s: int, epoch: int) -> list[tuple[int, list[lanes.Segment]]]:
+        """The samples source ``s`` gives ``epoch`` (a stretch of its passes, as unshuffled
+        reads take them), one chunk per pass: ``(its first sample's index in the share, its
+        segments of units in stored order)``."""
+        part, share, size = self.parts[s], self.shares()[s], self.sizes()[s]
+        counts = cast(LaneMixable, part.source).unit_counts()
+        assert counts is not None
+        first = epoch * share if part.sampling == "continue" else 0
+        later = epoch * (-(-share // size)) if part.sampling == "epoch" else 0  # fresh passes
+        chunks: list[tuple[int, list[lanes.Segment]]] = []
+        at, end = first, first + share
+        while at < end:
+            stream_pass, offset = divmod(at, size)
+            stop = min(size, offset + end - at)
+            order = partition.epoch_order(len(counts), seed=part.seed, epoch=stream_pass + later, shuffle=True)
+            chunks.append((at - first, sorted(lanes.stretch(counts, order, offset, stop))))
+            at += stop - offset
+        return chunks
 
     def transform(self, sample: dict[str, Any]) -> Any:
         name = sample[SOURCE_FIELD]

@@ -122,6 +122,9 @@ class ObjectSource:
     def fixed_rank_length(self) -> None:
         return None  # an epoch is the key list
 
+    def deals_lanes(self) -> bool:
+        return False  # a permutation of the keys, the same on any topology
+
     def skipped(self, url: str, key: str | None) -> str:
         return url  # the object is the sample
 

@@ -437,6 +437,9 @@ class ParquetSource(ShardSource):
         assignment = ShardAssignment(unit, 1, 0, first, stop, lanes.ranges_of(indices))
         return self.job(assignment, position, skip=skip, order=indices if self.permuted(unit) else None)
 
+    def lane_reserve(self, unit: int) -> int:
+        return self._need(self.plans()[unit])  # held decoded until its last row is delivered
+
     def lane_limits(self) -> EngineLimits:
         return self.options.limits("scheduled", max_inflight=self.open_count() + 2,
                                    inflight_bytes=self.read_bytes())

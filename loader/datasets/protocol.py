@@ -119,6 +119,12 @@ class Source(Protocol):
         and no blocks are dealt (``Slot.positions`` stays None)."""
         ...
 
+    def deals_lanes(self) -> bool:
+        """Whether a shuffled epoch is dealt to lanes, one per rank x DataLoader worker of the
+        run that starts it (``lanes``: tar shards, Parquet row groups, mixes of them): its order
+        then depends on that number, which ``resume(samples_seen=)`` must be told."""
+        ...
+
     def skipped(self, url: str, key: str | None) -> str:
         """How a warning names a sample that ``on_error`` skipped, and what reading does next."""
         ...
@@ -151,4 +157,17 @@ class Mixable(Source, Protocol):
     def reads(self, slot: Slot) -> list[Read]:
         """Jobs that emit ``slot.positions`` (positions of the epoch's order, required here),
         in order; the ``size`` of consecutive reads adds up to ``len(slot.positions)``."""
+        ...
+
+
+class LaneMixable(Mixable, Protocol):
+    """A mixable source whose shuffled share of an epoch a mix reads in lanes (``deals_lanes``)."""
+
+    def unit_counts(self) -> list[int] | None:
+        """Samples per unit read (tar shard, Parquet unit of row groups)."""
+        ...
+
+    def lane_reads(self, segments: list[Any], sizes: list[int], wanted: list[tuple[int, int]],
+                   *, seed: int, epoch: int) -> list[tuple[Read, list[int]]]:
+        """Reads of ``segments`` cut into pieces dealt to lanes of ``sizes``; see ``ShardSource``."""
         ...

@@ -13,7 +13,7 @@ import itertools
 import logging
 import random
 import warnings
-from collections.abc import Container, Generator, Iterable, Iterator, Mapping
+from collections.abc import Container, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..checks import check_int
@@ -184,7 +184,24 @@ class ShardSource:
                     raise overwritten_shards(self._counts, changed)
                 self._shards = with_versions(shards, self._counts)
         self._counts_tried = True
+        if self._counts is None:
+            self._warn_no_lanes(shards)
         return self._counts
+
+    def _warn_no_lanes(self, shards: list[ShardRef]) -> None:
+        """Say (once, where the counts were looked for) that a shuffled epoch of shards without
+        sample counts is mixed by the shuffle buffer alone, and how to get lanes instead."""
+        if not self.options.shuffle or self.shard_options.samples_per_epoch is not None:
+            return
+        named = ", ".join(shard.url for shard in shards[:3])
+        named += f" and {len(shards) - 3} more" if len(shards) > 3 else ""
+        warnings.warn(
+            f"shuffle=True over {len(shards)} tar shard(s) without sample counts ({named}; "
+            f"{self._no_index}): each shard is read whole, in turn with a few others, and mixed by a "
+            f"shuffle buffer of {self.shard_options.buffer_size} samples only, so shards packed in "
+            "label order give batches of few labels. Write their index once: "
+            f"`{self._command()}`; shuffled epochs are then cut into runs spread over the data set",
+            RuntimeWarning, stacklevel=2)
 
     def shard_counts(self) -> list[int] | None:
         """Samples per shard in ``shards()`` order, when every shard's count is known."""
@@ -212,6 +229,10 @@ class ShardSource:
 
     def fixed_rank_length(self) -> int | None:
         return self.shard_options.samples_per_epoch
+
+    def deals_lanes(self) -> bool:
+        return (self.options.shuffle and self.shard_options.samples_per_epoch is None
+                and self.unit_counts() is not None)
 
     def missing_count(self) -> str:
         counts = self.counts()
@@ -280,11 +301,12 @@ class ShardSource:
 
     def open_count(self) -> int:
         """Pieces a lane reads at once: ``lanes.OPEN_PIECES``, fewer where the memory budget
-        cannot hold that many pieces being read (one read of ``PIECE_BYTES`` each)."""
+        cannot hold that many pieces being read (``lane_reserve`` each: pieces are streamed)."""
         budget = self.options.memory_budget
         if budget is None:
             return lanes.OPEN_PIECES
-        return max(2, min(lanes.OPEN_PIECES, (budget - self.options.queue_bytes) // PIECE_BYTES))
+        need = self.lane_reserve(0)
+        return max(2, min(lanes.OPEN_PIECES, (budget - self.options.queue_bytes) // need))
 
     def piece_sizes(self, counts: list[int], lanes_count: int, lane_samples: int) -> list[int]:
         """Samples of each unit one piece holds at most: about ``PIECE_BYTES`` where the index's
@@ -351,7 +373,11 @@ class ShardSource:
         """The job that reads ``indices`` of ``unit`` (ascending here) as plan position ``position``."""
         ranges = lanes.ranges_of(indices)
         assignment = ShardAssignment(unit, 1, 0, ranges[0][0], ranges[-1][1], ranges)
-        return self.job(assignment, position, skip=skip)
+        shard, counts = self.shards()[unit], self.counts()
+        assert counts is not None  # lanes need the counts
+        return shard_job(shard, position, assignment, self.shard_options, skip=skip,
+                         on_error=self.options.on_error, offsets=counts.offsets.get(shard.url),
+                         expect=counts.expect(shard), buffer_up_to=BUFFERED_PIECE)
 
     def _lane_stream(self, slot: Slot, progress: ShardProgress, run: Run) -> Generator[Tagged, None, None]:
         """A shuffled slot read in lanes: one job per piece (plan positions in the order of
@@ -393,6 +419,48 @@ class ShardSource:
         with contextlib.closing(stream):  # a buffer asked for mixes on top (not with blocks)
             yield from shuffled(stream, buffer or 0, slot_rng(slot), max_bytes=self.shard_options.shuffle_bytes,
                                 nbytes=tagged_nbytes)
+
+    def lane_reads(self, segments: list[lanes.Segment], sizes: list[int], wanted: list[tuple[int, int]],
+                   *, seed: int, epoch: int) -> list[tuple[Read, list[int]]]:
+        """A mix's share of this source in one epoch, read in lanes: ``segments`` (the share's
+        samples, in stored order) cut into pieces and dealt to lanes of ``sizes`` samples, each
+        lane read as ``lane_order`` says. ``wanted``: ``(lane, draw)`` of each sample the slot
+        reads, in its order. Returns one read per piece, each with the indices into ``wanted``
+        it emits, in the order it emits them."""
+        counts = self.unit_counts()
+        assert counts is not None  # a mix reads shards in lanes only when counted
+        most = self.piece_sizes(counts, len(sizes), -(-sum(sizes) // max(1, len(sizes))))
+        pieces = lanes.cut([segment.stop - segment.start for segment in segments], range(len(segments)), sizes,
+                           lambda number: most[segments[number].unit],
+                           random.Random(partition.epoch_seed(seed, epoch)))
+
+        def rows(number: int) -> Sequence[int]:
+            unit, start, stop = segments[number]
+            if not self.permuted(unit):
+                return range(start, stop)
+            return [start + row for row in lanes.unit_rows(stop - start, seed=seed, epoch=epoch, unit=number)]
+
+        orders = {lane: lanes.lane_order(pieces[lane], open_count=self.open_count(), rows=rows,
+                                         seed=lanes.lane_seed(seed, epoch, lane))
+                  for lane in sorted({lane for lane, _ in wanted})}
+        groups: dict[tuple[int, int, int], list[int]] = {}  # (lane, piece, repeat) -> indices into wanted
+        repeats: dict[tuple[int, int], int] = {}  # a padded order may want one draw twice
+        for number, (lane, draw) in enumerate(wanted):
+            repeat = repeats.get((lane, draw), 0)
+            repeats[lane, draw] = repeat + 1
+            groups.setdefault((lane, orders[lane].piece[draw], repeat), []).append(number)
+        out: list[tuple[Read, list[int]]] = []
+        for (lane, piece, _), members in groups.items():
+            order = orders[lane]
+            unit = segments[order.pieces[piece].unit].unit
+            indices = [order.at[wanted[number][1]] for number in members]
+            out.append((Read(self.lane_job(unit, len(out), indices, frozenset()), len(indices), _is_sample,
+                             self.lane_reserve(unit)), members))
+        return out
+
+    def lane_reserve(self, unit: int) -> int:
+        """Bytes a piece being read in a lane holds: a buffered piece, or a streamed one's chunk."""
+        return BUFFERED_PIECE + self.shard_options.chunk_size
 
     def lane_limits(self) -> EngineLimits:
         """The engine's limits for reading in lanes: the open pieces and two more ahead."""
@@ -541,11 +609,16 @@ def slot_rng(slot: Slot) -> random.Random:
     return random.Random(partition.epoch_seed(slot.seed, slot.epoch) ^ (number << 20) ^ (slot.seen << 40))
 
 
-PIECE_BYTES = 8 << 20
-"""Bytes of one piece of a shard read in lanes (one ranged GET from the index's offsets, the
-8-16 MB AWS advises): at ``lanes.OPEN_PIECES`` open, 256 MiB of bodies at most. Smaller pieces
-cost requests: through the embedded server, pieces of 4 MiB made a shard epoch 0.6x as fast
-as streaming whole shards (93 GETs for 3,000 samples of 110 kB instead of 10)."""
+PIECE_BYTES = 32 << 20
+"""Bytes of one piece of a shard read in lanes at most (one ranged GET from the index's offsets,
+streamed): requests cost more than bytes (through the embedded server, pieces of 4 MiB made a
+shard epoch 0.6x as fast as whole-shard streams, 8 MiB 0.7x), and a streamed piece holds a chunk
+whatever its length. Pieces are smaller where a lane would hold fewer than ``lanes.LANE_PIECES``."""
+BUFFERED_PIECE = 1 << 20
+"""A piece of at most this many bytes is one GET read whole; a longer one is streamed from its
+first byte and parsed as it arrives, so its first samples come before its last bytes and an
+open piece holds a chunk, not its body. Buffered 8 MiB pieces made a lane wait for whole bodies
+before its first draws: streamed, a shard epoch without ``batch_size=`` ran ~1.5x as fast."""
 MIN_PIECE_SAMPLES = 8
 """A piece of a shard holds at least this many samples: a GET per few samples costs more in
 requests than it gives in mixing."""

@@ -207,6 +207,7 @@ def shard_job(
     on_error: str = "raise",
     offsets: Sequence[int] | None = None,
     expect: Expect | None = None,
+    buffer_up_to: int | None = None,
 ) -> JobFn:
     """Stream one shard; emit ``((position, index), sample)`` for each sample the slot keeps
     (and has not delivered before a resume), then ``((position, END), ShardEnd)``.
@@ -221,9 +222,13 @@ def shard_job(
     ``expect``: the shard's sample count as the dataset was told it. Every request is then
     pinned to ``ShardRef.etag`` (the counted version), and a slot that reads to the shard's end
     checks the count: another count is an error naming the shard, never a silent difference.
+
+    ``buffer_up_to``: a range of at most this many bytes is one bounded GET read whole before
+    it is parsed, a longer one is streamed (default: ``part_size``).
     """
     if offsets is not None and assignment.ranges and shard.compression is None:
-        return _ranged_job(shard, position, assignment, options, skip, on_error, offsets, expect)
+        bounded = options.part_size if buffer_up_to is None else buffer_up_to
+        return _ranged_job(shard, position, assignment, options, skip, on_error, offsets, expect, bounded)
     expected = None if expect is None else expect.samples
     # A slot whose range ends at the shard's counted end reads on to the end, to check the count.
     stop_early = assignment.stop is not None and (expected is None or assignment.stop < expected)
@@ -297,9 +302,10 @@ def _ranged_job(
     on_error: str,
     offsets: Sequence[int],
     expect: Expect | None,
+    bounded: int,
 ) -> JobFn:
     """``shard_job`` for sample ranges whose byte offsets are known: one GET per range, from the
-    range's first sample's first header to the next sample's (at most ``part_size`` bytes held;
+    range's first sample's first header to the next sample's (at most ``bounded`` bytes held;
     a longer range, or one that runs to the shard's end, is streamed and cut after its last
     sample). A range that ends at the shard's last sample reads on to the end (the count check)."""
     expected = len(offsets)
@@ -337,7 +343,7 @@ def _ranged_job(
 
             try:
                 try:
-                    if stop < expected and offsets[stop] - offsets[start] <= options.part_size:
+                    if stop < expected and offsets[stop] - offsets[start] <= bounded:
                         # One bounded GET: the range ends where the next sample's first header starts.
                         get = functools.partial(ctx.store.get_range, shard.bucket, shard.key,
                                                 offsets[start], offsets[stop], pin=pin)

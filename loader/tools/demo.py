@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from .._version import install_hint
 from ..config import S3Config
+from ..datasets.groups import Limits
 from ..datasets.iterable import AsyncS3Dataset
 from ..decode import decode_image
 from .examples import put_all
@@ -257,7 +258,7 @@ def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2,
 
         runs = [
             ("per-object", AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", shuffle=True,
-                                                      max_inflight=64, transform=DecodeForTraining(),
+                                                      limits=Limits(concurrency=64), transform=DecodeForTraining(),
                                                       config=config)),
             ("shards", AsyncS3Dataset.from_shards(f"s3://{BUCKET}/shards/", shuffle=True,
                                                   transform=DecodeForTraining(), config=config)),
