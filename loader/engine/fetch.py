@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
-from .core import AnyJob, EngineCore, Job, JobContext, JobFn, first_error
+from .core import AnyJob, EngineCore, Job, JobContext, JobFn, Jobs, first_error
 from .limits import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_QUEUE_BYTES,
@@ -57,7 +57,7 @@ class FetchEngine:
 
     def __init__(
         self,
-        jobs: Iterable[AnyJob],
+        jobs: Jobs,
         store_factory: Callable[[], Awaitable[ObjectStore]],
         *,
         limits: EngineLimits | None = None,
