@@ -20,6 +20,7 @@ from ..listing.keylist import KeyList
 from ..listing.sharing import raise_if_failed_before_fork, ticket, track
 from ..listing.snapshots import Snapshot
 from ..listing.versions import Versions, listed_versions
+from ..s3 import StoreFactory
 from ..topology import in_worker
 from . import partition
 from .object_samples import LabelFrom, SampleIndex, build_index, sample_job, sample_notes
@@ -52,7 +53,7 @@ class ObjectSource:
 
     kind = "objects"
     _listing_ticket = 0  # which dataset over its prefix this is (``sharing.ticket``)
-    _streaming = False  # a pass reads the prefix as it is listed (``_streams``)
+    _streaming = False  # a pass reads the prefix as it is listed (``_streamed_listing``)
 
     def __init__(self, bucket: str, options: LoaderOptions, *, keys: Iterable[str] | None = None,
                  prefix: str | None = None, group: bool = True, label_from: LabelFrom | None = None,
@@ -152,8 +153,9 @@ class ObjectSource:
         done = Watermark.from_state(progress.delivered.to_state())
         delivery: Delivery = "ordered" if self.options.ordered else "completed"
         jobs: Jobs
-        if self._streams(slot):
-            jobs = self._streamed_jobs(done)
+        factory = self._streamed_listing(slot)
+        if factory is not None:
+            jobs = self._streamed_jobs(factory, done)
         else:
             index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
             # One job at a time, as the engine asks: the plan is computed as it is read (partition)
@@ -164,25 +166,26 @@ class ObjectSource:
         finally:
             self._streaming = False
 
-    def _streams(self, slot: Slot) -> bool:
-        """Whether this pass reads the prefix as its pages arrive (``streamed``): not listed yet,
-        read in the listing's order (unshuffled, one rank, no DataLoader workers, no batch
-        blocks), no snapshot, labels or cache that need every key first. Then the first page's
-        request goes out now, before the engine's thread starts."""
+    def _streamed_listing(self, slot: Slot) -> StoreFactory | None:
+        """The store factory that lists the prefix when this pass reads it as its pages arrive
+        (``streamed``), else None: not listed yet, read in the listing's order (unshuffled, one
+        rank, no DataLoader workers, no batch blocks), no snapshot, labels or cache that need
+        every key first. The first page's request then goes out now, before the engine's thread
+        starts."""
         if not (self._keys is None and self.prefix is not None and self._snapshot is None
                 and self._label_from is None and self._labels is None and self.options.cache_dir is None
                 and not slot.shuffle and slot.positions is None and slot.world_size == 1
                 and slot.num_workers <= 1 and not in_worker()):
-            return False
+            return None
         raise_if_failed_before_fork(self)
-        factory = self._listing_factory = self.options.listing_factory()
+        factory = self.options.listing_factory()
         send_first_page = getattr(factory, "send_first_page", None)
         if send_first_page is not None:
             send_first_page(self.bucket, self.prefix, self.options.listing.page_size)
         self._streaming = True
-        return True
+        return factory
 
-    async def _streamed_jobs(self, done: Watermark) -> AsyncGenerator[JobFn, None]:
+    async def _streamed_jobs(self, factory: StoreFactory, done: Watermark) -> AsyncGenerator[JobFn, None]:
         """The jobs of an unshuffled pass in the listing's order, made as its pages arrive; the
         keys are kept at the end, as ``keys()`` would have listed them."""
         assert self.prefix is not None
@@ -197,7 +200,7 @@ class ObjectSource:
             return keys
 
         tag = 0
-        pieces = streamed_samples(self._listing_factory, bucket, prefix, self.options.retry,
+        pieces = streamed_samples(factory, bucket, prefix, self.options.retry,
                                   self.options.listing, group=self._group, listed=listed)
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
