@@ -5,9 +5,12 @@ and in a fresh process per run measures, from ``from_prefix(...)`` to the first 
 ``DataLoader(ds, num_workers=w, batch_size=None)``:
 
 * ``AsyncS3Dataset.from_prefix(uri, shuffle=True, store=...)``, aioboto3 and obstore;
+* the same unshuffled (``shuffle=False``, aioboto3), read in the listing's order as the peer's
+  iterable dataset reads: with ``w=0`` it starts on the first LIST page (``datasets.streamed``);
 * the same from a listing saved beforehand (``loader ls --save``): ``from_manifest(path, ...)``,
   which reads the file instead of listing (a restarted job);
-* s3torchconnector's ``S3IterableDataset.from_prefix(uri, enable_sharding=True)``.
+* s3torchconnector's ``S3IterableDataset.from_prefix(uri, enable_sharding=True)``: no shuffle
+  (it has none), keys in listing order, split over DataLoader workers.
 
 The clock starts before the script's own imports, ours and the peer's alike (torch's excepted:
 the DataLoader needs it whoever loads): each child is a bare ``python -c`` script that imports
@@ -114,6 +117,7 @@ def run_child(spec: dict[str, Any], env: dict[str, str], tree: str = REPO, settl
 
 
 RUNS = [("ours aioboto3", "ours", "aioboto3"), ("ours obstore", "ours", "obstore"),
+        ("ours aioboto3, unshuffled", "ours", "aioboto3"),
         ("ours aioboto3, saved listing", "ours", "aioboto3"), ("ours obstore, saved listing", "ours", "obstore"),
         ("s3torchconnector iterable", "s3tc", None)]
 
@@ -185,7 +189,7 @@ def measure_all(args: argparse.Namespace, workers: list[int], revisions: list[st
                         continue
                     spec = {"who": who, "store": store, "workers": w, "uri": f"s3://{BUCKET}/{prefix}",
                             "endpoint": config.endpoint_url, "region": config.region,
-                            "saved": saved if "saved" in name else None}
+                            "saved": saved if "saved" in name else None, "shuffle": "unshuffled" not in name}
                     for rev in (rounds_order(revisions, round_) if who == "ours" else revisions[-1:]):
                         result = run_child(spec, env, trees[rev], args.settle_gc)
                         results.setdefault((name, rev, w), []).append(result)

@@ -41,11 +41,12 @@ def child(spec: dict, torch_import: float) -> dict:
 
             inputs.list_prefix = timed_list  # type: ignore[assignment]
         constructing = time.perf_counter()
+        shuffle = spec.get("shuffle", True)
         if spec.get("saved"):
-            dataset = AsyncS3Dataset.from_manifest(spec["saved"], shuffle=True, store=spec["store"],
+            dataset = AsyncS3Dataset.from_manifest(spec["saved"], shuffle=shuffle, store=spec["store"],
                                                    config=S3Config.from_env())
         else:
-            dataset = AsyncS3Dataset.from_prefix(uri, shuffle=True, store=spec["store"],
+            dataset = AsyncS3Dataset.from_prefix(uri, shuffle=shuffle, store=spec["store"],
                                                  config=S3Config.from_env())
         phases["construct"] = time.perf_counter() - constructing
     loader = DataLoader(dataset, num_workers=workers, batch_size=None)

@@ -22,7 +22,8 @@ from torch.utils.data import IterableDataset
 
 from .. import topology
 from ..config import S3Config
-from ..engine.fetch import AnyJob, EngineLimits, FetchEngine
+from ..engine.core import Jobs
+from ..engine.fetch import EngineLimits, FetchEngine
 from ..errors import ConfigError, SampleError
 from ..formats.shards import ShardOptions, ShardRef
 from ..lifecycle import LiveObjects
@@ -438,7 +439,7 @@ class AsyncS3Dataset(IterableDataset):
         else:
             log.info(message)
 
-    def _run(self, jobs: Iterable[AnyJob], limits: EngineLimits,
+    def _run(self, jobs: Jobs, limits: EngineLimits,
              schedule: Iterable[int] | None = None) -> Generator[Any, None, None]:
         """Run a source's jobs in one engine, closed when the iteration ends."""
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes

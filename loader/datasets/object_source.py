@@ -7,21 +7,29 @@ groups them into samples and labels them. Both datasets read through it: the ite
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..decode import apply_transform
-from ..engine.fetch import Delivery
-from ..listing.inputs import check_keys, list_keys
+from ..engine.core import Jobs
+from ..engine.fetch import Delivery, JobFn
+from ..listing.inputs import check_keys, check_listed, list_keys, visible_keys, warn_siblings
 from ..listing.keylist import KeyList
 from ..listing.sharing import raise_if_failed_before_fork, ticket, track
 from ..listing.snapshots import Snapshot
 from ..listing.versions import Versions, listed_versions
+from ..s3 import StoreFactory
+from ..topology import in_worker
 from . import partition
 from .object_samples import LabelFrom, SampleIndex, build_index, sample_job, sample_notes
 from .options import LoaderOptions
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
+from .streamed import streamed_samples
+
+log = logging.getLogger(__name__)
 
 
 class ObjectProgress:
@@ -45,6 +53,7 @@ class ObjectSource:
 
     kind = "objects"
     _listing_ticket = 0  # which dataset over its prefix this is (``sharing.ticket``)
+    _streaming = False  # a pass reads the prefix as it is listed (``_streamed_listing``)
 
     def __init__(self, bucket: str, options: LoaderOptions, *, keys: Iterable[str] | None = None,
                  prefix: str | None = None, group: bool = True, label_from: LabelFrom | None = None,
@@ -143,14 +152,65 @@ class ObjectSource:
 
     def stream(self, slot: Slot, progress: Progress, run: Run) -> Generator[Tagged, None, None]:
         assert isinstance(progress, ObjectProgress)
-        index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
         # what a resume skips, copied: the engine's thread reads it while this one adds to the original
         done = Watermark.from_state(progress.delivered.to_state())
-        # One job at a time, as the engine asks: the plan is computed as it is read (partition)
-        jobs = (sample_job(index, bucket, pos, tag, on_error)
-                for tag, pos in enumerate(self.plan(slot)) if tag not in done)
         delivery: Delivery = "ordered" if self.options.ordered else "completed"
-        yield from run(jobs, self.options.object_limits(delivery))
+        jobs: Jobs
+        factory = self._streamed_listing(slot)
+        if factory is not None:
+            jobs = self._streamed_jobs(factory, done)
+        else:
+            index, bucket, on_error = self.samples(), self.bucket, self.options.on_error
+            # One job at a time, as the engine asks: the plan is computed as it is read (partition)
+            jobs = (sample_job(index, bucket, pos, tag, on_error)
+                    for tag, pos in enumerate(self.plan(slot)) if tag not in done)
+        try:
+            yield from run(jobs, self.options.object_limits(delivery))
+        finally:
+            self._streaming = False
+
+    def _streamed_listing(self, slot: Slot) -> StoreFactory | None:
+        """The store factory that lists the prefix when this pass reads it as its pages arrive
+        (``streamed``), else None: not listed yet, read in the listing's order (unshuffled, one
+        rank, no DataLoader workers, no batch blocks), no snapshot, labels or cache that need
+        every key first. The first page's request then goes out now, before the engine's thread
+        starts."""
+        if not (self._keys is None and self.prefix is not None and self._snapshot is None
+                and self._label_from is None and self._labels is None and self.options.cache_dir is None
+                and not slot.shuffle and slot.positions is None and slot.world_size == 1
+                and slot.num_workers <= 1 and not in_worker()):
+            return None
+        raise_if_failed_before_fork(self)
+        factory = self.options.listing_factory()
+        send_first_page = getattr(factory, "send_first_page", None)
+        if send_first_page is not None:
+            send_first_page(self.bucket, self.prefix, self.options.listing.page_size)
+        self._streaming = True
+        return factory
+
+    async def _streamed_jobs(self, factory: StoreFactory, done: Watermark) -> AsyncGenerator[JobFn, None]:
+        """The jobs of an unshuffled pass in the listing's order, made as its pages arrive; the
+        keys are kept at the end, as ``keys()`` would have listed them."""
+        assert self.prefix is not None
+        bucket, prefix, on_error = self.bucket, self.prefix, self.options.on_error
+        where = f"s3://{bucket}/{prefix}"
+
+        def listed(found: KeyList) -> KeyList:
+            keys = visible_keys(check_listed(found, bucket, prefix), where)
+            warn_siblings(bucket, prefix, keys)
+            log.info("listed %d objects under %s (%d bytes), read as they came", len(keys), where, keys.nbytes)
+            self._keys = keys
+            return keys
+
+        tag = 0
+        pieces = streamed_samples(factory, bucket, prefix, self.options.retry,
+                                  self.options.listing, group=self._group, listed=listed)
+        async with contextlib.aclosing(pieces):
+            async for piece in pieces:
+                for sample in range(len(piece)):
+                    if tag not in done:
+                        yield sample_job(piece, bucket, sample, tag, on_error)
+                    tag += 1
 
     def reads(self, slot: Slot) -> list[Read]:
         if slot.positions is None:
@@ -178,6 +238,8 @@ class ObjectSource:
         return apply_transform(self.options.transform, sample)
 
     def versions(self) -> Versions | None:
+        if self._streaming and self._keys is None:
+            return None  # only a cache asks, and a streamed pass has none
         return listed_versions(self.bucket, self.keys())
 
     def describe(self) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from ..engine.core import Jobs
 from ..engine.fetch import AnyJob, EngineLimits
 from ..listing.versions import Versions
 from .partition import PadPolicy
@@ -23,7 +24,7 @@ class Run(Protocol):
     """Runs jobs in the dataset's engine and yields what they emit, in the order the limits ask
     (``schedule``: the job of every item, for ``delivery="scheduled"``)."""
 
-    def __call__(self, jobs: Iterable[AnyJob], limits: EngineLimits,
+    def __call__(self, jobs: Jobs, limits: EngineLimits,
                  schedule: Iterable[int] | None = None) -> Generator[Any, None, None]: ...
 
 

@@ -7,9 +7,10 @@ engine's loop thread; ``fetch.FetchEngine`` is the thread-safe handle (docs/desi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -66,6 +67,26 @@ class Job:
 
 
 AnyJob = Job | JobFn
+Jobs = Iterable[AnyJob] | AsyncIterable[AnyJob]
+"""What an engine runs: jobs, or jobs that come as they are known (awaited in the loop, e.g.
+made from a listing's pages as they arrive), closed when the engine stops."""
+
+
+async def _numbered(jobs: Jobs) -> AsyncGenerator[tuple[int, AnyJob], None]:
+    """``enumerate`` over either kind of ``Jobs``; an async source is closed when this is."""
+    if not isinstance(jobs, AsyncIterable):
+        for numbered in enumerate(jobs):
+            yield numbered
+        return
+    index, source = 0, aiter(jobs)
+    try:
+        async for job in source:
+            yield index, job
+            index += 1
+    finally:
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
 
 
 class Budget:
@@ -109,7 +130,7 @@ class EngineCore:
 
     def __init__(
         self,
-        jobs: Iterable[AnyJob],
+        jobs: Jobs,
         store_factory: Callable[[], Awaitable[ObjectStore]],
         limits: EngineLimits,
         retry: RetryPolicy,
@@ -162,24 +183,25 @@ class EngineCore:
 
     async def launch_all(self, tg: anyio.abc.TaskGroup, store: ObjectStore) -> None:
         counts, delivery = self.counts, self.delivery
-        for index, given in enumerate(self.jobs):
-            if index == 1:
-                await self.let_first_job_lead()
-            job = Job.of(given)
-            await self.wait_for_room(index, job)
-            if self.failed:
-                break
-            slot = Slot(index)
-            slot.reserved = self.budget.reserve(job.reserve)
-            counts.peak_reserved_bytes = max(counts.peak_reserved_bytes, self.budget.reserved)
-            self.slots[index] = slot
-            counts.launched += 1
-            self.pending.append((job, JobContext(self, slot, store, self.retry)))
-            if self.idle:
-                _wake(self.idle.pop())
-            elif self.runners < delivery.places(job.reads_ahead) or delivery.must_start(index):
-                self.runners += 1  # a job the consumer already waits for gets a runner even past the limit
-                tg.start_soon(self.runner)
+        async with contextlib.aclosing(_numbered(self.jobs)) as numbered:
+            async for index, given in numbered:
+                if index == 1:
+                    await self.let_first_job_lead()
+                job = Job.of(given)
+                await self.wait_for_room(index, job)
+                if self.failed:
+                    break
+                slot = Slot(index)
+                slot.reserved = self.budget.reserve(job.reserve)
+                counts.peak_reserved_bytes = max(counts.peak_reserved_bytes, self.budget.reserved)
+                self.slots[index] = slot
+                counts.launched += 1
+                self.pending.append((job, JobContext(self, slot, store, self.retry)))
+                if self.idle:
+                    _wake(self.idle.pop())
+                elif self.runners < delivery.places(job.reads_ahead) or delivery.must_start(index):
+                    self.runners += 1  # a job the consumer already waits for gets a runner even past the limit
+                    tg.start_soon(self.runner)
         self.launch_done = True
         self.notify()
         while self.idle:

@@ -23,7 +23,7 @@ from ..lifecycle import LiveObjects
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from ..s3.blocking import first_error
-from .core import AnyJob, EngineCore, Job, JobContext, JobFn
+from .core import AnyJob, EngineCore, Job, JobContext, JobFn, Jobs
 from .limits import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_QUEUE_BYTES,
@@ -58,7 +58,7 @@ class FetchEngine:
 
     def __init__(
         self,
-        jobs: Iterable[AnyJob],
+        jobs: Jobs,
         store_factory: Callable[[], Awaitable[ObjectStore]],
         *,
         limits: EngineLimits | None = None,

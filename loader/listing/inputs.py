@@ -53,7 +53,12 @@ async def list_objects(
     An empty result is an error, because a training run over nothing is always a mistake
     (usually a typo in the prefix).
     """
-    found = await list_all(store, bucket, prefix, retry, suffix=suffix, options=options)
+    return check_listed(await list_all(store, bucket, prefix, retry, suffix=suffix, options=options),
+                        bucket, prefix, suffix)
+
+
+def check_listed(found: KeyList, bucket: str, prefix: str, suffix: str | tuple[str, ...] = "") -> KeyList:
+    """``found``, unless it is empty: an ``EmptyDatasetError`` naming the prefix (``list_objects``)."""
     if not found:
         endings = " or ".join(map(repr, (suffix,) if isinstance(suffix, str) else suffix))
         what = f"no objects{f' ending in {endings}' if suffix else ''}"
@@ -327,22 +332,23 @@ def list_keys(
     the count of hidden keys and what ``annotate`` derives from the keys (``keyfile``), so that
     reading it back goes over no key one by one. ``meanwhile``: as in ``list_prefix``."""
     where = f"s3://{bucket}/{prefix}"
-
-    def visible(found: KeyList) -> KeyList:
-        keys = found
-        if count_hidden(found):
-            keys = KeyList.from_infos(info for info in found.infos()
-                                      if not info.key.startswith(".", info.key.rfind("/") + 1))
-            log.info("left out %d hidden objects under %s", len(found) - len(keys), where)
-        if not keys:
-            raise EmptyDatasetError(f"only hidden objects (names starting with a dot) under {where}")
-        return keys
-
     keys = list_prefix(where, factory=factory, retry=retry, options=options, ticket=ticket,
-                       keep=visible, snapshot=snapshot, annotate=snapshot_notes(annotate),
-                       meanwhile=meanwhile)
+                       keep=functools.partial(visible_keys, where=where), snapshot=snapshot,
+                       annotate=snapshot_notes(annotate), meanwhile=meanwhile)
     warn_siblings(bucket, prefix, keys)
     log.info("listed %d objects under %s (%d bytes)", len(keys), where, keys.nbytes)
+    return keys
+
+
+def visible_keys(found: KeyList, where: str) -> KeyList:
+    """``found`` without its hidden objects (``list_keys``); an error if nothing else is left."""
+    keys = found
+    if count_hidden(found):
+        keys = KeyList.from_infos(info for info in found.infos()
+                                  if not info.key.startswith(".", info.key.rfind("/") + 1))
+        log.info("left out %d hidden objects under %s", len(found) - len(keys), where)
+    if not keys:
+        raise EmptyDatasetError(f"only hidden objects (names starting with a dot) under {where}")
     return keys
 
 

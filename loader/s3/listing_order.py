@@ -50,5 +50,13 @@ class ListingOrder:
         which a whole-key comparison would misread)."""
         return key[skip:].partition("/")[0] > stem
 
+    def settled(self, last: str, prefix: str) -> str:
+        """The key at or below which (byte order) every key of ``prefix`` has been listed once
+        a listing reached ``last``: ``last`` itself, or where ``last`` has a folder below the
+        prefix, that folder's name up to its ``/`` (a server listing by directory may still list
+        ``a-b`` after ``a/x``; never a key at or below ``a``)."""
+        slash = last.find("/", len(prefix))
+        return last if slash < 0 else last[:slash]
+
 
 SERVERS = ListingOrder()  # what every lister consults: the rules that hold on every server
