@@ -15,7 +15,6 @@ import logging
 import operator
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -30,7 +29,7 @@ from ..config import S3Config
 from ..decode import apply_transform
 from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
-from ..errors import ConfigError, NoSuchKeyError, SampleError
+from ..errors import ConfigError, NoSuchKeyError, SampleError, say_skipped
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.keylist import KeyList
@@ -209,11 +208,8 @@ class AsyncS3MapDataset(Dataset):
         return out
 
     def _skip(self, exc: Exception) -> None:
-        message = f"skipping a sample (on_error={self.options.on_error!r}): {exc}"
-        if self.options.on_error == "warn":  # said once: a warning, not a log line as well
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-        else:
-            log.info(message)
+        say_skipped(f"skipping a sample (on_error={self.options.on_error!r}): {exc}", self.options.on_error,
+                    log, level=logging.INFO, stacklevel=4)
 
     # ----------------------------------------------------------------------- lifecycle
 

@@ -33,7 +33,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from ..engine.fetch import Job, JobContext
-from ..errors import ConfigError, ObjectChangedError, ParquetFormatError
+from ..errors import ConfigError, ObjectChangedError, ParquetFormatError, say_skipped
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore
 from ..s3.protocol import Pin
@@ -642,11 +642,7 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         except ParquetFormatError as exc:
             if on_error == "raise":
                 raise
-            message = f"skipping {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
-            if on_error == "warn":
-                warnings.warn(message, RuntimeWarning, stacklevel=1)
-            else:  # said once, one way or the other
-                log.warning(message)
+            say_skipped(f"skipping {plan.name} of {ref.url} (on_error={on_error!r}): {exc}", on_error, log)
             await ctx.emit(((position, END), ShardEnd(0, skipped=True)), 0)
             return
         pieces.clear()  # the table holds the rows now
@@ -680,11 +676,8 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         except ParquetFormatError as exc:
             if on_error == "raise":
                 raise
-            message = f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
-            if on_error == "warn":
-                warnings.warn(message, RuntimeWarning, stacklevel=1)
-            else:  # said once, one way or the other
-                log.warning(message)
+            say_skipped(f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}",
+                        on_error, log)
             await ctx.emit(((position, END), ShardEnd(index, skipped=True)), 0)
             return
         finally:
