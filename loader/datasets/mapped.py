@@ -22,7 +22,6 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import anyio
-from anyio.from_thread import BlockingPortal
 from torch.utils.data import Dataset
 
 from ..config import S3Config
@@ -297,10 +296,10 @@ class _Client:
     Holds no reference to the dataset, so the dataset's ``weakref.finalize`` can close it.
     """
 
-    def __init__(self, portal: BlockingPortal, thread: threading.Thread, retry: RetryPolicy) -> None:
+    def __init__(self, loop: LoopThread, retry: RetryPolicy) -> None:
         self.pid = os.getpid()
-        self.portal = portal
-        self.thread = thread
+        self.loop = loop
+        self.portal = loop.portal
         self.retry = retry
         self.store: TailStore | None = None
         self.limiter: anyio.Semaphore | None = None  # shared by concurrent calls from any thread
@@ -309,15 +308,13 @@ class _Client:
 
     @classmethod
     def open(cls, factory: StoreFactory, max_inflight: int, retry: RetryPolicy) -> _Client:
-        loop = LoopThread.start(THREAD_NAME)
-        portal, thread = loop.portal, loop.thread
-        client = cls(portal, thread, retry)
+        client = cls(LoopThread.start(THREAD_NAME), retry)
         try:
-            client.store, client.limiter = portal.call(_open_in_loop, factory, max_inflight)
-            client.watcher = portal.start_task_soon(client.store.watch)  # hedges straggling reads
+            client.store, client.limiter = client.portal.call(_open_in_loop, factory, max_inflight)
+            client.watcher = client.portal.start_task_soon(client.store.watch)  # hedges straggling reads
         except BaseException:
             client.closed = True
-            client.stop()
+            client.loop.stop()
             raise
         return client
 
@@ -379,7 +376,7 @@ class _Client:
         if self.pid != os.getpid():
             _park(self)
             return
-        if threading.current_thread() is self.thread:
+        if threading.current_thread() is self.loop.thread:
             # Garbage collection can run a finalizer on any thread, this loop's included; a
             # thread cannot join itself, so another one does the closing.
             threading.Thread(target=self.close, name=f"{THREAD_NAME}-closer", daemon=True).start()
@@ -392,13 +389,7 @@ class _Client:
                 if self.store is not None:
                     self.portal.call(_close_in_loop, self.store)
         finally:
-            self.stop()
-
-    def stop(self) -> None:
-        """Stop the loop (cancelling whatever still runs in it) and join its thread."""
-        with contextlib.suppress(RuntimeError):  # already stopped
-            self.portal.call(self.portal.stop, True)
-        self.thread.join()
+            self.loop.stop()
 
 
 async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[TailStore, anyio.Semaphore]:
