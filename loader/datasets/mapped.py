@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from ..config import S3Config
 from ..decode import apply_transform
+from ..engine.core import run_all
 from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
 from ..errors import ConfigError, NoSuchKeyError, SampleError, say_skipped
@@ -337,7 +338,6 @@ class _Client:
                         etags: list[str | None] | None = None,
                         listings: list[tuple[int | None, str | None]] | None = None) -> list[Any]:
         out: list[Any] = [None] * len(keys)
-        failures: list[Exception] = []
         store, limiter = self.store, self.limiter
         assert store is not None and limiter is not None  # open() set both
 
@@ -352,18 +352,10 @@ class _Client:
                         out[slot] = await reread_listed(store, bucket, key, size, etag, self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
-                    failures.append(exc)
-                    tg.cancel_scope.cancel()
+                    raise
                 out[slot] = exc
-            except Exception as exc:  # noqa: BLE001 - the first one ends the batch; cancellation passes by
-                failures.append(exc)
-                tg.cancel_scope.cancel()
 
-        async with anyio.create_task_group() as tg:
-            for slot, key in enumerate(keys):
-                tg.start_soon(get, slot, key)
-        if failures:
-            raise failures[0]
+        await run_all(functools.partial(get, slot, key) for slot, key in enumerate(keys))
         return out
 
     def close(self) -> None:

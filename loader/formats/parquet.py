@@ -32,6 +32,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
+from ..engine.core import run_all
 from ..engine.fetch import Job, JobContext
 from ..errors import ConfigError, ObjectChangedError, ParquetFormatError, say_skipped
 from ..retry import RetryPolicy, call_with_retries
@@ -142,27 +143,6 @@ class RowGroupPlan(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- footers
-
-
-async def run_all(calls: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
-    """Run ``calls``, ``limit`` at a time; the first to fail cancels the others and its error
-    is raised as it is (a task group would wrap it in an exception group)."""
-    errors: list[Exception] = []
-    limiter = anyio.CapacityLimiter(limit)
-    async with anyio.create_task_group() as group:
-
-        async def one(call: Callable[[], Awaitable[None]]) -> None:
-            async with limiter:
-                try:
-                    await call()
-                except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
-                    errors.append(exc)
-                    group.cancel_scope.cancel()
-
-        for call in calls:
-            group.start_soon(one, call)
-    if errors:
-        raise errors[0]
 
 
 async def read_footer(store: ObjectStore, ref: ParquetRef, retry: RetryPolicy,
