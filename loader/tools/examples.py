@@ -85,22 +85,18 @@ def example_data() -> dict[str, bytes]:
 
 def put_all(config: S3Config, objects: dict[str, bytes], bucket: str, concurrency: int = 32) -> None:
     """PUT every object concurrently through the project's own store."""
-    import anyio
+    import functools
 
+    from ..engine.core import run_all
     from ..retry import RetryPolicy
     from ..s3 import open_store
     from ..s3.blocking import run_async
 
     async def run() -> None:
         store = await open_store("aioboto3", config, max_connections=concurrency, retry=RetryPolicy())
-        limiter = anyio.Semaphore(concurrency)
         try:
-            async with anyio.create_task_group() as tg:
-                for key, data in objects.items():
-                    async def put(key: str = key, data: bytes = data) -> None:
-                        async with limiter:
-                            await store.put(bucket, key, data)
-                    tg.start_soon(put)
+            await run_all((functools.partial(store.put, bucket, key, data) for key, data in objects.items()),
+                          concurrency)
         finally:
             await store.aclose()
 
