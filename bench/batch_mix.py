@@ -24,8 +24,9 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset
-from loader.tools.demo import pack_shards, upload
+from loader.tools.demo import pack_shards
 from loader.tools.devserver import DevServer
+from loader.tools.examples import put_all as upload
 
 BUCKET = "mix"
 CLASSES = ("red", "green", "blue")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loader.tools.demo import upload
+from loader.tools.examples import put_all as upload
 
 from .child import RESULT, START
 from .loaders import LOADERS

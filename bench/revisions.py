@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = stack.enter_context(DevServer(buckets=[data.BUCKET]))
         config = server.config
         samples = data.make_samples(args.objects)
-        from loader.tools.demo import upload
+        from loader.tools.examples import put_all as upload
 
         if args.mode == "shards":
             samples = data.make_shards(samples, args.shards)

@@ -161,8 +161,8 @@ def main() -> None:
     if args.child:
         child(args.workers, args.samples)
         return
-    from loader.tools.demo import upload
     from loader.tools.devserver import DevServer
+    from loader.tools.examples import put_all as upload
 
     revisions = {"before": export(args.base), "after": export(args.head)}
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.head], check=True,

@@ -26,6 +26,9 @@ to do; secrets never appear in them.
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 
 class LoaderError(Exception):
     """Base class of every error raised by this package."""
@@ -180,3 +183,13 @@ def _rebuild_sample_error(cls, message, url, cause):
     err = cls(message, url=url)
     err.__cause__ = cause
     return err
+
+
+def say_skipped(message: str, on_error: str, log: logging.Logger, *, level: int = logging.WARNING,
+                stacklevel: int = 1) -> None:
+    """Say what ``on_error="skip"`` or ``"warn"`` dropped, once: a ``RuntimeWarning`` for
+    ``"warn"`` (``stacklevel`` counted from the caller), else a log line at ``level``."""
+    if on_error == "warn":
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    else:
+        log.log(level, message)

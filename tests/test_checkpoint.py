@@ -406,10 +406,11 @@ def test_store_without_multipart_is_refused():
 
 def test_obstore_backend_means_aioboto3_for_checkpoints():
     from loader.config import S3Config
-    from loader.retry import RetryPolicy
 
     config = S3Config(endpoint_url="http://127.0.0.1:1", access_key_id="a", secret_access_key="b")
-    factory = checkpoint._store_factory("obstore", config, 5, RetryPolicy())
+    given = checkpoint._NOT_GIVEN
+    *_, factory = checkpoint._prepare(URI, config, Limits(concurrency=4), "obstore", given, given, 8 << 20,
+                                      per_part=1, spare=1)
     assert factory.args[0] == "aioboto3" and factory.keywords["max_connections"] == 5
 
 

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader.errors import ConfigError, StoreError, TransientStoreError
+from loader.formats.compression import is_shard_name
 from loader.formats.grouping import iter_samples, split_key
 from loader.formats.packing import (
     END_OF_ARCHIVE,
@@ -46,9 +47,9 @@ from loader.shard_index.read import read_index_counts
 from loader.tools import cli
 from loader.tools.ls import (
     ParquetRows,
+    is_parquet,
     log2_histogram,
-    looks_like_parquet,
-    looks_like_shards,
+    mostly,
     render_histogram,
     shard_destination,
     summarize_listing,
@@ -443,7 +444,7 @@ def test_ls_sees_compressed_shards_as_shards_too(suffix):
     text = "\n".join(summarize_listing("s3://bkt/s/", listing))
     assert "these look like tar shards (2 of 4 objects)" in text and "from_shards('s3://bkt/s/')" in text
     assert "loader shard" not in text and "Pack them" not in text
-    assert looks_like_shards(info.key for info in listing)
+    assert mostly((info.key for info in listing), is_shard_name)
 
 
 def test_ls_sees_parquet_files_with_their_footers_rows_and_no_shard_advice():
@@ -456,15 +457,15 @@ def test_ls_sees_parquet_files_with_their_footers_rows_and_no_shard_advice():
             "AsyncS3Dataset.from_parquet('s3://bkt/pq/')") in text
     assert "  unreadable: s3://bkt/pq/part-2.parquet does not end in the Parquet magic" in text
     assert "loader shard" not in text and "Pack them" not in text and "max_inflight" not in text
-    assert looks_like_parquet(info.key for info in listing) and not looks_like_parquet(["a.parquet", "b", "c"])
+    assert mostly((info.key for info in listing), is_parquet) and not mostly(["a.parquet", "b", "c"], is_parquet)
     small = [ObjectInfo(f"t/{i:04d}.jpg", 3000) for i in range(10)]
     assert "Limits(concurrency=) / latency" in "\n".join(summarize_listing("s3://b/t/", small))
 
 
 def test_shards_are_judged_by_their_share_of_the_objects():
-    assert looks_like_shards(["a.tar", "b.jpg"]) and not looks_like_shards(["a.tar", "b.jpg", "c.jpg"])
-    assert not looks_like_shards(["index.json"]) and not looks_like_shards([])
-    assert not looks_like_shards(["x/index.json.tar.txt"])
+    assert mostly(["a.tar", "b.jpg"], is_shard_name) and not mostly(["a.tar", "b.jpg", "c.jpg"], is_shard_name)
+    assert not mostly(["index.json"], is_shard_name) and not mostly([], is_shard_name)
+    assert not mostly(["x/index.json.tar.txt"], is_shard_name)
 
 
 def test_ls_suggests_a_destination_that_can_exist():

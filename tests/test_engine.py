@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import gc
+import logging
 import os
 import random
 import signal
@@ -11,10 +13,12 @@ import threading
 import time
 
 import anyio
+import anyio.lowlevel
 import pytest
 
+from loader.engine.core import run_all
 from loader.engine.fetch import EngineLimits, FetchEngine, Job, Tuning, live_engines
-from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError
+from loader.errors import AccessDeniedError, ConfigError, NoSuchKeyError, say_skipped
 
 from fakes import FakeStore, payloads, reusable
 from waiting import wait_stable, wait_until
@@ -535,3 +539,68 @@ def test_the_first_items_hand_over_leaves_the_loop_running(no_leaked_threads):
                      limits=EngineLimits(max_inflight=4), tuning=tuning) as engine:
         assert list(engine) == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0)]
     assert log.index(("read", 0)) < log.index(("start", 1)), "the loop was blocked during the hand-over"
+
+
+# ---------------------------------------------------------------- run_all: the one gather
+
+
+def test_run_all_holds_its_limit_and_runs_everything():
+    """At most ``limit`` calls run at once (None: all of them); every call runs once."""
+
+    async def main(limit: int | None) -> tuple[int, list[int]]:
+        inflight = peak = 0
+        done: list[int] = []
+
+        async def call(n: int) -> None:
+            nonlocal inflight, peak
+            inflight += 1
+            peak = max(peak, inflight)
+            for _ in range(3):
+                await anyio.lowlevel.checkpoint()
+            inflight -= 1
+            done.append(n)
+
+        with anyio.fail_after(10):
+            await run_all([functools.partial(call, n) for n in range(10)], limit)
+        return peak, sorted(done)
+
+    assert anyio.run(main, 3) == (3, list(range(10)))
+    assert anyio.run(main, None) == (10, list(range(10)))
+
+
+def test_run_all_raises_the_first_failure_unwrapped_and_cancels_the_rest():
+    """The failing call's own error comes out (no ExceptionGroup), and calls still waiting are
+    cancelled rather than waited for."""
+    cancelled: list[int] = []
+
+    async def main() -> None:
+        never = anyio.Event()
+
+        async def wait(n: int) -> None:
+            try:
+                await never.wait()
+            except anyio.get_cancelled_exc_class():
+                cancelled.append(n)
+                raise
+
+        async def fail() -> None:
+            await anyio.lowlevel.checkpoint()
+            raise NoSuchKeyError("gone", bucket="b", key="k")
+
+        with anyio.fail_after(10):
+            await run_all([functools.partial(wait, 0), fail, functools.partial(wait, 1)])
+
+    with pytest.raises(NoSuchKeyError, match="gone"):
+        anyio.run(main)
+    assert sorted(cancelled) == [0, 1]
+
+
+def test_say_skipped_warns_or_logs_once(caplog):
+    """``on_error="warn"``: a RuntimeWarning and no log line; otherwise a log line at the level."""
+    log = logging.getLogger("loader.test_say_skipped")
+    with pytest.warns(RuntimeWarning, match="dropped a"), caplog.at_level(logging.DEBUG, log.name):
+        say_skipped("dropped a", "warn", log)
+    assert not [r for r in caplog.records if r.name == log.name]
+    with caplog.at_level(logging.DEBUG, log.name):
+        say_skipped("dropped b", "skip", log, level=logging.INFO)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == log.name] == [(logging.INFO, "dropped b")]

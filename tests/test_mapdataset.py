@@ -334,8 +334,8 @@ def test_closing_from_the_loop_thread_hands_the_join_to_another_thread(no_leaked
     ds[0]
     client = ds._client
     client.portal.call(client.close)  # a plain function run in the loop thread
-    client.thread.join(timeout=10)
-    assert not client.thread.is_alive() and fake.closed
+    client.loop.thread.join(timeout=10)
+    assert not client.loop.thread.is_alive() and fake.closed
     assert key_of(ds[1]) == "train/000001", "a client closed behind the dataset's back is replaced"
     ds.close()
 

@@ -25,7 +25,7 @@ from loader import S3Config
 from loader.retry import RetryPolicy
 from loader.s3 import signing
 from loader.s3.addressing import bucket_address
-from loader.s3.aioboto3_store import _Keys
+from loader.s3.credentials import GivenKeys
 from loader.s3.http_lister import HttpLister
 from loader.s3.list_xml import list_query
 from loader.s3.signed_get import SignedGetter
@@ -96,7 +96,7 @@ def test_the_signed_get_transport_signs_object_gets_as_botocore_does(
     conditions = {name: value for name, value in (("If-Match", if_match), ("If-None-Match", if_none_match))
                   if value is not None} or None
     target, sent = getter.request(bucket, key, byte_range, None, conditions,
-                                  _Keys(access, secret, token), when)
+                                  GivenKeys(access, secret, token), when)
     url = _url(config, bucket, target)
     given = {**(conditions or {}), **({"Range": byte_range} if byte_range else {})}
     theirs = botocore_headers(str(url), given, access, secret, token, config.region, when)
@@ -113,7 +113,7 @@ def test_the_signed_get_transport_signs_listings_as_botocore_does(endpoint, styl
                                                                 region, when):
     config = _config(endpoint, style, region)
     getter = SignedGetter(config, None, max_connections=1, retry=RetryPolicy())
-    target, sent = getter.request(bucket, "", None, query, None, _Keys("AK", secret, token), when)
+    target, sent = getter.request(bucket, "", None, query, None, GivenKeys("AK", secret, token), when)
     url = _url(config, bucket, target)
     theirs = botocore_headers(str(url), {}, "AK", secret, token, region, when)
     assert_signed_like_botocore(str(url), sent, theirs)

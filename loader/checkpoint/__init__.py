@@ -65,11 +65,8 @@ def save(
     aioboto3 (docs/design/checkpoint.md). ``parts_inflight=`` and ``retry=`` are the deprecated
     spellings of ``limits=Limits(concurrency=)`` and ``store=Store(retry=)``.
     """
-    bucket, key = _object_uri(uri)
-    parts_inflight, policy, backend = _options(limits, store, parts_inflight, retry, part_size,
-                                               per_part=1, spare=1)
-    _check_sizes(part_size, parts_inflight)
-    factory = _store_factory(backend, config, parts_inflight + 1, policy)
+    bucket, key, parts_inflight, policy, backend, factory = _prepare(
+        uri, config, limits, store, parts_inflight, retry, part_size, per_part=1, spare=1)
     outer = sys.exc_info()[1]  # e.g. the KeyboardInterrupt a caller saves on: not ours
     with start_blocking_portal(name=_PORTAL_NAME) as portal:
         with _naming(uri, "saving checkpoint to"):
@@ -124,11 +121,8 @@ def load(
     ``store=Store(backend=, retry=)`` as in ``save``; ``"obstore"`` reads through aioboto3
     (docs/design/checkpoint.md). ``parts_inflight=`` and ``retry=`` are deprecated as in ``save``.
     """
-    bucket, key = _object_uri(uri)
-    parts_inflight, policy, backend = _options(limits, store, parts_inflight, retry, part_size,
-                                               per_part=3, spare=0)
-    _check_sizes(part_size, parts_inflight)
-    factory = _store_factory(backend, config, parts_inflight + 1, policy)
+    bucket, key, parts_inflight, policy, _, factory = _prepare(
+        uri, config, limits, store, parts_inflight, retry, part_size, per_part=3, spare=0)
     outer = sys.exc_info()[1]
     with start_blocking_portal(name=_PORTAL_NAME) as portal:
         with _naming(uri, "loading checkpoint from"):
@@ -151,18 +145,29 @@ def load(
 
 
 
-def _options(
-    limits: Limits | None, store: StoreArg, parts_inflight: int, retry: RetryPolicy | None,
-    part_size: int, *, per_part: int, spare: int,
-) -> tuple[int, RetryPolicy, str | Callable[[], Awaitable[ObjectStore]] | None]:
-    """Parts in flight, the retry policy and the backend, from the option groups the datasets
-    take (``Limits``, ``Store``) or the deprecated flat keywords (which warn and still win).
-    Memory is about ``(per_part * parts + spare) * part_size``."""
+def _prepare(
+    uri: str, config: S3Config | None, limits: Limits | None, store: StoreArg, parts_inflight: int,
+    retry: RetryPolicy | None, part_size: int, *, per_part: int, spare: int,
+) -> tuple[str, str, int, RetryPolicy, StoreArg, Callable[[], Awaitable[Any]]]:
+    """Everything a ``save`` or ``load`` settles before any I/O: the object, the parts in
+    flight, the retry policy, the backend asked for and the factory that opens it. Parts and
+    retries come from the option groups the datasets take (``Limits``, ``Store``) or the
+    deprecated flat keywords (which warn and still win); memory is about ``(per_part * parts +
+    spare) * part_size``. Every backend opens as aioboto3 (obstore has no multipart upload)."""
+    bucket, key = parse_s3_uri(uri)
+    if not key or key.endswith("/"):
+        raise ConfigError(
+            f"{uri!r} names no object; a checkpoint URI ends in a key, "
+            "e.g. 's3://bucket/ckpt/step-1000.pt'"
+        )
     if limits is not None and not isinstance(limits, Limits):
         raise ConfigError(f"limits={limits!r} must be a loader.Limits(concurrency=..., memory=...)")
     group = store if isinstance(store, Store) else Store(backend=store)
     if group.cache is not None:
         raise ConfigError(f"store=Store(cache={group.cache!r}): checkpoints are not cached; leave cache out")
+    check_int("part_size", part_size, minimum=1, maximum=S3_MAX_PART_SIZE,
+              must=f"an integer number of bytes from 1 to {S3_MAX_PART_SIZE} (5 GiB); S3 needs at "
+                   f"least 5 MiB (default {DEFAULT_PART_SIZE})")
     parts = DEFAULT_PARTS_INFLIGHT
     if limits is not None and limits.concurrency is not None:
         parts = limits.concurrency
@@ -182,7 +187,11 @@ def _options(
         warnings.warn("retry= is deprecated and will be removed in the next release: write "
                       "store=Store(retry=...)", DeprecationWarning, stacklevel=3)
         policy = retry or RetryPolicy()
-    return parts, policy, group.backend
+    check_int("parts_inflight", parts, minimum=1,
+              must=f"a positive integer (default {DEFAULT_PARTS_INFLIGHT})")
+    factory = StoreSpec.of(group.backend, config).opener(max_connections=parts + 1, retry=policy,
+                                                          backend="aioboto3")
+    return bucket, key, parts, policy, group.backend, factory
 
 
 def _check_multipart(store: Any, part_size: int, given: StoreArg) -> None:
@@ -197,32 +206,3 @@ def _check_multipart(store: Any, part_size: int, given: StoreArg) -> None:
             f"part_size={part_size!r} is below the smallest part the store accepts "
             f"({minimum} bytes; S3 needs 5 MiB = {S3_MIN_PART_SIZE})"
         )
-
-
-
-def _object_uri(uri: str) -> tuple[str, str]:
-    bucket, key = parse_s3_uri(uri)
-    if not key or key.endswith("/"):
-        raise ConfigError(
-            f"{uri!r} names no object; a checkpoint URI ends in a key, "
-            "e.g. 's3://bucket/ckpt/step-1000.pt'"
-        )
-    return bucket, key
-
-
-def _check_sizes(part_size: int, parts_inflight: int) -> None:
-    check_int("part_size", part_size, minimum=1, maximum=S3_MAX_PART_SIZE,
-              must=f"an integer number of bytes from 1 to {S3_MAX_PART_SIZE} (5 GiB); S3 needs at "
-                   f"least 5 MiB (default {DEFAULT_PART_SIZE})")
-    check_int("parts_inflight", parts_inflight, minimum=1,
-              must=f"a positive integer (default {DEFAULT_PARTS_INFLIGHT})")
-
-
-def _store_factory(
-    store: str | Callable[[], Awaitable[ObjectStore]] | None, config: S3Config | None, connections: int,
-    retry: RetryPolicy,
-) -> Callable[[], Awaitable[Any]]:
-    """An async factory for the store: a user-given one, else aioboto3 (obstore included: the
-    multipart uploads go through botocore)."""
-    return StoreSpec.of(store, config).opener(max_connections=connections, retry=retry,
-                                              backend="aioboto3")

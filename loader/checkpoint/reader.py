@@ -9,9 +9,9 @@ import io
 from collections import OrderedDict
 from typing import Any
 
-import anyio
 from anyio.from_thread import BlockingPortal
 
+from ..engine.core import run_all
 from ..errors import NoSuchKeyError, StoreError
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectInfo, ObjectStore, Pin
@@ -156,37 +156,26 @@ class _RangeReader(io.RawIOBase):
         self, spans: dict[int, tuple[int, int]], into: memoryview | None, base: int
     ) -> dict[int, bytes]:
         out: dict[int, bytes] = {}
-        errors: list[BaseException] = []
-        limiter = anyio.CapacityLimiter(self._parallel)
 
-        async def one(index: int, lo: int, hi: int, scope: anyio.CancelScope) -> None:
-            try:
-                async with limiter:
-                    data = await call_with_retries(
-                        functools.partial(self._store.get_range, self._bucket, self._key, lo, hi,
-                                          pin=self._pin),
-                        self._retry,
-                    )
-                if len(data) != hi - lo:
-                    raise StoreError(
-                        f"{object_url(self._bucket, self._key)}: bytes [{lo}, {hi}) came back as "
-                        f"{len(data)} bytes; was the object replaced while it was being read?",
-                        bucket=self._bucket, key=self._key,
-                    )
-                self.bytes_fetched += len(data)
-                if into is None:
-                    out[index] = data
-                else:  # the caller's thread is blocked in portal.call until we return
-                    into[lo - base : hi - base] = data
-            except Exception as exc:  # noqa: BLE001 - collected; the first one is raised once the scope ends
-                errors.append(exc)
-                scope.cancel()
+        async def one(index: int, lo: int, hi: int) -> None:
+            data = await call_with_retries(
+                functools.partial(self._store.get_range, self._bucket, self._key, lo, hi, pin=self._pin),
+                self._retry,
+            )
+            if len(data) != hi - lo:
+                raise StoreError(
+                    f"{object_url(self._bucket, self._key)}: bytes [{lo}, {hi}) came back as "
+                    f"{len(data)} bytes; was the object replaced while it was being read?",
+                    bucket=self._bucket, key=self._key,
+                )
+            self.bytes_fetched += len(data)
+            if into is None:
+                out[index] = data
+            else:  # the caller's thread is blocked in portal.call until we return
+                into[lo - base : hi - base] = data
 
-        async with anyio.create_task_group() as tg:
-            for index, (lo, hi) in spans.items():
-                tg.start_soon(one, index, lo, hi, tg.cancel_scope)
-        if errors:
-            raise errors[0]
+        await run_all((functools.partial(one, index, lo, hi) for index, (lo, hi) in spans.items()),
+                      self._parallel)
         return out
 
     def _blocks(self) -> int:

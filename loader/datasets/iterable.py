@@ -24,7 +24,7 @@ from .. import topology
 from ..config import S3Config
 from ..engine.core import Jobs
 from ..engine.fetch import EngineLimits, FetchEngine
-from ..errors import ConfigError, SampleError
+from ..errors import ConfigError, SampleError, say_skipped
 from ..formats.shards import ShardOptions, ShardRef
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
@@ -433,11 +433,8 @@ class AsyncS3Dataset(IterableDataset):
     def _skip(self, url: str, key: str | None, reason: str) -> None:
         """Count a sample that ``on_error`` skips, and say so as it asks."""
         self._samples_skipped += 1
-        message = f"skipping {self.source.skipped(url, key)} (on_error={self.options.on_error!r}): {reason}"
-        if self.options.on_error == "warn":  # said once: a warning, not a log line as well
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        else:
-            log.info(message)
+        say_skipped(f"skipping {self.source.skipped(url, key)} (on_error={self.options.on_error!r}): {reason}",
+                    self.options.on_error, log, level=logging.INFO, stacklevel=3)
 
     def _run(self, jobs: Jobs, limits: EngineLimits,
              schedule: Iterable[int] | None = None) -> Generator[Any, None, None]:

@@ -15,7 +15,6 @@ import logging
 import operator
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -23,14 +22,14 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import anyio
-from anyio.from_thread import BlockingPortal
 from torch.utils.data import Dataset
 
 from ..config import S3Config
 from ..decode import apply_transform
+from ..engine.core import run_all
 from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
-from ..errors import ConfigError, NoSuchKeyError, SampleError
+from ..errors import ConfigError, NoSuchKeyError, SampleError, say_skipped
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.keylist import KeyList
@@ -209,11 +208,8 @@ class AsyncS3MapDataset(Dataset):
         return out
 
     def _skip(self, exc: Exception) -> None:
-        message = f"skipping a sample (on_error={self.options.on_error!r}): {exc}"
-        if self.options.on_error == "warn":  # said once: a warning, not a log line as well
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-        else:
-            log.info(message)
+        say_skipped(f"skipping a sample (on_error={self.options.on_error!r}): {exc}", self.options.on_error,
+                    log, level=logging.INFO, stacklevel=4)
 
     # ----------------------------------------------------------------------- lifecycle
 
@@ -301,10 +297,10 @@ class _Client:
     Holds no reference to the dataset, so the dataset's ``weakref.finalize`` can close it.
     """
 
-    def __init__(self, portal: BlockingPortal, thread: threading.Thread, retry: RetryPolicy) -> None:
+    def __init__(self, loop: LoopThread, retry: RetryPolicy) -> None:
         self.pid = os.getpid()
-        self.portal = portal
-        self.thread = thread
+        self.loop = loop
+        self.portal = loop.portal
         self.retry = retry
         self.store: TailStore | None = None
         self.limiter: anyio.Semaphore | None = None  # shared by concurrent calls from any thread
@@ -313,15 +309,13 @@ class _Client:
 
     @classmethod
     def open(cls, factory: StoreFactory, max_inflight: int, retry: RetryPolicy) -> _Client:
-        loop = LoopThread.start(THREAD_NAME)
-        portal, thread = loop.portal, loop.thread
-        client = cls(portal, thread, retry)
+        client = cls(LoopThread.start(THREAD_NAME), retry)
         try:
-            client.store, client.limiter = portal.call(_open_in_loop, factory, max_inflight)
-            client.watcher = portal.start_task_soon(client.store.watch)  # hedges straggling reads
+            client.store, client.limiter = client.portal.call(_open_in_loop, factory, max_inflight)
+            client.watcher = client.portal.start_task_soon(client.store.watch)  # hedges straggling reads
         except BaseException:
             client.closed = True
-            client.stop()
+            client.loop.stop()
             raise
         return client
 
@@ -344,7 +338,6 @@ class _Client:
                         etags: list[str | None] | None = None,
                         listings: list[tuple[int | None, str | None]] | None = None) -> list[Any]:
         out: list[Any] = [None] * len(keys)
-        failures: list[Exception] = []
         store, limiter = self.store, self.limiter
         assert store is not None and limiter is not None  # open() set both
 
@@ -359,18 +352,10 @@ class _Client:
                         out[slot] = await reread_listed(store, bucket, key, size, etag, self.retry)
             except NoSuchKeyError as exc:
                 if not missing_ok:
-                    failures.append(exc)
-                    tg.cancel_scope.cancel()
+                    raise
                 out[slot] = exc
-            except Exception as exc:  # noqa: BLE001 - the first one ends the batch; cancellation passes by
-                failures.append(exc)
-                tg.cancel_scope.cancel()
 
-        async with anyio.create_task_group() as tg:
-            for slot, key in enumerate(keys):
-                tg.start_soon(get, slot, key)
-        if failures:
-            raise failures[0]
+        await run_all(functools.partial(get, slot, key) for slot, key in enumerate(keys))
         return out
 
     def close(self) -> None:
@@ -383,7 +368,7 @@ class _Client:
         if self.pid != os.getpid():
             _park(self)
             return
-        if threading.current_thread() is self.thread:
+        if threading.current_thread() is self.loop.thread:
             # Garbage collection can run a finalizer on any thread, this loop's included; a
             # thread cannot join itself, so another one does the closing.
             threading.Thread(target=self.close, name=f"{THREAD_NAME}-closer", daemon=True).start()
@@ -396,13 +381,7 @@ class _Client:
                 if self.store is not None:
                     self.portal.call(_close_in_loop, self.store)
         finally:
-            self.stop()
-
-    def stop(self) -> None:
-        """Stop the loop (cancelling whatever still runs in it) and join its thread."""
-        with contextlib.suppress(RuntimeError):  # already stopped
-            self.portal.call(self.portal.stop, True)
-        self.thread.join()
+            self.loop.stop()
 
 
 async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[TailStore, anyio.Semaphore]:

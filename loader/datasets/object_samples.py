@@ -10,12 +10,12 @@ manifest. The rules: docs/design/objects.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from array import array
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
-import anyio
-
+from ..engine.core import run_all
 from ..engine.fetch import JobContext, JobFn
 from ..errors import ConfigError, NoSuchKeyError, ObjectChangedError, SampleError
 from ..formats.grouping import NO_EXTENSION_FIELD, split_key
@@ -433,20 +433,11 @@ async def fetch_all(ctx: JobContext, bucket: str, keys: Sequence[str],
     if len(keys) == 1:
         return [await get(0)]
     out: list[Any] = [None] * len(keys)
-    failures: list[Exception] = []
 
-    async def one(slot: int, key: str) -> None:
-        try:
-            out[slot] = await get(slot)
-        except Exception as exc:  # noqa: BLE001 - the first one ends the sample; cancellation passes by
-            failures.append(exc)
-            tg.cancel_scope.cancel()
+    async def one(slot: int) -> None:
+        out[slot] = await get(slot)
 
-    async with anyio.create_task_group() as tg:
-        for slot, key in enumerate(keys):
-            tg.start_soon(one, slot, key)
-    if failures:
-        raise failures[0]
+    await run_all(functools.partial(one, slot) for slot in range(len(keys)))
     return out
 
 

@@ -89,6 +89,31 @@ async def _numbered(jobs: Jobs) -> AsyncGenerator[tuple[int, AnyJob], None]:
             await close()
 
 
+async def run_all(calls: Iterable[Callable[[], Awaitable[object]]], limit: int | None = None) -> None:
+    """Run ``calls`` concurrently, at most ``limit`` at a time (None: all at once); the first to
+    fail cancels the others and its error is raised as it is (a task group would wrap it in an
+    exception group)."""
+    errors: list[Exception] = []
+    limiter = None if limit is None else anyio.CapacityLimiter(limit)
+    async with anyio.create_task_group() as group:
+
+        async def one(call: Callable[[], Awaitable[object]]) -> None:
+            try:
+                if limiter is None:
+                    await call()
+                else:
+                    async with limiter:
+                        await call()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
+                errors.append(exc)
+                group.cancel_scope.cancel()
+
+        for call in calls:
+            group.start_soon(one, call)
+    if errors:
+        raise errors[0]
+
+
 class Budget:
     """The bytes running jobs hold (``EngineLimits.inflight_bytes``): each job reserves what it
     says it holds, else twice the largest item seen (its body arriving, then joined), or all of

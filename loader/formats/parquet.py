@@ -32,8 +32,9 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
+from ..engine.core import run_all
 from ..engine.fetch import Job, JobContext
-from ..errors import ConfigError, ObjectChangedError, ParquetFormatError
+from ..errors import ConfigError, ObjectChangedError, ParquetFormatError, say_skipped
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore
 from ..s3.protocol import Pin
@@ -142,27 +143,6 @@ class RowGroupPlan(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- footers
-
-
-async def run_all(calls: Sequence[Callable[[], Awaitable[None]]], limit: int) -> None:
-    """Run ``calls``, ``limit`` at a time; the first to fail cancels the others and its error
-    is raised as it is (a task group would wrap it in an exception group)."""
-    errors: list[Exception] = []
-    limiter = anyio.CapacityLimiter(limit)
-    async with anyio.create_task_group() as group:
-
-        async def one(call: Callable[[], Awaitable[None]]) -> None:
-            async with limiter:
-                try:
-                    await call()
-                except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
-                    errors.append(exc)
-                    group.cancel_scope.cancel()
-
-        for call in calls:
-            group.start_soon(one, call)
-    if errors:
-        raise errors[0]
 
 
 async def read_footer(store: ObjectStore, ref: ParquetRef, retry: RetryPolicy,
@@ -642,11 +622,7 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         except ParquetFormatError as exc:
             if on_error == "raise":
                 raise
-            message = f"skipping {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
-            if on_error == "warn":
-                warnings.warn(message, RuntimeWarning, stacklevel=1)
-            else:  # said once, one way or the other
-                log.warning(message)
+            say_skipped(f"skipping {plan.name} of {ref.url} (on_error={on_error!r}): {exc}", on_error, log)
             await ctx.emit(((position, END), ShardEnd(0, skipped=True)), 0)
             return
         pieces.clear()  # the table holds the rows now
@@ -680,11 +656,8 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
         except ParquetFormatError as exc:
             if on_error == "raise":
                 raise
-            message = f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}"
-            if on_error == "warn":
-                warnings.warn(message, RuntimeWarning, stacklevel=1)
-            else:  # said once, one way or the other
-                log.warning(message)
+            say_skipped(f"skipping the rest of {plan.name} of {ref.url} (on_error={on_error!r}): {exc}",
+                        on_error, log)
             await ctx.emit(((position, END), ShardEnd(index, skipped=True)), 0)
             return
         finally:

@@ -28,6 +28,7 @@ from ..errors import (
     ObjectChangedError,
     ShardFormatError,
     TransientStoreError,
+    say_skipped,
 )
 from ..retry import Retrying, call_with_retries
 from ..s3.answer_checks import asked_for, check_length, check_listed
@@ -279,11 +280,7 @@ def shard_job(
             if pending is not None and frozenset(pending) - {"__index__"} == fields:
                 with contextlib.suppress(_RangeDone):
                     await deliver(pending)
-            message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
-            if on_error == "warn":
-                warnings.warn(message, RuntimeWarning, stacklevel=1)
-            else:  # said once, one way or the other
-                log.warning(message)
+            say_skipped(f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}", on_error, log)
             links = _warn_links(shard, parser)
             await ctx.emit(((position, END), ShardEnd(count, skipped=True, links=links)), 0)
             return
@@ -375,11 +372,8 @@ def _ranged_job(
             except ShardFormatError as exc:
                 if on_error == "raise":
                     raise
-                message = f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}"
-                if on_error == "warn":
-                    warnings.warn(message, RuntimeWarning, stacklevel=1)
-                else:  # said once, one way or the other
-                    log.warning(message)
+                say_skipped(f"skipping the rest of shard {shard.url} (on_error={on_error!r}): {exc}",
+                            on_error, log)
                 skipped = True
                 break
             finally:

@@ -21,7 +21,7 @@ import sys
 import threading
 import warnings
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from botocore import exceptions as bce
 
@@ -43,7 +43,7 @@ from .answer_pace import (
     too_slow_whole,
     within,
 )
-from .credentials import credentials_error, no_credentials_found
+from .credentials import GivenKeys, credentials_error, no_credentials_found
 from .error_answers import (
     broken_framing,
     certificate_rejected,
@@ -635,24 +635,16 @@ def translate_error(
                       f"{type(exc).__name__}: {exc}", bucket=bucket, key=key)
 
 
-class _Keys(NamedTuple):
-    """Keys as botocore's frozen credentials hold them (what ``SignedGetter`` signs with)."""
-
-    access_key: str
-    secret_key: str
-    token: str | None
-
-
 def _given_credentials(config: S3Config) -> Any:
     """For keys given in the config: an async function that returns them, with no boto3
     session (whose import and setup cost time at start); None when they are to be looked up."""
     if not config.has_credentials:
         return None
-    return _returning(_Keys(config.access_key_id or "", config.secret_access_key or "",
-                            config.session_token))
+    return _returning(GivenKeys(config.access_key_id or "", config.secret_access_key or "",
+                                config.session_token))
 
 
-def _returning(keys: _Keys) -> Any:
+def _returning(keys: GivenKeys) -> Any:
     """An async function that returns ``keys``: what ``SignedGetter`` awaits for its credentials."""
 
     async def fixed() -> Any:
@@ -667,7 +659,7 @@ def _returning(keys: _Keys) -> Any:
 # builds an SSLContext, and OpenSSL can hang in a forked child doing so (seen under load: a worker
 # stuck in SSLContext.__new__ for good). Temporary credentials are not kept: each process
 # refreshes its own.
-_FOUND_KEYS: dict[tuple[str | None, ...], _Keys] = {}
+_FOUND_KEYS: dict[tuple[str | None, ...], GivenKeys] = {}
 
 
 def _found_credentials(config: S3Config) -> Any:
@@ -682,8 +674,8 @@ def _keep_if_static(config: S3Config, credentials: Any) -> Any:
     credentials have ``refresh_needed``) and return them as ``_found_credentials`` does."""
     if hasattr(credentials, "refresh_needed"):
         return None
-    keys = _FOUND_KEYS[_session_key(config)] = _Keys(credentials.access_key, credentials.secret_key,
-                                                     credentials.token)
+    keys = _FOUND_KEYS[_session_key(config)] = GivenKeys(credentials.access_key, credentials.secret_key,
+                                                         credentials.token)
     return _returning(keys)
 
 

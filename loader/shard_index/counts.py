@@ -20,8 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import anyio
-
+from ..engine.core import run_all
 from ..errors import ConfigError, InvalidRangeError, NoSuchKeyError, ObjectChangedError
 from ..formats.shards import Expect, ShardRef
 from ..retry import RetryPolicy, call_with_retries
@@ -153,20 +152,15 @@ def probe_unlisted(shards: Sequence[ShardRef], counts: Counts, factory: StoreFac
     found: dict[str, BaseException] = {}
 
     async def use(store: ObjectStore) -> None:
-        limiter = anyio.CapacityLimiter(PROBES_INFLIGHT)
-
         async def probe(shard: ShardRef) -> None:
             etag = counts.versions.get(shard.url, (None, None))[1]
-            async with limiter:
-                try:
-                    await call_with_retries(lambda: store.get_range(shard.bucket, shard.key, 0, 1,
-                                                                    pin=Pin(etag)), retry)
-                except (NoSuchKeyError, ObjectChangedError, InvalidRangeError) as exc:
-                    found[shard.url] = exc
+            try:
+                await call_with_retries(lambda: store.get_range(shard.bucket, shard.key, 0, 1,
+                                                                pin=Pin(etag)), retry)
+            except (NoSuchKeyError, ObjectChangedError, InvalidRangeError) as exc:
+                found[shard.url] = exc
 
-        async with anyio.create_task_group() as tg:
-            for shard in unlisted:
-                tg.start_soon(probe, shard)
+        await run_all((functools.partial(probe, shard) for shard in unlisted), PROBES_INFLIGHT)
 
     run_async(functools.partial(with_store, factory, use))
     for shard in unlisted:

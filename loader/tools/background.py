@@ -45,7 +45,9 @@ def start_detached(argv: list[str], pidfile: Path, timeout: float) -> tuple[str,
     try:
         out, err = _read_until_closed(child, time.monotonic() + timeout)
     except TimeoutError:
-        _kill_group(child)
+        from .devserver import _terminate_group
+
+        _terminate_group(child, STOP_TIMEOUT)
         raise BackgroundError(f"the server was not ready within {timeout:.0f} s; it was stopped") from None
     exports, status = out.decode(errors="replace"), err.decode(errors="replace")
     if child.poll() is None and "export " in exports:
@@ -175,14 +177,3 @@ def _read_until_closed(child: subprocess.Popen[bytes], deadline: float) -> tuple
         child.stdout.close()
         child.stderr.close()
     return b"".join(received[out_fd]), b"".join(received[err_fd])
-
-
-def _kill_group(child: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGTERM)
-    try:
-        child.wait(timeout=STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
-        child.wait(timeout=STOP_TIMEOUT)

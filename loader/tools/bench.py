@@ -18,7 +18,7 @@ from ..config import S3Config
 from ..errors import ConfigError
 from ..formats.compression import SHARD_SUFFIXES, is_shard_name
 from ..uri import parse_s3_uri
-from .ls import looks_like_parquet, looks_like_shards, parquet_among, shards_among
+from .ls import among, is_parquet, mostly
 from .sizes import format_size
 
 DEFAULT_SAMPLES = 5000
@@ -93,14 +93,14 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     if mode == "objects":
         dataset = AsyncS3Dataset.from_prefix(uri, **common)
         keys = dataset.keys()  # listing happens here, outside the measured time
-        if not options.objects and looks_like_parquet(keys):
+        if not options.objects and mostly(keys, is_parquet):
             mode = "parquet"
-            note = (f"{parquet_among(keys)[0]:,} of the {len(keys):,} objects under {uri} are Parquet files: "
+            note = (f"{among(keys, is_parquet)[0]:,} of the {len(keys):,} objects under {uri} are Parquet files: "
                     f"read as rows, as AsyncS3Dataset.from_parquet({uri!r}) reads them (--objects reads "
                     "each object as one sample)")
-        elif not options.objects and looks_like_shards(keys):
+        elif not options.objects and mostly(keys, is_shard_name):
             mode = "shards"
-            note = (f"{shards_among(keys)[0]:,} of the {len(keys):,} objects under {uri} are tar shards: read "
+            note = (f"{among(keys, is_shard_name)[0]:,} of the {len(keys):,} objects under {uri} are tar shards: read "
                     f"in shard mode, as AsyncS3Dataset.from_shards({uri!r}) reads them (--objects reads "
                     "each object as one sample)")
     if mode == "objects":

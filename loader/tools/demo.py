@@ -24,11 +24,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .._version import install_hint
-from ..config import S3Config
 from ..datasets.groups import Limits
 from ..datasets.iterable import AsyncS3Dataset
 from ..decode import decode_image
-from .examples import put_all
+from .examples import put_all, tar_of
 
 BUCKET = "demo"
 QUALITY = 90
@@ -78,22 +77,11 @@ def pack_shards(samples: dict[str, bytes], per_shard: int, labels: dict[str, int
     if seed is not None:
         random.Random(seed).shuffle(keys)
     for number, start in enumerate(range(0, len(keys), per_shard)):
-        out = io.BytesIO()
-        with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
-            for key in keys[start:start + per_shard]:
-                stem = key.rsplit(".", 1)[0]
-                label = labels[key] if labels is not None else len(key) % 10
-                for name, data in ((f"{stem}.jpg", samples[key]), (f"{stem}.cls", str(label).encode())):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        yield f"shards/train-{number:04d}.tar", out.getvalue()
-
-
-def upload(config: S3Config, objects: dict[str, bytes], bucket: str = BUCKET,
-           concurrency: int = 32) -> None:
-    """PUT every object concurrently through the project's own store."""
-    put_all(config, objects, bucket, concurrency)
+        chunk = keys[start:start + per_shard]
+        yield f"shards/train-{number:04d}.tar", tar_of({
+            key.rsplit(".", 1)[0]: {"jpg": samples[key],
+                                    "cls": str(labels[key] if labels is not None else len(key) % 10).encode()}
+            for key in chunk})
 
 
 def cache_home() -> Path:
@@ -142,11 +130,7 @@ def load_or_make_samples(num_samples: int, cache_dir: Path | None) -> tuple[dict
     part = path.with_name(f"{path.name}.{os.getpid()}.part")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(part, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-            for name, data in samples.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+        part.write_bytes(tar_of({name.rsplit(".", 1)[0]: {"jpg": data} for name, data in samples.items()}))
         os.replace(part, path)
     except OSError as exc:  # a read-only or full disk still runs the demo, only without keeping the set
         with contextlib.suppress(OSError):
@@ -250,7 +234,7 @@ def run_demo(num_samples: int = 1000, epochs: int = 2, num_workers: int = 2,
         print(f"{origin} ({sum(map(len, samples.values())) / len(samples) / 1024:.0f} KiB each on average)",
               flush=True)
         started = time.perf_counter()
-        upload(config, {**samples, **shards})
+        put_all(config, {**samples, **shards}, BUCKET)
         mb = sum(map(len, samples.values())) / 1e6
         print(f"uploaded {len(samples)} objects (train/<class>/<n>.jpg) and {len(shards)} shards "
               f"({mb:.1f} MB of JPEGs) "

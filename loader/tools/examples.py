@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
@@ -41,12 +42,12 @@ def noise_jpeg(seed: int, size: int = IMAGE_SIZE, quality: int = 85) -> bytes:
     return out.getvalue()
 
 
-def tar_of(samples: dict[str, dict[str, bytes]]) -> bytes:
-    """One tar holding ``{key: {ext: bytes}}`` as members ``key.ext``, in key order."""
+def tar_of(samples: Mapping[str, Mapping[str, bytes]]) -> bytes:
+    """One tar holding ``{key: {ext: bytes}}`` as members ``key.ext``, in the mappings' order."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for key in sorted(samples):
-            for ext, data in sorted(samples[key].items()):
+        for key, members in samples.items():
+            for ext, data in members.items():
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -69,8 +70,8 @@ def example_data() -> dict[str, bytes]:
         for i in range(20):
             items[f"images/{label}/{i:03d}.jpg"] = noise_jpeg(1000 * (n + 1) + i)
     for shard in range(4):
-        samples = {f"s{shard * 16 + i:04d}": {"jpg": noise_jpeg(5000 + shard * 16 + i),
-                                                 "cls": str(i % 10).encode()} for i in range(16)}
+        samples = {f"s{shard * 16 + i:04d}": {"cls": str(i % 10).encode(),
+                                                 "jpg": noise_jpeg(5000 + shard * 16 + i)} for i in range(16)}
         items[f"wds/train-{shard:04d}.tar"] = tar_of(samples)
     for part in range(2):  # as the Hub publishes images: a struct column of bytes and path, and a label
         rows = range(part * 20, part * 20 + 20)
@@ -84,22 +85,18 @@ def example_data() -> dict[str, bytes]:
 
 def put_all(config: S3Config, objects: dict[str, bytes], bucket: str, concurrency: int = 32) -> None:
     """PUT every object concurrently through the project's own store."""
-    import anyio
+    import functools
 
+    from ..engine.core import run_all
     from ..retry import RetryPolicy
     from ..s3 import open_store
     from ..s3.blocking import run_async
 
     async def run() -> None:
         store = await open_store("aioboto3", config, max_connections=concurrency, retry=RetryPolicy())
-        limiter = anyio.Semaphore(concurrency)
         try:
-            async with anyio.create_task_group() as tg:
-                for key, data in objects.items():
-                    async def put(key: str = key, data: bytes = data) -> None:
-                        async with limiter:
-                            await store.put(bucket, key, data)
-                    tg.start_soon(put)
+            await run_all((functools.partial(store.put, bucket, key, data) for key, data in objects.items()),
+                          concurrency)
         finally:
             await store.aclose()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import IO, NamedTuple
 
 from ..config import S3Config
@@ -32,42 +32,29 @@ SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound
 BAR_WIDTH = 40
 
 
-def shards_among(keys: Iterable[str]) -> tuple[int, int]:
-    """``(tar shards, other objects)`` of a listing: shards plain or compressed (``.tar``,
-    ``.tar.gz``, ``.tgz``, ``.tar.zst``, ``.tzst``); the index files ``loader shard`` writes beside
-    its shards count as neither."""
-    shards = others = 0
+def among(keys: Iterable[str], is_kind: Callable[[str], bool]) -> tuple[int, int]:
+    """``(objects of a kind, other objects)`` of a listing, e.g. ``is_shard_name`` (tar shards,
+    plain or compressed) or ``is_parquet``; the index files ``loader shard`` writes beside its
+    shards count as neither."""
+    kind = others = 0
     for key in keys:
-        if is_shard_name(key):
-            shards += 1
+        if is_kind(key):
+            kind += 1
         elif key.rpartition("/")[2] not in (INDEX_NAME, PROGRESS_NAME):
             others += 1
-    return shards, others
+    return kind, others
 
 
-def looks_like_shards(keys: Iterable[str]) -> bool:
-    """Whether a listing is tar shards to read with ``from_shards`` (at least half of its objects
-    are shards) rather than objects to read one per sample: what ``ls`` and ``bench`` both go by."""
-    shards, others = shards_among(keys)
-    return shards > 0 and shards >= others
+def mostly(keys: Iterable[str], is_kind: Callable[[str], bool]) -> bool:
+    """Whether a listing is to be read as that kind (tar shards with ``from_shards``, Parquet
+    files with ``from_parquet``) rather than one object per sample: at least half of its
+    objects are. What ``ls`` and ``bench`` both go by."""
+    kind, others = among(keys, is_kind)
+    return kind > 0 and kind >= others
 
 
-def parquet_among(keys: Iterable[str]) -> tuple[int, int]:
-    """``(Parquet files, other objects)`` of a listing, the index files of shards aside."""
-    files = others = 0
-    for key in keys:
-        if key.endswith(PARQUET_SUFFIX):
-            files += 1
-        elif not key.endswith((INDEX_NAME, PROGRESS_NAME)):
-            others += 1
-    return files, others
-
-
-def looks_like_parquet(keys: Iterable[str]) -> bool:
-    """Whether a listing is Parquet files to read with ``from_parquet`` (at least half of its
-    objects are ``.parquet``): what ``ls`` and ``bench`` both go by."""
-    files, others = parquet_among(keys)
-    return files > 0 and files >= others
+def is_parquet(key: str) -> bool:
+    return key.endswith(PARQUET_SUFFIX)
 
 
 class ParquetRows(NamedTuple):
@@ -151,15 +138,15 @@ def summarize_listing(uri: str, objects: Sequence[ObjectInfo], *, top_extensions
     lines.append(f"extensions: {shown}" + (f", and {more} more" if more > 0 else ""))
     lines.append("size histogram (log2 buckets):")
     lines.extend(render_histogram(log2_histogram(sizes)))
-    shards, _ = shards_among(info.key for info in objects)
-    if looks_like_parquet(info.key for info in objects):
-        files, _ = parquet_among(info.key for info in objects)
+    shards, _ = among((info.key for info in objects), is_shard_name)
+    if mostly((info.key for info in objects), is_parquet):
+        files, _ = among((info.key for info in objects), is_parquet)
         counted = "" if parquet is None else f", {parquet.rows:,} rows in {parquet.row_groups:,} row groups"
         lines.append(f"these are Parquet files ({files:,} of {len(objects):,} objects{counted}): read them "
                      f"with AsyncS3Dataset.from_parquet({uri!r}); `loader bench {uri}` measures them")
         for problem in () if parquet is None else parquet.unreadable:
             lines.append(f"  unreadable: {problem}")
-    elif looks_like_shards(info.key for info in objects):
+    elif mostly((info.key for info in objects), is_shard_name):
         lines.append(f"these look like tar shards ({shards:,} of {len(objects):,} objects): read them with "
                      f"AsyncS3Dataset.from_shards({uri!r}); `loader bench {uri}` measures them")
     elif median < SMALL_OBJECT:
@@ -194,7 +181,7 @@ def run_ls(args: argparse.Namespace, out: IO[str]) -> int:
         # an empty listing is an answer, not a failure: a new bucket is empty until the first upload
         print(empty_listing(args.uri), file=out)
         return 0
-    rows = parquet_rows(args.uri, objects) if looks_like_parquet(info.key for info in objects) else None
+    rows = parquet_rows(args.uri, objects) if mostly((info.key for info in objects), is_parquet) else None
     for line in summarize_listing(args.uri, objects, parquet=rows):
         print(line, file=out)
     if save:
