@@ -17,6 +17,7 @@ import anyio
 
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
+from ..s3.blocking import first_error
 from .delivery import DeliveryPolicy, Entry, Slot, delivery_for
 from .hedging import TailStore
 from .limits import Counts, EngineLimits
@@ -198,7 +199,9 @@ class EngineCore:
                     await self.launch_all(tg, store)
                 beside.cancel_scope.cancel()
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            self.fatal = exc
+            # a streamed job source (a listing read as it arrives) fails inside the task group:
+            # the user gets its error, not the group
+            self.fatal = first_error(exc)
         finally:
             self.launch_done = True
             self.notify()

@@ -50,7 +50,7 @@ async def with_store(
         await store.aclose()
 
 
-def first_error(group: BaseExceptionGroup) -> BaseException:
+def first_error(group: BaseException) -> BaseException:
     """The error that made a task group fail: its first leaf that is not a cancellation (the
     others are mostly the cancellations it caused); its own traceback stays attached."""
     leaves: list[BaseException] = []
