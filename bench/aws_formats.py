@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .aws import _ENV_DROP, BUCKET, _thread_cpu, endpoint_for, lab_and_aws, run_child
+from .aws import _ENV_DROP, BUCKET, _median, _span, _thread_cpu, endpoint_for, lab_and_aws, run_child
 from .harness import REPO, RESULTS_DIR, load_faults_module
 
 FORMATS = {  # loader -> (format, what it is)
@@ -168,20 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{out.get('samples', 0)} samples {out['requests']} requests {out['connections']} connections"
                       + (f"  {out['error']}" if "error" in out else ""), flush=True)
     return report(args, loaders, workers, results, sizes)
-
-
-def _median(runs: list[dict[str, Any]], what: str) -> float | None:
-    good = [r for r in runs if r.get("samples")]
-    if not good:
-        return None
-    if what == "rate":
-        return statistics.median(r["samples"] / r["seconds"] for r in good)
-    return statistics.median(r["cpu"] / r["samples"] * 1e6 for r in good)
-
-
-def _span(runs: list[dict[str, Any]]) -> str:
-    rates = sorted(r["samples"] / r["seconds"] for r in runs if r.get("samples"))
-    return f"{rates[0]:,.0f}-{rates[-1]:,.0f}" if rates else "-"
 
 
 def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
