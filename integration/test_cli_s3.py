@@ -153,7 +153,7 @@ def test_an_interrupted_shard_run_finishes_on_a_rerun_without_duplicates(s3_serv
 
     second = run_loader(s3_server, *args)
     assert_ok(second)
-    assert f"{len(early)} shard(s) were already there" in second.stdout
+    assert f"{len(early)} shard(s) were already there" in second.stdout, second.stdout + second.stderr
     for key, etag in etags.items():
         assert s3_server.minio.stat_object(bucket, key).etag == etag, f"{key} was uploaded again"
     index = json.loads(s3_server.minio.get_object(bucket, "resumed/index.json").read())
