@@ -707,7 +707,7 @@ def test_shards_by_batch_through_two_workers_never_repeat_or_drop_a_sample(bend,
         config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
         ds = AsyncS3Dataset.from_shards(
             "s3://bkt/shards/train-{0000..0002}.tar", batch_size=4, config=config,
-            store=Store(backend="aioboto3", retry=RetryPolicy(deadline=10, base_delay=0.01,
+            store=Store(backend="aioboto3", retry=RetryPolicy(deadline=60, base_delay=0.01,
                                                               read_timeout=5)))
         loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list)
         if times > 1:
@@ -756,7 +756,7 @@ def test_a_shard_cut_short_cleanly_is_held_to_its_listed_size(backend, times, pa
         config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
         ds = AsyncS3Dataset.from_shards(
             "s3://bkt/p/", config=config, reading=Reading(part_size=1 << 20) if parts else None,
-            store=Store(backend=backend, retry=RetryPolicy(deadline=10, base_delay=0.01)))
+            store=Store(backend=backend, retry=RetryPolicy(deadline=60, base_delay=0.01)))
         if times > 1:
             with pytest.raises(BadAnswerError, match=r"s3://bkt/p/train-0000\.tar: .*"
                                                      r"gave up .*after 3 attempt"):
