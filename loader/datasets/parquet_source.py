@@ -52,7 +52,7 @@ from ..s3 import ObjectStore, StoreFactory
 from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri
 from . import lanes
-from .options import LoaderOptions
+from .options import Options
 from .shard_source import ShardSource
 
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
@@ -199,7 +199,7 @@ class ParquetSource(ShardSource):
     kind = "parquet"
     unit_name = "row groups"
 
-    def __init__(self, files: str | Iterable[str], options: LoaderOptions, *,
+    def __init__(self, files: str | Iterable[str], options: Options, *,
                  columns: Sequence[str] | None = None,
                  shard_options: ShardOptions | None = None, inflight_per_rank: bool = False) -> None:
         # Not ShardSource.__init__: no tar index or sample counts; what its methods use is set here.
@@ -226,7 +226,7 @@ class ParquetSource(ShardSource):
             raise ConfigError(f"shuffle_buffer={self.shard_options.shuffle_buffer!r} cannot be used with "
                               "batch_size=: blocks of the epoch's order are read in order; drop "
                               "shuffle_buffer= (the row-group order is still shuffled every epoch)")
-        if self.shard_options.samples_per_epoch is not None and not options.ordered:
+        if self.shard_options.samples_per_epoch is not None and not options.limits.ordered:
             raise ConfigError("samples_per_epoch= reads its passes in order, so ordered=False cannot "
                               "apply; drop it")
         options.preload_backend()
@@ -276,13 +276,13 @@ class ParquetSource(ShardSource):
         """List the files and read their footers, once per job (``sharing.once_per_job``): the
         other ranks receive both, so a job makes one listing's LIST requests and one footer GET
         per file, however many ranks it has."""
-        listing = self.options.listing
+        listing = self.options.store.listing
 
         def produce() -> KeyList:
             alone = dataclasses.replace(listing, once_per_job=False)  # shared below, with the footers
-            files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.retry,
+            files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.store.retry,
                                   options=alone, ticket=self._listing_ticket)
-            footers = read_footers_or_errors(files, self.options.listing_factory(), self.options.retry)
+            footers = read_footers_or_errors(files, self.options.listing_factory(), self.options.store.retry)
             return pack_footers(*without_unreadable(files, footers, self.options.on_error))
 
         if not listing.once_per_job:
@@ -303,7 +303,7 @@ class ParquetSource(ShardSource):
                 f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, plus a "
                 f"decoded batch), and {largest.streamed_need(piece)} read streamed (each of its "
                 f"{len(largest.chunks)} column chunks in pieces of {piece} bytes, "
-                f"{STREAM_AHEAD + 2} held at once), more than Limits(memory={self.options.memory_budget}) "
+                f"{STREAM_AHEAD + 2} held at once), more than Limits(memory={self.options.limits.memory}) "
                 f"leaves for reads ({reads} bytes); raise the memory limit, select fewer columns, give "
                 "Reading(part_size=) smaller pieces, or write smaller row groups")
 
@@ -335,7 +335,7 @@ class ParquetSource(ShardSource):
 
     def read_bytes(self) -> int | None:
         """What ``memory_budget`` leaves for row groups being read (None: no budget)."""
-        budget = self.options.memory_budget
+        budget = self.options.limits.memory
         if budget is None:
             return None
         shuffle = (self.shard_options.shuffle_bytes or 0) if self.options.shuffle else 0
@@ -441,7 +441,7 @@ class ParquetSource(ShardSource):
         return self._need(self.plans()[unit])  # held decoded until its last row is delivered
 
     def lane_limits(self) -> EngineLimits:
-        return self.options.limits("scheduled", max_inflight=self.open_count() + 2,
+        return self.options.engine_limits("scheduled", max_inflight=self.open_count() + 2,
                                    inflight_bytes=self.read_bytes())
 
     def inflight(self) -> int:
@@ -463,7 +463,7 @@ class ParquetSource(ShardSource):
         return count
 
     def limits(self, delivery: Delivery) -> EngineLimits:
-        return self.options.limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
+        return self.options.engine_limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
 
     def versions(self) -> Versions | None:
         return versions_of(self.shards())
