@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from ..config import S3Config
 from ..decode import apply_transform
+from ..engine import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS
 from ..engine.core import run_all
 from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
@@ -38,19 +39,18 @@ from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
 from ..s3.listed_reads import reread_listed
 from ..uri import parse_s3_uri
-from .groups import Limits, Store, flat_options
+from .groups import Limits, Split, Store
 from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, listed, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, Transform, warn_direct_construction
+from .options import Options, Transform, dataset_options, warn_direct_construction
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "loader-map-client"
 
-# LoaderOptions fields that mean nothing here, and what decides instead.
+# options that mean nothing here (by their flat names), and what decides instead.
 _SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy", "batch_size")
 _NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
-_DEFAULTS = LoaderOptions.__dataclass_fields__
 
 
 class AsyncS3MapDataset(Dataset):
@@ -69,13 +69,13 @@ class AsyncS3MapDataset(Dataset):
     nor is ``Limits(memory=)``, as there is no queue.
     """
 
-    def __init__(self, source: ObjectSource | None = None, *, options: LoaderOptions | None = None,
+    def __init__(self, source: ObjectSource | None = None, *, options: Options | None = None,
                  **deprecated: Any) -> None:
         """``source`` and ``options`` come from a constructor; ``deprecated``: the keywords that
         described a source (``bucket=``, ``keys=`` or ``prefix=``, ``group=``, ``label_from=``,
         ``labels=``), which still work for one release, with a warning."""
         super().__init__()
-        self.options = options or LoaderOptions()
+        self.options = options or Options()
         _reject_defaults_changed(self.options)
         if source is None:
             warn_direct_construction("AsyncS3MapDataset", "keys=|prefix=", shards=False)
@@ -248,7 +248,7 @@ class AsyncS3MapDataset(Dataset):
 
     def __repr__(self) -> str:
         return (f"AsyncS3MapDataset({self.source.describe()}, "
-                f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
+                f"concurrency={self.options.concurrency}, store={self.options.store.backend!r})")
 
     # ----------------------------------------------------------------------- helpers
 
@@ -266,7 +266,7 @@ class AsyncS3MapDataset(Dataset):
             if self._closer is not None:
                 self._closer.detach()  # an inherited or already closed client's
             factory = self.options.store_factory(versions=self.source.versions())
-            client = _Client.open(factory, self.options.max_inflight, self.options.retry)
+            client = _Client.open(factory, self.options.concurrency, self.options.store.retry)
             self._closer = weakref.finalize(self, client.close)
             self._client = client
             _owners.add(self)
@@ -396,16 +396,16 @@ async def _close_in_loop(store: ObjectStore) -> None:
 
 def _options(transform: Transform | None, on_error: OnError, limits: Limits | None,
              store: str | StoreFactory | Store | None, config: S3Config | None,
-             deprecated: Mapping[str, Any]) -> LoaderOptions:
-    """``LoaderOptions`` from constructor keywords; of ``Limits`` only ``concurrency`` applies."""
+             deprecated: Mapping[str, Any]) -> Options:
+    """``Options`` from constructor keywords; of ``Limits`` only ``concurrency`` applies."""
     if limits is not None and (limits.memory is not None or not limits.ordered):
         raise ConfigError(
             f"limits={limits!r}: AsyncS3MapDataset takes only Limits(concurrency=); it has no queue "
             "(memory is one batch of objects, batch_size x object size) and the sampler decides order")
     _check_sampler_free(deprecated)  # their old flat spellings: say why, not "unexpected"
-    given = flat_options("map", transform=transform, on_error=on_error, limits=limits, store=store,
-                         config=config, old=deprecated, stacklevel=4)
-    return LoaderOptions(**given)
+    options, _ = dataset_options("map", transform=transform, on_error=on_error, limits=limits, store=store,
+                                 config=config, old=deprecated, stacklevel=4)
+    return options
 
 
 def _check_sampler_free(given: Mapping[str, Any]) -> None:
@@ -425,13 +425,16 @@ def _check_sampler_free(given: Mapping[str, Any]) -> None:
             )
 
 
-def _reject_defaults_changed(options: LoaderOptions) -> None:
-    """The same rule for a ``LoaderOptions`` passed to ``__init__`` directly."""
-    changed = {
-        name: getattr(options, name)
-        for name in (*_SAMPLER_DECIDES, *_NO_QUEUE)
-        if getattr(options, name) != _DEFAULTS[name].default
-    }
+def _reject_defaults_changed(options: Options) -> None:
+    """The same rule for ``Options`` passed to ``__init__`` directly."""
+    split, limits = options.split, options.limits
+    given = {"shuffle": options.shuffle, "seed": options.seed, "ordered": limits.ordered,
+             "rank": split.rank, "world_size": split.world_size, "pad_policy": split.pad,
+             "batch_size": options.batch_size, "queue_bytes": options.queue_bytes,
+             "queue_items": options.queue_items, "memory_budget": limits.memory}
+    unset = {"shuffle": False, "ordered": True, "pad_policy": Split().pad,
+             "queue_bytes": DEFAULT_QUEUE_BYTES, "queue_items": DEFAULT_QUEUE_ITEMS}
+    changed = {name: value for name, value in given.items() if value != unset.get(name)}
     if changed:
         _check_sampler_free(changed)
 
