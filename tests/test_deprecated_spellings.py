@@ -23,7 +23,7 @@ from loader import (
     Store,
     mix,
 )
-from loader.datasets.groups import DEPRECATED
+from loader.datasets.groups import DEPRECATED, LANDS
 
 from fakes import FakeStore, reusable
 
@@ -62,7 +62,6 @@ CASES = {
 }
 NEEDS = {"rank": {"world_size": 2}, "world_size": {"rank": 1}, "cache_limit": {"cache_dir": "CACHE"},
          "cache_validate": {"cache_dir": "CACHE"}, "queue_bytes": {}, "shuffle_bytes": {"shuffle": True}}
-FIELD = {"row_groups_inflight": "shards_inflight"}  # where the value lands, when not its own name
 
 
 def build(mode: str, **keywords):
@@ -81,11 +80,14 @@ def build(mode: str, **keywords):
 
 
 def landed(dataset, name: str):
-    field = FIELD.get(name, name)
+    """Where ``LANDS`` says the old spelling's value goes (``reading``: the source's ShardOptions)."""
+    group, field = LANDS[name]
+    options = dataset.options
     shard_options = getattr(dataset.source, "shard_options", None)
-    if shard_options is not None and hasattr(shard_options, field):
-        return getattr(shard_options, field)
-    return getattr(dataset.options, field)
+    where = {"options": options, "limits": options.limits, "split": options.split, "store": options.store,
+             "cache": options.store.cache, "reading": shard_options}[group]
+    value = getattr(where, field)
+    return str(value) if group == "cache" and field == "dir" else value
 
 
 @pytest.mark.parametrize(("mode", "name"), [(mode, name) for mode, names in DEPRECATED.items()
@@ -120,7 +122,8 @@ def test_a_cache_folder_as_before_and_as_a_cache_are_one(tmp_path):
     with pytest.warns(DeprecationWarning, match=re.escape("store=Store(cache=Cache(dir=...))")):
         old = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE, cache_dir=tmp_path)
     new = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=Cache(tmp_path)))
-    assert old.options.cache_dir == new.options.cache_dir == str(tmp_path)
+    assert old.options.store.cache == new.options.store.cache
+    assert old.options.store.cache.dir == str(tmp_path)
 
 
 @pytest.mark.parametrize("entry", ["from_keys", "from_shards", "from_parquet"])
