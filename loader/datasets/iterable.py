@@ -241,14 +241,13 @@ class AsyncS3Dataset(IterableDataset):
         shuffle_buffer=, part_size=)``, ``split=Split(samples_per_epoch=)``). Only the
         selected columns' chunks are fetched. Needs the ``parquet`` extra (pyarrow).
         """
-        from .parquet_source import ParquetSource, parquet_options
+        from .parquet_source import ParquetSource
 
         loader_options, knobs = dataset_options(
             "parquet", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
             on_error=on_error, limits=limits, split=split, store=store, config=config,
             reading=reading, old=deprecated)
-        shard_options, _ = parquet_options({**knobs, "memory_budget": loader_options.limits.memory,
-                                            "shuffle": shuffle})
+        shard_options = ShardOptions(**knobs)
         # row groups at once: a number given (Limits(concurrency=) or an old spelling) applies to
         # every process; the default is per rank, shared among its workers (ParquetSource.inflight)
         given = "shards_inflight" in knobs

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import topology
-from ..cache.options import DEFAULT_VALIDATE, check_cache_options
+from ..cache.options import DEFAULT_VALIDATE, check_cache_options, check_validate
 from ..checks import check_int
 from ..config import S3Config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
@@ -24,6 +24,7 @@ from ..formats.shards import (
     DEFAULT_SHARDS_INFLIGHT,
     MIN_PART_SIZE,
     ShardOptions,
+    part_size_too_small,
 )
 from ..listing.versions import Versions
 from ..s3 import StoreFactory, StoreSpec, preload_backend
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 
 Transform = Callable[[dict[str, Any]], Any]
 MIN_MEMORY_BUDGET = MIN_MEMORY
+DEFAULT_UNIT_BYTES = 32 << 20
+"""Parquet's row groups are read in units of up to this many bytes (``Reading(part_size=)``):
+ranged GETs as large as pyarrow's own read coalescing makes them (its ``range_size_limit``), see
+``formats.parquet.coalesce``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,6 +249,7 @@ def dataset_options(mode: Mode, *, limits: Limits | None = None, split: Split | 
             raise ConfigError(f"{name}={value!r} and its new spelling {spellings[name]} are both given; "
                               "keep the new one")
     if cache:
+        check_validate(cache.get("validate", DEFAULT_VALIDATE))
         if "dir" not in cache:
             name = next(iter(cache))
             raise ConfigError(f"cache_{name}={cache[name]!r} needs cache_dir= (the directory to cache in)")
@@ -256,6 +262,12 @@ def dataset_options(mode: Mode, *, limits: Limits | None = None, split: Split | 
                                "shards")
         own["queue_bytes"] = knobs.get("queue_bytes", own.get("queue_bytes", DEFAULT_QUEUE_BYTES))
         knobs = {name: value for name, value in knobs.items() if name in _SHARD_FIELDS}
+    elif mode == "parquet":  # row groups: the shuffle buffer a quarter of the budget, 32 MiB parts
+        if memory is not None and common.get("shuffle"):
+            knobs.setdefault("shuffle_bytes", memory // 4)
+        part = knobs.setdefault("part_size", DEFAULT_UNIT_BYTES)
+        if isinstance(part, int) and not isinstance(part, bool) and 0 < part < MIN_PART_SIZE:
+            raise ConfigError(part_size_too_small(part, "32 MiB for Parquet"))
     common = {name: value for name, value in common.items() if value is not None}
     return Options(**common, **groups, **own), knobs
 
