@@ -20,7 +20,7 @@ import logging
 import posixpath
 import struct
 import warnings
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from ..engine.fetch import Delivery, EngineLimits, Job
@@ -42,7 +42,7 @@ from ..formats.parquet import (
     row_group_job,
     run_all,
 )
-from ..formats.shards import MIN_PART_SIZE, ShardAssignment, ShardOptions, ShardRef, part_size_too_small
+from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
 from ..listing.inputs import list_prefix
 from ..listing.keylist import KeyList, ListOptions
 from ..listing.sharing import once_per_job, raise_if_failed_before_fork, ticket, track
@@ -56,9 +56,6 @@ from .options import Options
 from .shard_source import ShardSource
 
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
-# Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
-# pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
-DEFAULT_UNIT_BYTES = 32 << 20
 SHUFFLED_UNIT_BYTES = 8 << 20
 SHUFFLED_UNITS = 256
 """Shuffled, units of row groups hold at most ``SHUFFLED_UNIT_BYTES`` and a ``SHUFFLED_UNITS``-th
@@ -472,26 +469,3 @@ class ParquetSource(ShardSource):
         if self._plans is not None and self._shared is not None:
             return f"{len(self._plans)} row groups in {len(self._shared)} Parquet files"
         return f"Parquet files {self._specs[:2]}"
-
-
-def parquet_options(options: Mapping[str, Any]) -> tuple[ShardOptions, dict[str, Any]]:
-    """``from_parquet``'s keywords split into how row groups are read and dealt (``ShardOptions``:
-    ``row_groups_inflight`` is its ``shards_inflight``; ``part_size``: 32 MiB unless given) and the
-    rest; ``memory_budget`` gives the queue a quarter and the shuffle buffer a quarter, and row
-    groups being read the rest."""
-    rest = dict(options)
-    budget = rest.get("memory_budget")
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        rest.setdefault("queue_bytes", budget // 4)
-        if rest.get("shuffle"):
-            rest.setdefault("shuffle_bytes", budget // 4)
-    rest.setdefault("part_size", DEFAULT_UNIT_BYTES)
-    part_size = rest["part_size"]
-    if isinstance(part_size, int) and not isinstance(part_size, bool) and 0 < part_size < MIN_PART_SIZE:
-        raise ConfigError(part_size_too_small(part_size, "32 MiB for Parquet"))
-    if "row_groups_inflight" in rest:
-        rest["shards_inflight"] = rest.pop("row_groups_inflight")
-    known = ("shards_inflight", "shuffle_buffer", "part_size", "parts_inflight", "shuffle_bytes",
-             "samples_per_epoch")
-    shard_options = ShardOptions(**{name: rest.pop(name) for name in known if name in rest})
-    return shard_options, rest
