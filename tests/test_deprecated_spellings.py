@@ -203,3 +203,30 @@ def test_no_module_of_the_package_builds_a_dataset_with_an_old_spelling():
                 found += [f"{path.name}:{node.lineno}: {name}({word.arg}=)" for word in node.keywords
                           if word.arg in DEPRECATED[entry[name]]]
     assert found == []
+
+
+def test_the_flat_record_of_earlier_releases_converts_once_to_the_groups(tmp_path):
+    """``LoaderOptions(...)`` is only the old spelling: what it gives is the record a constructor
+    builds from the groups, and that record holds the groups, not a flat copy of their fields."""
+    import dataclasses
+
+    from loader.datasets.options import LoaderOptions, Options, dataset_options
+
+    old = LoaderOptions(store=STORE, max_inflight=7, memory_budget=64 << 20, rank=1, world_size=2,
+                        pad_policy="drop", retry=RETRY, cache_dir=tmp_path, cache_limit=1 << 30, shuffle=True)
+    new, _ = dataset_options("objects", shuffle=True, limits=Limits(concurrency=7, memory=64 << 20),
+                             split=Split(rank=1, world_size=2, pad="drop"),
+                             store=Store(backend=STORE, retry=RETRY, cache=Cache(tmp_path, limit=1 << 30)))
+    assert isinstance(old, Options) and old == new
+    assert old.limits == Limits(concurrency=7, memory=64 << 20) and old.queue_bytes == 32 << 20
+    fields = {field.name for field in dataclasses.fields(Options)}
+    assert not fields & {"max_inflight", "memory_budget", "rank", "world_size", "pad_policy", "retry",
+                         "listing", "cache_dir", "cache_limit", "cache_validate", "ordered"}
+
+
+def test_an_old_and_a_new_spelling_of_one_setting_are_refused_together(tmp_path):
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"max_inflight=7 and its new spelling"):
+        AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE, limits=Limits(concurrency=8), max_inflight=7)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"cache_dir=.* and its new spelling"):
+        AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=tmp_path / "new"),
+                                 cache_dir=tmp_path / "old")
