@@ -16,7 +16,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -26,11 +26,10 @@ from torch.utils.data import Dataset
 
 from ..config import S3Config
 from ..decode import apply_transform
-from ..engine import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS
 from ..engine.core import run_all
 from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
-from ..errors import ConfigError, NoSuchKeyError, SampleError, say_skipped
+from ..errors import NoSuchKeyError, SampleError, say_skipped
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.keylist import KeyList
@@ -39,18 +38,15 @@ from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
 from ..s3.listed_reads import reread_listed
 from ..uri import parse_s3_uri
-from .groups import Limits, Split, Store
+from .groups import Limits, Store
 from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, listed, skippable
 from .object_source import ObjectSource
-from .options import Options, Transform, dataset_options, warn_direct_construction
+from .options import Options, Transform, check_map_options, map_options, warn_direct_construction
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "loader-map-client"
 
-# options that mean nothing here (by their flat names), and what decides instead.
-_SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy", "batch_size")
-_NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
 
 
 class AsyncS3MapDataset(Dataset):
@@ -76,7 +72,7 @@ class AsyncS3MapDataset(Dataset):
         ``labels=``), which still work for one release, with a warning."""
         super().__init__()
         self.options = options or Options()
-        _reject_defaults_changed(self.options)
+        check_map_options(self.options)
         if source is None:
             warn_direct_construction("AsyncS3MapDataset", "keys=|prefix=", shards=False)
             from .iterable import source_from_keywords
@@ -100,7 +96,7 @@ class AsyncS3MapDataset(Dataset):
         """Every object under ``s3://bucket/prefix``, listed once when first needed (hidden
         objects left out; ``snapshot=``: see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
-        options = _options(transform, on_error, limits, store, config, deprecated)
+        options = map_options(transform, on_error, limits, store, config, deprecated)
         return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
                                 snapshot=snapshot_option(snapshot)), options=options)
 
@@ -114,7 +110,7 @@ class AsyncS3MapDataset(Dataset):
         (``keys[i]`` when no two keys share a stem, or with ``group=False``)."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        options = _options(transform, on_error, limits, store, config, deprecated)
+        options = map_options(transform, on_error, limits, store, config, deprecated)
         return cls(ObjectSource(bucket, options, keys=keys, group=group, label_from=label_from),
                    options=options)
 
@@ -126,7 +122,7 @@ class AsyncS3MapDataset(Dataset):
                       **deprecated: Any) -> AsyncS3MapDataset:
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
         ``inputs.read_manifest``), or a listing snapshot (read without any LIST)."""
-        options = _options(transform, on_error, limits, store, config, deprecated)
+        options = map_options(transform, on_error, limits, store, config, deprecated)
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
             return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
@@ -392,51 +388,6 @@ async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[TailS
 async def _close_in_loop(store: ObjectStore) -> None:
     with anyio.CancelScope(shield=True):
         await store.aclose()
-
-
-def _options(transform: Transform | None, on_error: OnError, limits: Limits | None,
-             store: str | StoreFactory | Store | None, config: S3Config | None,
-             deprecated: Mapping[str, Any]) -> Options:
-    """``Options`` from constructor keywords; of ``Limits`` only ``concurrency`` applies."""
-    if limits is not None and (limits.memory is not None or not limits.ordered):
-        raise ConfigError(
-            f"limits={limits!r}: AsyncS3MapDataset takes only Limits(concurrency=); it has no queue "
-            "(memory is one batch of objects, batch_size x object size) and the sampler decides order")
-    _check_sampler_free(deprecated)  # their old flat spellings: say why, not "unexpected"
-    options, _ = dataset_options("map", transform=transform, on_error=on_error, limits=limits, store=store,
-                                 config=config, old=deprecated, stacklevel=4)
-    return options
-
-
-def _check_sampler_free(given: Mapping[str, Any]) -> None:
-    """Refuse what a sampler decides, or a queue this dataset does not have."""
-    for name in given:
-        if name in _SAMPLER_DECIDES:
-            raise ConfigError(
-                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: in a map-style "
-                "dataset the sampler decides order and the split across ranks (use "
-                "DataLoader(shuffle=True), RandomSampler(generator=...) or "
-                "DistributedSampler(shuffle=..., seed=...) and its set_epoch)"
-            )
-        if name in _NO_QUEUE:
-            raise ConfigError(
-                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: it has no queue; "
-                "memory is one batch of objects (batch_size x object size)"
-            )
-
-
-def _reject_defaults_changed(options: Options) -> None:
-    """The same rule for ``Options`` passed to ``__init__`` directly."""
-    split, limits = options.split, options.limits
-    given = {"shuffle": options.shuffle, "seed": options.seed, "ordered": limits.ordered,
-             "rank": split.rank, "world_size": split.world_size, "pad_policy": split.pad,
-             "batch_size": options.batch_size, "queue_bytes": options.queue_bytes,
-             "queue_items": options.queue_items, "memory_budget": limits.memory}
-    unset = {"shuffle": False, "ordered": True, "pad_policy": Split().pad,
-             "queue_bytes": DEFAULT_QUEUE_BYTES, "queue_items": DEFAULT_QUEUE_ITEMS}
-    changed = {name: value for name, value in given.items() if value != unset.get(name)}
-    if changed:
-        _check_sampler_free(changed)
 
 
 # --------------------------------------------------------------------- process-wide hygiene

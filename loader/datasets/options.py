@@ -287,6 +287,56 @@ def check_groups(mode: Mode, split: Split, reading: Reading) -> None:
                               "in parts of Reading(part_size=)")
 
 
+# what means nothing to AsyncS3MapDataset (by the flat names), and what decides instead
+_SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy", "batch_size")
+_NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
+
+
+def map_options(transform: Transform | None, on_error: OnError, limits: Limits | None,
+             store: str | StoreFactory | Store | None, config: S3Config | None,
+             deprecated: Mapping[str, Any]) -> Options:
+    """``AsyncS3MapDataset``'s keywords as ``Options``; of ``Limits`` only ``concurrency`` applies."""
+    if limits is not None and (limits.memory is not None or not limits.ordered):
+        raise ConfigError(
+            f"limits={limits!r}: AsyncS3MapDataset takes only Limits(concurrency=); it has no queue "
+            "(memory is one batch of objects, batch_size x object size) and the sampler decides order")
+    _check_sampler_free(deprecated)  # their old flat spellings: say why, not "unexpected"
+    options, _ = dataset_options("map", transform=transform, on_error=on_error, limits=limits, store=store,
+                                 config=config, old=deprecated, stacklevel=4)
+    return options
+
+
+def _check_sampler_free(given: Mapping[str, Any]) -> None:
+    """Refuse what a sampler decides, or a queue this dataset does not have."""
+    for name in given:
+        if name in _SAMPLER_DECIDES:
+            raise ConfigError(
+                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: in a map-style "
+                "dataset the sampler decides order and the split across ranks (use "
+                "DataLoader(shuffle=True), RandomSampler(generator=...) or "
+                "DistributedSampler(shuffle=..., seed=...) and its set_epoch)"
+            )
+        if name in _NO_QUEUE:
+            raise ConfigError(
+                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: it has no queue; "
+                "memory is one batch of objects (batch_size x object size)"
+            )
+
+
+def check_map_options(options: Options) -> None:
+    """The same rule for ``Options`` passed to ``AsyncS3MapDataset.__init__`` directly."""
+    split, limits = options.split, options.limits
+    given = {"shuffle": options.shuffle, "seed": options.seed, "ordered": limits.ordered,
+             "rank": split.rank, "world_size": split.world_size, "pad_policy": split.pad,
+             "batch_size": options.batch_size, "queue_bytes": options.queue_bytes,
+             "queue_items": options.queue_items, "memory_budget": limits.memory}
+    unset = {"shuffle": False, "ordered": True, "pad_policy": Split().pad,
+             "queue_bytes": DEFAULT_QUEUE_BYTES, "queue_items": DEFAULT_QUEUE_ITEMS}
+    changed = {name: value for name, value in given.items() if value != unset.get(name)}
+    if changed:
+        _check_sampler_free(changed)
+
+
 def LoaderOptions(**flat: Any) -> Options:
     """The flat record of earlier releases (``loader.LoaderOptions``, deprecated there): its
     keywords, the old flat spellings, land on ``Options``' groups here, once."""
