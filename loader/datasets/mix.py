@@ -27,11 +27,11 @@ from ..listing.versions import Versions, first_known
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore, StoreFactory
 from . import lanes, partition
-from .groups import DEPRECATED, Limits, Split, Store
+from .groups import Limits, Split, Store
 from .mix_order import DrawOrder, apportion
 from .object_samples import OnError
 from .object_source import ObjectProgress
-from .options import Options, Transform, dataset_options
+from .options import Options, Transform, check_mix_part, dataset_options
 from .progress import Watermark
 from .protocol import LaneMixable, Mixable, Progress, Read, Run, Slot, Tagged
 
@@ -334,7 +334,7 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
         if not isinstance(dataset, AsyncS3Dataset) or not hasattr(dataset.source, "reads"):
             raise ConfigError(f"mix source {name!r} must be an AsyncS3Dataset over objects or shards, "
                               f"not {type(dataset).__name__}")
-        _check_part_options(name, dataset.options, loader_options)
+        check_mix_part(name, dataset.options, loader_options)
         weight = None if weights is None else weights[name]
         if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
                                    or not 0 <= weight < math.inf):
@@ -348,29 +348,3 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
     if weights is not None and not any(weights.values()):
         raise ConfigError("at least one weight must be above zero")
     return AsyncS3Dataset(MixSource(parts, loader_options, samples_per_epoch), options=loader_options)
-
-
-_MIX_DECIDES: dict[str, Callable[[Options], Any]] = {  # an old spelling (what the message names) -> where it lives now
-    "batch_size": lambda o: o.batch_size, "rank": lambda o: o.split.rank,
-    "world_size": lambda o: o.split.world_size, "pad_policy": lambda o: o.split.pad,
-    "max_inflight": lambda o: o.limits.concurrency, "queue_bytes": lambda o: o.queue_bytes,
-    "queue_items": lambda o: o.queue_items, "memory_budget": lambda o: o.limits.memory,
-    "store": lambda o: o.store.backend, "config": lambda o: o.config, "cache_dir": lambda o: o.store.cache,
-}
-
-
-def _check_part_options(name: str, given: Options, mix_options: Options) -> None:
-    """How to load is the mix's: a source that set it differently would be silently overruled."""
-    defaults = Options()
-    for field, read in _MIX_DECIDES.items():
-        value = read(given)
-        if field in ("store", "config"):
-            if value != read(mix_options):
-                raise ConfigError(
-                    f"mix source {name!r} reads through another {field} than the mix; give {field}= "
-                    "to mix(...) and use one endpoint and store for all sources")
-            continue
-        if value != read(defaults) and value != read(mix_options):
-            new = DEPRECATED["mix"].get(field, f"{field}=...")
-            raise ConfigError(f"mix source {name!r} sets {field}={value!r}: in a mix that is the "
-                              f"mix's setting; give {new} to mix(...) instead")

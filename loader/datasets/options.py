@@ -337,6 +337,32 @@ def check_map_options(options: Options) -> None:
         _check_sampler_free(changed)
 
 
+_MIX_DECIDES: dict[str, Callable[[Options], Any]] = {  # an old spelling (what the message names) -> where it lives now
+    "batch_size": lambda o: o.batch_size, "rank": lambda o: o.split.rank,
+    "world_size": lambda o: o.split.world_size, "pad_policy": lambda o: o.split.pad,
+    "max_inflight": lambda o: o.limits.concurrency, "queue_bytes": lambda o: o.queue_bytes,
+    "queue_items": lambda o: o.queue_items, "memory_budget": lambda o: o.limits.memory,
+    "store": lambda o: o.store.backend, "config": lambda o: o.config, "cache_dir": lambda o: o.store.cache,
+}
+
+
+def check_mix_part(name: str, given: Options, mix_options: Options) -> None:
+    """How to load is the mix's: a source that set it differently would be silently overruled."""
+    defaults = Options()
+    for field, read in _MIX_DECIDES.items():
+        value = read(given)
+        if field in ("store", "config"):
+            if value != read(mix_options):
+                raise ConfigError(
+                    f"mix source {name!r} reads through another {field} than the mix; give {field}= "
+                    "to mix(...) and use one endpoint and store for all sources")
+            continue
+        if value != read(defaults) and value != read(mix_options):
+            new = DEPRECATED["mix"].get(field, f"{field}=...")
+            raise ConfigError(f"mix source {name!r} sets {field}={value!r}: in a mix that is the "
+                              f"mix's setting; give {new} to mix(...) instead")
+
+
 def LoaderOptions(**flat: Any) -> Options:
     """The flat record of earlier releases (``loader.LoaderOptions``, deprecated there): its
     keywords, the old flat spellings, land on ``Options``' groups here, once."""
