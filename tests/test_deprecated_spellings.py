@@ -6,6 +6,8 @@ where the new spelling says the same thing, where the new spelling puts it). The
 from __future__ import annotations
 
 import argparse
+import copy
+import pickle
 import re
 
 import pytest
@@ -230,3 +232,20 @@ def test_an_old_and_a_new_spelling_of_one_setting_are_refused_together(tmp_path)
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"cache_dir=.* and its new spelling"):
         AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=tmp_path / "new"),
                                  cache_dir=tmp_path / "old")
+
+
+def test_a_flat_field_of_the_old_record_still_reads_with_a_warning(tmp_path):
+    ds = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=Cache(tmp_path)),
+                                  limits=Limits(memory=64 << 20), split=Split(rank=1, world_size=2))
+    for name, value, where in [("max_inflight", 64, "options.limits.concurrency"),
+                               ("memory_budget", 64 << 20, "options.limits.memory"),
+                               ("rank", 1, "options.split.rank"), ("pad_policy", "pad", "options.split.pad"),
+                               ("retry", RetryPolicy(), "options.store.retry"),
+                               ("cache_dir", str(tmp_path), "options.store.cache.dir")]:
+        message = re.escape(f"options.{name} is deprecated") + ".*" + re.escape(where)
+        with pytest.warns(DeprecationWarning, match=message):
+            assert getattr(ds.options, name) == value
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        ds.options.nonsense  # noqa: B018
+    named = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store="aioboto3", limits=Limits(memory=64 << 20)).options
+    assert pickle.loads(pickle.dumps(named)) == copy.deepcopy(named) == named  # what workers get

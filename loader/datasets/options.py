@@ -109,6 +109,20 @@ class Options:
             self.store, backend=spec.store,  # the cache's folder absolute: workers may chdir
             cache=None if folder is None or cache is None else Cache(folder, limit, cache.validate)))
 
+    def __getattr__(self, name: str) -> Any:
+        """A flat field of ``LoaderOptions`` (``options.max_inflight``, ``options.cache_dir``...)
+        still reads for one release, with a warning naming where it lives now."""
+        group, field = LANDS.get(name, ("", ""))
+        if group not in ("limits", "split", "store", "cache"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        where = "store.cache" if group == "cache" else group
+        warnings.warn(f"options.{name} is deprecated and will be removed in the next release: read "
+                      f"options.{where}.{field}", DeprecationWarning, stacklevel=2)
+        if name == "max_inflight":
+            return self.concurrency  # its default was the engine's
+        holder = self.store.cache if group == "cache" else getattr(self, group)
+        return None if holder is None else getattr(holder, field)
+
     @property
     def concurrency(self) -> int:
         """Requests in flight per iterating process (per-object mode; shards count files)."""
