@@ -401,11 +401,11 @@ def warn_direct_construction(name: str, sources: str, *, shards: bool) -> None:
 
 # ------------------------------------------------------------------------ one memory budget
 #
-# ``memory_budget`` is bytes per iterating process (each DataLoader worker has its own). It is
+# ``Limits(memory=)`` is bytes per iterating process (each DataLoader worker has its own). It is
 # split the way Mountpoint's memory target splits, into fixed shares whose sum is the budget:
 #
 #   per-object mode   queue_bytes = budget / 2; bodies in flight = the rest, reserved per request
-#                     by the engine (twice the largest object seen), so max_inflight adapts to
+#                     by the engine (twice the largest object seen), so requests in flight adapt to
 #                     the object size
 #   shard mode        queue_bytes = budget / 4; the shuffle buffer (with shuffle=True) = budget / 4,
 #                     in bytes as well as in samples; shards in flight x shard_read_bytes = the
@@ -416,9 +416,6 @@ def warn_direct_construction(name: str, sources: str, *, shards: bool) -> None:
 # Knobs given explicitly win and the others are derived from what is left; a combination of
 # explicit knobs that exceeds the budget is a ConfigError that names them (clamping silently
 # would hide that the knobs the user chose are not the ones in force).
-
-_SHARD_KNOBS = ("shards_inflight", "parts_inflight", "part_size", "chunk_size")
-
 
 def shard_read_bytes(parts_inflight: int, part_size: int) -> int:
     """What one shard being read may hold: ``parts_inflight`` parts fetched ahead, each twice
