@@ -417,6 +417,7 @@ def warn_direct_construction(name: str, sources: str, *, shards: bool) -> None:
 # explicit knobs that exceeds the budget is a ConfigError that names them (clamping silently
 # would hide that the knobs the user chose are not the ones in force).
 
+
 def shard_read_bytes(parts_inflight: int, part_size: int) -> int:
     """What one shard being read may hold: ``parts_inflight`` parts fetched ahead, each twice
     for a moment as it arrives (the HTTP client's pieces, then the joined body; measured: RSS
