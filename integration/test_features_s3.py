@@ -62,7 +62,7 @@ def test_loader_store_picks_the_backend(s3_server, s3_env, objects, monkeypatch)
     bucket, stems = objects
     monkeypatch.setenv("LOADER_STORE", "obstore")
     ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/")
-    assert ds.options.store == "obstore"
+    assert ds.options.store.backend == "obstore"
     # obstore's runtime does not survive fork: spawned workers, as the docs advise
     loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="spawn", timeout=TIMEOUT,
                         collate_fn=key_batch)

@@ -256,7 +256,7 @@ def test_the_secret_appears_nowhere(canary_server, monkeypatch, caplog, tmp_path
             texts[f"repr/str of the {store} dataset"] = f"{in_process!r} {in_process} {vars(in_process)!r}"
             texts[f"{store} options, config, stats"] = (
                 f"{in_process.options!r} {in_process.options.config!r} {in_process.options.config} "
-                f"{in_process.options.retry!r} {in_process.stats()!r}")
+                f"{in_process.options.store.retry!r} {in_process.stats()!r}")
 
         # 3. failing requests: the whole chain of causes, as a traceback prints it
         for store in ("aioboto3", "obstore"):

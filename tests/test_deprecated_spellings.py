@@ -6,6 +6,8 @@ where the new spelling says the same thing, where the new spelling puts it). The
 from __future__ import annotations
 
 import argparse
+import copy
+import pickle
 import re
 
 import pytest
@@ -23,7 +25,7 @@ from loader import (
     Store,
     mix,
 )
-from loader.datasets.groups import DEPRECATED
+from loader.datasets.groups import DEPRECATED, LANDS
 
 from fakes import FakeStore, reusable
 
@@ -62,7 +64,6 @@ CASES = {
 }
 NEEDS = {"rank": {"world_size": 2}, "world_size": {"rank": 1}, "cache_limit": {"cache_dir": "CACHE"},
          "cache_validate": {"cache_dir": "CACHE"}, "queue_bytes": {}, "shuffle_bytes": {"shuffle": True}}
-FIELD = {"row_groups_inflight": "shards_inflight"}  # where the value lands, when not its own name
 
 
 def build(mode: str, **keywords):
@@ -81,11 +82,14 @@ def build(mode: str, **keywords):
 
 
 def landed(dataset, name: str):
-    field = FIELD.get(name, name)
+    """Where ``LANDS`` says the old spelling's value goes (``reading``: the source's ShardOptions)."""
+    group, field = LANDS[name]
+    options = dataset.options
     shard_options = getattr(dataset.source, "shard_options", None)
-    if shard_options is not None and hasattr(shard_options, field):
-        return getattr(shard_options, field)
-    return getattr(dataset.options, field)
+    where = {"options": options, "limits": options.limits, "split": options.split, "store": options.store,
+             "cache": options.store.cache, "reading": shard_options}[group]
+    value = getattr(where, field)
+    return str(value) if group == "cache" and field == "dir" else value
 
 
 @pytest.mark.parametrize(("mode", "name"), [(mode, name) for mode, names in DEPRECATED.items()
@@ -120,7 +124,8 @@ def test_a_cache_folder_as_before_and_as_a_cache_are_one(tmp_path):
     with pytest.warns(DeprecationWarning, match=re.escape("store=Store(cache=Cache(dir=...))")):
         old = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE, cache_dir=tmp_path)
     new = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=Cache(tmp_path)))
-    assert old.options.cache_dir == new.options.cache_dir == str(tmp_path)
+    assert old.options.store.cache == new.options.store.cache
+    assert old.options.store.cache.dir == str(tmp_path)
 
 
 @pytest.mark.parametrize("entry", ["from_keys", "from_shards", "from_parquet"])
@@ -200,3 +205,47 @@ def test_no_module_of_the_package_builds_a_dataset_with_an_old_spelling():
                 found += [f"{path.name}:{node.lineno}: {name}({word.arg}=)" for word in node.keywords
                           if word.arg in DEPRECATED[entry[name]]]
     assert found == []
+
+
+def test_the_flat_record_of_earlier_releases_converts_once_to_the_groups(tmp_path):
+    """``LoaderOptions(...)`` is only the old spelling: what it gives is the record a constructor
+    builds from the groups, and that record holds the groups, not a flat copy of their fields."""
+    import dataclasses
+
+    from loader.datasets.options import LoaderOptions, Options, dataset_options
+
+    old = LoaderOptions(store=STORE, max_inflight=7, memory_budget=64 << 20, rank=1, world_size=2,
+                        pad_policy="drop", retry=RETRY, cache_dir=tmp_path, cache_limit=1 << 30, shuffle=True)
+    new, _ = dataset_options("objects", shuffle=True, limits=Limits(concurrency=7, memory=64 << 20),
+                             split=Split(rank=1, world_size=2, pad="drop"),
+                             store=Store(backend=STORE, retry=RETRY, cache=Cache(tmp_path, limit=1 << 30)))
+    assert isinstance(old, Options) and old == new
+    assert old.limits == Limits(concurrency=7, memory=64 << 20) and old.queue_bytes == 32 << 20
+    fields = {field.name for field in dataclasses.fields(Options)}
+    assert not fields & {"max_inflight", "memory_budget", "rank", "world_size", "pad_policy", "retry",
+                         "listing", "cache_dir", "cache_limit", "cache_validate", "ordered"}
+
+
+def test_an_old_and_a_new_spelling_of_one_setting_are_refused_together(tmp_path):
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"max_inflight=7 and its new spelling"):
+        AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE, limits=Limits(concurrency=8), max_inflight=7)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"cache_dir=.* and its new spelling"):
+        AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=tmp_path / "new"),
+                                 cache_dir=tmp_path / "old")
+
+
+def test_a_flat_field_of_the_old_record_still_reads_with_a_warning(tmp_path):
+    ds = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=Cache(tmp_path)),
+                                  limits=Limits(memory=64 << 20), split=Split(rank=1, world_size=2))
+    for name, value, where in [("max_inflight", 64, "options.limits.concurrency"),
+                               ("memory_budget", 64 << 20, "options.limits.memory"),
+                               ("rank", 1, "options.split.rank"), ("pad_policy", "pad", "options.split.pad"),
+                               ("retry", RetryPolicy(), "options.store.retry"),
+                               ("cache_dir", str(tmp_path), "options.store.cache.dir")]:
+        message = re.escape(f"options.{name} is deprecated") + ".*" + re.escape(where)
+        with pytest.warns(DeprecationWarning, match=message):
+            assert getattr(ds.options, name) == value
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        ds.options.nonsense  # noqa: B018
+    named = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store="aioboto3", limits=Limits(memory=64 << 20)).options
+    assert pickle.loads(pickle.dumps(named)) == copy.deepcopy(named) == named  # what workers get

@@ -42,7 +42,7 @@ def test_the_site_builds_strictly(tmp_path):
 def test_the_defaults_the_reference_states_are_the_code_s():
     """The docstrings state defaults in words; these are the numbers behind them."""
     from loader.cache.options import DEFAULT_CACHE_LIMIT, DEFAULT_VALIDATE
-    from loader.datasets.parquet_source import DEFAULT_UNIT_BYTES
+    from loader.datasets.options import DEFAULT_UNIT_BYTES
     from loader.formats.shards import DEFAULT_PART_SIZE
 
     assert DEFAULT_CACHE_LIMIT == 10 << 30 and loader.Cache("d").validate == DEFAULT_VALIDATE

@@ -66,10 +66,10 @@ def test_the_entry_points_share_their_common_keywords():
 
 def test_limits_set_requests_in_flight_and_memory():
     ds = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE, limits=Limits(concurrency=7, memory=64 << 20))
-    assert ds.options.max_inflight == 7
-    assert ds.options.memory_budget == 64 << 20 and ds.options.queue_bytes == 32 << 20  # half: the queue
+    assert ds.options.concurrency == 7 and ds.options.engine_limits("ordered").max_inflight == 7
+    assert ds.options.limits.memory == 64 << 20 and ds.options.queue_bytes == 32 << 20  # half: the queue
     assert AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=STORE,
-                                    limits=Limits(ordered=False)).options.ordered is False
+                                    limits=Limits(ordered=False)).options.limits.ordered is False
 
 
 def test_concurrency_in_shard_mode_is_files_times_parts():
@@ -88,9 +88,9 @@ def test_split_store_and_reading_land_on_their_fields(tmp_path):
                     cache=Cache(tmp_path, limit=1 << 30, validate="never")),
         reading=Reading(shuffle_buffer=10, part_size=2 << 20, chunk_size=1 << 20, index="s3://bkt/i.json"))
     o, s = ds.options, ds.source.shard_options
-    assert (o.rank, o.world_size, o.pad_policy) == (1, 2, "drop")
-    assert o.retry == retry and o.listing == ListOptions(page_size=10, concurrency=3)
-    assert (o.cache_dir, o.cache_limit, o.cache_validate) == (str(tmp_path), 1 << 30, "never")
+    assert (o.split.rank, o.split.world_size, o.split.pad) == (1, 2, "drop")
+    assert o.store.retry == retry and o.store.listing == ListOptions(page_size=10, concurrency=3)
+    assert o.store.cache == Cache(str(tmp_path), 1 << 30, "never")
     assert (s.samples_per_epoch, s.uneven_ranks) == (5, True)
     assert (s.shuffle_buffer, s.part_size, s.chunk_size, s.index) == (10, 2 << 20, 1 << 20, "s3://bkt/i.json")
 

@@ -15,9 +15,9 @@ from collections import Counter
 import pytest
 from test_shards import BUCKET, assert_exactly, make_store, shards_ds
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, Limits
 from loader.datasets.object_samples import object_job
-from loader.datasets.options import LoaderOptions, budget_options, shard_read_bytes
+from loader.datasets.options import Options, budget_options, dataset_options, shard_read_bytes
 from loader.datasets.shuffle import shuffled
 from loader.engine import EngineLimits, FetchEngine
 
@@ -30,10 +30,10 @@ MiB = 1 << 20
 
 
 def test_objects_mode_gives_half_to_the_queue_and_the_rest_to_bodies_in_flight():
-    options = LoaderOptions(**budget_options({"memory_budget": 256 * MiB}, "objects"))
+    options, _ = dataset_options("objects", limits=Limits(memory=256 * MiB))
     assert options.queue_bytes == 128 * MiB
     assert options.object_limits("ordered").inflight_bytes == 128 * MiB
-    assert LoaderOptions().object_limits("ordered").inflight_bytes is None  # no budget: as before
+    assert Options().object_limits("ordered").inflight_bytes is None  # no budget: as before
 
 
 def test_shard_mode_splits_queue_shuffle_and_reads():

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Split, Store
 from loader.datasets import partition
 from loader.datasets.object_source import ObjectProgress
-from loader.datasets.options import LoaderOptions
+from loader.datasets.options import Options
 from loader.datasets.progress import Watermark
 from loader.datasets.protocol import Slot
 
@@ -65,7 +65,7 @@ class Numbers:
             return run_job
 
         jobs = [job(tag, number) for tag, number in enumerate(plan) if tag not in progress.delivered]
-        yield from run(jobs, self.options.limits("ordered"))
+        yield from run(jobs, self.options.engine_limits("ordered"))
 
     def transform(self, sample):
         return sample
@@ -79,14 +79,14 @@ class Numbers:
 
 def numbers(n, **options):
     fake = FakeStore.with_objects("bucket", {})
-    opts = LoaderOptions(store=reusable(fake), **options)
+    opts = Options(store=Store(backend=reusable(fake)), **options)
     return AsyncS3Dataset(Numbers(n, opts), options=opts)
 
 
 def test_a_new_source_is_read_exactly_once_across_simulated_ranks():
     got = []
     for rank in range(3):
-        ds = numbers(50, shuffle=True, seed=1, rank=rank, world_size=3, pad_policy="drop")
+        ds = numbers(50, shuffle=True, seed=1, split=Split(rank=rank, world_size=3, pad="drop"))
         ds.set_epoch(2)
         assert len(ds) == 16
         got.extend(sample["n"] for sample in ds)
@@ -101,7 +101,7 @@ def test_a_new_source_gets_block_dealing_and_elastic_resume(n, world, batch, dat
     def run(world_size, steps=None, seen=None):
         out, first = [], None
         for rank in range(world_size):
-            ds = numbers(n, shuffle=True, seed=7, batch_size=batch, rank=rank, world_size=world_size)
+            ds = numbers(n, shuffle=True, seed=7, batch_size=batch, split=Split(rank=rank, world_size=world_size))
             if seen is not None:
                 ds.resume(epoch=1, samples_seen=seen)
             else:

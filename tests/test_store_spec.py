@@ -55,4 +55,4 @@ def test_the_datasets_checkpoints_and_tools_decide_the_same_way():
     with pytest.raises(ConfigError, match=r"store='s3fs'"):
         checkpoint.load("s3://bucket/ckpt.pt", config=CONFIG, store="s3fs")
     ds = AsyncS3Dataset.from_keys("bucket", ["k"], config=CONFIG, store=my_factory)
-    assert ds.options.store is my_factory and ds.options.config is CONFIG
+    assert ds.options.store.backend is my_factory and ds.options.config is CONFIG

@@ -14,25 +14,20 @@ small frozen objects:
 - ``reading=Reading(shuffle_buffer=, part_size=, chunk_size=, index=)``: how shards and Parquet
   files are read.
 
-``flat_options`` turns them into ``LoaderOptions``' fields (and ``ShardOptions``'), the
-internal record every source reads; a field is set only when its group gave it, so what
-``memory`` derives still knows which knobs were chosen. ``DEPRECATED`` is the only list of the
-old flat spellings: each still lands on the same field, with a ``DeprecationWarning`` that
-names its new spelling.
+A dataset keeps them as one record (``options.Options``), the groups as given; shards and
+Parquet read their files through ``ShardOptions``. ``DEPRECATED`` is the only list of the old
+flat spellings, ``LANDS`` where each one's value goes: each still works, with a
+``DeprecationWarning`` that names its new spelling.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
-from ..cache.options import DEFAULT_VALIDATE
 from ..checks import check_int
 from ..errors import ConfigError
-from ..formats.shards import DEFAULT_PARTS_INFLIGHT
 from ..listing.keylist import ListOptions
 from ..retry import RetryPolicy
 from ..s3 import StoreFactory
@@ -181,75 +176,18 @@ DEPRECATED: dict[Mode, dict[str, str]] = {
                                              "cache_limit", "cache_validate", "log_stats")},
 }
 """Per entry point: the flat keywords of earlier releases, kept for one release, and what to
-write instead. Their values land where they always did."""
+write instead."""
 
-
-def flat_options(mode: Mode, *, limits: Limits | None = None, split: Split | None = None,
-                 store: str | StoreFactory | Store | None = None, reading: Reading | None = None,
-                 old: Mapping[str, Any] | None = None, stacklevel: int = 3, **flat: Any) -> dict[str, Any]:
-    """The keywords of an entry point as ``LoaderOptions``/``ShardOptions`` fields: ``flat``
-    (``shuffle``, ``transform``... as given), the groups' fields where they differ from their
-    defaults, and ``old`` spellings (each warned about). Unknown ``old`` names are a TypeError,
-    as Python gives for any unexpected keyword. ``stacklevel``: the user's call, seen from here
-    (3: the entry point called this)."""
-    out = {name: value for name, value in flat.items() if value is not None}
-    grouped: dict[str, Any] = {}
-    for name, kind in (("limits", Limits), ("split", Split), ("reading", Reading)):
-        value = {"limits": limits, "split": split, "reading": reading}[name]
-        if value is not None and not isinstance(value, kind):
-            raise ConfigError(f"{name}={value!r} must be a loader.{kind.__name__}(...)")
-    if limits is not None:
-        if limits.concurrency is not None:
-            if mode in ("shards", "parquet"):
-                parts = (old or {}).get("parts_inflight", DEFAULT_PARTS_INFLIGHT)
-                grouped["shards_inflight"] = max(1, limits.concurrency // max(1, parts))
-            else:
-                grouped["max_inflight"] = limits.concurrency
-        _put(grouped, memory_budget=limits.memory, ordered=None if limits.ordered else False)
-    if split is not None:
-        if mode not in ("shards", "parquet") and split.samples_per_epoch is not None:
-            raise ConfigError("Split(samples_per_epoch=) is for shards and Parquet; an epoch of "
-                              f"{'a mix is mix(samples_per_epoch=)' if mode == 'mix' else 'objects is every sample'}")
-        if mode != "shards" and split.uneven_ranks:
-            raise ConfigError("Split(uneven_ranks=True) is for shards whose counts are unknown")
-        _put(grouped, rank=split.rank, world_size=split.world_size,
-             pad_policy=None if split.pad == "pad" else split.pad,
-             samples_per_epoch=split.samples_per_epoch, uneven_ranks=split.uneven_ranks or None)
-    if isinstance(store, Store):
-        cache = store.cache
-        assert cache is None or isinstance(cache, Cache)  # __post_init__ made it one
-        _put(grouped, store=store.backend,
-             retry=None if store.retry == RetryPolicy() else store.retry,
-             listing=None if store.listing == ListOptions() else store.listing,
-             cache_dir=None if cache is None else cache.dir,
-             cache_limit=None if cache is None else cache.limit,
-             cache_validate=None if cache is None or cache.validate == DEFAULT_VALIDATE else cache.validate)
-    elif isinstance(store, Cache):
-        raise ConfigError(f"store={store!r}: a Cache goes inside a Store; pass store=Store(cache=Cache(...))")
-    elif store is not None:
-        grouped["store"] = store
-    if reading is not None:
-        if mode not in ("shards", "parquet"):
-            raise ConfigError("reading=Reading(...) is for shards and Parquet files")
-        if mode == "parquet" and (reading.chunk_size is not None or reading.index is not None):
-            raise ConfigError("Reading(chunk_size=, index=) are for shards; Parquet reads row groups "
-                              "in parts of Reading(part_size=)")
-        _put(grouped, shuffle_buffer=reading.shuffle_buffer, part_size=reading.part_size,
-             chunk_size=reading.chunk_size, index=reading.index)
-    out.update(grouped)
-    spellings = DEPRECATED[mode]
-    for name, value in (old or {}).items():
-        if name not in spellings:
-            raise TypeError(f"unexpected keyword argument {name!r}")
-        warnings.warn(f"{name}= is deprecated and will be removed in the next release: write "
-                      f"{spellings[name]}", DeprecationWarning, stacklevel=stacklevel)
-        if name in grouped:
-            raise ConfigError(f"{name}={value!r} and its new spelling {spellings[name]} are both given; "
-                              "keep the new one")
-        out[name] = value
-    return out
-
-
-def _put(out: dict[str, Any], **fields: Any) -> None:
-    out.update((name, value) for name, value in fields.items() if value is not None)
-
+LANDS: dict[str, tuple[str, str]] = {
+    "max_inflight": ("limits", "concurrency"), "memory_budget": ("limits", "memory"),
+    "ordered": ("limits", "ordered"), "rank": ("split", "rank"), "world_size": ("split", "world_size"),
+    "pad_policy": ("split", "pad"), "retry": ("store", "retry"), "listing": ("store", "listing"),
+    "cache_dir": ("cache", "dir"), "cache_limit": ("cache", "limit"), "cache_validate": ("cache", "validate"),
+    "queue_bytes": ("options", "queue_bytes"), "queue_items": ("options", "queue_items"),
+    "log_stats": ("options", "log_stats"), "row_groups_inflight": ("reading", "shards_inflight"),
+    **{name: ("reading", name) for name in ("shards_inflight", "parts_inflight", "shuffle_buffer",
+                                            "shuffle_bytes", "part_size", "chunk_size", "index",
+                                            "samples_per_epoch", "uneven_ranks")},
+}
+"""Where an old spelling's value goes: a group's field (``cache``: the ``Store``'s ``Cache``), a
+field of ``Options`` itself, or (``reading``) a ``ShardOptions`` field of shards and Parquet."""

@@ -9,7 +9,6 @@ When the iteration ends the engine is closed and only a statistics snapshot is k
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -33,10 +32,10 @@ from ..s3 import StoreFactory
 from ..s3.recording import RequestRecorder
 from ..uri import parse_s3_uri
 from . import partition
-from .groups import Limits, Reading, Split, Store, flat_options
+from .groups import Limits, Reading, Split, Store
 from .object_samples import LabelFrom, OnError, SampleIndex, Skipped, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, Transform, budget_options, warn_direct_construction
+from .options import Options, Transform, dataset_options, warn_direct_construction
 from .protocol import Progress, Slot, Source
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
@@ -89,7 +88,7 @@ class AsyncS3Dataset(IterableDataset):
         self,
         source: Source | None = None,
         *,
-        options: LoaderOptions | None = None,
+        options: Options | None = None,
         bucket: str | None = None,
         keys: Iterable[str] | None = None,
         prefix: str | None = None,
@@ -100,7 +99,7 @@ class AsyncS3Dataset(IterableDataset):
         labels: Iterable[int | str | None] | None = None,
     ) -> None:
         super().__init__()
-        self.options = options or LoaderOptions()
+        self.options = options or Options()
         if source is None:
             warn_direct_construction("AsyncS3Dataset", "keys=|prefix=|shards=", shards=True)
             source = source_from_keywords(self.options, bucket=bucket, keys=keys, prefix=prefix,
@@ -143,10 +142,9 @@ class AsyncS3Dataset(IterableDataset):
         see the class docstring.
         """
         bucket, prefix = parse_s3_uri(uri)
-        loader_options = LoaderOptions(**budget_options(flat_options(
+        loader_options, _ = dataset_options(
             "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
-            on_error=on_error, limits=limits, split=split, store=store, config=config,
-            old=deprecated), "objects"))
+            on_error=on_error, limits=limits, split=split, store=store, config=config, old=deprecated)
         return cls(ObjectSource(bucket, loader_options, prefix=prefix, group=group, label_from=label_from,
                                 snapshot=snapshot_option(snapshot)),
                    options=loader_options)
@@ -162,10 +160,9 @@ class AsyncS3Dataset(IterableDataset):
         ``from_prefix``; samples come in the order their stems first appear."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        loader_options = LoaderOptions(**budget_options(flat_options(
+        loader_options, _ = dataset_options(
             "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
-            on_error=on_error, limits=limits, split=split, store=store, config=config,
-            old=deprecated), "objects"))
+            on_error=on_error, limits=limits, split=split, store=store, config=config, old=deprecated)
         return cls(ObjectSource(bucket, loader_options, keys=keys, group=group, label_from=label_from),
                    options=loader_options)
 
@@ -179,10 +176,9 @@ class AsyncS3Dataset(IterableDataset):
         """Keys from a file: plain text (a key or ``s3://`` URI per line), or CSV / JSON lines
         with a ``key`` column and optionally a ``label`` column (see ``inputs.read_manifest``);
         or a listing snapshot (``loader ls --save``), read without any LIST."""
-        loader_options = LoaderOptions(**budget_options(flat_options(
+        loader_options, _ = dataset_options(
             "objects", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
-            on_error=on_error, limits=limits, split=split, store=store, config=config,
-            old=deprecated), "objects"))
+            on_error=on_error, limits=limits, split=split, store=store, config=config, old=deprecated)
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
             return cls(ObjectSource(bucket, loader_options, prefix=prefix, group=group,
@@ -216,13 +212,11 @@ class AsyncS3Dataset(IterableDataset):
           through the shards (no counts needed); ``Split(uneven_ranks=True)``: accept ranks of
           unequal length when the counts are unknown.
         """
-        rest: dict[str, Any] = budget_options(flat_options(
+        loader_options, knobs = dataset_options(
             "shards", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
             on_error=on_error, limits=limits, split=split, store=store, config=config,
-            reading=reading, old=deprecated), "shards")
-        names = {field.name for field in dataclasses.fields(ShardOptions)}
-        shard_options = ShardOptions(**{k: rest.pop(k) for k in list(rest) if k in names})
-        loader_options = LoaderOptions(**rest)
+            reading=reading, old=deprecated)
+        shard_options = ShardOptions(**knobs)
         from .shard_source import ShardSource
 
         return cls(ShardSource(shards, loader_options, shard_options=shard_options,
@@ -247,17 +241,16 @@ class AsyncS3Dataset(IterableDataset):
         shuffle_buffer=, part_size=)``, ``split=Split(samples_per_epoch=)``). Only the
         selected columns' chunks are fetched. Needs the ``parquet`` extra (pyarrow).
         """
-        from .parquet_source import ParquetSource, parquet_options
+        from .parquet_source import ParquetSource
 
-        flat = flat_options(
+        loader_options, knobs = dataset_options(
             "parquet", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
             on_error=on_error, limits=limits, split=split, store=store, config=config,
             reading=reading, old=deprecated)
-        shard_options, rest = parquet_options(flat)
-        loader_options = LoaderOptions(**rest)
+        shard_options = ShardOptions(**knobs)
         # row groups at once: a number given (Limits(concurrency=) or an old spelling) applies to
         # every process; the default is per rank, shared among its workers (ParquetSource.inflight)
-        given = {"shards_inflight", "row_groups_inflight"} & flat.keys()
+        given = "shards_inflight" in knobs
         return cls(ParquetSource(files, loader_options, columns=columns, shard_options=shard_options,
                                  inflight_per_rank=not given),
                    options=loader_options)
@@ -335,19 +328,19 @@ class AsyncS3Dataset(IterableDataset):
         if self.options.batch_size is not None:
             _, rest = self._rest()
             full, last = partition.block_shape(rest, self.options.batch_size, world_size,
-                                               self.options.pad_policy)
+                                               self.options.split.pad)
             return full * self.options.batch_size + last
         count = self.source.count()
         if count is None:
             raise TypeError(self.source.missing_count())
-        return partition.rank_length(count, world_size, self.options.pad_policy)
+        return partition.rank_length(count, world_size, self.options.split.pad)
 
     def __getstate__(self) -> dict[str, Any]:
         starting = get_spawning_popen() is not None
         if starting:  # pickled to start a process (a spawned DataLoader worker, most often):
             self.resolve()  # list here, once, rather than in every worker; other pickling lists nothing
         state = self.__dict__.copy()
-        if starting and self.options.world_size is None:
+        if starting and self.options.split.world_size is None:
             # Starting a process (a spawn or forkserver DataLoader worker, most often): it will
             # not inherit this process's group, so tell it the rank (see topology.world).
             state["_launch"] = topology.observe()
@@ -359,7 +352,7 @@ class AsyncS3Dataset(IterableDataset):
 
     def _world(self) -> tuple[int, int]:
         """``(rank, world_size)``: explicit options, else as ``topology.world`` finds it."""
-        if self.options.world_size is not None:
+        if self.options.split.world_size is not None:
             return self.options.world()
         return topology.world(launch=self._launch, unpickled_here=self._unpickled_in == os.getpid())
 
@@ -372,14 +365,14 @@ class AsyncS3Dataset(IterableDataset):
             seen, rest = self._rest()
             positions = [seen + p for p in partition.block_positions(
                 rest, batch_size=self.options.batch_size, rank=rank, world_size=world_size,
-                worker=worker, num_workers=num_workers, policy=self.options.pad_policy)]
+                worker=worker, num_workers=num_workers, policy=self.options.split.pad)]
         lanes = world_size * max(1, num_workers)
         if self._lanes is not None and self._lanes[0] == self.epoch:
             lanes = self._lanes[1]
         self._read_lanes = lanes
         return Slot(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
                     seed=self.options.effective_seed, epoch=self.epoch, shuffle=self.options.shuffle,
-                    policy=self.options.pad_policy, positions=positions, seen=self._seen(),
+                    policy=self.options.split.pad, positions=positions, seen=self._seen(),
                     lanes=lanes if positions is not None else None)
 
     # ----------------------------------------------------------------------- iteration
@@ -442,7 +435,7 @@ class AsyncS3Dataset(IterableDataset):
         cache_stats: list[CacheStats] = []  # appended in the engine's thread when its store closes
         factory = self.options.store_factory(on_cache_close=cache_stats.append, recorder=self._recorder,
                                              versions=self.source.versions())
-        engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.retry, name="loader-engine",
+        engine = FetchEngine(jobs, factory, limits=limits, retry=self.options.store.retry, name="loader-engine",
                              schedule=schedule)
         try:
             items = iter(engine)
@@ -614,7 +607,7 @@ class AsyncS3Dataset(IterableDataset):
         _, world_size = self._world()
         seen, rest = self._rest()
         return seen + partition.samples_consumed(rest, steps, batch_size=self.options.batch_size,
-                                                 world_size=world_size, policy=self.options.pad_policy)
+                                                 world_size=world_size, policy=self.options.split.pad)
 
     def _total(self) -> int:
         """Samples in an epoch's order; a ConfigError says how to make an unknown count known."""
@@ -678,11 +671,11 @@ class AsyncS3Dataset(IterableDataset):
         if stats is None:
             return "no epoch yet: iterate first (for batch in ds.timed(loader): ...)"
         limit = getattr(getattr(self.source, "shard_options", None), "shards_inflight", None)
-        return report(stats, inflight_limit=limit or self.options.max_inflight)
+        return report(stats, inflight_limit=limit or self.options.concurrency)
 
     def __repr__(self) -> str:
         return (f"AsyncS3Dataset({self.source.describe()}, shuffle={self.options.shuffle}, "
-                f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
+                f"concurrency={self.options.concurrency}, store={self.options.store.backend!r})")
 
 
 def _close_iteration(iteration: Generator[Any, None, None]) -> None:
@@ -696,7 +689,7 @@ _open_iterations: LiveObjects[Generator[Any, None, None]] = LiveObjects(
     in_child=lambda iteration: None, at_exit=_close_iteration)
 
 
-def source_from_keywords(options: LoaderOptions, *, bucket: str | None = None,
+def source_from_keywords(options: Options, *, bucket: str | None = None,
                          keys: Iterable[str] | None = None, prefix: str | None = None,
                          shards: str | Iterable[str] | None = None,
                          shard_options: ShardOptions | None = None, group: bool = True,

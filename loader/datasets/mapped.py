@@ -16,7 +16,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -29,7 +29,7 @@ from ..decode import apply_transform
 from ..engine.core import run_all
 from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
-from ..errors import ConfigError, NoSuchKeyError, SampleError, say_skipped
+from ..errors import NoSuchKeyError, SampleError, say_skipped
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.keylist import KeyList
@@ -38,19 +38,15 @@ from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
 from ..s3.listed_reads import reread_listed
 from ..uri import parse_s3_uri
-from .groups import Limits, Store, flat_options
+from .groups import Limits, Store
 from .object_samples import LabelFrom, OnError, SampleIndex, get_pinned, listed, skippable
 from .object_source import ObjectSource
-from .options import LoaderOptions, Transform, warn_direct_construction
+from .options import Options, Transform, check_map_options, map_options, warn_direct_construction
 
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "loader-map-client"
 
-# LoaderOptions fields that mean nothing here, and what decides instead.
-_SAMPLER_DECIDES = ("shuffle", "seed", "ordered", "rank", "world_size", "pad_policy", "batch_size")
-_NO_QUEUE = ("queue_bytes", "queue_items", "memory_budget")
-_DEFAULTS = LoaderOptions.__dataclass_fields__
 
 
 class AsyncS3MapDataset(Dataset):
@@ -69,14 +65,14 @@ class AsyncS3MapDataset(Dataset):
     nor is ``Limits(memory=)``, as there is no queue.
     """
 
-    def __init__(self, source: ObjectSource | None = None, *, options: LoaderOptions | None = None,
+    def __init__(self, source: ObjectSource | None = None, *, options: Options | None = None,
                  **deprecated: Any) -> None:
         """``source`` and ``options`` come from a constructor; ``deprecated``: the keywords that
         described a source (``bucket=``, ``keys=`` or ``prefix=``, ``group=``, ``label_from=``,
         ``labels=``), which still work for one release, with a warning."""
         super().__init__()
-        self.options = options or LoaderOptions()
-        _reject_defaults_changed(self.options)
+        self.options = options or Options()
+        check_map_options(self.options)
         if source is None:
             warn_direct_construction("AsyncS3MapDataset", "keys=|prefix=", shards=False)
             from .iterable import source_from_keywords
@@ -100,7 +96,7 @@ class AsyncS3MapDataset(Dataset):
         """Every object under ``s3://bucket/prefix``, listed once when first needed (hidden
         objects left out; ``snapshot=``: see ``AsyncS3Dataset.from_prefix``)."""
         bucket, prefix = parse_s3_uri(uri)
-        options = _options(transform, on_error, limits, store, config, deprecated)
+        options = map_options(transform, on_error, limits, store, config, deprecated)
         return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
                                 snapshot=snapshot_option(snapshot)), options=options)
 
@@ -114,7 +110,7 @@ class AsyncS3MapDataset(Dataset):
         (``keys[i]`` when no two keys share a stem, or with ``group=False``)."""
         if bucket.startswith("s3://"):
             bucket = parse_s3_uri(bucket).bucket
-        options = _options(transform, on_error, limits, store, config, deprecated)
+        options = map_options(transform, on_error, limits, store, config, deprecated)
         return cls(ObjectSource(bucket, options, keys=keys, group=group, label_from=label_from),
                    options=options)
 
@@ -126,7 +122,7 @@ class AsyncS3MapDataset(Dataset):
                       **deprecated: Any) -> AsyncS3MapDataset:
         """Keys (and labels) from a manifest: plain text, CSV or JSON lines (see
         ``inputs.read_manifest``), or a listing snapshot (read without any LIST)."""
-        options = _options(transform, on_error, limits, store, config, deprecated)
+        options = map_options(transform, on_error, limits, store, config, deprecated)
         if is_snapshot(path):
             bucket, prefix = parse_s3_uri(snapshot_uri(path, bucket))
             return cls(ObjectSource(bucket, options, prefix=prefix, group=group, label_from=label_from,
@@ -248,7 +244,7 @@ class AsyncS3MapDataset(Dataset):
 
     def __repr__(self) -> str:
         return (f"AsyncS3MapDataset({self.source.describe()}, "
-                f"concurrency={self.options.max_inflight}, store={self.options.store!r})")
+                f"concurrency={self.options.concurrency}, store={self.options.store.backend!r})")
 
     # ----------------------------------------------------------------------- helpers
 
@@ -266,7 +262,7 @@ class AsyncS3MapDataset(Dataset):
             if self._closer is not None:
                 self._closer.detach()  # an inherited or already closed client's
             factory = self.options.store_factory(versions=self.source.versions())
-            client = _Client.open(factory, self.options.max_inflight, self.options.retry)
+            client = _Client.open(factory, self.options.concurrency, self.options.store.retry)
             self._closer = weakref.finalize(self, client.close)
             self._client = client
             _owners.add(self)
@@ -392,48 +388,6 @@ async def _open_in_loop(factory: StoreFactory, max_inflight: int) -> tuple[TailS
 async def _close_in_loop(store: ObjectStore) -> None:
     with anyio.CancelScope(shield=True):
         await store.aclose()
-
-
-def _options(transform: Transform | None, on_error: OnError, limits: Limits | None,
-             store: str | StoreFactory | Store | None, config: S3Config | None,
-             deprecated: Mapping[str, Any]) -> LoaderOptions:
-    """``LoaderOptions`` from constructor keywords; of ``Limits`` only ``concurrency`` applies."""
-    if limits is not None and (limits.memory is not None or not limits.ordered):
-        raise ConfigError(
-            f"limits={limits!r}: AsyncS3MapDataset takes only Limits(concurrency=); it has no queue "
-            "(memory is one batch of objects, batch_size x object size) and the sampler decides order")
-    _check_sampler_free(deprecated)  # their old flat spellings: say why, not "unexpected"
-    given = flat_options("map", transform=transform, on_error=on_error, limits=limits, store=store,
-                         config=config, old=deprecated, stacklevel=4)
-    return LoaderOptions(**given)
-
-
-def _check_sampler_free(given: Mapping[str, Any]) -> None:
-    """Refuse what a sampler decides, or a queue this dataset does not have."""
-    for name in given:
-        if name in _SAMPLER_DECIDES:
-            raise ConfigError(
-                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: in a map-style "
-                "dataset the sampler decides order and the split across ranks (use "
-                "DataLoader(shuffle=True), RandomSampler(generator=...) or "
-                "DistributedSampler(shuffle=..., seed=...) and its set_epoch)"
-            )
-        if name in _NO_QUEUE:
-            raise ConfigError(
-                f"{name}={given[name]!r} means nothing for AsyncS3MapDataset: it has no queue; "
-                "memory is one batch of objects (batch_size x object size)"
-            )
-
-
-def _reject_defaults_changed(options: LoaderOptions) -> None:
-    """The same rule for a ``LoaderOptions`` passed to ``__init__`` directly."""
-    changed = {
-        name: getattr(options, name)
-        for name in (*_SAMPLER_DECIDES, *_NO_QUEUE)
-        if getattr(options, name) != _DEFAULTS[name].default
-    }
-    if changed:
-        _check_sampler_free(changed)
 
 
 # --------------------------------------------------------------------- process-wide hygiene

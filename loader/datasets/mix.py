@@ -27,11 +27,11 @@ from ..listing.versions import Versions, first_known
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore, StoreFactory
 from . import lanes, partition
-from .groups import DEPRECATED, Limits, Split, Store, flat_options
+from .groups import Limits, Split, Store
 from .mix_order import DrawOrder, apportion
 from .object_samples import OnError
 from .object_source import ObjectProgress
-from .options import LoaderOptions, Transform, budget_options
+from .options import Options, Transform, check_mix_part, dataset_options
 from .progress import Watermark
 from .protocol import LaneMixable, Mixable, Progress, Read, Run, Slot, Tagged
 
@@ -62,7 +62,7 @@ class MixSource:
 
     kind = "mix"
 
-    def __init__(self, parts: list[Part], options: LoaderOptions, samples_per_epoch: int | None) -> None:
+    def __init__(self, parts: list[Part], options: Options, samples_per_epoch: int | None) -> None:
         self.parts = parts
         self.options = options
         options.preload_backend()  # the backend the mix's engine reads with
@@ -171,8 +171,8 @@ class MixSource:
         launch = sorted(range(len(jobs)), key=lambda j: jobs[j][0])
         number = {j: n for n, j in enumerate(launch)}
         schedule = [number[owner[tag]] for tag, _ in todo]
-        budget = self.options.memory_budget or DEFAULT_MIX_BUDGET
-        limits = self.options.limits("scheduled", inflight_bytes=max(1, budget - self.options.queue_bytes))
+        budget = self.options.limits.memory or DEFAULT_MIX_BUDGET
+        limits = self.options.engine_limits("scheduled", inflight_bytes=max(1, budget - self.options.queue_bytes))
         yield from run((jobs[j][1] for j in launch), limits, schedule)
 
     # ------------------------------------------------------------------ sources read in lanes
@@ -324,10 +324,9 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
         raise ConfigError(f"weights name {sorted(weights)}, the datasets {sorted(datasets)}; give one "
                           "weight per dataset")
     check_int("samples_per_epoch", samples_per_epoch, minimum=1, optional=True, must="a positive integer")
-    loader_options = LoaderOptions(**budget_options(flat_options(
+    loader_options, _ = dataset_options(  # a memory limit gives the mix's queue half, as for objects
         "mix", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
-        on_error=on_error, limits=limits, split=split, store=store, config=config, old=deprecated),
-        "objects"))  # a memory limit gives the mix's queue half, as for objects
+        on_error=on_error, limits=limits, split=split, store=store, config=config, old=deprecated)
     parts = []
     for name, dataset in datasets.items():
         if not isinstance(name, str) or not name:
@@ -335,7 +334,7 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
         if not isinstance(dataset, AsyncS3Dataset) or not hasattr(dataset.source, "reads"):
             raise ConfigError(f"mix source {name!r} must be an AsyncS3Dataset over objects or shards, "
                               f"not {type(dataset).__name__}")
-        _check_part_options(name, dataset.options, loader_options)
+        check_mix_part(name, dataset.options, loader_options)
         weight = None if weights is None else weights[name]
         if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
                                    or not 0 <= weight < math.inf):
@@ -349,25 +348,3 @@ def mix(datasets: Mapping[str, AsyncS3Dataset], weights: Mapping[str, float] | N
     if weights is not None and not any(weights.values()):
         raise ConfigError("at least one weight must be above zero")
     return AsyncS3Dataset(MixSource(parts, loader_options, samples_per_epoch), options=loader_options)
-
-
-_MIX_DECIDES = ("batch_size", "rank", "world_size", "pad_policy", "max_inflight", "queue_bytes",
-                "queue_items", "memory_budget", "store", "config", "cache_dir")
-
-
-def _check_part_options(name: str, given: LoaderOptions, mix_options: LoaderOptions) -> None:
-    """How to load is the mix's: a source that set it differently would be silently overruled."""
-    defaults = LoaderOptions.__dataclass_fields__
-    for field in _MIX_DECIDES:
-        value = getattr(given, field)
-        if field in ("store", "config"):
-            if value != getattr(mix_options, field):
-                raise ConfigError(
-                    f"mix source {name!r} reads through another {field} than the mix; give {field}= "
-                    "to mix(...) and use one endpoint and store for all sources")
-            continue
-        default = defaults[field].default
-        if value != default and value != getattr(mix_options, field):
-            new = DEPRECATED["mix"].get(field, f"{field}=...")
-            raise ConfigError(f"mix source {name!r} sets {field}={value!r}: in a mix that is the "
-                              f"mix's setting; give {new} to mix(...) instead")

@@ -24,7 +24,7 @@ from ..s3 import StoreFactory
 from ..topology import in_worker
 from . import partition
 from .object_samples import LabelFrom, SampleIndex, build_index, sample_job, sample_notes
-from .options import LoaderOptions
+from .options import Options
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
 from .streamed import streamed_samples
@@ -55,7 +55,7 @@ class ObjectSource:
     _listing_ticket = 0  # which dataset over its prefix this is (``sharing.ticket``)
     _streaming = False  # a pass reads the prefix as it is listed (``_streamed_listing``)
 
-    def __init__(self, bucket: str, options: LoaderOptions, *, keys: Iterable[str] | None = None,
+    def __init__(self, bucket: str, options: Options, *, keys: Iterable[str] | None = None,
                  prefix: str | None = None, group: bool = True, label_from: LabelFrom | None = None,
                  labels: Iterable[int | str | None] | None = None,
                  snapshot: Snapshot | None = None) -> None:
@@ -84,7 +84,7 @@ class ObjectSource:
             assert self.prefix is not None  # the constructor takes keys or a prefix
             raise_if_failed_before_fork(self)
             self._keys = list_keys(self.bucket, self.prefix, factory=self.options.listing_factory(),
-                                   retry=self.options.retry, options=self.options.listing,
+                                   retry=self.options.store.retry, options=self.options.store.listing,
                                    ticket=self._listing_ticket, snapshot=self._snapshot,
                                    annotate=sample_notes if self._group else None,
                                    meanwhile=self.options.preload_backend)
@@ -154,7 +154,7 @@ class ObjectSource:
         assert isinstance(progress, ObjectProgress)
         # what a resume skips, copied: the engine's thread reads it while this one adds to the original
         done = Watermark.from_state(progress.delivered.to_state())
-        delivery: Delivery = "ordered" if self.options.ordered else "completed"
+        delivery: Delivery = "ordered" if self.options.limits.ordered else "completed"
         jobs: Jobs
         factory = self._streamed_listing(slot)
         if factory is not None:
@@ -176,7 +176,7 @@ class ObjectSource:
         every key first. The first page's request then goes out now, before the engine's thread
         starts."""
         if not (self._keys is None and self.prefix is not None and self._snapshot is None
-                and self._label_from is None and self._labels is None and self.options.cache_dir is None
+                and self._label_from is None and self._labels is None and self.options.store.cache is None
                 and not slot.shuffle and slot.positions is None and slot.world_size == 1
                 and slot.num_workers <= 1 and not in_worker()):
             return None
@@ -184,7 +184,7 @@ class ObjectSource:
         factory = self.options.listing_factory()
         send_first_page = getattr(factory, "send_first_page", None)
         if send_first_page is not None:
-            send_first_page(self.bucket, self.prefix, self.options.listing.page_size)
+            send_first_page(self.bucket, self.prefix, self.options.store.listing.page_size)
         self._streaming = True
         return factory
 
@@ -203,8 +203,8 @@ class ObjectSource:
             return keys
 
         tag = 0
-        pieces = streamed_samples(factory, bucket, prefix, self.options.retry,
-                                  self.options.listing, group=self._group, listed=listed)
+        pieces = streamed_samples(factory, bucket, prefix, self.options.store.retry,
+                                  self.options.store.listing, group=self._group, listed=listed)
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 for sample in range(len(piece)):

@@ -20,7 +20,7 @@ import logging
 import posixpath
 import struct
 import warnings
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from ..engine.fetch import Delivery, EngineLimits, Job
@@ -42,7 +42,7 @@ from ..formats.parquet import (
     row_group_job,
     run_all,
 )
-from ..formats.shards import MIN_PART_SIZE, ShardAssignment, ShardOptions, ShardRef, part_size_too_small
+from ..formats.shards import ShardAssignment, ShardOptions, ShardRef
 from ..listing.inputs import list_prefix
 from ..listing.keylist import KeyList, ListOptions
 from ..listing.sharing import once_per_job, raise_if_failed_before_fork, ticket, track
@@ -52,13 +52,10 @@ from ..s3 import ObjectStore, StoreFactory
 from ..s3.blocking import run_async, with_store
 from ..uri import expand_braces, parse_s3_uri
 from . import lanes
-from .options import LoaderOptions
+from .options import Options
 from .shard_source import ShardSource
 
 FOOTERS_INFLIGHT = 16  # footers fetched at once while resolving
-# Row groups are read in units of up to this many bytes (``part_size``): ranged GETs as large as
-# pyarrow's own read coalescing makes them (its ``range_size_limit``), see ``formats.parquet.coalesce``.
-DEFAULT_UNIT_BYTES = 32 << 20
 SHUFFLED_UNIT_BYTES = 8 << 20
 SHUFFLED_UNITS = 256
 """Shuffled, units of row groups hold at most ``SHUFFLED_UNIT_BYTES`` and a ``SHUFFLED_UNITS``-th
@@ -199,7 +196,7 @@ class ParquetSource(ShardSource):
     kind = "parquet"
     unit_name = "row groups"
 
-    def __init__(self, files: str | Iterable[str], options: LoaderOptions, *,
+    def __init__(self, files: str | Iterable[str], options: Options, *,
                  columns: Sequence[str] | None = None,
                  shard_options: ShardOptions | None = None, inflight_per_rank: bool = False) -> None:
         # Not ShardSource.__init__: no tar index or sample counts; what its methods use is set here.
@@ -226,7 +223,7 @@ class ParquetSource(ShardSource):
             raise ConfigError(f"shuffle_buffer={self.shard_options.shuffle_buffer!r} cannot be used with "
                               "batch_size=: blocks of the epoch's order are read in order; drop "
                               "shuffle_buffer= (the row-group order is still shuffled every epoch)")
-        if self.shard_options.samples_per_epoch is not None and not options.ordered:
+        if self.shard_options.samples_per_epoch is not None and not options.limits.ordered:
             raise ConfigError("samples_per_epoch= reads its passes in order, so ordered=False cannot "
                               "apply; drop it")
         options.preload_backend()
@@ -276,13 +273,13 @@ class ParquetSource(ShardSource):
         """List the files and read their footers, once per job (``sharing.once_per_job``): the
         other ranks receive both, so a job makes one listing's LIST requests and one footer GET
         per file, however many ranks it has."""
-        listing = self.options.listing
+        listing = self.options.store.listing
 
         def produce() -> KeyList:
             alone = dataclasses.replace(listing, once_per_job=False)  # shared below, with the footers
-            files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.retry,
+            files = resolve_files(self._specs, factory=self.options.listing_factory(), retry=self.options.store.retry,
                                   options=alone, ticket=self._listing_ticket)
-            footers = read_footers_or_errors(files, self.options.listing_factory(), self.options.retry)
+            footers = read_footers_or_errors(files, self.options.listing_factory(), self.options.store.retry)
             return pack_footers(*without_unreadable(files, footers, self.options.on_error))
 
         if not listing.once_per_job:
@@ -303,7 +300,7 @@ class ParquetSource(ShardSource):
                 f"({largest.fetched} bytes of column chunks for columns {self.columns or 'all'}, plus a "
                 f"decoded batch), and {largest.streamed_need(piece)} read streamed (each of its "
                 f"{len(largest.chunks)} column chunks in pieces of {piece} bytes, "
-                f"{STREAM_AHEAD + 2} held at once), more than Limits(memory={self.options.memory_budget}) "
+                f"{STREAM_AHEAD + 2} held at once), more than Limits(memory={self.options.limits.memory}) "
                 f"leaves for reads ({reads} bytes); raise the memory limit, select fewer columns, give "
                 "Reading(part_size=) smaller pieces, or write smaller row groups")
 
@@ -335,7 +332,7 @@ class ParquetSource(ShardSource):
 
     def read_bytes(self) -> int | None:
         """What ``memory_budget`` leaves for row groups being read (None: no budget)."""
-        budget = self.options.memory_budget
+        budget = self.options.limits.memory
         if budget is None:
             return None
         shuffle = (self.shard_options.shuffle_bytes or 0) if self.options.shuffle else 0
@@ -441,7 +438,7 @@ class ParquetSource(ShardSource):
         return self._need(self.plans()[unit])  # held decoded until its last row is delivered
 
     def lane_limits(self) -> EngineLimits:
-        return self.options.limits("scheduled", max_inflight=self.open_count() + 2,
+        return self.options.engine_limits("scheduled", max_inflight=self.open_count() + 2,
                                    inflight_bytes=self.read_bytes())
 
     def inflight(self) -> int:
@@ -463,7 +460,7 @@ class ParquetSource(ShardSource):
         return count
 
     def limits(self, delivery: Delivery) -> EngineLimits:
-        return self.options.limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
+        return self.options.engine_limits(delivery, max_inflight=self.inflight(), inflight_bytes=self.read_bytes())
 
     def versions(self) -> Versions | None:
         return versions_of(self.shards())
@@ -472,26 +469,3 @@ class ParquetSource(ShardSource):
         if self._plans is not None and self._shared is not None:
             return f"{len(self._plans)} row groups in {len(self._shared)} Parquet files"
         return f"Parquet files {self._specs[:2]}"
-
-
-def parquet_options(options: Mapping[str, Any]) -> tuple[ShardOptions, dict[str, Any]]:
-    """``from_parquet``'s keywords split into how row groups are read and dealt (``ShardOptions``:
-    ``row_groups_inflight`` is its ``shards_inflight``; ``part_size``: 32 MiB unless given) and the
-    rest; ``memory_budget`` gives the queue a quarter and the shuffle buffer a quarter, and row
-    groups being read the rest."""
-    rest = dict(options)
-    budget = rest.get("memory_budget")
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        rest.setdefault("queue_bytes", budget // 4)
-        if rest.get("shuffle"):
-            rest.setdefault("shuffle_bytes", budget // 4)
-    rest.setdefault("part_size", DEFAULT_UNIT_BYTES)
-    part_size = rest["part_size"]
-    if isinstance(part_size, int) and not isinstance(part_size, bool) and 0 < part_size < MIN_PART_SIZE:
-        raise ConfigError(part_size_too_small(part_size, "32 MiB for Parquet"))
-    if "row_groups_inflight" in rest:
-        rest["shards_inflight"] = rest.pop("row_groups_inflight")
-    known = ("shards_inflight", "shuffle_buffer", "part_size", "parts_inflight", "shuffle_bytes",
-             "samples_per_epoch")
-    shard_options = ShardOptions(**{name: rest.pop(name) for name in known if name in rest})
-    return shard_options, rest

@@ -48,7 +48,7 @@ from ..shard_index.counts import (
 )
 from ..shard_index.format import INDEX_NAME
 from . import cycling, lanes, partition
-from .options import LoaderOptions, check_budget, shard_read_bytes
+from .options import Options, check_budget, shard_read_bytes
 from .progress import Watermark
 from .protocol import Progress, Read, Run, Slot, Tagged
 from .shuffle import shuffled
@@ -116,7 +116,7 @@ class ShardSource:
     kind = "shards"
     unit_name = "shards"  # what ``size()`` counts, in messages
 
-    def __init__(self, shards: str | Iterable[str], options: LoaderOptions, *,
+    def __init__(self, shards: str | Iterable[str], options: Options, *,
                  shard_options: ShardOptions | None = None,
                  sample_counts: Mapping[str, int] | None = None) -> None:
         self.options = options
@@ -146,7 +146,7 @@ class ShardSource:
         if self._shards is None:
             raise_if_failed_before_fork(self)
             self._shards = resolve_shards(self._specs, factory=self.options.listing_factory(),
-                                          retry=self.options.retry, options=self.options.listing,
+                                          retry=self.options.store.retry, options=self.options.store.listing,
                                           ticket=self._listing_ticket,
                                           meanwhile=self.options.preload_backend)
             self.options.preload_backend()  # where nothing was listed here (shards named, another rank)
@@ -166,7 +166,7 @@ class ShardSource:
             document, self._no_index = None, "the shards lie in several buckets (index= can say where their index is)"
             if uri is not None:
                 document, self._no_index = fetch_index(uri, self.options.listing_factory(),
-                                                       self.options.retry)
+                                                       self.options.store.retry)
             if document is None and given:
                 raise ConfigError(f"index={given!r}: {self._no_index}; write one with "
                                   f"`{self._command()} --out {uri}`")
@@ -177,7 +177,7 @@ class ShardSource:
                                            fix=f"run `{self._command()}` again (it reads only the "
                                                "shards that changed)")
                 changed = probe_unlisted(shards, self._counts, self.options.listing_factory(),
-                                         self.options.retry)
+                                         self.options.store.retry)
                 if self._counts.missing:
                     raise missing_shards(self._given, shards, self._counts.missing)
                 if changed:
@@ -281,7 +281,7 @@ class ShardSource:
         blocks = slot.positions is not None
         if blocks:
             delivery: Delivery = "ordered"  # blocks in order: shards read ahead, delivered in turn
-        elif not self.options.ordered:
+        elif not self.options.limits.ordered:
             delivery = "completed"
         else:  # unshuffled: the stored order, shard after shard (read ahead); shuffled: mixed
             delivery = "interleave" if self.options.shuffle else "ordered"
@@ -302,7 +302,7 @@ class ShardSource:
     def open_count(self) -> int:
         """Pieces a lane reads at once: ``lanes.OPEN_PIECES``, fewer where the memory budget
         cannot hold that many pieces being read (``lane_reserve`` each: pieces are streamed)."""
-        budget = self.options.memory_budget
+        budget = self.options.limits.memory
         if budget is None:
             return lanes.OPEN_PIECES
         need = self.lane_reserve(0)
@@ -464,8 +464,8 @@ class ShardSource:
 
     def lane_limits(self) -> EngineLimits:
         """The engine's limits for reading in lanes: the open pieces and two more ahead."""
-        budget = self.options.memory_budget
-        return self.options.limits("scheduled", max_inflight=self.open_count() + 2,
+        budget = self.options.limits.memory
+        return self.options.engine_limits("scheduled", max_inflight=self.open_count() + 2,
                                    inflight_bytes=None if budget is None else budget - self.options.queue_bytes)
 
     def _cycle(self, slot: Slot, progress: ShardProgress, run: Run, per_rank: int,
@@ -566,7 +566,7 @@ class ShardSource:
 
     def limits(self, delivery: Delivery) -> EngineLimits:
         """The engine's limits for this source's reads."""
-        return self.options.limits(delivery, max_inflight=self.shard_options.shards_inflight)
+        return self.options.engine_limits(delivery, max_inflight=self.shard_options.shards_inflight)
 
     def transform(self, sample: dict[str, Any]) -> Any:
         return apply_transform(self.options.transform, sample)
@@ -580,12 +580,12 @@ class ShardSource:
         return f"shards {self._specs[:2]}"
 
 
-def _check_combinations(options: LoaderOptions, shard_options: ShardOptions,
+def _check_combinations(options: Options, shard_options: ShardOptions,
                         sample_counts: Mapping[str, int] | None) -> None:
     """Options that cannot go together, refused at construction rather than ignored."""
     if sample_counts is not None and shard_options.index is not None:
         raise ConfigError("give sample_counts= or index=, not both")
-    if shard_options.samples_per_epoch is not None and not options.ordered:
+    if shard_options.samples_per_epoch is not None and not options.limits.ordered:
         raise ConfigError("samples_per_epoch= reads its passes over the shards in order (the "
                           "shuffle buffer mixes each pass), so ordered=False cannot apply; drop it")
     buffer = shard_options.shuffle_buffer

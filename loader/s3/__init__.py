@@ -48,7 +48,7 @@ def resolve_backend(name: str | None) -> str:
 
 def preload_backend(backend: str, config: S3Config | None = None) -> None:
     """Import a backend's modules now, in the process that builds the dataset (while a
-    dataset's listing runs, if it lists: ``LoaderOptions.preload_backend``).
+    dataset's listing runs, if it lists: ``Options.preload_backend``).
 
     DataLoader workers forked later inherit them rather than import them each (a faster
     worker start), and the SSL contexts aiohttp builds at import time are then built before

@@ -150,7 +150,7 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
     seconds = time.perf_counter() - started
     stats = dataset.stats() or {}
     return {
-        "uri": uri, "mode": mode, "note": note, "listed": listed, "store": dataset.options.store,
+        "uri": uri, "mode": mode, "note": note, "listed": listed, "store": dataset.options.store.backend,
         "workers": options.workers, "batch_size": options.batch_size,
         "concurrency": options.concurrency, "samples": samples, "bytes": nbytes,
         "seconds": seconds, "first_batch_s": first_batch,
