@@ -5,6 +5,7 @@ control has a test here or in test_throttle_sim.py that fails when it changes en
 
 from __future__ import annotations
 
+import math
 import random
 
 import anyio
@@ -207,3 +208,21 @@ def test_waiting_requests_book_again_when_the_limit_is_reset():
 
     assert anyio.run(main) < 2.0  # not the 10 s they were booked for
     assert control.requests == 20  # each counted once, however often it booked
+
+
+@pytest.mark.parametrize("quiet", [60.0, 3600.0])
+def test_a_limit_held_long_after_its_last_cut_grows_without_overflow(quiet):
+    """A limit cut once, then holding requests back for a long quiet stretch: its growth (twice
+    as fast for each quiet second) reaches its ceiling instead of overflowing ``math.exp`` (which
+    raised OverflowError in a job's second minute after a cut)."""
+    clock = Clock()
+    control = ThrottleControl(clock)
+    control.rate = control.known = 100.0
+    control.cut_at = clock.now
+    control.clean = 10**6
+    clock.now += quiet
+    for _ in range(200):  # demand beyond the limit: the limit holds turns back, so it grows
+        _, generation, _ = control.turn()
+        clock.now += 0.002
+        control.on_answer(generation)
+    assert control.rate is not None and math.isfinite(control.rate) and control.rate > 100.0

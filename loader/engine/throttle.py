@@ -153,7 +153,7 @@ class ThrottleControl:
                     answered.popleft()
                 # ... at most to twice what got through (a limit is tested by its answers)
                 ceiling = max(rate, self.known, 2 * len(answered) / RATE_WINDOW)
-                rate = self.rate = min(ceiling, self._grown(rate, now))
+                rate = self.rate = self._grown(rate, now, ceiling)
                 if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
                     self._reschedule(max(now, self.last_due + 1.0 / rate))
             self.grown_at = now
@@ -165,21 +165,25 @@ class ThrottleControl:
                 self.last_due = start
             return Turn(start - now, self.generation, self.schedule)
 
-    def _grown(self, rate: float, now: float) -> float:
+    def _grown(self, rate: float, now: float, ceiling: float) -> float:
         """The limit after holding requests back since ``grown_at``: fast back up to ``known``,
-        then the probe. Under the lock."""
+        then the probe, to no more than ``ceiling``. Under the lock."""
         elapsed = now - self.grown_at
         if rate < self.known:
-            recovered = rate * 2.0 ** (elapsed / RECOVER_DOUBLING)
-            if recovered <= self.known:
-                return recovered
+            doublings = elapsed / RECOVER_DOUBLING
+            if doublings <= math.log2(self.known / rate):
+                return rate * 2.0 ** doublings
             elapsed -= RECOVER_DOUBLING * math.log2(self.known / rate)
             rate = self.known
         # quiet: seconds since the last cut, and RECENTs of good answers since the last SlowDown
         # (over RECENT answers a share of TARGET_SHARE shows), whichever says less
         quiet = min((now - self.cut_at) / RATE_WINDOW, self.clean / RECENT)
-        growth = GROWTH * 2.0 ** quiet
-        return rate * math.exp(growth * elapsed) + CATCH_UP * elapsed
+        if elapsed > 0 and ceiling > rate:
+            # GROWTH * 2 ** quiet * elapsed, in logs and at most what reaches the ceiling: a
+            # limit held a minute or more after its last cut had overflowed math.exp
+            log_exponent = math.log(GROWTH * elapsed) + quiet * math.log(2)
+            rate *= math.exp(math.exp(min(log_exponent, math.log(math.log(ceiling / rate)))))
+        return min(ceiling, rate + CATCH_UP * max(elapsed, 0.0))
 
     def _reschedule(self, at: float) -> None:
         """Turns booked ahead are void (their requests book again); the next one is at ``at``."""
