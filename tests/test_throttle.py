@@ -226,3 +226,27 @@ def test_a_limit_held_long_after_its_last_cut_grows_without_overflow(quiet):
         clock.now += 0.002
         control.on_answer(generation)
     assert control.rate is not None and math.isfinite(control.rate) and control.rate > 100.0
+
+
+def test_a_full_sliding_second_is_waited_out_before_sending_again():
+    """A process that got 150 answers through in the last second meets a full limit (most
+    answers SlowDown): a sliding second still counts those 150, so nothing goes until they have
+    fallen below the limit it goes back to; then it sends at that limit, not from nothing."""
+    clock = Clock()
+    control = ThrottleControl(clock)
+    control.rate = control.known = 120.0
+    control.cut_at = control.started = clock.now - 10.0
+    first_answer = clock.now
+    for _ in range(150):  # 150 answered well within this second
+        control.answered.append(clock.now)
+        clock.now += 0.004
+    generation = control.generation
+    for _ in range(3):
+        control.turn()
+        control.on_throttled(generation)
+    assert control.cuts == 1
+    known = control.known
+    assert control.rate == known  # straight back to what got through ...
+    wait = control.turn().wait
+    # ... once the oldest of the 150 have left the second: 150 - known of them
+    assert wait >= first_answer + (150 - int(known)) * 0.004 + RATE_WINDOW - clock.now - 0.005, (wait, known)

@@ -50,6 +50,17 @@ def test_a_worker_that_starts_late_takes_its_share_of_a_token_bucket(starts, rec
     assert r.slowdown_share <= 0.10, r.slowdown_share
 
 
+def test_two_workers_meet_a_sliding_second_near_its_rate():
+    """bench.tail's closing sliding second, simulated (300 GET/s, two workers, 1,000 samples):
+    the first burst fills the second, and a worker that meets the full second waits until what
+    it got through has left it, then sends at what got through: 0.78x of the limit here (0.73x
+    when it grew back from nothing, sending into the closed second all the while)."""
+    job = Job(processes=2, samples=500, starts=0.1, reconnect=0.005, lead=96, **PROXY)
+    r = simulate(job, Prefix(rate=300.0, shape="window"), seconds=60.0)
+    assert r.of_limit >= 0.77, r.of_limit
+    assert r.slowdown_share <= 0.20, r.slowdown_share  # most of it the first burst's 128 in flight
+
+
 @pytest.mark.parametrize("stall", [0.05, 0.1, 0.2])
 def test_one_process_on_a_busy_machine_stays_under_a_throttle(stall):
     """integration/test_tail_s3.py's closing token bucket (100 GET/s, 64 requests in flight, 400

@@ -160,7 +160,8 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
     finished = [math.inf] * n
     slowdowns = 0
     per_second = [[0, 0] for _ in range(math.ceil(seconds) + 1)]
-    waiting: list[dict[int, list]] = [{} for _ in range(n)]  # slot: [booked, due, gen, schedule, version, attempt]
+    # slot: [booked, due, generation, schedule, version (of its next look), attempt, when its next look is]
+    waiting: list[dict[int, list]] = [{} for _ in range(n)]
     closed: set[int] = set()  # slots whose connection a SlowDown closed
     events: list[tuple[float, int, int, int, int, int]] = []  # (time, seq, kind, process, slot, extra)
     seq = 0
@@ -176,7 +177,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
         if wait <= 0:
             send(t, p, slot, generation, attempt)
         else:
-            waiting[p][slot] = [t, t + wait, generation, schedule, 0, attempt]
+            waiting[p][slot] = [t, t + wait, generation, schedule, 0, attempt, t + wait]
             push(t + wait, WAKE, p, slot, 0)  # looks before then change nothing unless told
 
     def send(t: float, p: int, slot: int, generation: int, attempt: int) -> None:
@@ -202,13 +203,16 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
         take_turn(t, p, slot, 0)
 
     def tell_waiting(t: float, p: int) -> None:
-        """The schedule was reset: each waiting slot sees it at its next look."""
+        """The schedule was reset: each waiting slot sees it at its next look (a slot already
+        looking then or sooner sees it then: one event per look, however many resets)."""
         seen[p] = controls[p].schedule
         for slot, state in waiting[p].items():
             booked, due = state[0], state[1]
-            look = booked + math.ceil((t - booked) / RECHECK + 1e-9) * RECHECK
-            state[4] += 1
-            push(min(look, due), WAKE, p, slot, state[4])
+            look = min(due, booked + math.ceil((t - booked) / RECHECK + 1e-9) * RECHECK)
+            if look < state[6]:
+                state[4] += 1
+                state[6] = look
+                push(look, WAKE, p, slot, state[4])
 
     phases = [rng.uniform(0, job.stall) for _ in range(n)]
     slots = 0
@@ -238,7 +242,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
             state = waiting[p].get(slot)
             if state is None or state[4] != extra:
                 continue  # a look superseded by a later one
-            booked, due, generation, schedule, _, attempt = state
+            booked, due, generation, schedule, _, attempt, _ = state
             if due <= t and generation == control.generation:  # its turn came: it goes unless a cut came since
                 del waiting[p][slot]
                 send(t, p, slot, generation, attempt)
@@ -248,6 +252,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
                 take_turn(t, p, slot, attempt)
             else:
                 state[4] += 1
+                state[6] = due
                 push(due, WAKE, p, slot, state[4])
         elif kind == ANSWER:
             control.on_answer(extra)

@@ -111,6 +111,7 @@ class ThrottleControl:
         self.rate: float | None = None
         self.known = 0.0  # requests/s known to get through: the limit grows back to it fast
         self.grown_at = 0.0  # when the limit last grew
+        self.paused_until = -math.inf  # no request goes before
         self.next_free = 0.0  # when the next request may go, under the limit
         self.booked_rate = 0.0  # the rate the current schedule spaces turns at
         self.booked: deque[float] = deque()  # turns booked ahead in the current schedule
@@ -147,7 +148,8 @@ class ThrottleControl:
             booked = self.booked
             while booked and booked[0] <= now:
                 self.last_due = booked.popleft()
-            if self.next_free >= now:  # the limit held requests back since the last turn: it grows ...
+            # the limit held requests back since the last turn (not a pause): it grows ...
+            if self.next_free >= now >= self.paused_until:
                 answered = self.answered
                 while answered and answered[0] < now - RATE_WINDOW:
                     answered.popleft()
@@ -156,8 +158,8 @@ class ThrottleControl:
                 rate = self.rate = self._grown(rate, now, ceiling)
                 if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
                     self._reschedule(max(now, self.last_due + 1.0 / rate))
-            self.grown_at = now
-            start = max(now, self.next_free)
+            self.grown_at = max(now, self.paused_until)
+            start = max(now, self.next_free, self.paused_until)
             self.next_free = start + 1.0 / rate
             if start > now:
                 booked.append(start)
@@ -254,6 +256,14 @@ class ThrottleControl:
                 assert before is not None  # a full limit is met only once limited
                 got = max(len(answered) / RATE_WINDOW, judged * before)
                 self.known = max(self.rate, min(self.known, got))
+                # a limit that remembers a second (a sliding second) still counts what this process
+                # got through in the last one: nothing goes until that has fallen below ``known``'s
+                # second, and then at ``known`` (growing back from nearly nothing, the process sent
+                # into the closed second all the while)
+                over = len(answered) - int(self.known * RATE_WINDOW)
+                if over >= 0:
+                    self.paused_until = answered[over] + RATE_WINDOW
+                    self.rate = self.known
             self.grown_at = self.started = self.cut_at = now
             self.sent = 0
             self.generation += 1
@@ -262,7 +272,7 @@ class ThrottleControl:
             self.recent_slowdowns = 0
             self.second.clear()
             self.second_slowdowns = 0
-            self._reschedule(now + 1.0 / self.rate)
+            self._reschedule(max(now + 1.0 / self.rate, self.paused_until))
 
     def _note(self, now: float, slowdown: bool) -> None:
         """One answer of this generation into the share's windows. Under the lock."""
