@@ -269,3 +269,20 @@ def test_a_full_sliding_second_is_waited_out_before_sending_again():
     wait = control.turn().due - clock.now
     # ... once the oldest of the 150 have left the second: 150 - known of them
     assert wait >= first_answer + (150 - int(known)) * 0.004 + RATE_WINDOW - clock.now - 0.005, (wait, known)
+
+
+def test_a_limit_others_took_costs_few_slowdowns():
+    """A process that got its share for a second, then nothing (others took the whole limit):
+    answered only SlowDown, it falls to MIN_RATE between its tries to grow back, so ten seconds
+    of refusals cost 251 SlowDowns here (a floor of 5 GET/s: 342; 20: 456)."""
+    clock = Clock()
+    control = ThrottleControl(clock)
+
+    class TakenAfterASecond(Server):
+        def answers(self, t: float) -> bool:
+            return t < 1.0
+
+    server = TakenAfterASecond(Prefix(rate=300.0))
+    drive(control, clock, 1.0, server, demand=300.0)
+    good, slow = drive(control, clock, 10.0, server, demand=300.0)
+    assert good == 0 and slow <= 300, (good, slow)
