@@ -165,7 +165,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
     closed: set[int] = set()  # slots whose connection a SlowDown closed
     events: list[tuple[float, int, int, int, int, int]] = []  # (time, seq, kind, process, slot, extra)
     seq = 0
-    BOOK, WAKE, ANSWER, SLOWDOWN = range(4)
+    BOOK, WAKE, ANSWER, SLOWDOWN, LOOK = range(5)
 
     def push(t: float, kind: int, p: int, slot: int, extra: int = 0) -> None:
         nonlocal seq
@@ -222,6 +222,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
         for _ in range(job.concurrency):
             push(start, BOOK, p, slots, 0)
             slots += 1
+        push(start + RECHECK, LOOK, p, -1)
     end = seconds
     while events:
         t, order, kind, p, slot, extra = heapq.heappop(events)
@@ -252,6 +253,14 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
                 state[2] += 1
                 state[4] = turn.due
                 push(turn.due, WAKE, p, slot, state[2])
+        elif kind == LOOK:  # the process's waiting requests look (each every RECHECK): the limit may grow
+            if waiting[p]:
+                slot, state = next(iter(waiting[p].items()))
+                if control.take(state[1]):
+                    del waiting[p][slot]
+                    send(t, p, slot, state[1].generation, state[3])
+            if left[p] != 0 or outstanding[p]:
+                push(t + RECHECK, LOOK, p, -1)
         elif kind == ANSWER:
             control.on_answer(extra)
             good[p] += 1

@@ -156,17 +156,7 @@ class ThrottleControl:
             booked = self.booked
             while booked and booked[0].taken:
                 booked.popleft()
-            # the limit held requests back since the last turn (not a pause): it grows ...
-            if self.next_free >= now >= self.paused_until:
-                answered = self.answered
-                while answered and answered[0] < now - RATE_WINDOW:
-                    answered.popleft()
-                # ... at most to twice what got through (a limit is tested by its answers)
-                ceiling = max(rate, self.known, 2 * len(answered) / RATE_WINDOW)
-                rate = self.rate = self._grown(rate, now, ceiling)
-                if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
-                    self._reschedule(now, max(now, self.last_due + 1.0 / rate), cut=False)
-            self.grown_at = max(now, self.paused_until)
+            rate = self._grow(rate, now)
             start = max(now, self.next_free, self.paused_until)
             self.next_free = start + 1.0 / rate
             turn = Turn(start, self.generation, start <= now)
@@ -175,6 +165,23 @@ class ThrottleControl:
             else:
                 booked.append(turn)
             return turn
+
+    def _grow(self, rate: float, now: float) -> float:
+        """The limit now: grown if it held requests back since it was last looked at (not in a
+        pause), and the turns booked ahead re-timed when it grew enough. Under the lock. A turn
+        booked and one looking whether it came due both look: while every request waits for its
+        turn none books, and a limit cut to its floor had grown only as fast as its turns went."""
+        if self.next_free >= now >= self.paused_until:
+            answered = self.answered
+            while answered and answered[0] < now - RATE_WINDOW:
+                answered.popleft()
+            # ... at most to twice what got through (a limit is tested by its answers)
+            ceiling = max(rate, self.known, 2 * len(answered) / RATE_WINDOW)
+            rate = self.rate = self._grown(rate, now, ceiling)
+            if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
+                self._reschedule(now, max(now, self.last_due + 1.0 / rate), cut=False)
+        self.grown_at = max(now, self.paused_until)
+        return rate
 
     def _grown(self, rate: float, now: float, ceiling: float) -> float:
         """The limit after holding requests back since ``grown_at``: fast back up to ``known``,
@@ -322,7 +329,10 @@ class ThrottleControl:
         with self.lock:
             if turn.taken:
                 return True
-            if turn.due > self.clock():
+            now = self.clock()
+            if turn.due > now and self.rate is not None:
+                self._grow(self.rate, now)  # a grown limit may move it sooner
+            if turn.due > now:
                 return False
             turn.taken = True
             self.last_due = max(self.last_due, turn.due)
