@@ -286,3 +286,20 @@ def test_a_limit_others_took_costs_few_slowdowns():
     drive(control, clock, 1.0, server, demand=300.0)
     good, slow = drive(control, clock, 10.0, server, demand=300.0)
     assert good == 0 and slow <= 300, (good, slow)
+
+
+def test_a_limit_grows_while_every_request_waits():
+    """Cut to its floor with 20 requests booked a second apart and none booking since (each
+    waits for its turn): their looks grow the limit back towards what got through, and move
+    their turns sooner. Grown only by new bookings, the last would have waited 19 s (one rank of
+    2 x 4 DataLoader workers through the proxy waited 30-45 s so)."""
+    clock = Clock()
+    control = ThrottleControl(clock)
+    control.rate, control.known = MIN_RATE, 100.0
+    control.cut_at = control.grown_at = clock.now
+    turns = [control.turn() for _ in range(20)]
+    assert turns[-1].due - clock.now >= 18.0
+    clock.now += 0.5
+    assert not control.take(turns[-1])  # a look: not its turn yet ...
+    assert turns[-1].due - clock.now < 1.0, (turns[-1].due - clock.now, control.rate)  # ... but soon
+    assert [t.due for t in turns[1:]] == sorted(t.due for t in turns[1:])  # in the order booked

@@ -38,8 +38,8 @@ the same class for a job of many processes against a simulated prefix. The rules
 * The limit is paced (one request every ``1 / rate`` s, no burst); a cut or a grown limit
   re-times the turns booked ahead, in the order they were booked (a request's place in line is
   kept: delivery waits for the first sample of a batch), and a request waiting for its turn looks
-  every ``RECHECK`` s whether its turn moved; a turn that came due goes unless a cut came since,
-  however late a busy loop woke it.
+  every ``RECHECK`` s whether its turn moved (its look grows the limit, as a booking does); a
+  turn that came due goes unless a cut came since, however late a busy loop woke it.
 
 Why and the numbers: docs/design/throttle.md.
 """
