@@ -2,7 +2,7 @@
 simulated S3 prefix, each shape of limit (tests/throttle_sim.py): the total near the limit, no
 process starved, at most 10 % of GETs answered SlowDown once the job's first burst is past (8,192
 requests sent before any answer, against 5,500 a second: that burst and
-its aftermath put the share at 13-17 % over 30 s, docs/design/throttle.md). A file of its own: each run is
+its aftermath put the share at 9-13 % over 40 s, docs/design/throttle.md). A file of its own: each run is
 the suite's longest simulation, and the suite's workers take whole files."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each process runs the library's own ``ThrottleControl`` (its clock injected) with ``concurrency``
 requests in flight, as the engine does: a request takes its turn as ``ThrottleControl.acquire``
-does (waiting, looking every ``RECHECK`` whether the schedule was reset), is answered after a
+does (waiting, looking every ``RECHECK`` whether its turn moved), is answered after a
 latency, and a SlowDown is sent again after the engine's backoff (``loader.retry``). Processes
 share nothing but the prefix: each sees only its own answers.
 
@@ -145,8 +145,8 @@ class Result:
 
 def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> Result:
     """Every process's every request as events on one clock: book a turn, wait for it (looking
-    at each ``RECHECK`` whether the schedule was reset, simulated only when it was), send,
-    answer, repeat. A slot's retry after a SlowDown waits the engine's backoff first."""
+    every ``RECHECK`` whether it moved, simulated only when turns were moved), send, answer,
+    repeat. A slot's retry after a SlowDown waits the engine's backoff first."""
     rng = random.Random(seed)
     now = [0.0]
     n = job.processes
@@ -160,11 +160,12 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
     finished = [math.inf] * n
     slowdowns = 0
     per_second = [[0, 0] for _ in range(math.ceil(seconds) + 1)]
-    waiting: list[dict[int, list]] = [{} for _ in range(n)]  # slot: [booked, due, gen, schedule, version, attempt]
+    # slot: [when it last looked, its turn, version (of its next look), attempt, when it looks next]
+    waiting: list[dict[int, list]] = [{} for _ in range(n)]
     closed: set[int] = set()  # slots whose connection a SlowDown closed
     events: list[tuple[float, int, int, int, int, int]] = []  # (time, seq, kind, process, slot, extra)
     seq = 0
-    BOOK, WAKE, ANSWER, SLOWDOWN = range(4)
+    BOOK, WAKE, ANSWER, SLOWDOWN, LOOK = range(5)
 
     def push(t: float, kind: int, p: int, slot: int, extra: int = 0) -> None:
         nonlocal seq
@@ -172,12 +173,12 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
         heapq.heappush(events, (t, seq, kind, p, slot, extra))
 
     def take_turn(t: float, p: int, slot: int, attempt: int) -> None:
-        wait, generation, schedule = controls[p].turn()
-        if wait <= 0:
-            send(t, p, slot, generation, attempt)
+        turn = controls[p].turn()
+        if turn.taken:
+            send(t, p, slot, turn.generation, attempt)
         else:
-            waiting[p][slot] = [t, t + wait, generation, schedule, 0, attempt]
-            push(t + wait, WAKE, p, slot, 0)  # looks before then change nothing unless told
+            waiting[p][slot] = [t, turn, 0, attempt, turn.due]
+            push(turn.due, WAKE, p, slot, 0)  # looks before then change nothing unless told
 
     def send(t: float, p: int, slot: int, generation: int, attempt: int) -> None:
         latency = job.latency + rng.expovariate(1 / job.jitter) if job.jitter else job.latency
@@ -202,13 +203,17 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
         take_turn(t, p, slot, 0)
 
     def tell_waiting(t: float, p: int) -> None:
-        """The schedule was reset: each waiting slot sees it at its next look."""
+        """Turns were moved: each waiting slot sees it at its next look, ``RECHECK`` after the
+        one before (a slot already looking then or sooner sees it then: one event per look,
+        however many moves)."""
         seen[p] = controls[p].schedule
         for slot, state in waiting[p].items():
-            booked, due = state[0], state[1]
-            look = booked + math.ceil((t - booked) / RECHECK + 1e-9) * RECHECK
-            state[4] += 1
-            push(min(look, due), WAKE, p, slot, state[4])
+            looked = state[0]
+            look = looked + math.ceil((t - looked) / RECHECK + 1e-9) * RECHECK
+            if look < state[4]:
+                state[2] += 1
+                state[4] = look
+                push(look, WAKE, p, slot, state[2])
 
     phases = [rng.uniform(0, job.stall) for _ in range(n)]
     slots = 0
@@ -217,6 +222,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
         for _ in range(job.concurrency):
             push(start, BOOK, p, slots, 0)
             slots += 1
+        push(start + RECHECK, LOOK, p, -1)
     end = seconds
     while events:
         t, order, kind, p, slot, extra = heapq.heappop(events)
@@ -236,19 +242,25 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
                 take_turn(t, p, slot, extra)
         elif kind == WAKE:
             state = waiting[p].get(slot)
-            if state is None or state[4] != extra:
-                continue  # a look superseded by a later one
-            booked, due, generation, schedule, _, attempt = state
-            if due <= t and generation == control.generation:  # its turn came: it goes unless a cut came since
+            if state is None or state[2] != extra:
+                continue  # a look superseded by another
+            turn = state[1]
+            if control.take(turn):  # its turn came: it goes (a cut since moved it)
                 del waiting[p][slot]
-                send(t, p, slot, generation, attempt)
-            elif schedule != control.schedule:  # reset while it waited: book again
-                del waiting[p][slot]
-                control.unbook(generation)
-                take_turn(t, p, slot, attempt)
-            else:
-                state[4] += 1
-                push(due, WAKE, p, slot, state[4])
+                send(t, p, slot, turn.generation, state[3])
+            else:  # it sleeps towards where its turn is now, looking every RECHECK from here
+                state[0] = t
+                state[2] += 1
+                state[4] = turn.due
+                push(turn.due, WAKE, p, slot, state[2])
+        elif kind == LOOK:  # the process's waiting requests look (each every RECHECK): the limit may grow
+            if waiting[p]:
+                slot, state = next(iter(waiting[p].items()))
+                if control.take(state[1]):
+                    del waiting[p][slot]
+                    send(t, p, slot, state[1].generation, state[3])
+            if left[p] != 0 or outstanding[p]:
+                push(t + RECHECK, LOOK, p, -1)
         elif kind == ANSWER:
             control.on_answer(extra)
             good[p] += 1

@@ -22,7 +22,10 @@ the same class for a job of many processes against a simulated prefix. The rules
   meets the bucket the first one emptied): the limit drops to what got through, and grows back
   fast (doubling every ``RECOVER_DOUBLING`` s) to ``known``: what was answered well over the last
   second, or the share of its limit its answers show taken (so a process answered nothing is
-  not left at nothing), whichever is more, and no more than the limit last found.
+  not left at nothing), whichever is more, and no more than the limit last found. A process that
+  got more than ``known``'s second through in the last ``RATE_WINDOW`` (a burst that filled a
+  sliding second, which still counts it) sends nothing until that has left the window, then
+  sends at ``known`` at once.
 * **Probe** while the limit holds requests back (an unused limit would run away): it grows by
   ``GROWTH`` of itself per second (a limit that doubled is found within ``RISE_FOUND`` s), twice
   as fast for each ``RATE_WINDOW`` since the last cut and each ``RECENT`` good answers since the
@@ -32,10 +35,11 @@ the same class for a job of many processes against a simulated prefix. The rules
   loop that ran late grows no untested limit), plus ``CATCH_UP``
   requests/s per second, the part that is the same for every process and brings a job's
   processes to equal shares.
-* The limit is paced (one request every ``1 / rate`` s, no burst); a request waiting for its turn
-  looks every ``RECHECK`` s whether a cut or a grown limit reset the schedule, and books again
-  (a cut: under the new limit; a grown limit: sooner); a turn that came due goes unless a cut
-  came since, however late a busy loop woke it.
+* The limit is paced (one request every ``1 / rate`` s, no burst); a cut or a grown limit
+  re-times the turns booked ahead, in the order they were booked (a request's place in line is
+  kept: delivery waits for the first sample of a batch), and a request waiting for its turn looks
+  every ``RECHECK`` s whether its turn moved (its look grows the limit, as a booking does); a
+  turn that came due goes unless a cut came since, however late a busy loop woke it.
 
 Why and the numbers: docs/design/throttle.md.
 """
@@ -91,13 +95,16 @@ class ThrottleStats(NamedTuple):
     cuts: int  # how often SlowDowns cut the limit
 
 
-class Turn(NamedTuple):
-    """A booked turn: seconds to wait, the generation (cuts so far) to report the answer with,
-    and the schedule it was booked in (reset by a cut or a grown limit: book again)."""
+class Turn:
+    """A booked turn: when it comes ``due`` (the control's clock) and the ``generation`` (cuts so
+    far) to report its answer with; a cut or a grown limit moves both. ``taken``: it went."""
 
-    wait: float
-    generation: int
-    schedule: int
+    __slots__ = ("due", "generation", "taken")
+
+    def __init__(self, due: float, generation: int, taken: bool) -> None:
+        self.due = due
+        self.generation = generation
+        self.taken = taken
 
 
 class ThrottleControl:
@@ -111,12 +118,13 @@ class ThrottleControl:
         self.rate: float | None = None
         self.known = 0.0  # requests/s known to get through: the limit grows back to it fast
         self.grown_at = 0.0  # when the limit last grew
+        self.paused_until = -math.inf  # no request goes before
         self.next_free = 0.0  # when the next request may go, under the limit
         self.booked_rate = 0.0  # the rate the current schedule spaces turns at
-        self.booked: deque[float] = deque()  # turns booked ahead in the current schedule
+        self.booked: deque[Turn] = deque()  # turns booked ahead, in their order (some taken)
         self.last_due = -math.inf  # the latest turn that came due
         self.generation = 0  # bumped by every cut: answers to requests sent before stop counting
-        self.schedule = 0  # bumped by a cut or a grown limit: waiters book again
+        self.schedule = 0  # bumped by a cut or a grown limit: turns booked ahead moved
         self.recent: deque[bool] = deque()  # this generation's last answers: SlowDown?
         self.recent_slowdowns = 0
         self.second: deque[tuple[float, bool]] = deque()  # this generation's answers within RATE_WINDOW
@@ -134,7 +142,8 @@ class ThrottleControl:
     # ---------------------------------------------------------------- the state machine
 
     def turn(self) -> Turn:
-        """Book the next request: how long to wait before sending it, and what it was booked under."""
+        """Book the next request's turn (taken at once when it is due now: ``take`` the others
+        when they come due, or ``cancel`` them)."""
         with self.lock:
             now = self.clock()
             self.requests += 1
@@ -143,50 +152,81 @@ class ThrottleControl:
                 self.started = now
             rate = self.rate
             if rate is None:
-                return Turn(0.0, self.generation, self.schedule)
+                return Turn(now, self.generation, True)
             booked = self.booked
-            while booked and booked[0] <= now:
-                self.last_due = booked.popleft()
-            if self.next_free >= now:  # the limit held requests back since the last turn: it grows ...
-                answered = self.answered
-                while answered and answered[0] < now - RATE_WINDOW:
-                    answered.popleft()
-                # ... at most to twice what got through (a limit is tested by its answers)
-                ceiling = max(rate, self.known, 2 * len(answered) / RATE_WINDOW)
-                rate = self.rate = min(ceiling, self._grown(rate, now))
-                if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
-                    self._reschedule(max(now, self.last_due + 1.0 / rate))
-            self.grown_at = now
-            start = max(now, self.next_free)
+            while booked and booked[0].taken:
+                booked.popleft()
+            rate = self._grow(rate, now)
+            start = max(now, self.next_free, self.paused_until)
             self.next_free = start + 1.0 / rate
-            if start > now:
-                booked.append(start)
-            else:
+            turn = Turn(start, self.generation, start <= now)
+            if turn.taken:
                 self.last_due = start
-            return Turn(start - now, self.generation, self.schedule)
+            else:
+                booked.append(turn)
+            return turn
 
-    def _grown(self, rate: float, now: float) -> float:
+    def _grow(self, rate: float, now: float) -> float:
+        """The limit now: grown if it held requests back since it was last looked at (not in a
+        pause), and the turns booked ahead re-timed when it grew enough. Under the lock. A turn
+        booked and one looking whether it came due both look: while every request waits for its
+        turn none books, and a limit cut to its floor had grown only as fast as its turns went."""
+        if self.next_free >= now >= self.paused_until:
+            answered = self.answered
+            while answered and answered[0] < now - RATE_WINDOW:
+                answered.popleft()
+            # ... at most to twice what got through (a limit is tested by its answers)
+            ceiling = max(rate, self.known, 2 * len(answered) / RATE_WINDOW)
+            rate = self.rate = self._grown(rate, now, ceiling)
+            if rate > self.booked_rate * (1 + TARGET_SHARE):  # turns booked ahead are too far apart
+                self._reschedule(now, max(now, self.last_due + 1.0 / rate), cut=False)
+        self.grown_at = max(now, self.paused_until)
+        return rate
+
+    def _grown(self, rate: float, now: float, ceiling: float) -> float:
         """The limit after holding requests back since ``grown_at``: fast back up to ``known``,
-        then the probe. Under the lock."""
+        then the probe, to no more than ``ceiling``. Under the lock."""
         elapsed = now - self.grown_at
         if rate < self.known:
-            recovered = rate * 2.0 ** (elapsed / RECOVER_DOUBLING)
-            if recovered <= self.known:
-                return recovered
+            doublings = elapsed / RECOVER_DOUBLING
+            if doublings <= math.log2(self.known / rate):
+                return rate * 2.0 ** doublings
             elapsed -= RECOVER_DOUBLING * math.log2(self.known / rate)
             rate = self.known
         # quiet: seconds since the last cut, and RECENTs of good answers since the last SlowDown
         # (over RECENT answers a share of TARGET_SHARE shows), whichever says less
         quiet = min((now - self.cut_at) / RATE_WINDOW, self.clean / RECENT)
-        growth = GROWTH * 2.0 ** quiet
-        return rate * math.exp(growth * elapsed) + CATCH_UP * elapsed
+        if elapsed > 0 and ceiling > rate:
+            # GROWTH * 2 ** quiet * elapsed, in logs and at most what reaches the ceiling: a
+            # limit held a minute or more after its last cut had overflowed math.exp
+            log_exponent = math.log(GROWTH * elapsed) + quiet * math.log(2)
+            rate *= math.exp(math.exp(min(log_exponent, math.log(math.log(ceiling / rate)))))
+        return min(ceiling, rate + CATCH_UP * max(elapsed, 0.0))
 
-    def _reschedule(self, at: float) -> None:
-        """Turns booked ahead are void (their requests book again); the next one is at ``at``."""
-        assert self.rate is not None
+    def _reschedule(self, now: float, at: float, cut: bool) -> None:
+        """Turns booked ahead and not taken go again from ``at`` at the limit's spacing, in their
+        order; after a cut all of them, in its generation (they are sent after it); after a grown
+        limit those not yet due (a due turn goes as it was booked). Under the lock."""
+        rate = self.rate
+        assert rate is not None
         self.schedule += 1
-        self.booked_rate = self.rate
-        self.booked.clear()
+        self.booked_rate = rate
+        kept: deque[Turn] = deque()
+        for turn in self.booked:
+            if turn.taken:
+                continue
+            if not cut and turn.due <= now:
+                at = max(at, turn.due + 1.0 / rate)
+                kept.append(turn)
+                continue
+            turn.due = at
+            at += 1.0 / rate
+            if cut:
+                turn.generation = self.generation
+                self.sent += 1
+            kept.append(turn)
+        self.booked.clear()  # in place: turn() holds it
+        self.booked.extend(kept)
         self.next_free = at
 
     def on_answer(self, generation: int) -> None:
@@ -250,6 +290,14 @@ class ThrottleControl:
                 assert before is not None  # a full limit is met only once limited
                 got = max(len(answered) / RATE_WINDOW, judged * before)
                 self.known = max(self.rate, min(self.known, got))
+                # a limit that remembers a second (a sliding second) still counts what this process
+                # got through in the last one: nothing goes until that has fallen below ``known``'s
+                # second, and then at ``known`` (growing back from nearly nothing, the process sent
+                # into the closed second all the while)
+                over = len(answered) - int(self.known * RATE_WINDOW)
+                if over >= 0:
+                    self.paused_until = answered[over] + RATE_WINDOW
+                    self.rate = self.known
             self.grown_at = self.started = self.cut_at = now
             self.sent = 0
             self.generation += 1
@@ -258,7 +306,7 @@ class ThrottleControl:
             self.recent_slowdowns = 0
             self.second.clear()
             self.second_slowdowns = 0
-            self._reschedule(now + 1.0 / self.rate)
+            self._reschedule(now, max(now + 1.0 / self.rate, self.paused_until), cut=True)
 
     def _note(self, now: float, slowdown: bool) -> None:
         """One answer of this generation into the share's windows. Under the lock."""
@@ -275,26 +323,41 @@ class ThrottleControl:
 
     # ---------------------------------------------------------------- for the store wrapper
 
-    def unbook(self, generation: int) -> None:
-        """A turn booked in ``generation`` not taken (the schedule was reset while it waited: it
-        books again)."""
+    def take(self, turn: Turn) -> bool:
+        """Whether ``turn`` has come due (then it is taken: its request goes), however late a busy
+        loop looked; a cut since it was booked moved it."""
         with self.lock:
-            self.requests -= 1
-            if generation == self.generation:
-                self.sent -= 1
+            if turn.taken:
+                return True
+            now = self.clock()
+            if turn.due > now and self.rate is not None:
+                self._grow(self.rate, now)  # a grown limit may move it sooner
+            if turn.due > now:
+                return False
+            turn.taken = True
+            self.last_due = max(self.last_due, turn.due)
+            return True
+
+    def cancel(self, turn: Turn) -> None:
+        """A booked turn its request no longer waits for (cancelled): no later turn waits for it."""
+        with self.lock:
+            if not turn.taken:
+                turn.taken = True
+                self.requests -= 1
+                if turn.generation == self.generation:
+                    self.sent -= 1
 
     async def acquire(self) -> int:
         """Wait for this request's turn under the rate limit (at once when there is none); the
         generation to report its answer with."""
-        while True:
-            wait, generation, schedule = self.turn()
-            while wait > 0 and schedule == self.schedule:
-                step = min(wait, RECHECK)
-                await anyio.sleep(step)
-                wait -= step
-            if wait <= 0 and generation == self.generation:
-                return generation  # its turn came: it goes, however late a busy loop woke it, unless a cut came since
-            self.unbook(generation)  # booked under a limit since reset: book again under the new one
+        turn = self.turn()
+        try:
+            while not self.take(turn):  # it looks every RECHECK whether its turn moved
+                await anyio.sleep(min(max(turn.due - self.clock(), 0.0), RECHECK))
+        except BaseException:
+            self.cancel(turn)
+            raise
+        return turn.generation
 
     def congested(self) -> bool:
         """Whether a second request for the same object would add to a throttle: limited, or
