@@ -103,7 +103,12 @@ def list_prefix(
             send_first_page = getattr(factory, "send_first_page", None)
             if send_first_page is not None:
                 send_first_page(bucket, prefix, options.page_size)
-            found = run_async(functools.partial(with_store, factory, use), meanwhile)
+            try:
+                found = run_async(functools.partial(with_store, factory, use), meanwhile)
+            finally:  # a first page's lister that the listing never opened (it failed first)
+                discard = getattr(factory, "discard", None)
+                if discard is not None:
+                    discard()
             if snapshot is not None:
                 found = save_snapshot(found, snapshot.path, uri, annotate)
         return found if keep is None else keep(found)
