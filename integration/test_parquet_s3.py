@@ -297,4 +297,6 @@ def test_a_parquet_epoch_reuses_its_connections(s3_server, shuffle, store):
         requests, connections = proxy.counts["requests"], proxy.accepted - before
     assert rows == sorted(list(range(200)) * 2)
     assert requests >= 40, requests
-    assert connections <= DEFAULT_SHARDS_INFLIGHT * DEFAULT_PARTS_INFLIGHT, (connections, requests)
+    # a spare few: a client may connect for a GET while another GET's connection is coming back
+    # (obstore's pool did, once in a while); one connection per GET made 40
+    assert connections <= DEFAULT_SHARDS_INFLIGHT * DEFAULT_PARTS_INFLIGHT + 4, (connections, requests)
