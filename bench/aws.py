@@ -44,7 +44,8 @@ BUCKET = "awsbench"
 CHILD = (Path(__file__).resolve().parent / "aws_child.py").read_text()
 # the loaders whose clients resolve names in Python (this package's default backend, boto3):
 # virtual-hosted on the AWS-shaped endpoint; the others read it path-style at https://127.0.0.1
-VIRTUAL_HOSTED = ("ours-aioboto3", "before-aioboto3", "ours-shard-aioboto3", "ours-parquet-aioboto3", "wds")
+VIRTUAL_HOSTED = ("ours-aioboto3", "before-aioboto3", "ours-shard-aioboto3", "ours-parquet-aioboto3",
+                  "ours-parquet-aioboto3-ungated", "wds")
 _ENV_DROP = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "S3_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN",
              "AWS_DEFAULT_PROFILE", "MINIO_ENDPOINT", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_SECURE",
              "LOADER_STORE", "AWS_CA_BUNDLE", "PYTHONPATH", "HTTPS_PROXY", "HTTP_PROXY", "https_proxy",

@@ -84,16 +84,23 @@ def _ours_shards(spec: dict[str, Any]) -> Any:
     from loader import AsyncS3Dataset, S3Config
 
     return AsyncS3Dataset.from_shards([f"s3://{spec['bucket']}/{key}" for key in spec["keys"]], shuffle=True,
-                                      seed=0, config=S3Config(**spec["config"]), store=spec["loader"].rsplit("-", 1)[1],
+                                      seed=0, config=S3Config(**spec["config"]), store=spec["loader"].split("-")[2],
                                       transform=from_sample)
 
 
 def _ours_parquet(spec: dict[str, Any]) -> Any:
     from loader import AsyncS3Dataset, S3Config
 
+    if spec["loader"].endswith("-ungated"):  # the same, its ranged GETs not gated (request_gate)
+        import loader.formats.parquet as parquet
+
+        async def ungated(store: Any, limit: int, call: Any) -> Any:
+            return await call()
+
+        parquet.gated = ungated  # (forked DataLoader workers inherit it)
     return AsyncS3Dataset.from_parquet([f"s3://{spec['bucket']}/{key}" for key in spec["keys"]],
                                        columns=["image", "label"], shuffle=True, seed=0,
-                                       config=S3Config(**spec["config"]), store=spec["loader"].rsplit("-", 1)[1],
+                                       config=S3Config(**spec["config"]), store=spec["loader"].split("-")[2],
                                        transform=image_bytes)
 
 
@@ -201,7 +208,8 @@ class ParquetRows(torch_data.IterableDataset):
 FORMATS = {
     "ours-shard-aioboto3": _ours_shards, "ours-shard-obstore": _ours_shards, "wds": _webdataset,
     "litdata-opt": _litdata_optimized,
-    "ours-parquet-aioboto3": _ours_parquet, "ours-parquet-obstore": _ours_parquet, "pyarrow": ParquetRows,
+    "ours-parquet-aioboto3": _ours_parquet, "ours-parquet-aioboto3-ungated": _ours_parquet,
+    "ours-parquet-obstore": _ours_parquet, "pyarrow": ParquetRows,
 }
 
 
