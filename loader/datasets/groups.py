@@ -32,7 +32,6 @@ from typing import Any, Literal
 from ..cache.options import DEFAULT_VALIDATE
 from ..checks import check_int
 from ..errors import ConfigError
-from ..formats.shards import DEFAULT_PARTS_INFLIGHT
 from ..listing.keylist import ListOptions
 from ..retry import RetryPolicy
 from ..s3 import StoreFactory
@@ -201,6 +200,8 @@ def flat_options(mode: Mode, *, limits: Limits | None = None, split: Split | Non
     if limits is not None:
         if limits.concurrency is not None:
             if mode in ("shards", "parquet"):
+                from ..formats.shards import DEFAULT_PARTS_INFLIGHT  # (a per-object start imports no shard module)
+
                 parts = (old or {}).get("parts_inflight", DEFAULT_PARTS_INFLIGHT)
                 grouped["shards_inflight"] = max(1, limits.concurrency // max(1, parts))
             else:

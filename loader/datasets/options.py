@@ -16,14 +16,6 @@ from ..checks import check_int
 from ..config import S3Config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
 from ..errors import ConfigError
-from ..formats.shards import (
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_PART_SIZE,
-    DEFAULT_PARTS_INFLIGHT,
-    DEFAULT_SHARDS_INFLIGHT,
-    MIN_PART_SIZE,
-    ShardOptions,
-)
 from ..listing.keylist import ListOptions
 from ..listing.versions import Versions
 from ..retry import RetryPolicy
@@ -35,6 +27,7 @@ from .object_samples import ON_ERROR, OnError
 
 if TYPE_CHECKING:
     from ..cache.store import CacheStats
+    from ..formats.shards import ShardOptions  # imported by shard mode only: a per-object start needs none
 
 Transform = Callable[[dict[str, Any]], Any]
 Mode = Literal["objects", "shards"]
@@ -261,6 +254,14 @@ def budget_options(options: Mapping[str, Any], mode: Mode) -> dict[str, Any]:
     if mode == "objects":
         out.setdefault("queue_bytes", budget // 2)
         return out
+    from ..formats.shards import (
+        DEFAULT_CHUNK_SIZE,
+        DEFAULT_PART_SIZE,
+        DEFAULT_PARTS_INFLIGHT,
+        DEFAULT_SHARDS_INFLIGHT,
+        MIN_PART_SIZE,
+    )
+
     queue = out.setdefault("queue_bytes", budget // 4)
     shuffle_bytes = out.setdefault("shuffle_bytes", budget // 4 if out.get("shuffle") else None) or 0
     reads = budget - queue - shuffle_bytes
