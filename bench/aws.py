@@ -44,7 +44,8 @@ BUCKET = "awsbench"
 CHILD = (Path(__file__).resolve().parent / "aws_child.py").read_text()
 # the loaders whose clients resolve names in Python (this package's default backend, boto3):
 # virtual-hosted on the AWS-shaped endpoint; the others read it path-style at https://127.0.0.1
-VIRTUAL_HOSTED = ("ours-aioboto3", "before-aioboto3", "ours-shard-aioboto3", "ours-parquet-aioboto3", "wds")
+VIRTUAL_HOSTED = ("ours-aioboto3", "before-aioboto3", "ours-shard-aioboto3", "ours-parquet-aioboto3",
+                  "ours-parquet-aioboto3-ungated", "wds")
 _ENV_DROP = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "S3_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN",
              "AWS_DEFAULT_PROFILE", "MINIO_ENDPOINT", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_SECURE",
              "LOADER_STORE", "AWS_CA_BUNDLE", "PYTHONPATH", "HTTPS_PROXY", "HTTP_PROXY", "https_proxy",
@@ -65,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, default=0.0, help="a share of GETs answered SlowDown regardless")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--suffix", default="", help="appended to the result files' names")
+    p.add_argument("--profile", default=None,
+                   help="write each run's timed epoch as sampled stacks (one line per stack and its count, "
+                        "every thread of the measuring process, every 1 ms) to files starting with this path")
     return p
 
 
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     child_env.update(AWS_CA_BUNDLE=pki["ca"], SSL_CERT_FILE=pki["ca"])
                 spec = dict(loader=loader.replace("before-", "ours-"), bucket=BUCKET, keys=keys, workers=w,
                             config=where["config"], domain=where["domain"],
-                            limit=args.peer_cap if loader == "s3tc-map" else None)
+                            limit=args.peer_cap if loader == "s3tc-map" else None, profile=args.profile)
                 tree = before if loader.startswith("before-") else after
                 aws.reset_counts()
                 lab.reset_counts()

@@ -9,6 +9,7 @@ workers (``socket.getaddrinfo`` wrapped): what reaches the clients that resolve 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -84,16 +85,23 @@ def _ours_shards(spec: dict[str, Any]) -> Any:
     from loader import AsyncS3Dataset, S3Config
 
     return AsyncS3Dataset.from_shards([f"s3://{spec['bucket']}/{key}" for key in spec["keys"]], shuffle=True,
-                                      seed=0, config=S3Config(**spec["config"]), store=spec["loader"].rsplit("-", 1)[1],
+                                      seed=0, config=S3Config(**spec["config"]), store=spec["loader"].split("-")[2],
                                       transform=from_sample)
 
 
 def _ours_parquet(spec: dict[str, Any]) -> Any:
     from loader import AsyncS3Dataset, S3Config
 
+    if spec["loader"].endswith("-ungated"):  # the same, its ranged GETs not gated (request_gate)
+        import loader.formats.parquet as parquet
+
+        async def ungated(store: Any, limit: int, call: Any) -> Any:
+            return await call()
+
+        parquet.gated = ungated  # (forked DataLoader workers inherit it)
     return AsyncS3Dataset.from_parquet([f"s3://{spec['bucket']}/{key}" for key in spec["keys"]],
                                        columns=["image", "label"], shuffle=True, seed=0,
-                                       config=S3Config(**spec["config"]), store=spec["loader"].rsplit("-", 1)[1],
+                                       config=S3Config(**spec["config"]), store=spec["loader"].split("-")[2],
                                        transform=image_bytes)
 
 
@@ -201,7 +209,8 @@ class ParquetRows(torch_data.IterableDataset):
 FORMATS = {
     "ours-shard-aioboto3": _ours_shards, "ours-shard-obstore": _ours_shards, "wds": _webdataset,
     "litdata-opt": _litdata_optimized,
-    "ours-parquet-aioboto3": _ours_parquet, "ours-parquet-obstore": _ours_parquet, "pyarrow": ParquetRows,
+    "ours-parquet-aioboto3": _ours_parquet, "ours-parquet-aioboto3-ungated": _ours_parquet,
+    "ours-parquet-obstore": _ours_parquet, "pyarrow": ParquetRows,
 }
 
 
@@ -214,6 +223,48 @@ def tree_cpu(process: psutil.Process) -> float:
             continue
         total += times.user + times.system
     return total
+
+
+class Sampler:
+    """Where this process's threads are, every ``interval`` s (``--profile``: a stand-in for a
+    sampling profiler): ``collapsed`` gives one line per distinct stack, root first, and its count."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        import collections
+        import threading
+
+        self.interval, self.counts = interval, collections.Counter[tuple[str, ...]]()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not self._stop.wait(self.interval):
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack: list[str] = []
+                while frame is not None:
+                    code = frame.f_code
+                    stack.append(f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})")
+                    frame = frame.f_back
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                self.counts[(names.get(ident, "?"), *reversed(stack))] += 1
+
+    def collapsed(self) -> str:
+        return "".join(f"{';'.join(stack)} {n}\n" for stack, n in self.counts.most_common())
 
 
 def main() -> None:
@@ -231,11 +282,17 @@ def main() -> None:
             dataset.set_epoch(epoch)
         cpu, began = tree_cpu(me), time.perf_counter()
         samples = 0
-        for count in loader:
-            samples += count
-            if spec.get("limit") and samples >= spec["limit"]:
-                break  # a peer that reads one object per worker at a time: a capped epoch
+        sampler = Sampler() if spec.get("profile") and epoch == 1 else None
+        with sampler or contextlib.nullcontext():
+            for count in loader:
+                samples += count
+                if spec.get("limit") and samples >= spec["limit"]:
+                    break  # a peer that reads one object per worker at a time: a capped epoch
         seconds = time.perf_counter() - began
+        if sampler is not None:
+            with open(f"{spec['profile']}-{spec['loader']}-{spec['config']['endpoint_url'].split(':')[0]}"
+                      f"-w{workers}-{os.getpid()}.txt", "w") as out_file:
+                out_file.write(sampler.collapsed())
         out = {"samples": samples, "seconds": seconds, "cpu": tree_cpu(me) - cpu}
     print(json.dumps(out), flush=True)
 

@@ -45,6 +45,8 @@ FORMATS = {  # loader -> (format, what it is)
     "wds": ("shards", "webdataset tar expander over boto3 streaming bodies"),
     "litdata-opt": ("shards", "LitData StreamingDataset over its optimize() chunks"),
     "ours-parquet-aioboto3": ("parquet", "AsyncS3Dataset.from_parquet, aioboto3 (default backend)"),
+    "ours-parquet-aioboto3-ungated": ("parquet", "the same, its ranged GETs not gated (s3/request_gate.py): "
+                                      "what the Parquet reader did before the gate"),
     "ours-parquet-obstore": ("parquet", "AsyncS3Dataset.from_parquet, obstore"),
     "pyarrow": ("parquet", "pyarrow.dataset over pyarrow's S3FileSystem"),
 }
@@ -207,6 +209,19 @@ def report(args: argparse.Namespace, loaders: list[str], workers: list[int],
                 if rates[0] and rates[1] and cpus[0] and cpus[1]:
                     ratios.append(f"| {loader} | {fmt} | {shape} | {w} | {rates[0] / rates[1]:.2f}x | "
                                   f"{cpus[0] / cpus[1]:.2f}x |")
+    for loader in loaders:  # a variant of ours against it, round by round (the same minutes)
+        if loader.endswith("-ungated") and loader.removesuffix("-ungated") in loaders:
+            ratios += ["", f"| {loader.removesuffix('-ungated')} / {loader}, per round | endpoint | w | "
+                       "rate | median |", "|---|---|--:|---|--:|"]
+            for shape in ("lab", "aws"):
+                for w in workers:
+                    pairs = zip(results.get(f"{loader.removesuffix('-ungated')}|{shape}|{w}", []),
+                                results.get(f"{loader}|{shape}|{w}", []))
+                    each = [a["samples"] / a["seconds"] / (b["samples"] / b["seconds"]) for a, b in pairs
+                            if a.get("samples") and b.get("samples")]
+                    if each:
+                        ratios.append(f"| | {shape} | {w} | {', '.join(f'{r:.2f}' for r in each)} | "
+                                      f"{statistics.median(each):.2f}x |")
     made = ["", "| requests and connections the proxy took, both epochs (median) | endpoint | w | requests | "
             "connections | SlowDown |", "|---|---|--:|--:|--:|--:|"]
     for loader in loaders:

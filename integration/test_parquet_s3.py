@@ -280,3 +280,36 @@ def test_later_epochs_read_parquet_from_the_disk_cache(s3_server, store, tmp_pat
     ds.set_epoch(2)
     third = sorted((s["__key__"], s["label"]) for s in DataLoader(ds, batch_size=None, num_workers=2))
     assert third == first and ds.stats()["workers"] == 2 and ds.stats()["requests"] == 0, ds.stats()
+
+
+@pytest.mark.parametrize("store", ["aioboto3", "obstore"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_parquet_epoch_reuses_its_connections(s3_server, shuffle, store):
+    """A Parquet epoch's ranged GETs (the column chunks of 20 row groups in two files, 40 GETs)
+    go over kept-alive connections: the proxy in front of the server accepts no more connections
+    than the GETs the reader keeps in flight (units in flight x parts each), not one per GET, as
+    a shuffled epoch did when it started the GETs of all its open units at once."""
+    from loader.formats.shards import DEFAULT_PARTS_INFLIGHT, DEFAULT_SHARDS_INFLIGHT
+
+    from faults import FaultPlan, FaultProxy
+
+    bucket, minio = s3_server.new_bucket("pqconns"), s3_server.minio
+    for number in range(2):
+        blobs = [bytes([(number + i) % 256]) * 60_000 for i in range(200)]
+        put(minio, bucket, f"k/part-{number}.parquet",
+            arrow_bytes(pa.table({"blob": blobs, "n": list(range(200))}), row_group_size=20,
+                        compression="none", use_dictionary=False))
+    with FaultProxy(s3_server.config.endpoint_url, FaultPlan()) as proxy:
+        config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
+        ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/k/", config=config, store=Store(backend=store),
+                                         reading=Reading(part_size=1 << 20), shuffle=shuffle)
+        ds.resolve()
+        proxy.reset_counts()
+        before = proxy.accepted
+        rows = sorted(row["n"] for row in ds)
+        requests, connections = proxy.counts["requests"], proxy.accepted - before
+    assert rows == sorted(list(range(200)) * 2)
+    assert requests >= 40, requests
+    # a spare few: a client may connect for a GET while another GET's connection is coming back
+    # (obstore's pool did, once in a while); one connection per GET made 40
+    assert connections <= DEFAULT_SHARDS_INFLIGHT * DEFAULT_PARTS_INFLIGHT + 4, (connections, requests)

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from loader.datasets.partition import (
     DEFAULT_SEED,
     SMALL_ORDER,
-    ShardAssignment,
     balanced_shard_ranges,
     block_positions,
     block_shape,
@@ -37,6 +36,7 @@ from loader.datasets.partition import (
     steps_per_rank,
     worker_share,
 )
+from loader.formats.shards import ShardAssignment
 
 sizes = st.integers(0, 5000)
 world_sizes = st.integers(1, 16)

@@ -154,3 +154,65 @@ def test_a_pass_stopped_early_closes_its_listing_and_the_next_reads_every_sample
         pass
     assert store.closed and store.list_inflight == 0, "the listing stopped with the pass"
     assert [s["__key__"] for s in dataset] == sorted({key.split(".")[0] for key in objects(200)} - {"train/"})
+
+
+def test_a_first_page_sent_for_a_pass_whose_store_fails_to_open_has_its_connection_closed(monkeypatch):
+    """The first LIST page goes out from a thread before the engine starts; when the engine's own
+    store then fails to open, the listing's store is never opened (so never closed by the
+    listing): the pass closes it, and with it that page's connection (counted at the server)."""
+    import http.server
+    import threading
+    import time
+
+    from loader import S3Config
+    from loader import s3 as s3_module
+
+    page = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bkt</Name>'
+            b"<Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>false</IsTruncated><Contents>"
+            b"<Key>p/a.jpg</Key><Size>1</Size><ETag>&quot;e&quot;</ETag></Contents></ListBucketResult>")
+    open_connections: list[int] = [0]
+    answered = threading.Event()
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self):
+            super().setup()
+            open_connections[0] += 1
+
+        def finish(self):
+            open_connections[0] -= 1
+            super().finish()
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            answered.set()
+
+        def log_message(self, *args):
+            pass
+
+    async def cannot_open(*args, **kwargs):
+        answered.wait(10)  # the first page's answer is in: its connection is parked in the lister
+        raise ConfigError("the engine's store cannot open (as this test makes it)")
+
+    monkeypatch.setattr(s3_module, "open_store", cannot_open)
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            config = S3Config(endpoint_url=f"http://127.0.0.1:{server.server_address[1]}",
+                              access_key_id="a", secret_access_key="b")
+            dataset = AsyncS3Dataset.from_prefix("s3://bkt/p/", config=config)
+            with pytest.raises(ConfigError, match="cannot open") as failed:
+                for _ in dataset:  # (not ``list``, whose length hint would list the prefix first)
+                    pass
+            assert answered.is_set(), "the first page was asked for"
+            deadline = time.monotonic() + 10  # a bound for a busy machine, not a timing
+            while open_connections[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert open_connections[0] == 0, "the first page's connection is still open"
+            del failed  # (held until here: its frames hold the pass and its listing's store)
+        finally:
+            server.shutdown()

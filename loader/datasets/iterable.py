@@ -24,7 +24,6 @@ from ..config import S3Config
 from ..engine.core import Jobs
 from ..engine.fetch import EngineLimits, FetchEngine
 from ..errors import ConfigError, SampleError, say_skipped
-from ..formats.shards import ShardOptions, ShardRef
 from ..lifecycle import LiveObjects
 from ..listing.inputs import read_manifest
 from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
@@ -39,8 +38,9 @@ from .options import Options, Transform, dataset_options, warn_direct_constructi
 from .protocol import Progress, Slot, Source
 from .stats import MAX_WORKERS, StatsBoard, StepWaits, report, summarize, timed
 
-if TYPE_CHECKING:  # the disk cache and the shard source are imported where they are used, so
+if TYPE_CHECKING:  # the disk cache and the shard modules are imported where they are used, so
     from ..cache.store import CacheStats  # a per-object dataset starts without either
+    from ..formats.shards import ShardOptions, ShardRef
 
 log = logging.getLogger(__name__)
 stats_log = logging.getLogger("loader.stats")
@@ -216,6 +216,8 @@ class AsyncS3Dataset(IterableDataset):
             "shards", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
             on_error=on_error, limits=limits, split=split, store=store, config=config,
             reading=reading, old=deprecated)
+        from ..formats.shards import ShardOptions
+
         shard_options = ShardOptions(**knobs)
         from .shard_source import ShardSource
 
@@ -247,6 +249,8 @@ class AsyncS3Dataset(IterableDataset):
             "parquet", shuffle=shuffle, seed=seed, transform=transform, batch_size=batch_size,
             on_error=on_error, limits=limits, split=split, store=store, config=config,
             reading=reading, old=deprecated)
+        from ..formats.shards import ShardOptions
+
         shard_options = ShardOptions(**knobs)
         # row groups at once: a number given (Limits(concurrency=) or an old spelling) applies to
         # every process; the default is per rank, shared among its workers (ParquetSource.inflight)

@@ -168,6 +168,9 @@ class ObjectSource:
             yield from run(jobs, self.options.object_limits(delivery))
         finally:
             self._streaming = False
+            discard = getattr(factory, "discard", None)  # ``s3.ListingOpener``
+            if discard is not None:  # its first page's lister, where the listing never opened it
+                discard()
 
     def _streamed_listing(self, slot: Slot) -> StoreFactory | None:
         """The store factory that lists the prefix when this pass reads it as its pages arrive

@@ -17,15 +17,6 @@ from ..checks import check_int
 from ..config import S3Config
 from ..engine import DEFAULT_MAX_INFLIGHT, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_ITEMS, Delivery, EngineLimits
 from ..errors import ConfigError
-from ..formats.shards import (
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_PART_SIZE,
-    DEFAULT_PARTS_INFLIGHT,
-    DEFAULT_SHARDS_INFLIGHT,
-    MIN_PART_SIZE,
-    ShardOptions,
-    part_size_too_small,
-)
 from ..listing.versions import Versions
 from ..s3 import StoreFactory, StoreSpec, preload_backend
 from ..s3.recording import RequestRecorder
@@ -35,6 +26,7 @@ from .object_samples import ON_ERROR, OnError
 
 if TYPE_CHECKING:
     from ..cache.store import CacheStats
+    from ..formats.shards import ShardOptions  # imported by shard mode only: a per-object start needs none
 
 Transform = Callable[[dict[str, Any]], Any]
 MIN_MEMORY_BUDGET = MIN_MEMORY
@@ -203,7 +195,6 @@ class Options:
 
 
 _COMMON = ("shuffle", "seed", "transform", "batch_size", "on_error", "config")
-_SHARD_FIELDS = frozenset(field.name for field in dataclasses.fields(ShardOptions))
 
 
 def dataset_options(mode: Mode, *, limits: Limits | None = None, split: Split | None = None,
@@ -227,6 +218,9 @@ def dataset_options(mode: Mode, *, limits: Limits | None = None, split: Split | 
     check_groups(mode, groups["split"], reading)
     knobs: dict[str, Any] = {}  # ShardOptions' fields, as given
     if mode in ("shards", "parquet"):
+        # imported here: a per-object start imports no shard module
+        from ..formats.shards import DEFAULT_PARTS_INFLIGHT, MIN_PART_SIZE, ShardOptions, part_size_too_small
+
         concurrency = groups["limits"].concurrency
         if concurrency is not None:  # files at once, each with its parts in flight
             parts = (old or {}).get("parts_inflight", DEFAULT_PARTS_INFLIGHT)
@@ -275,7 +269,8 @@ def dataset_options(mode: Mode, *, limits: Limits | None = None, split: Split | 
         knobs = budget_options({**knobs, **own, "memory_budget": memory, "shuffle": common.get("shuffle")},
                                "shards")
         own["queue_bytes"] = knobs.get("queue_bytes", own.get("queue_bytes", DEFAULT_QUEUE_BYTES))
-        knobs = {name: value for name, value in knobs.items() if name in _SHARD_FIELDS}
+        fields = {field.name for field in dataclasses.fields(ShardOptions)}
+        knobs = {name: value for name, value in knobs.items() if name in fields}
     elif mode == "parquet":  # row groups: the shuffle buffer a quarter of the budget, 32 MiB parts
         if memory is not None and common.get("shuffle"):
             knobs.setdefault("shuffle_bytes", memory // 4)
@@ -435,6 +430,14 @@ def budget_options(options: Mapping[str, Any], mode: Mode) -> dict[str, Any]:
     if mode == "objects":
         out.setdefault("queue_bytes", budget // 2)
         return out
+    from ..formats.shards import (
+        DEFAULT_CHUNK_SIZE,
+        DEFAULT_PART_SIZE,
+        DEFAULT_PARTS_INFLIGHT,
+        DEFAULT_SHARDS_INFLIGHT,
+        MIN_PART_SIZE,
+    )
+
     queue = out.setdefault("queue_bytes", budget // 4)
     shuffle_bytes = out.setdefault("shuffle_bytes", budget // 4 if out.get("shuffle") else None) or 0
     reads = budget - queue - shuffle_bytes

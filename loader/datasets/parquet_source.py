@@ -395,8 +395,13 @@ class ParquetSource(ShardSource):
     def job(self, assignment: ShardAssignment, position: int, *, skip: Container[int] = frozenset(),
             offsets: bool = True, order: Sequence[int] | None = None) -> Job:
         plan = self.plans()[assignment.shard]
+        # shuffled, many units are open at once: their GETs no more at once than a rank's unshuffled
+        # units' (each one a new connection otherwise: s3/request_gate.py), in each worker (its own
+        # pool: a share per worker cost 0.8x the rate at w=2 over https, bench/results/aws-2026-11-28-f.md)
+        options = self.shard_options
+        gets = options.shards_inflight * options.parts_inflight if self.options.shuffle else 0
         read = RowGroupRead(self.files()[plan.file], self.meta(plan.file), self.columns,
-                            self._piece(), self.shard_options.parts_inflight, self._streams(plan))
+                            self._piece(), self.shard_options.parts_inflight, self._streams(plan), gets)
         return row_group_job(read, plan, position, assignment, skip=skip, on_error=self.options.on_error,
                              order=order)
 

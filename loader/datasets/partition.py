@@ -14,10 +14,12 @@ import bisect
 import hashlib
 import random
 from collections.abc import Iterator, Sequence
-from typing import Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 from ..checks import check_int
-from ..formats.shards import ShardAssignment
+
+if TYPE_CHECKING:  # shard mode's: imported by its functions, so a per-object start needs no shard module
+    from ..formats.shards import ShardAssignment
 
 PadPolicy = Literal["pad", "drop"]
 T = TypeVar("T")
@@ -298,6 +300,8 @@ def shard_assignments(
     With fewer, it reads the one shard ``order[s % num_shards]`` with a sample-index stride.
     Zero shards give every slot nothing.
     """
+    from ..formats.shards import ShardAssignment
+
     check_int("num_shards", num_shards, minimum=0)
     slot, slots = slot_of(rank, world_size, worker, num_workers)
     order = epoch_order(num_shards, seed=seed, epoch=epoch, shuffle=shuffle)
@@ -328,6 +332,8 @@ def balanced_shard_ranges(
     workers split that run into contiguous parts differing by at most one sample. The result
     lists, in reading order, the sample range of each shard this slot reads.
     """
+    from ..formats.shards import ShardAssignment
+
     for position, count in enumerate(counts):
         check_int(f"counts[{position}]", count, minimum=0)
     workers = _effective_workers(num_workers)
@@ -438,6 +444,8 @@ def sequence_ranges(counts: Sequence[int], order: Sequence[int],
     Consecutive positions in one shard become one sample range; successive ranges in the same
     shard, ascending, share one ``ShardAssignment`` (``ranges``), so that its shard is read once.
     """
+    from ..formats.shards import ShardAssignment
+
     starts: list[int] = []
     at = 0
     for shard in order:

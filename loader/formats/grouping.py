@@ -4,11 +4,12 @@ consecutive members with the same key into one sample dict (pure, no I/O; docs/d
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loader.errors import ShardFormatError
 
-from .tar import TarMember, TarStreamParser
+if TYPE_CHECKING:  # (per-object datasets use ``split_key`` only: they start without the tar parser)
+    from .tar import TarMember
 
 __all__ = ["NO_EXTENSION_FIELD", "SampleGrouper", "iter_samples", "split_key"]
 
@@ -94,6 +95,8 @@ class SampleGrouper:
 
 def iter_samples(chunks: Iterable[bytes], url: str) -> Iterator[dict[str, Any]]:
     """Parse and group a whole shard given as chunks; for tests and synchronous callers."""
+    from .tar import TarStreamParser
+
     parser = TarStreamParser(url)
     grouper = SampleGrouper(url)
     for chunk in chunks:

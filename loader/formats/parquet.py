@@ -38,6 +38,7 @@ from ..errors import ConfigError, ObjectChangedError, ParquetFormatError, say_sk
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore
 from ..s3.protocol import Pin
+from ..s3.request_gate import gated
 from ..uri import object_url
 from .shards import END, ShardAssignment, ShardEnd
 
@@ -541,6 +542,7 @@ class RowGroupRead(NamedTuple):
     part_size: int
     parts_inflight: int
     streamed: bool = False
+    gets_inflight: int = 0  # ranged GETs at once through the store, all units together (0: no bound)
 
 
 def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignment: ShardAssignment,
@@ -579,8 +581,10 @@ def row_group_job(read: RowGroupRead, plan: RowGroupPlan, position: int, assignm
             in_parts(ref.bucket, ref.key)
 
         async def get(start: int, end: int) -> bytes:
-            return await call_with_retries(lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin),
-                                           ctx.retry, on_retry=ctx.retried)
+            return await call_with_retries(
+                lambda: gated(ctx.store, read.gets_inflight,
+                              lambda: ctx.store.get_range(ref.bucket, ref.key, start, end, pin=pin)),
+                ctx.retry, on_retry=ctx.retried)
 
         if read.streamed:
             failed: Exception | None = None

@@ -18,11 +18,9 @@ import re
 import warnings
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import ConfigError, EmptyDatasetError
-from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
-from ..formats.shards import ShardRef
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from ..s3.blocking import run_async, with_store
@@ -31,6 +29,9 @@ from .keyfile import Annotations, origin
 from .keylist import KeyList, ListOptions, list_all
 from .sharing import once_per_job
 from .snapshots import Snapshot, load_snapshot, save_snapshot
+
+if TYPE_CHECKING:  # the shard modules come with the shard functions: a per-object start needs none
+    from ..formats.shards import ShardRef
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,12 @@ def list_prefix(
             send_first_page = getattr(factory, "send_first_page", None)
             if send_first_page is not None:
                 send_first_page(bucket, prefix, options.page_size)
-            found = run_async(functools.partial(with_store, factory, use), meanwhile)
+            try:
+                found = run_async(functools.partial(with_store, factory, use), meanwhile)
+            finally:  # a first page's lister that the listing never opened (it failed first)
+                discard = getattr(factory, "discard", None)
+                if discard is not None:
+                    discard()
             if snapshot is not None:
                 found = save_snapshot(found, snapshot.path, uri, annotate)
         return found if keep is None else keep(found)
@@ -248,6 +254,8 @@ def shard_specs(spec: str | Iterable[str]) -> list[str]:
     suffixes are the shards (``resolve_shards`` lists it). zstd shards need a zstd library, which
     is checked here, before any worker starts.
     """
+    from ..formats.compression import require_codec
+
     specs = [spec] if isinstance(spec, str) else list(spec)
     if not specs:
         raise EmptyDatasetError("the shard list is empty")
@@ -274,6 +282,9 @@ def resolve_shards(
     """Turn shard URIs and prefixes into ``ShardRef``s; prefixes are listed (sizes known), once
     per job (``ticket``: the dataset's, see ``sharing``). ``meanwhile``: as in ``list_prefix``,
     during the first listing."""
+    from ..formats.compression import SHARD_SUFFIXES, is_shard_name, require_codec
+    from ..formats.shards import ShardRef
+
     shards: list[ShardRef] = []
     for uri in specs:
         bucket, key = parse_s3_uri(uri)

@@ -9,7 +9,7 @@ import functools
 import importlib.util
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import retry as contact
 from .._version import install_hint
@@ -27,6 +27,9 @@ from .protocol import (
     Pin,
     normalize_etag,
 )
+
+if TYPE_CHECKING:
+    from .http_lister import HttpLister
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_PAGE_SIZE", "BACKENDS", "ListPage", "MultipartStore", "ObjectInfo",
            "ObjectStore", "PagedLister", "Pin", "StoreFactory", "StoreSpec", "normalize_etag",
@@ -86,7 +89,7 @@ class ListingOpener:
         self.config = config
         self.max_connections = max_connections
         self.retry = retry
-        self._ready: ObjectStore | None = None
+        self._ready: HttpLister | None = None
 
     def send_first_page(self, bucket: str, prefix: str, page_size: int) -> None:
         """Where ``HttpLister`` serves, make it and send the first page's request now."""
@@ -102,6 +105,13 @@ class ListingOpener:
         if ready is not None:
             return ready
         return await open_listing_store(self.config, max_connections=self.max_connections, retry=self.retry)
+
+    def discard(self) -> None:
+        """Close the lister made for a first page that no listing took (the pass ended or failed
+        before it opened its store), and with it that page's connection; else nothing."""
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            ready.close()
 
 
 async def open_store(

@@ -23,8 +23,6 @@ import warnings
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
-from botocore import exceptions as bce
-
 from ..config import S3Config
 from ..errors import StoreError, TransientStoreError
 from ..lifecycle import LiveObjects
@@ -67,14 +65,25 @@ from .protocol import (
 )
 from .signed_get import SignedGetter
 
-_STREAM_ERRORS = (
-    bce.ResponseStreamingError,
-    bce.IncompleteReadError,
-    bce.ReadTimeoutError,
-    bce.ConnectionClosedError,
-    asyncio.TimeoutError,
-    ConnectionError,  # http1's ResponseBroken too
-)
+_STREAM_ERRORS = (asyncio.TimeoutError, ConnectionError)  # http1's ResponseBroken too; botocore's: _botocore
+
+
+class _NeverRaised(Exception):
+    """A class no error is an instance of."""
+
+
+class _NotImported:
+    """``botocore.exceptions`` before botocore is imported: no error is one of its classes yet."""
+
+    def __getattr__(self, name: str) -> type[Exception]:
+        return _NeverRaised
+
+
+def _botocore() -> Any:
+    """``botocore.exceptions``, looked up where an error is translated, not imported: a store that
+    GETs and lists only through ``SignedGetter`` never imports botocore (~700 objects and a few ms
+    before the first sample), and then no error can be one of its classes."""
+    return sys.modules.get("botocore.exceptions") or _NotImported()
 
 _SAID: set[tuple[str, str, str]] = set()  # fallbacks already named in this process
 
@@ -601,6 +610,7 @@ def translate_error(
     """The one place where aiobotocore's and aiohttp's errors become ours (wording: ``error_answers``)."""
     if isinstance(exc, (StoreError, asyncio.CancelledError)):
         return exc
+    bce = _botocore()
     if isinstance(exc, bce.ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         meta = exc.response.get("ResponseMetadata", {})
@@ -627,7 +637,8 @@ def translate_error(
         return unreachable(endpoint, bucket, key, listing=listing, reason=exc.reason)
     if isinstance(exc, FramingBroken):
         return broken_framing(bucket, key, str(exc), listing=listing)
-    if isinstance(exc, (*_STREAM_ERRORS, *aiohttp_stream)):
+    if isinstance(exc, (*_STREAM_ERRORS, bce.ResponseStreamingError, bce.IncompleteReadError,
+                        bce.ReadTimeoutError, bce.ConnectionClosedError, *aiohttp_stream)):
         # with what it said, where it said anything ("no byte received for 30 s")
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return failed_mid_request(bucket, key, detail, listing=listing)
@@ -756,7 +767,7 @@ async def _paced_body(body: Any, length: int | None, read_timeout: float) -> byt
 
 def _error_code(exc: BaseException | None) -> str:
     """The S3 error code of a botocore ``ClientError`` ('' for anything else)."""
-    if isinstance(exc, bce.ClientError):
+    if isinstance(exc, _botocore().ClientError):
         return str(exc.response.get("Error", {}).get("Code", ""))
     return ""
 

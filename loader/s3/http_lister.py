@@ -408,15 +408,20 @@ class HttpLister:
         raise failed_mid_request(bucket, key, detail, listing=listing) from exc
 
     async def aclose(self) -> None:
+        self.close()
+        fallback, self._fallback = self._fallback, None
+        if fallback is not None:
+            await fallback.aclose()
+
+    def close(self) -> None:
+        """``aclose`` without an event loop, but for the aioboto3 fallback (opened only by a
+        listing): what closes a lister made for a first page that no listing took."""
         with self._lock:
             self._closed = True  # a first page still on its way closes its connection itself
             idle, self._idle = self._idle, {}
         for connections in idle.values():
             for connection in connections:
                 connection.close()
-        fallback, self._fallback = self._fallback, None
-        if fallback is not None:
-            await fallback.aclose()
         fetch, self._first_fetch = self._first_fetch, None
         if fetch is not None and fetch[1].done():
             # Its answer is in: the thread is ending (microseconds). Joined, it cannot still be
