@@ -245,10 +245,12 @@ def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode
 
 def test_pieces_above_the_buffered_size_are_streamed_and_below_it_read_whole(monkeypatch):
     """A lane's piece longer than ``BUFFERED_PIECE`` is streamed from its first sample (parsed as
-    it arrives), a shorter one is one bounded GET; either way every sample comes once."""
+    it arrives) and asks for no byte past its last sample, a shorter one is one bounded GET;
+    either way every sample comes once, and every byte of the shards is asked for once."""
     from loader.datasets import shard_source
 
     calls = Counter()
+    asked: list[int] = []  # bytes each stream asked for
     fake = FakeStore.with_objects("bucket", {})
     fake.objects.update(FAKE.objects)
     for name in ("get_range", "stream"):
@@ -257,6 +259,9 @@ def test_pieces_above_the_buffered_size_are_streamed_and_below_it_read_whole(mon
         def counted(*args, _method=method, _name=name, **kwargs):
             if args[1].endswith(".tar"):
                 calls[_name] += 1
+                if _name == "stream":
+                    end, start = kwargs.get("end"), kwargs.get("start", args[2] if len(args) > 2 else 0)
+                    asked.append((len(fake.objects["bucket", args[1]]) if end is None else end) - start)
             return _method(*args, **kwargs)
 
         monkeypatch.setattr(fake, name, counted)
@@ -267,10 +272,13 @@ def test_pieces_above_the_buffered_size_are_streamed_and_below_it_read_whole(mon
     for limit, gets, streams in ((1 << 20, 3 * shards, shards), (0, 0, 4 * shards)):
         monkeypatch.setattr(shard_source, "BUFFERED_PIECE", limit)
         calls.clear()
+        asked.clear()
         ds = AsyncS3Dataset.from_shards("s3://bucket/tar/", shuffle=True, seed=3, store=reusable(fake))
         ds.set_epoch(1)
         assert sorted(label_of(s) for s in ds) == LABELS
         assert calls == {"get_range": gets, "stream": streams} if gets else {"stream": streams}, (limit, calls)
+    tar_bytes = sum(len(body) for (_, key), body in fake.objects.items() if key.endswith(".tar"))
+    assert sum(asked) == tar_bytes, "each streamed piece ends where the next one starts"
 
 
 # ----------------------------------------------------------------------------- mixes
