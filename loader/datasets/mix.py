@@ -11,12 +11,11 @@ epochs) or a stretch starting at a fresh pass (``"epoch"``). All sources share o
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Generator, Mapping
-from typing import TYPE_CHECKING, Any, Literal, cast
+from collections.abc import Generator, Mapping
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from ..checks import check_int
 from ..config import S3Config
@@ -134,12 +133,14 @@ class MixSource:
                                             rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
                                             num_workers=slot.num_workers, policy=slot.policy)
         todo = [(tag, q) for tag, q in enumerate(positions) if tag not in progress.delivered]
-        located = DrawOrder(shares).locate([q for _, q in todo])
+        laned = {s for s, part in enumerate(self.parts) if part.source.deals_lanes()}
+        walked = self._walk(slot, [q for _, q in todo], laned)
         groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (source, pass) -> [(tag, position)]
         in_lanes: dict[int, list[tuple[int, int]]] = {}  # source -> [(tag, mix position)]
-        for (tag, q), (s, k) in zip(todo, located):
+        for tag, q in todo:
+            s, k = walked.located[q]
             part = self.parts[s]
-            if part.source.deals_lanes():
+            if s in laned:
                 in_lanes.setdefault(s, []).append((tag, q))
                 continue
             first = slot.epoch * shares[s] if part.sampling == "continue" else 0
@@ -163,7 +164,7 @@ class MixSource:
                 for tag in tags:
                     owner[tag] = len(jobs)
                 jobs.append((tags[0], _labelled(read, tags, part)))
-        for s, entries, read, members in self._lane_reads(slot, in_lanes):
+        for s, entries, read, members in self._lane_reads(slot, in_lanes, walked):
             tags = [entries[m][0] for m in members]
             for tag in tags:
                 owner[tag] = len(jobs)
@@ -177,7 +178,44 @@ class MixSource:
 
     # ------------------------------------------------------------------ sources read in lanes
 
-    def _lane_reads(self, slot: Slot, in_lanes: dict[int, list[tuple[int, int]]],
+    def _walk(self, slot: Slot, wanted: list[int], laned: set[int]) -> _Walked:
+        """One walk of the epoch's draw order: ``(source, k)`` of each of ``wanted``, and, for
+        the sources ``laned`` (read in lanes), how many samples of each chunk (pass) each lane
+        holds and ``(chunk, lane, draw)`` of each wanted position of theirs. The lanes' sizes
+        need every position; without such sources the walk stops at the last one wanted."""
+        order = DrawOrder(self.shares())
+        walked = _Walked({}, {}, {}, {})
+        if not wanted:
+            return walked
+        if min(wanted) < 0 or max(wanted) >= order.total:
+            raise IndexError(f"positions must lie in [0, {order.total}) (got {min(wanted)}..{max(wanted)})")
+        want, last = set(wanted), order.total - 1 if laned else max(wanted)
+        located, draws = walked.located, walked.draws
+        count, step, table = self._lane_dealing(slot)
+        period = len(table)
+        bounds: dict[int, list[int]] = {}  # per source: the first k of each next chunk
+        chunk_of = dict.fromkeys(laned, 0)
+        for s in laned:
+            chunks = walked.chunks[s] = self._share_chunks(s, slot.epoch)
+            bounds[s] = [first for first, _ in chunks[1:]] + [self.shares()[s]]
+            walked.sizes[s] = [[0] * count for _ in chunks]
+        for q, (s, k) in enumerate(order.walk()):
+            if s in chunk_of:
+                chunk = chunk_of[s]
+                while k >= bounds[s][chunk]:  # k counts up by one: a chunk at a time
+                    chunk += 1
+                chunk_of[s] = chunk
+                row, lane = walked.sizes[s][chunk], table[(q // step) % period]
+                if q in want:
+                    draws[q] = (chunk, lane, row[lane])
+                row[lane] += 1
+            if q in want:
+                located[q] = (s, k)
+            if q == last:
+                break
+        return walked
+
+    def _lane_reads(self, slot: Slot, in_lanes: dict[int, list[tuple[int, int]]], walked: _Walked,
                     ) -> Generator[tuple[int, list[tuple[int, int]], Read, list[int]], None, None]:
         """The reads of this slot's samples of shuffled shard and Parquet sources, which deal
         their share of each epoch to lanes as they do alone (docs/design/shuffle.md): the
@@ -186,19 +224,7 @@ class MixSource:
         ``l``'s ``j``-th draw is the ``j``-th of the pass's positions that slot ``l`` reads (a
         pass's samples all come before the next pass's). Yields ``(source, entries, read,
         indices into entries)``."""
-        if not in_lanes:
-            return
-        count, lane_of = self._lane_dealing(slot)
-        chunks = {s: self._share_chunks(s, slot.epoch) for s in in_lanes}
-        sizes = {s: [[0] * count for _ in chunks[s]] for s in in_lanes}
-        wanted = {q for entries in in_lanes.values() for _, q in entries}
-        draws: dict[int, tuple[int, int, int]] = {}  # mix position -> (chunk, lane, draw)
-        for q, (s, k) in enumerate(DrawOrder(self.shares()).walk()):
-            if s in sizes:
-                chunk, lane = bisect.bisect_right(chunks[s], k, key=lambda c: c[0]) - 1, lane_of(q)
-                if q in wanted:
-                    draws[q] = (chunk, lane, sizes[s][chunk][lane])
-                sizes[s][chunk][lane] += 1
+        chunks, sizes, draws = walked.chunks, walked.sizes, walked.draws
         for s, entries in in_lanes.items():
             part = self.parts[s]
             source = cast(LaneMixable, part.source)
@@ -211,15 +237,17 @@ class MixSource:
                         seed=part.seed + chunk, epoch=slot.epoch):
                     yield s, entries, read, [mine[m] for m in members]
 
-    def _lane_dealing(self, slot: Slot) -> tuple[int, Callable[[int], int]]:
-        """How many lanes, and the lane of each mix position: with ``batch_size=`` the blocks'
-        (``Slot.lanes``), else the strided slot's of this run."""
+    def _lane_dealing(self, slot: Slot) -> tuple[int, int, list[int]]:
+        """How many lanes, and the lane of each mix position ``q``: ``table[(q // step) %
+        len(table)]``; with ``batch_size=`` the blocks' (``Slot.lanes``), else the strided
+        slot's of this run (periodic in ``world_size * workers``)."""
         workers = max(1, slot.num_workers)
         if slot.positions is not None:
             count, batch = slot.lanes or slot.world_size * workers, self.options.batch_size
             assert batch is not None  # positions are dealt in blocks of it
-            return count, lambda q: lanes.block_lane(q, batch, count)[0]
-        return slot.world_size * workers, lambda q: lanes.strided_lane(q, slot.world_size, workers)
+            return count, batch, list(range(count))  # lanes.block_lane's
+        count = slot.world_size * workers
+        return count, 1, [lanes.strided_lane(q, slot.world_size, workers) for q in range(count)]
 
     def _share_chunks(self, s: int, epoch: int) -> list[tuple[int, list[lanes.Segment]]]:
         """The samples source ``s`` gives ``epoch`` (a stretch of its passes, as unshuffled
@@ -254,6 +282,15 @@ class MixSource:
 
     def describe(self) -> str:
         return "a mix of " + ", ".join(f"{part.name} ({part.source.describe()})" for part in self.parts)
+
+
+class _Walked(NamedTuple):
+    """What one walk of a mix's draw order found (``MixSource._walk``)."""
+
+    located: dict[int, tuple[int, int]]  # wanted position -> (source, k)
+    draws: dict[int, tuple[int, int, int]]  # wanted position of a laned source -> (chunk, lane, draw)
+    sizes: dict[int, list[list[int]]]  # laned source -> per chunk, samples per lane
+    chunks: dict[int, list[tuple[int, list[lanes.Segment]]]]  # laned source -> _share_chunks
 
 
 class _Context:
