@@ -180,7 +180,8 @@ def main() -> None:
                 for line in done.stdout.splitlines():
                     row = json.loads(line)
                     results[name].setdefault(tuple(row["run"]), []).append(row)
-                print(f"round {round_} {name} done", file=sys.stderr, flush=True)
+                load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+                print(f"round {round_} {name} done (load {load})", file=sys.stderr, flush=True)
     lines = [
         f"{args.samples} samples of {CLASSES} classes ({args.size} B each; shards of {args.per_shard}; "
         f"Parquet: 2 files, row groups of 100 rows), shuffle=True, num_workers={args.workers}, one epoch per "
