@@ -3,8 +3,9 @@ order by webdataset's ``ShardWriter`` (indexed by ``loader index``) and a Parque
 Hugging Face ``datasets`` (an ``Image`` and a ``ClassLabel``, rows sorted by label), read with
 0 and 2 DataLoader workers, with ``batch_size=`` 8 and 32 and without it, give batches as mixed
 as a permutation's (>= 0.9x its distinct labels, <= 1 % single-label batches: counts, not time);
-stopped mid-epoch on 2 workers and resumed on 3, every sample comes once; unshuffled, the
-stored order; a mix of the two, the same."""
+stopped mid-epoch on 2 workers and resumed on 3 from what the main process saved with
+``loader.checkpoint``, every sample comes once; unshuffled, the stored order; a mix of the two,
+the same."""
 
 from __future__ import annotations
 
@@ -93,6 +94,19 @@ def test_label_sorted_data_gives_mixed_batches(s3_server, sorted_set, mode, deal
         assert found.ratio >= 0.9 and found.single_fraction <= 0.01, (batch, found)
 
 
+def through_a_checkpoint(s3_server, bucket: str, ds: AsyncS3Dataset, seen: int) -> dict:
+    """What a training script saves with its model, taken in the main process (whose
+    DataLoader's 2 workers did the reading), saved and loaded with ``loader.checkpoint``: the
+    state must name the lanes of the run that started the epoch."""
+    from loader import checkpoint
+
+    uri = f"s3://{bucket}/ckpt/{ds.source.kind}.pt"
+    checkpoint.save({"data": ds.state_dict(), "seen": seen}, uri, config=s3_server.config)
+    state = checkpoint.load(uri, config=s3_server.config)
+    assert state["data"]["lanes"] == 2, state["data"]
+    return state
+
+
 @pytest.mark.parametrize("mode", ["shards", "parquet"])
 def test_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, sorted_set, mode):
     batch = 8
@@ -111,8 +125,9 @@ def test_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, 
         if step == 20:
             break
     seen = first.samples_seen(21)
+    state = through_a_checkpoint(s3_server, sorted_set, first, seen)
     second = dataset(s3_server, sorted_set, mode, batch_size=batch)
-    second.resume(epoch=2, samples_seen=seen, lanes=2)
+    second.resume(epoch=state["data"]["epoch"], samples_seen=state["seen"], lanes=state["data"]["lanes"])
     after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
     assert seen == len(before) == 21 * batch
     assert sorted(before) == sorted(whole[:seen])  # a resume skips a slice of the epoch's order
@@ -165,8 +180,9 @@ def test_a_mix_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_se
         if step == 30:
             break
     seen = first.samples_seen(31)
+    state = through_a_checkpoint(s3_server, sorted_set, first, seen)
     second = mixed(s3_server, sorted_set, batch_size=batch)
-    second.resume(epoch=2, samples_seen=seen, lanes=2)
+    second.resume(epoch=state["data"]["epoch"], samples_seen=state["seen"], lanes=state["data"]["lanes"])
     after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
     assert sorted(before) == sorted(whole[:seen])
     assert sorted(before + after) == sorted(whole) and len(set(whole)) == 2 * len(LABELS)

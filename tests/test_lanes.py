@@ -215,17 +215,17 @@ def test_a_worker_with_too_few_runs_to_mix_says_so():
 
 
 @pytest.mark.parametrize("dealt", [True, False], ids=["batch_size", "no-batch_size"])
-@pytest.mark.parametrize("mode", ["shards", "parquet"])
+@pytest.mark.parametrize("mode", ["shards", "parquet", "mix"])
 def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode, dealt):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     options = {"batch_size": 8} if dealt else {}
 
     def loader():
-        ds = dataset(mode, **options)
+        ds = mixed(options.get("batch_size")) if mode == "mix" else dataset(mode, **options)
         ds.set_epoch(4)
         return StatefulDataLoader(ds, batch_size=8, num_workers=2,
-                                  collate_fn=lambda samples: [s["__key__"] for s in samples])
+                                  collate_fn=lambda samples: [(s.get("__source__"), s["__key__"]) for s in samples])
 
     whole = [key for batch in loader() for key in batch]
     first, taken = loader(), []
@@ -237,7 +237,27 @@ def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode
     again = loader()
     again.load_state_dict(state)
     rest = [key for batch in again for key in batch]
-    assert taken + rest == whole and len(set(whole)) == len(LABELS)
+    assert taken + rest == whole and len(set(whole)) == (2 if mode == "mix" else 1) * len(LABELS)
+
+
+@pytest.mark.parametrize("mode", ["shards", "mix"])
+def test_the_main_process_s_state_names_the_lanes_its_workers_read(mode):
+    """The state a training script takes from the dataset in its main process (its DataLoader's
+    workers did the reading) names their lanes, which a resume of the epoch's order needs."""
+    ds = mixed(8) if mode == "mix" else dataset(mode, batch_size=8)
+    ds.set_epoch(1)
+    assert ds.state_dict()["lanes"] is None  # nothing read yet
+    for step, _ in enumerate(DataLoader(ds, batch_size=8, num_workers=3, collate_fn=len)):
+        if step == 4:
+            break
+    state, seen = ds.state_dict(), ds.samples_seen(5)
+    assert state["lanes"] == 3
+    whole_ds = mixed(8) if mode == "mix" else dataset(mode, batch_size=8)
+    whole_ds.resume(epoch=1, samples_seen=0, lanes=state["lanes"])
+    whole = [(s.get("__source__"), s["__key__"]) for s in whole_ds]
+    again = mixed(8) if mode == "mix" else dataset(mode, batch_size=8)
+    again.resume(epoch=state["epoch"], samples_seen=seen, lanes=state["lanes"])
+    assert [(s.get("__source__"), s["__key__"]) for s in again] == whole[seen:]
 
 
 # ----------------------------------------------------------------------------- reading pieces
