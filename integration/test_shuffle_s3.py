@@ -9,18 +9,21 @@ the same."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from torch.utils.data import DataLoader
 
 from bench.labelmix import label_mix
-from loader import AsyncS3Dataset
+from loader import AsyncS3Dataset, Reading
 
 from s3servers import S3_VARS
 
@@ -140,6 +143,29 @@ def test_unshuffled_is_the_stored_order(s3_server, sorted_set, mode):
         ds = dataset(s3_server, sorted_set, mode, shuffle=False, **options)
         ds.set_epoch(0)
         assert [label_of(s) for s in ds] == LABELS
+    ds = dataset(s3_server, sorted_set, mode, shuffle=False, batch_size=8)  # blocks dealt to 2 workers
+    batches = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=lambda samples: [label_of(s) for s in samples])
+    assert [label for b in batches for label in b] == LABELS
+
+
+def test_unshuffled_parquet_of_several_units_a_file_is_the_stored_order_file_by_file(s3_server):
+    """Two files of 3 row groups of ~0.5 MB, read in units of at most 1 MiB (2 a file, read side
+    by side): rows come file by file, each in its stored order, with and without blocks."""
+    bucket = s3_server.new_bucket("units")
+    row = 60_000
+    for number in range(2):
+        table = pa.table({"image": [{"bytes": os.urandom(row), "path": f"{i}.bin"} for i in range(24)],
+                          "label": pa.array(range(number * 24, (number + 1) * 24), pa.int64())})
+        out = io.BytesIO()
+        pq.write_table(table, out, row_group_size=8, compression="none")
+        s3_server.minio.put_object(bucket, f"pq/part-{number}.parquet", io.BytesIO(out.getvalue()),
+                                   len(out.getvalue()))
+    for options in ({}, {"batch_size": 8}):
+        ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/pq/", columns=["image", "label"],
+                                         shuffle=False, config=s3_server.config,
+                                         reading=Reading(part_size=1 << 20), **options)
+        assert ds.source.size() == 4, "two units a file"
+        assert [int(s["label"]) for s in ds] == list(range(48)), options
 
 
 def mixed(s3_server, bucket: str, **options):
