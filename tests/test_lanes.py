@@ -329,6 +329,15 @@ def test_a_mix_of_label_sorted_shards_and_parquet_gives_mixed_batches_each_sampl
         assert found.ratio >= 0.9 and found.single_fraction <= 0.01, (batch, found)
 
 
+def test_a_mix_in_lanes_walks_its_draw_order_once_before_its_workers_start():
+    from loader.datasets.mix_order import DrawOrder
+
+    ds = mixed()
+    ds.set_epoch(1)  # in the main process: forked DataLoader workers inherit the walk
+    assert ds.source._drawn is not None
+    assert list(ds.source._drawn) == [s for s, _ in DrawOrder(ds.source.shares()).walk()]
+
+
 def test_a_mix_in_lanes_shuffles_every_epoch_anew():
     orders = []
     for epoch in (1, 2):

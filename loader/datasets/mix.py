@@ -11,6 +11,7 @@ epochs) or a stretch starting at a fresh pass (``"epoch"``). All sources share o
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import math
@@ -68,6 +69,7 @@ class MixSource:
         self.samples_per_epoch = samples_per_epoch
         self._counts: list[int] | None = None
         self._by_name = {part.name: part for part in parts}
+        self._drawn: array.array[int] | None = None  # the source of each position (drawn())
 
     # ------------------------------------------------------------------ sizes
 
@@ -101,6 +103,17 @@ class MixSource:
         for part in self.parts:
             part.source.resolve()
         self.shares()
+        if self.deals_lanes():
+            self.drawn()  # here, once: DataLoader workers started later inherit it
+
+    def drawn(self) -> array.array[int]:
+        """The source of each position of an epoch (``DrawOrder``, the same every epoch), walked
+        once per process, 1 byte a position: a mix read in lanes needs the whole order each
+        epoch in every worker, and the walk is most of that work."""
+        if self._drawn is None:
+            self._drawn = array.array("B" if len(self.parts) < 256 else "H",
+                                      (s for s, _ in DrawOrder(self.shares()).walk()))
+        return self._drawn
 
     def size(self) -> int:
         return sum(self.shares())
@@ -183,13 +196,13 @@ class MixSource:
         the sources ``laned`` (read in lanes), how many samples of each chunk (pass) each lane
         holds and ``(chunk, lane, draw)`` of each wanted position of theirs. The lanes' sizes
         need every position; without such sources the walk stops at the last one wanted."""
-        order = DrawOrder(self.shares())
+        total = sum(self.shares())
         walked = _Walked({}, {}, {}, {})
         if not wanted:
             return walked
-        if min(wanted) < 0 or max(wanted) >= order.total:
-            raise IndexError(f"positions must lie in [0, {order.total}) (got {min(wanted)}..{max(wanted)})")
-        want, last = set(wanted), order.total - 1 if laned else max(wanted)
+        if min(wanted) < 0 or max(wanted) >= total:
+            raise IndexError(f"positions must lie in [0, {total}) (got {min(wanted)}..{max(wanted)})")
+        want, last = set(wanted), total - 1 if laned else max(wanted)
         located, draws = walked.located, walked.draws
         count, step, table = self._lane_dealing(slot)
         period = len(table)
@@ -199,7 +212,11 @@ class MixSource:
             chunks = walked.chunks[s] = self._share_chunks(s, slot.epoch)
             bounds[s] = [first for first, _ in chunks[1:]] + [self.shares()[s]]
             walked.sizes[s] = [[0] * count for _ in chunks]
-        for q, (s, k) in enumerate(order.walk()):
+        taken = [0] * len(self.parts)
+        walk = enumerate(self.drawn()) if laned else enumerate(s for s, _ in DrawOrder(self.shares()).walk())
+        for q, s in walk:
+            k = taken[s]
+            taken[s] = k + 1
             if s in chunk_of:
                 chunk = chunk_of[s]
                 while k >= bounds[s][chunk]:  # k counts up by one: a chunk at a time
