@@ -334,8 +334,8 @@ def test_a_mix_in_lanes_walks_its_draw_order_once_before_its_workers_start():
 
     ds = mixed()
     ds.set_epoch(1)  # in the main process: forked DataLoader workers inherit the walk
-    assert ds.source._drawn is not None
-    assert list(ds.source._drawn) == [s for s, _ in DrawOrder(ds.source.shares()).walk()]
+    assert ds.source._tallied is not None
+    assert list(ds.source._tallied.sources) == [s for s, _ in DrawOrder(ds.source.shares()).walk()]
 
 
 def test_a_mix_in_lanes_shuffles_every_epoch_anew():

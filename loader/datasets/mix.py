@@ -11,7 +11,7 @@ epochs) or a stretch starting at a fresh pass (``"epoch"``). All sources share o
 
 from __future__ import annotations
 
-import array
+import bisect
 import dataclasses
 import hashlib
 import math
@@ -28,7 +28,7 @@ from ..retry import RetryPolicy
 from ..s3 import ObjectStore, StoreFactory
 from . import lanes, partition
 from .groups import DEPRECATED, Limits, Split, Store, flat_options
-from .mix_order import DrawOrder, apportion
+from .mix_order import DrawOrder, Tallied, apportion
 from .object_samples import OnError
 from .object_source import ObjectProgress
 from .options import LoaderOptions, Transform, budget_options
@@ -69,7 +69,7 @@ class MixSource:
         self.samples_per_epoch = samples_per_epoch
         self._counts: list[int] | None = None
         self._by_name = {part.name: part for part in parts}
-        self._drawn: array.array[int] | None = None  # the source of each position (drawn())
+        self._tallied: Tallied | None = None  # the draw order, counted (tallied())
 
     # ------------------------------------------------------------------ sizes
 
@@ -104,16 +104,15 @@ class MixSource:
             part.source.resolve()
         self.shares()
         if self.deals_lanes():
-            self.drawn()  # here, once: DataLoader workers started later inherit it
+            self.tallied()  # here, once: DataLoader workers started later inherit it
 
-    def drawn(self) -> array.array[int]:
-        """The source of each position of an epoch (``DrawOrder``, the same every epoch), walked
-        once per process, 1 byte a position: a mix read in lanes needs the whole order each
-        epoch in every worker, and the walk is most of that work."""
-        if self._drawn is None:
-            self._drawn = array.array("B" if len(self.parts) < 256 else "H",
-                                      (s for s, _ in DrawOrder(self.shares()).walk()))
-        return self._drawn
+    def tallied(self) -> Tallied:
+        """The epoch's draw order (the same every epoch) as ``Tallied`` counts, made once per
+        process (1 byte a position): a worker's share of sources read in lanes needs its lanes'
+        sizes, which depend on every position; with these, counting them costs no walk."""
+        if self._tallied is None:
+            self._tallied = Tallied(self.shares())
+        return self._tallied
 
     def size(self) -> int:
         return sum(self.shares())
@@ -192,44 +191,50 @@ class MixSource:
     # ------------------------------------------------------------------ sources read in lanes
 
     def _walk(self, slot: Slot, wanted: list[int], laned: set[int]) -> _Walked:
-        """One walk of the epoch's draw order: ``(source, k)`` of each of ``wanted``, and, for
+        """``(source, k)`` of each of ``wanted`` (positions of the epoch's draw order), and, for
         the sources ``laned`` (read in lanes), how many samples of each chunk (pass) each lane
-        holds and ``(chunk, lane, draw)`` of each wanted position of theirs. The lanes' sizes
-        need every position; without such sources the walk stops at the last one wanted."""
+        holds and ``(chunk, lane, draw)`` of each wanted position of theirs. With such sources
+        everything comes from ``tallied()`` (counts of bytes, per wanted position or lane);
+        without, the order is walked up to the last position wanted."""
         total = sum(self.shares())
         walked = _Walked({}, {}, {}, {})
         if not wanted:
             return walked
         if min(wanted) < 0 or max(wanted) >= total:
             raise IndexError(f"positions must lie in [0, {total}) (got {min(wanted)}..{max(wanted)})")
-        want, last = set(wanted), total - 1 if laned else max(wanted)
         located, draws = walked.located, walked.draws
+        if not laned:
+            want, last = set(wanted), max(wanted)
+            for q, (s, k) in enumerate(DrawOrder(self.shares()).walk()):
+                if q in want:
+                    located[q] = (s, k)
+                if q == last:
+                    break
+            return walked
+        tallied = self.tallied()
+        for q in set(wanted):
+            s = tallied.sources[q]
+            located[q] = (s, tallied.before(s, q))
         count, step, table = self._lane_dealing(slot)
-        period = len(table)
-        bounds: dict[int, list[int]] = {}  # per source: the first k of each next chunk
-        chunk_of = dict.fromkeys(laned, 0)
+        spans: dict[int, list[tuple[int, int]]] = {}  # laned source -> per chunk, its positions [start, stop)
         for s in laned:
             chunks = walked.chunks[s] = self._share_chunks(s, slot.epoch)
-            bounds[s] = [first for first, _ in chunks[1:]] + [self.shares()[s]]
-            walked.sizes[s] = [[0] * count for _ in chunks]
-        taken = [0] * len(self.parts)
-        walk = enumerate(self.drawn()) if laned else enumerate(s for s, _ in DrawOrder(self.shares()).walk())
-        for q, s in walk:
-            k = taken[s]
-            taken[s] = k + 1
-            if s in chunk_of:
-                chunk = chunk_of[s]
-                while k >= bounds[s][chunk]:  # k counts up by one: a chunk at a time
-                    chunk += 1
-                chunk_of[s] = chunk
-                row, lane = walked.sizes[s][chunk], table[(q // step) % period]
-                if q in want:
-                    draws[q] = (chunk, lane, row[lane])
-                row[lane] += 1
-            if q in want:
-                located[q] = (s, k)
-            if q == last:
-                break
+            ends = [first for first, _ in chunks[1:]] + [self.shares()[s]]
+            spans[s] = [(tallied.position(s, first), tallied.position(s, end - 1) + 1)
+                        for (first, _), end in zip(chunks, ends)]
+            walked.sizes[s] = [[tallied.in_lane(s, lane, start, stop, step, table) for lane in range(count)]
+                               for start, stop in spans[s]]
+        groups: dict[tuple[int, int, int], list[int]] = {}  # (source, chunk, lane) -> wanted positions
+        for q, (s, k) in located.items():
+            if s in laned:
+                chunk = bisect.bisect_right(walked.chunks[s], k, key=lambda c: c[0]) - 1
+                groups.setdefault((s, chunk, table[(q // step) % len(table)]), []).append(q)
+        for (s, chunk, lane), positions in groups.items():
+            at, drawn = spans[s][chunk][0], 0  # the lane's draws of this chunk before ``at``
+            for q in sorted(positions):
+                drawn += tallied.in_lane(s, lane, at, q, step, table)
+                draws[q] = (chunk, lane, drawn)
+                at = q
         return walked
 
     def _lane_reads(self, slot: Slot, in_lanes: dict[int, list[tuple[int, int]]], walked: _Walked,
