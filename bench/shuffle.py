@@ -1,6 +1,7 @@
 """How mixed are shuffled batches, and how fast: before and after the windowed shuffle.
 
     flock /tmp/bench.lock python bench/shuffle.py --base 1e9950c --out bench/results/shuffle-DATE.md
+    flock /tmp/bench.lock python bench/shuffle.py --base 1e9950c --only shards:sorted:none,objects --rounds 5
 
 Data, on the embedded server, ``--samples`` samples of 10 classes written two ways: sorted by
 label (keys in class order, tar shards packed in class order with their index, Hub-style Parquet
@@ -81,18 +82,21 @@ def build(samples: int, size: int, per_shard: int) -> dict[str, bytes]:
     return objects
 
 
-def runs() -> list[tuple[str, str, int | None, int]]:
-    """(mode, data, batch_size=, the DataLoader's batch)."""
+def runs(only: str = "") -> list[tuple[str, str, int | None, int]]:
+    """(mode, data, batch_size=, the DataLoader's batch); ``only``: comma-separated
+    ``mode[:data[:batch_size=]]`` filters (e.g. ``shards:sorted:none,mix``), empty for all."""
     out = []
     for mode in ("objects", "shards", "parquet", "mix"):
         for data in ("sorted", "unsorted"):
             for dealt in (None, 8, 32):
                 for batch in ((8, 32) if dealt is None else (dealt,)):
                     out.append((mode, data, dealt, batch))
-    return out
+    wanted = [part.split(":") for part in only.split(",") if part]
+    return [run for run in out if not wanted or any(
+        want == [str(field if field is not None else "none") for field in run[:len(want)]] for want in wanted)]
 
 
-def child(workers: int, samples: int) -> None:
+def child(workers: int, samples: int, only: str) -> None:
     """In a revision's process: every run once, one JSON line each."""
     from torch.utils.data import DataLoader
 
@@ -102,7 +106,7 @@ def child(workers: int, samples: int) -> None:
     from bench.labelmix import label_mix
 
     config = S3Config.from_env()
-    for mode, data, dealt, batch in runs():
+    for mode, data, dealt, batch in runs(only):
         options = {"shuffle": True, "seed": 1, "config": config}
         if dealt is not None:
             options["batch_size"] = dealt
@@ -154,12 +158,13 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8 * 1024)
     parser.add_argument("--per-shard", type=int, default=50)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only", default="", help="mode[:data[:batch_size=]], comma-separated (default: every run)")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
-        child(args.workers, args.samples)
+        child(args.workers, args.samples, args.only)
         return
     from loader.tools.devserver import DevServer
     from loader.tools.examples import put_all as upload
@@ -169,18 +174,25 @@ def main() -> None:
                           capture_output=True, text=True).stdout.strip()
     results: dict[str, dict[tuple, list[dict]]] = {name: {} for name in revisions}
     with DevServer(buckets=[BUCKET]) as server:
-        upload(server.config, build(args.samples, args.size, args.per_shard), bucket=BUCKET)
+        chosen = runs(args.only)
+        kinds = {"objects": ("obj",), "shards": ("tar",), "parquet": ("pq",), "mix": ("tar", "pq")}
+        layouts = {(data, kind) for mode, data, _, _ in chosen for kind in kinds[mode]}  # what the runs read
+        objects = build(args.samples, args.size, args.per_shard)
+        upload(server.config, {key: body for key, body in objects.items() if tuple(key.split("/")[:2]) in layouts},
+               bucket=BUCKET)
+        del objects
         env = {**os.environ, **server.config.to_env()}
         for round_ in range(args.rounds):
             for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
                 command = [sys.executable, str(Path(__file__).resolve()), "--child",
-                           "--workers", str(args.workers), "--samples", str(args.samples)]
+                           "--workers", str(args.workers), "--samples", str(args.samples), "--only", args.only]
                 done = subprocess.run(command, env={**env, "PYTHONPATH": revisions[name]}, cwd=revisions[name],
                                       check=True, capture_output=True, text=True)
                 for line in done.stdout.splitlines():
                     row = json.loads(line)
                     results[name].setdefault(tuple(row["run"]), []).append(row)
-                print(f"round {round_} {name} done", file=sys.stderr, flush=True)
+                load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+                print(f"round {round_} {name} done (load {load})", file=sys.stderr, flush=True)
     lines = [
         f"{args.samples} samples of {CLASSES} classes ({args.size} B each; shards of {args.per_shard}; "
         f"Parquet: 2 files, row groups of 100 rows), shuffle=True, num_workers={args.workers}, one epoch per "
@@ -192,11 +204,12 @@ def main() -> None:
         "single after | rows/s before | rows/s after | after/before |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for run in runs():
+    for run in runs(args.only):
         cells = []
         for name in ("before", "after"):
             rows = results[name][tuple(run)]
             ratio = statistics.median(r["distinct"] / r["uniform"] for r in rows)
+            print(f"{run} {name}: " + " ".join(f"{r['rows_s']:.0f}" for r in rows), file=sys.stderr)
             single = statistics.median(r["single"] for r in rows)
             speed = statistics.median(r["rows_s"] for r in rows)
             cells.append((ratio, single, rows[0]["batches"], speed))

@@ -145,6 +145,9 @@ async def test_stream_chunks_concatenate_to_the_object(server, big, chunk_size):
                 chunks = await drain(store.stream(BUCKET, key, start=start, chunk_size=chunk_size))
                 assert all(type(c) is bytes and 0 < len(c) <= chunk_size for c in chunks)
                 assert b"".join(chunks) == data[start:], start
+                end = min(len(data), start + chunk_size + 7)  # a bounded stream: [start, end)
+                chunks = await drain(store.stream(BUCKET, key, start=start, chunk_size=chunk_size, end=end))
+                assert b"".join(chunks) == data[start:end] and all(len(c) <= chunk_size for c in chunks), start
             with pytest.raises(InvalidRangeError, match="past the end"):
                 await drain(store.stream(BUCKET, key, start=len(data) + 1, chunk_size=chunk_size))
 

@@ -3,23 +3,27 @@ order by webdataset's ``ShardWriter`` (indexed by ``loader index``) and a Parque
 Hugging Face ``datasets`` (an ``Image`` and a ``ClassLabel``, rows sorted by label), read with
 0 and 2 DataLoader workers, with ``batch_size=`` 8 and 32 and without it, give batches as mixed
 as a permutation's (>= 0.9x its distinct labels, <= 1 % single-label batches: counts, not time);
-stopped mid-epoch on 2 workers and resumed on 3, every sample comes once; unshuffled, the
-stored order; a mix of the two, the same."""
+stopped mid-epoch on 2 workers and resumed on 3 from what the main process saved with
+``loader.checkpoint``, every sample comes once; unshuffled, the stored order; a mix of the two,
+the same."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from torch.utils.data import DataLoader
 
 from bench.labelmix import label_mix
-from loader import AsyncS3Dataset
+from loader import AsyncS3Dataset, Reading
 
 from s3servers import S3_VARS
 
@@ -93,6 +97,19 @@ def test_label_sorted_data_gives_mixed_batches(s3_server, sorted_set, mode, deal
         assert found.ratio >= 0.9 and found.single_fraction <= 0.01, (batch, found)
 
 
+def through_a_checkpoint(s3_server, bucket: str, ds: AsyncS3Dataset, seen: int) -> dict:
+    """What a training script saves with its model, taken in the main process (whose
+    DataLoader's 2 workers did the reading), saved and loaded with ``loader.checkpoint``: the
+    state must name the lanes of the run that started the epoch."""
+    from loader import checkpoint
+
+    uri = f"s3://{bucket}/ckpt/{ds.source.kind}.pt"
+    checkpoint.save({"data": ds.state_dict(), "seen": seen}, uri, config=s3_server.config)
+    state = checkpoint.load(uri, config=s3_server.config)
+    assert state["data"]["lanes"] == 2, state["data"]
+    return state
+
+
 @pytest.mark.parametrize("mode", ["shards", "parquet"])
 def test_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, sorted_set, mode):
     batch = 8
@@ -111,8 +128,9 @@ def test_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, 
         if step == 20:
             break
     seen = first.samples_seen(21)
+    state = through_a_checkpoint(s3_server, sorted_set, first, seen)
     second = dataset(s3_server, sorted_set, mode, batch_size=batch)
-    second.resume(epoch=2, samples_seen=seen, lanes=2)
+    second.resume(epoch=state["data"]["epoch"], samples_seen=state["seen"], lanes=state["data"]["lanes"])
     after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
     assert seen == len(before) == 21 * batch
     assert sorted(before) == sorted(whole[:seen])  # a resume skips a slice of the epoch's order
@@ -125,6 +143,29 @@ def test_unshuffled_is_the_stored_order(s3_server, sorted_set, mode):
         ds = dataset(s3_server, sorted_set, mode, shuffle=False, **options)
         ds.set_epoch(0)
         assert [label_of(s) for s in ds] == LABELS
+    ds = dataset(s3_server, sorted_set, mode, shuffle=False, batch_size=8)  # blocks dealt to 2 workers
+    batches = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=lambda samples: [label_of(s) for s in samples])
+    assert [label for b in batches for label in b] == LABELS
+
+
+def test_unshuffled_parquet_of_several_units_a_file_is_the_stored_order_file_by_file(s3_server):
+    """Two files of 3 row groups of ~0.5 MB, read in units of at most 1 MiB (2 a file, read side
+    by side): rows come file by file, each in its stored order, with and without blocks."""
+    bucket = s3_server.new_bucket("units")
+    row = 60_000
+    for number in range(2):
+        table = pa.table({"image": [{"bytes": os.urandom(row), "path": f"{i}.bin"} for i in range(24)],
+                          "label": pa.array(range(number * 24, (number + 1) * 24), pa.int64())})
+        out = io.BytesIO()
+        pq.write_table(table, out, row_group_size=8, compression="none")
+        s3_server.minio.put_object(bucket, f"pq/part-{number}.parquet", io.BytesIO(out.getvalue()),
+                                   len(out.getvalue()))
+    for options in ({}, {"batch_size": 8}):
+        ds = AsyncS3Dataset.from_parquet(f"s3://{bucket}/pq/", columns=["image", "label"],
+                                         shuffle=False, config=s3_server.config,
+                                         reading=Reading(part_size=1 << 20), **options)
+        assert ds.source.size() == 4, "two units a file"
+        assert [int(s["label"]) for s in ds] == list(range(48)), options
 
 
 def mixed(s3_server, bucket: str, **options):
@@ -165,8 +206,9 @@ def test_a_mix_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_se
         if step == 30:
             break
     seen = first.samples_seen(31)
+    state = through_a_checkpoint(s3_server, sorted_set, first, seen)
     second = mixed(s3_server, sorted_set, batch_size=batch)
-    second.resume(epoch=2, samples_seen=seen, lanes=2)
+    second.resume(epoch=state["data"]["epoch"], samples_seen=state["seen"], lanes=state["data"]["lanes"])
     after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
     assert sorted(before) == sorted(whole[:seen])
     assert sorted(before + after) == sorted(whole) and len(set(whole)) == 2 * len(LABELS)

@@ -80,6 +80,8 @@ async def test_every_read_returns_what_was_written(s3_server, objects, direct):
             big = items["big.bin"]
             for start, end in [(0, 1), (5, 1000), (BIG - 10, BIG), (BIG - 10, None), (1 << 20, 2 << 20)]:
                 assert await store.get_range(bucket, "big.bin", start, end) == big[start:end]
+                streamed = [chunk async for chunk in store.stream(bucket, "big.bin", start, 300_000, end=end)]
+                assert b"".join(streamed) == big[start:end] and max(map(len, streamed)) <= 300_000
             for start, chunk in [(1, 7), (65_537, 100_000), (BIG - 1, 1 << 20)]:
                 assert await read_all(store, bucket, "big.bin", start, chunk) == big[start:]
 

@@ -244,6 +244,25 @@ async def test_stream_closed_after_two_chunks_commits_nothing(tmp_path):
     assert len(entry_files(tmp_path / "cache")) == 1
 
 
+async def test_bounded_streams_end_to_end_fill_the_cache_and_are_served_from_it(tmp_path):
+    """A stream asked to stop at ``end`` (a shard read in pieces) keeps what it read: pieces that
+    cover the object complete its entry, and a bounded stream is then served from it."""
+    data = blob(7, 5000)
+    fake = FakeStore.with_objects(BUCKET, {"k": data})
+    cache = new_cache(tmp_path)
+    with anyio.fail_after(DEADLINE):
+        async with session(fake, cache) as store:
+            async with aclosing(store.stream(BUCKET, "k", chunk_size=1000, end=1500)) as chunks:
+                assert b"".join([chunk async for chunk in chunks]) == data[:1500]
+            assert entry_files(tmp_path / "cache") == []  # the object's end not met yet
+            assert await read_stream(store, "k", 1500) == data[1500:]
+            assert len(entry_files(tmp_path / "cache")) == 1 and fake.requests == 2
+            async with aclosing(store.stream(BUCKET, "k", start=700, chunk_size=600, end=2100)) as chunks:
+                parts = [chunk async for chunk in chunks]
+            assert b"".join(parts) == data[700:2100] and all(len(part) <= 600 for part in parts)
+            assert fake.requests == 2 and store.hits == 1
+
+
 async def test_cancelled_stream_commits_nothing(tmp_path):
     data = blob(6, 5000)
     gate = anyio.Event()

@@ -65,6 +65,8 @@ async def test_stream_chunks_from_an_offset(store):
         assert await collect(store.stream("b", "k", chunk_size=4)) == [b"0123", b"4567", b"89"]
         assert await collect(store.stream("b", "k", start=3, chunk_size=5)) == [b"34567", b"89"]
         assert await collect(store.stream("b", "k", start=10)) == []
+        assert await collect(store.stream("b", "k", start=3, chunk_size=2, end=8)) == [b"34", b"56", b"7"]
+        assert await collect(store.stream("b", "k", start=8, end=20)) == [b"89"]  # as a range: to the end
         with pytest.raises(InvalidRangeError):
             await collect(store.stream("b", "k", start=11))
         assert store.inflight == 0

@@ -215,17 +215,17 @@ def test_a_worker_with_too_few_runs_to_mix_says_so():
 
 
 @pytest.mark.parametrize("dealt", [True, False], ids=["batch_size", "no-batch_size"])
-@pytest.mark.parametrize("mode", ["shards", "parquet"])
+@pytest.mark.parametrize("mode", ["shards", "parquet", "mix"])
 def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode, dealt):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     options = {"batch_size": 8} if dealt else {}
 
     def loader():
-        ds = dataset(mode, **options)
+        ds = mixed(options.get("batch_size")) if mode == "mix" else dataset(mode, **options)
         ds.set_epoch(4)
         return StatefulDataLoader(ds, batch_size=8, num_workers=2,
-                                  collate_fn=lambda samples: [s["__key__"] for s in samples])
+                                  collate_fn=lambda samples: [(s.get("__source__"), s["__key__"]) for s in samples])
 
     whole = [key for batch in loader() for key in batch]
     first, taken = loader(), []
@@ -237,7 +237,27 @@ def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode
     again = loader()
     again.load_state_dict(state)
     rest = [key for batch in again for key in batch]
-    assert taken + rest == whole and len(set(whole)) == len(LABELS)
+    assert taken + rest == whole and len(set(whole)) == (2 if mode == "mix" else 1) * len(LABELS)
+
+
+@pytest.mark.parametrize("mode", ["shards", "mix"])
+def test_the_main_process_s_state_names_the_lanes_its_workers_read(mode):
+    """The state a training script takes from the dataset in its main process (its DataLoader's
+    workers did the reading) names their lanes, which a resume of the epoch's order needs."""
+    ds = mixed(8) if mode == "mix" else dataset(mode, batch_size=8)
+    ds.set_epoch(1)
+    assert ds.state_dict()["lanes"] is None  # nothing read yet
+    for step, _ in enumerate(DataLoader(ds, batch_size=8, num_workers=3, collate_fn=len)):
+        if step == 4:
+            break
+    state, seen = ds.state_dict(), ds.samples_seen(5)
+    assert state["lanes"] == 3
+    whole_ds = mixed(8) if mode == "mix" else dataset(mode, batch_size=8)
+    whole_ds.resume(epoch=1, samples_seen=0, lanes=state["lanes"])
+    whole = [(s.get("__source__"), s["__key__"]) for s in whole_ds]
+    again = mixed(8) if mode == "mix" else dataset(mode, batch_size=8)
+    again.resume(epoch=state["epoch"], samples_seen=seen, lanes=state["lanes"])
+    assert [(s.get("__source__"), s["__key__"]) for s in again] == whole[seen:]
 
 
 # ----------------------------------------------------------------------------- reading pieces
@@ -245,10 +265,12 @@ def test_a_stateful_dataloader_of_two_workers_resumes_with_exactly_the_rest(mode
 
 def test_pieces_above_the_buffered_size_are_streamed_and_below_it_read_whole(monkeypatch):
     """A lane's piece longer than ``BUFFERED_PIECE`` is streamed from its first sample (parsed as
-    it arrives), a shorter one is one bounded GET; either way every sample comes once."""
+    it arrives) and asks for no byte past its last sample, a shorter one is one bounded GET;
+    either way every sample comes once, and every byte of the shards is asked for once."""
     from loader.datasets import shard_source
 
     calls = Counter()
+    asked: list[int] = []  # bytes each stream asked for
     fake = FakeStore.with_objects("bucket", {})
     fake.objects.update(FAKE.objects)
     for name in ("get_range", "stream"):
@@ -257,6 +279,9 @@ def test_pieces_above_the_buffered_size_are_streamed_and_below_it_read_whole(mon
         def counted(*args, _method=method, _name=name, **kwargs):
             if args[1].endswith(".tar"):
                 calls[_name] += 1
+                if _name == "stream":
+                    end, start = kwargs.get("end"), kwargs.get("start", args[2] if len(args) > 2 else 0)
+                    asked.append((len(fake.objects["bucket", args[1]]) if end is None else end) - start)
             return _method(*args, **kwargs)
 
         monkeypatch.setattr(fake, name, counted)
@@ -267,10 +292,13 @@ def test_pieces_above_the_buffered_size_are_streamed_and_below_it_read_whole(mon
     for limit, gets, streams in ((1 << 20, 3 * shards, shards), (0, 0, 4 * shards)):
         monkeypatch.setattr(shard_source, "BUFFERED_PIECE", limit)
         calls.clear()
+        asked.clear()
         ds = AsyncS3Dataset.from_shards("s3://bucket/tar/", shuffle=True, seed=3, store=reusable(fake))
         ds.set_epoch(1)
         assert sorted(label_of(s) for s in ds) == LABELS
         assert calls == {"get_range": gets, "stream": streams} if gets else {"stream": streams}, (limit, calls)
+    tar_bytes = sum(len(body) for (_, key), body in fake.objects.items() if key.endswith(".tar"))
+    assert sum(asked) == tar_bytes, "each streamed piece ends where the next one starts"
 
 
 # ----------------------------------------------------------------------------- mixes
@@ -299,6 +327,15 @@ def test_a_mix_of_label_sorted_shards_and_parquet_gives_mixed_batches_each_sampl
         assert Counter(source for source, _, _ in got) == {"tar": len(LABELS), "pq": len(LABELS)}
         found = label_mix([[label for _, _, label in b] for b in batches], [2 * PER_CLASS] * CLASSES)
         assert found.ratio >= 0.9 and found.single_fraction <= 0.01, (batch, found)
+
+
+def test_a_mix_in_lanes_walks_its_draw_order_once_before_its_workers_start():
+    from loader.datasets.mix_order import DrawOrder
+
+    ds = mixed()
+    ds.set_epoch(1)  # in the main process: forked DataLoader workers inherit the walk
+    assert ds.source._tallied is not None
+    assert list(ds.source._tallied.sources) == [s for s, _ in DrawOrder(ds.source.shares()).walk()]
 
 
 def test_a_mix_in_lanes_shuffles_every_epoch_anew():

@@ -281,3 +281,81 @@ def test_a_slow_source_does_not_stall_the_others_before_the_buffer_is_full():
         f"only {len(while_waiting)} samples ({len(fast)} of b) fetched while waiting"
     assert len(while_waiting) <= 24 + 8 + 1, \
         f"{len(while_waiting)} fetched: more than the queue and the requests in flight"
+
+
+# ----------------------------------------------------------------------------- a worker's share of lanes
+
+
+class _Counted:
+    """A source of known unit counts that a mix reads in lanes (what ``_walk`` asks of one)."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def count(self):
+        return sum(self.counts)
+
+    def deals_lanes(self):
+        return True
+
+    def unit_counts(self):
+        return self.counts
+
+
+class _Options:
+    memory_budget = None
+    queue_bytes = 0
+
+    def __init__(self, batch_size):
+        self.batch_size = batch_size
+
+    def preload_backend(self):
+        pass
+
+
+def _walked_by_hand(source, slot, wanted, laned):
+    """What ``_walk`` finds, by walking every position of the draw order."""
+    from loader.datasets import lanes
+
+    workers = max(1, slot.num_workers)
+    count = (slot.lanes or slot.world_size * workers) if slot.positions is not None else slot.world_size * workers
+    chunks = {s: [first for first, _ in source._share_chunks(s, slot.epoch)] for s in laned}
+    sizes = {s: [[0] * count for _ in chunks[s]] for s in laned}
+    located, draws = {}, {}
+    for q, (s, k) in enumerate(DrawOrder(source.shares()).walk()):
+        if q in wanted:
+            located[q] = (s, k)
+        if s in laned:
+            chunk = max(c for c, first in enumerate(chunks[s]) if first <= k)
+            lane = (lanes.block_lane(q, source.options.batch_size, count)[0] if slot.positions is not None
+                    else lanes.strided_lane(q, slot.world_size, workers))
+            if q in wanted:
+                draws[q] = (chunk, lane, sizes[s][chunk][lane])
+            sizes[s][chunk][lane] += 1
+    return located, draws, sizes
+
+
+@settings(deadline=None, max_examples=40)
+@given(units=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(any), min_size=1, max_size=3),
+       weights=st.lists(st.integers(1, 5), min_size=3, max_size=3), length=st.integers(1, 700),
+       laned=st.sets(st.integers(0, 2), min_size=1), world=st.integers(1, 2), workers=st.integers(0, 3),
+       batch=st.sampled_from([None, 1, 3, 8]), epoch=st.integers(0, 3), pick=st.randoms(use_true_random=False))
+def test_a_worker_s_lanes_counted_from_the_tallied_order_are_the_walk_s(units, weights, length, laned, world,
+                                                                      workers, batch, epoch, pick):
+    from loader.datasets.mix import MixSource, Part
+    from loader.datasets.protocol import Slot
+
+    parts = [Part(f"s{n}", _Counted(counts), weights[n], True, "continue" if n % 2 == 0 else "epoch", 7 + n)
+             for n, counts in enumerate(units)]
+    source = MixSource(parts, _Options(batch), length)
+    laned = {s for s in laned if s < len(parts)} or {0}
+    total = sum(source.shares())
+    wanted = sorted(pick.sample(range(total), min(total, pick.randint(1, 60))))
+    slot = Slot(rank=world - 1, world_size=world, worker=max(0, workers - 1), num_workers=workers, seed=1,
+                epoch=epoch, shuffle=True, policy="pad", positions=wanted if batch else None,
+                lanes=pick.randint(1, 5) if batch else None)
+    walked = source._walk(slot, wanted + wanted[:2], laned)  # a padded share repeats positions
+    located, draws, sizes = _walked_by_hand(source, slot, set(wanted), laned)
+    assert walked.located == located
+    assert walked.draws == draws
+    assert walked.sizes == sizes

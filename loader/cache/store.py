@@ -237,9 +237,11 @@ class CachedStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
         check_int("chunk_size", chunk_size, minimum=1)
+        if end is not None and end <= start:
+            return  # nothing to read (as get_range)
         name = self._name(bucket, key)
         position = start
         used = Pin() if pin is None else pin
@@ -251,11 +253,12 @@ class CachedStore:
             fell_back = False
             try:
                 _check_start(entry.length, start, bucket, key)
+                last = entry.length if end is None else min(entry.length, end)
                 block = entry.block_size
                 span = max(block, -(-chunk_size // block) * block)  # whole blocks per read
                 at = start - start % block
-                while at < entry.length:
-                    stop = min(entry.length, at + span)
+                while at < last:
+                    stop = min(last, at + span)
                     try:
                         data = await self._read(entry, at, stop)
                     except CorruptEntry as exc:  # the bytes so far were verified: the rest from the store
@@ -291,7 +294,7 @@ class CachedStore:
         keep = False
         try:
             async with contextlib.aclosing(
-                self.inner.stream(bucket, key, start=offset, chunk_size=chunk_size, pin=used)
+                self.inner.stream(bucket, key, start=offset, chunk_size=chunk_size, pin=used, end=end)
             ) as chunks:
                 async for chunk in chunks:
                     if assembly is not None:
@@ -303,7 +306,7 @@ class CachedStore:
                         position = offset
                         yield chunk
             keep = True
-            if assembly is not None:
+            if assembly is not None and (end is None or offset < end):  # the object's end was met
                 await self._ended(assembly, offset, bucket, key)
             if offset < position:  # asked to start past the end: what the store would have said
                 _check_start(offset, position, bucket, key)

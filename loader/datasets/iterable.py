@@ -112,7 +112,9 @@ class AsyncS3Dataset(IterableDataset):
         self._resume: dict[str, Any] | None = None  # a load_state_dict() state for its epoch
         self._elastic: tuple[int, int] | None = None  # (epoch, samples_seen) from resume()
         self._lanes: tuple[int, int] | None = None  # (epoch, lanes) from resume() or a state
-        self._read_lanes = 0  # the lanes of the last iteration's order (see Slot.lanes)
+        # The lanes of the last iteration's order (see Slot.lanes), in shared memory as the epoch:
+        # DataLoader workers write it, so the main process's state_dict() names them too.
+        self._read_lanes = topology.SharedEpoch(0)
         self._progress: Progress = self.source.progress({})
         self._samples_skipped = 0  # by on_error in this pass: an object gone, a transform that raised
         self._last_stats: dict[str, Any] | None = None
@@ -373,7 +375,7 @@ class AsyncS3Dataset(IterableDataset):
         lanes = world_size * max(1, num_workers)
         if self._lanes is not None and self._lanes[0] == self.epoch:
             lanes = self._lanes[1]
-        self._read_lanes = lanes
+        self._read_lanes.value = lanes
         return Slot(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
                     seed=self.options.effective_seed, epoch=self.epoch, shuffle=self.options.shuffle,
                     policy=self.options.split.pad, positions=positions, seen=self._seen(),
@@ -502,7 +504,7 @@ class AsyncS3Dataset(IterableDataset):
             "size": self.source.size(),
             "batch_size": self.options.batch_size,
             "samples_seen": self._seen(),
-            "lanes": self._read_lanes or None,
+            "lanes": self._read_lanes.value or None,
             **self._progress.to_state(),
         }
 

@@ -15,8 +15,8 @@ import bisect
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Generator, Mapping
-from typing import TYPE_CHECKING, Any, Literal, cast
+from collections.abc import Generator, Mapping
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from ..checks import check_int
 from ..config import S3Config
@@ -28,7 +28,7 @@ from ..retry import RetryPolicy
 from ..s3 import ObjectStore, StoreFactory
 from . import lanes, partition
 from .groups import Limits, Split, Store
-from .mix_order import DrawOrder, apportion
+from .mix_order import DrawOrder, Tallied, apportion
 from .object_samples import OnError
 from .object_source import ObjectProgress
 from .options import Options, Transform, check_mix_part, dataset_options
@@ -69,6 +69,7 @@ class MixSource:
         self.samples_per_epoch = samples_per_epoch
         self._counts: list[int] | None = None
         self._by_name = {part.name: part for part in parts}
+        self._tallied: Tallied | None = None  # the draw order, counted (tallied())
 
     # ------------------------------------------------------------------ sizes
 
@@ -102,6 +103,16 @@ class MixSource:
         for part in self.parts:
             part.source.resolve()
         self.shares()
+        if self.deals_lanes():
+            self.tallied()  # here, once: DataLoader workers started later inherit it
+
+    def tallied(self) -> Tallied:
+        """The epoch's draw order (the same every epoch) as ``Tallied`` counts, made once per
+        process (1 byte a position): a worker's share of sources read in lanes needs its lanes'
+        sizes, which depend on every position; with these, counting them costs no walk."""
+        if self._tallied is None:
+            self._tallied = Tallied(self.shares())
+        return self._tallied
 
     def size(self) -> int:
         return sum(self.shares())
@@ -134,12 +145,14 @@ class MixSource:
                                             rank=slot.rank, world_size=slot.world_size, worker=slot.worker,
                                             num_workers=slot.num_workers, policy=slot.policy)
         todo = [(tag, q) for tag, q in enumerate(positions) if tag not in progress.delivered]
-        located = DrawOrder(shares).locate([q for _, q in todo])
+        laned = {s for s, part in enumerate(self.parts) if part.source.deals_lanes()}
+        walked = self._walk(slot, [q for _, q in todo], laned)
         groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (source, pass) -> [(tag, position)]
         in_lanes: dict[int, list[tuple[int, int]]] = {}  # source -> [(tag, mix position)]
-        for (tag, q), (s, k) in zip(todo, located):
+        for tag, q in todo:
+            s, k = walked.located[q]
             part = self.parts[s]
-            if part.source.deals_lanes():
+            if s in laned:
                 in_lanes.setdefault(s, []).append((tag, q))
                 continue
             first = slot.epoch * shares[s] if part.sampling == "continue" else 0
@@ -163,7 +176,7 @@ class MixSource:
                 for tag in tags:
                     owner[tag] = len(jobs)
                 jobs.append((tags[0], _labelled(read, tags, part)))
-        for s, entries, read, members in self._lane_reads(slot, in_lanes):
+        for s, entries, read, members in self._lane_reads(slot, in_lanes, walked):
             tags = [entries[m][0] for m in members]
             for tag in tags:
                 owner[tag] = len(jobs)
@@ -177,7 +190,54 @@ class MixSource:
 
     # ------------------------------------------------------------------ sources read in lanes
 
-    def _lane_reads(self, slot: Slot, in_lanes: dict[int, list[tuple[int, int]]],
+    def _walk(self, slot: Slot, wanted: list[int], laned: set[int]) -> _Walked:
+        """``(source, k)`` of each of ``wanted`` (positions of the epoch's draw order), and, for
+        the sources ``laned`` (read in lanes), how many samples of each chunk (pass) each lane
+        holds and ``(chunk, lane, draw)`` of each wanted position of theirs. With such sources
+        everything comes from ``tallied()`` (counts of bytes, per wanted position or lane);
+        without, the order is walked up to the last position wanted."""
+        total = sum(self.shares())
+        walked = _Walked({}, {}, {}, {})
+        if not wanted:
+            return walked
+        if min(wanted) < 0 or max(wanted) >= total:
+            raise IndexError(f"positions must lie in [0, {total}) (got {min(wanted)}..{max(wanted)})")
+        located, draws = walked.located, walked.draws
+        if not laned:
+            want, last = set(wanted), max(wanted)
+            for q, (s, k) in enumerate(DrawOrder(self.shares()).walk()):
+                if q in want:
+                    located[q] = (s, k)
+                if q == last:
+                    break
+            return walked
+        tallied = self.tallied()
+        for q in set(wanted):
+            s = tallied.sources[q]
+            located[q] = (s, tallied.before(s, q))
+        count, step, table = self._lane_dealing(slot)
+        spans: dict[int, list[tuple[int, int]]] = {}  # laned source -> per chunk, its positions [start, stop)
+        for s in laned:
+            chunks = walked.chunks[s] = self._share_chunks(s, slot.epoch)
+            ends = [first for first, _ in chunks[1:]] + [self.shares()[s]]
+            spans[s] = [(tallied.position(s, first), tallied.position(s, end - 1) + 1)
+                        for (first, _), end in zip(chunks, ends)]
+            walked.sizes[s] = [[tallied.in_lane(s, lane, start, stop, step, table) for lane in range(count)]
+                               for start, stop in spans[s]]
+        groups: dict[tuple[int, int, int], list[int]] = {}  # (source, chunk, lane) -> wanted positions
+        for q, (s, k) in located.items():
+            if s in laned:
+                chunk = bisect.bisect_right(walked.chunks[s], k, key=lambda c: c[0]) - 1
+                groups.setdefault((s, chunk, table[(q // step) % len(table)]), []).append(q)
+        for (s, chunk, lane), positions in groups.items():
+            at, drawn = spans[s][chunk][0], 0  # the lane's draws of this chunk before ``at``
+            for q in sorted(positions):
+                drawn += tallied.in_lane(s, lane, at, q, step, table)
+                draws[q] = (chunk, lane, drawn)
+                at = q
+        return walked
+
+    def _lane_reads(self, slot: Slot, in_lanes: dict[int, list[tuple[int, int]]], walked: _Walked,
                     ) -> Generator[tuple[int, list[tuple[int, int]], Read, list[int]], None, None]:
         """The reads of this slot's samples of shuffled shard and Parquet sources, which deal
         their share of each epoch to lanes as they do alone (docs/design/shuffle.md): the
@@ -186,19 +246,7 @@ class MixSource:
         ``l``'s ``j``-th draw is the ``j``-th of the pass's positions that slot ``l`` reads (a
         pass's samples all come before the next pass's). Yields ``(source, entries, read,
         indices into entries)``."""
-        if not in_lanes:
-            return
-        count, lane_of = self._lane_dealing(slot)
-        chunks = {s: self._share_chunks(s, slot.epoch) for s in in_lanes}
-        sizes = {s: [[0] * count for _ in chunks[s]] for s in in_lanes}
-        wanted = {q for entries in in_lanes.values() for _, q in entries}
-        draws: dict[int, tuple[int, int, int]] = {}  # mix position -> (chunk, lane, draw)
-        for q, (s, k) in enumerate(DrawOrder(self.shares()).walk()):
-            if s in sizes:
-                chunk, lane = bisect.bisect_right(chunks[s], k, key=lambda c: c[0]) - 1, lane_of(q)
-                if q in wanted:
-                    draws[q] = (chunk, lane, sizes[s][chunk][lane])
-                sizes[s][chunk][lane] += 1
+        chunks, sizes, draws = walked.chunks, walked.sizes, walked.draws
         for s, entries in in_lanes.items():
             part = self.parts[s]
             source = cast(LaneMixable, part.source)
@@ -211,15 +259,17 @@ class MixSource:
                         seed=part.seed + chunk, epoch=slot.epoch):
                     yield s, entries, read, [mine[m] for m in members]
 
-    def _lane_dealing(self, slot: Slot) -> tuple[int, Callable[[int], int]]:
-        """How many lanes, and the lane of each mix position: with ``batch_size=`` the blocks'
-        (``Slot.lanes``), else the strided slot's of this run."""
+    def _lane_dealing(self, slot: Slot) -> tuple[int, int, list[int]]:
+        """How many lanes, and the lane of each mix position ``q``: ``table[(q // step) %
+        len(table)]``; with ``batch_size=`` the blocks' (``Slot.lanes``), else the strided
+        slot's of this run (periodic in ``world_size * workers``)."""
         workers = max(1, slot.num_workers)
         if slot.positions is not None:
             count, batch = slot.lanes or slot.world_size * workers, self.options.batch_size
             assert batch is not None  # positions are dealt in blocks of it
-            return count, lambda q: lanes.block_lane(q, batch, count)[0]
-        return slot.world_size * workers, lambda q: lanes.strided_lane(q, slot.world_size, workers)
+            return count, batch, list(range(count))  # lanes.block_lane's
+        count = slot.world_size * workers
+        return count, 1, [lanes.strided_lane(q, slot.world_size, workers) for q in range(count)]
 
     def _share_chunks(self, s: int, epoch: int) -> list[tuple[int, list[lanes.Segment]]]:
         """The samples source ``s`` gives ``epoch`` (a stretch of its passes, as unshuffled
@@ -254,6 +304,15 @@ class MixSource:
 
     def describe(self) -> str:
         return "a mix of " + ", ".join(f"{part.name} ({part.source.describe()})" for part in self.parts)
+
+
+class _Walked(NamedTuple):
+    """What one walk of a mix's draw order found (``MixSource._walk``)."""
+
+    located: dict[int, tuple[int, int]]  # wanted position -> (source, k)
+    draws: dict[int, tuple[int, int, int]]  # wanted position of a laned source -> (chunk, lane, draw)
+    sizes: dict[int, list[list[int]]]  # laned source -> per chunk, samples per lane
+    chunks: dict[int, list[tuple[int, list[lanes.Segment]]]]  # laned source -> _share_chunks
 
 
 class _Context:

@@ -162,9 +162,9 @@ class HedgedStore(ReadWrapper):
 
     def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        return self.inner.stream(bucket, key, start, chunk_size, pin=pin)
+        return self.inner.stream(bucket, key, start, chunk_size, pin=pin, end=end)
 
     def __repr__(self) -> str:
         return f"HedgedStore({self.inner!r})"

@@ -468,11 +468,11 @@ class ThrottledStore(ReadWrapper):
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
         control = self.control(bucket)
         generation = await control.acquire()
-        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin)
+        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin, end=end)
         first = True
         try:
             async for chunk in chunks:

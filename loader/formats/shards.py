@@ -346,8 +346,9 @@ def _ranged_job(
                                                 offsets[start], offsets[stop], pin=pin)
                         data = await call_with_retries(get, ctx.retry, on_retry=ctx.retried)
                         await feed(data)
-                    else:  # to the shard's end, or too big for one buffer: streamed, cut at ``stop``
-                        await _read_stream(ctx, shard, options, parser, feed, pin)
+                    else:  # to the shard's end, or too big for one buffer: streamed, to ``stop``'s first byte
+                        await _read_stream(ctx, shard, options, parser, feed, pin,
+                                           end=offsets[stop] if stop < expected else None)
                         parser.close()
                     await deliver(grouper.flush())
                 except ObjectChangedError as exc:
@@ -449,9 +450,10 @@ async def _read_stream(
     parser: TarStreamParser,
     feed: Callable[[bytes], Awaitable[None]],
     pin: Pin,
+    end: int | None = None,
 ) -> None:
-    """One GET; on a transient fault, a ranged GET from the parser's resume offset, asking
-    for the first response's version (``pin``).
+    """One GET (to byte ``end`` where given, uncompressed only); on a transient fault, a ranged
+    GET from the parser's resume offset, asking for the first response's version (``pin``).
 
     A compressed shard is read again from its first byte instead, and the decompressed bytes
     before the resume offset are dropped unparsed.
@@ -471,7 +473,7 @@ async def _read_stream(
         try:
             async with contextlib.aclosing(
                 ctx.store.stream(shard.bucket, shard.key, start=start, chunk_size=options.chunk_size,
-                                 pin=pin)
+                                 pin=pin, end=end)
             ) as chunks:
                 if compression is None:
                     async for chunk in chunks:
@@ -495,7 +497,7 @@ async def _read_stream(
                             f"{shard.url}: the shard is shorter than when it was first read "
                             f"({resume - skip} of {resume} tar bytes before the resume offset); it "
                             "changed during the read", url=shard.url, offset=resume - skip)
-            failure = _unlike_listing(shard, received, pin)
+            failure = None if received == end else _unlike_listing(shard, received, pin)
             if failure is None:
                 return
         except InvalidRangeError:

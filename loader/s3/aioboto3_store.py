@@ -403,10 +403,13 @@ class Aioboto3Store:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
+        if end is not None and end <= start:
+            return  # nothing to read (as get_range: no request)
         if_match = None if pin is None else pin.if_match()
-        pieces = self._pieces(bucket, key, start, chunk_size, if_match)
+        byte_range = _range_header(start, end) if start or end is not None else None
+        pieces = self._pieces(bucket, key, byte_range, chunk_size, if_match)
         expected, received, first = -1, 0, True
         try:
             async for chunk, expected, etag in pieces:  # noqa: B007 (expected is read after the loop)
@@ -426,13 +429,13 @@ class Aioboto3Store:
             )
 
     async def _pieces(
-        self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
+        self, bucket: str, key: str, byte_range: str | None, chunk_size: int, if_match: str | None
     ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
         """The body's pieces through the signed path, else botocore's (a redirect comes before
         any piece, so a fallback repeats nothing)."""
         getter = self._direct(bucket)
         if getter is not None:
-            pieces = self._direct_stream(getter, bucket, key, start, chunk_size, if_match)
+            pieces = self._direct_stream(getter, bucket, key, byte_range, chunk_size, if_match)
             try:
                 async for piece in pieces:
                     yield piece
@@ -441,7 +444,7 @@ class Aioboto3Store:
                 self._leave_to_botocore(bucket, exc.reason)
             finally:
                 await pieces.aclose()
-        fallback = self._botocore_stream(bucket, key, start, chunk_size, if_match)
+        fallback = self._botocore_stream(bucket, key, byte_range, chunk_size, if_match)
         try:
             async for piece in fallback:
                 yield piece
@@ -449,10 +452,9 @@ class Aioboto3Store:
             await fallback.aclose()
 
     async def _direct_stream(
-        self, getter: SignedGetter, bucket: str, key: str, start: int, chunk_size: int,
+        self, getter: SignedGetter, bucket: str, key: str, byte_range: str | None, chunk_size: int,
         if_match: str | None,
     ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
-        byte_range = _range_header(start, None) if start else None
         conditions = None if if_match is None else {"If-Match": if_match}
         pieces = getter.stream(bucket, key, byte_range, chunk_size, conditions)
         try:
@@ -466,11 +468,11 @@ class Aioboto3Store:
             await pieces.aclose()
 
     async def _botocore_stream(
-        self, bucket: str, key: str, start: int, chunk_size: int, if_match: str | None
+        self, bucket: str, key: str, byte_range: str | None, chunk_size: int, if_match: str | None
     ) -> AsyncGenerator[tuple[bytes, int, str | None], None]:
         kwargs = {"Bucket": bucket, "Key": key}
-        if start:
-            kwargs["Range"] = _range_header(start, None)
+        if byte_range:
+            kwargs["Range"] = byte_range
         if if_match is not None:
             kwargs["IfMatch"] = if_match
         read_timeout = self._read_timeout

@@ -460,7 +460,7 @@ class HttpLister:
 
     async def stream(self, bucket: str, key: str, start: int = 0,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                     pin: Pin | None = None) -> AsyncGenerator[bytes, None]:
+                     pin: Pin | None = None, end: int | None = None) -> AsyncGenerator[bytes, None]:
         self._not_here(bucket, key)
         yield b""  # pragma: no cover - makes this an async generator
 

@@ -254,22 +254,23 @@ class MemoryStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncIterator[bytes]:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r} must be >= 1")
         async with self._read(key):
             data = self._lookup(bucket, key, pin)  # the version this response carries
-            _check_range(bucket, key, start, None, len(data))
+            _check_range(bucket, key, start, end, len(data))
+            last = len(data) if end is None else min(len(data), end)
             cut = self._take(self.truncate, key)
-            stop = len(data) if cut is None else min(len(data), start + cut)
+            stop = last if cut is None else min(last, start + cut)
             for offset in range(start, stop, chunk_size):
                 await anyio.lowlevel.checkpoint()
                 yield data[offset : min(offset + chunk_size, stop)]
-            if stop < len(data):
+            if stop < last:
                 raise TransientStoreError(
                     f"body of {key!r} in bucket {bucket!r} ended after {stop - start} of "
-                    f"{len(data) - start} bytes (from offset {start})",
+                    f"{last - start} bytes (from offset {start})",
                     bucket=bucket,
                     key=key,
                 )

@@ -335,12 +335,16 @@ class ObstoreStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
         check_int("chunk_size", chunk_size, minimum=1)
-        _check_range_args(bucket, key, start, None)
+        _check_range_args(bucket, key, start, end)
+        if end is not None and end == start:
+            return  # nothing to read (as get_range: no request)
         store = self._store(bucket)
         options: Any = {"range": {"offset": start}} if start or self._whole_by_range else {}
+        if end is not None:
+            options["range"] = (start, end)
         if pin is not None and pin.etag is not None:
             options["if_match"] = pin.if_match()
         read_timeout = self._read_timeout
@@ -352,7 +356,7 @@ class ObstoreStore:
                                           lambda: too_slow_head(self._head))
                     break
                 except Exception as exc:
-                    if start or "range" not in options or not self._plain_instead(exc):
+                    if start or end is not None or "range" not in options or not self._plain_instead(exc):
                         raise
                     del options["range"]  # the whole object, by a plain GET
             first, stop = result.range
@@ -364,7 +368,7 @@ class ObstoreStore:
             raise
         except Exception as exc:
             if start and _status_of(exc) == 416:
-                await self._past_the_end(bucket, key, start, None)
+                await self._past_the_end(bucket, key, start, end)
                 return  # resumed exactly at the end: nothing left to read
             raise self._translate(exc, bucket, key) from exc
         finally:

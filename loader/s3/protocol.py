@@ -109,9 +109,10 @@ class ObjectStore(Protocol):
 
     def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        """The object from byte ``start`` on, as chunks of at most ``chunk_size`` bytes."""
+        """The object from byte ``start`` on (to byte ``end``, exclusive, where given: a reader
+        that stops early asks for no more than it reads), as chunks of at most ``chunk_size`` bytes."""
         ...
 
     async def get_if_changed(

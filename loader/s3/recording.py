@@ -121,14 +121,14 @@ class _RecordedStore:
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = 1 << 20, *,
-        pin: Pin | None = None,
+        pin: Pin | None = None, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
         recorder = self.recorder
         recorder.requests += 1
         clock = time.perf_counter
         asked = clock()
         first = True
-        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin)
+        chunks = self.inner.stream(bucket, key, start, chunk_size, pin=pin, end=end)
         try:
             async for chunk in chunks:
                 got = clock()
