@@ -45,7 +45,7 @@ class Options:
 
     ``queue_bytes``, ``queue_items``: the queue of fetched samples not yet consumed, the share of
     ``Limits.memory`` the mode gives it (set alone only by the deprecated spellings).
-    ``log_stats``: deprecated; the ``loader.stats`` logger's level says the same. For shards and
+    ``log_stats``: deprecated; the level of the logger named "loader.stats" says the same. For shards and
     Parquet, ``Limits.concurrency`` is read as files at once (``ShardOptions.shards_inflight``),
     and is None here.
     """
@@ -102,7 +102,7 @@ class Options:
             cache=None if folder is None or cache is None else Cache(folder, limit, cache.validate)))
 
     def __getattr__(self, name: str) -> Any:
-        """A flat field of ``LoaderOptions`` (``options.max_inflight``, ``options.cache_dir``...)
+        """A flat field of ``LoaderOptions`` (``max_inflight``, ``cache_dir``... read from ``ds.options``)
         still reads for one release, with a warning naming where it lives now."""
         group, field = LANDS.get(name, ("", ""))
         if group not in ("limits", "split", "store", "cache"):
