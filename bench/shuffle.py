@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--only", default="", help="mode[:data[:batch_size=]], comma-separated (default: every run)")
+    parser.add_argument("--raw", type=Path, default=None, help="also write every round's rows and load as JSON here")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -173,6 +174,7 @@ def main() -> None:
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.head], check=True,
                           capture_output=True, text=True).stdout.strip()
     results: dict[str, dict[tuple, list[dict]]] = {name: {} for name in revisions}
+    loads: list[str] = []
     with DevServer(buckets=[BUCKET]) as server:
         chosen = runs(args.only)
         kinds = {"objects": ("obj",), "shards": ("tar",), "parquet": ("pq",), "mix": ("tar", "pq")}
@@ -192,6 +194,7 @@ def main() -> None:
                     row = json.loads(line)
                     results[name].setdefault(tuple(row["run"]), []).append(row)
                 load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+                loads.append(f"round {round_} {name}: {load}")
                 print(f"round {round_} {name} done (load {load})", file=sys.stderr, flush=True)
     lines = [
         f"{args.samples} samples of {CLASSES} classes ({args.size} B each; shards of {args.per_shard}; "
@@ -201,8 +204,8 @@ def main() -> None:
         "permutation gives. Single: single-label batches of all full batches. The machine was shared "
         "(other builds running): compare the two columns of one row, not rows across runs.\n",
         "| mode | data | batch_size= | batch | distinct before | distinct after | single before | "
-        "single after | rows/s before | rows/s after | after/before |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "single after | rows/s before | rows/s after | after/before | after/before per round |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for run in runs(args.only):
         cells = []
@@ -215,10 +218,16 @@ def main() -> None:
             cells.append((ratio, single, rows[0]["batches"], speed))
         (rb, sb, nb, vb), (ra, sa, na, va) = cells
         mode, data, dealt, batch = run
+        paired = " / ".join(f"{a['rows_s'] / b['rows_s']:.2f}"  # the two passes of one round ran side by side
+                            for b, a in zip(results["before"][tuple(run)], results["after"][tuple(run)], strict=True))
         lines.append(f"| {mode} | {data} | {dealt or 'none'} | {batch} | {rb:.2f}x | {ra:.2f}x | "
-                     f"{sb:.0f}/{nb} | {sa:.0f}/{na} | {vb:,.0f} | {va:,.0f} | {va / vb:.2f} |")
+                     f"{sb:.0f}/{nb} | {sa:.0f}/{na} | {vb:,.0f} | {va:,.0f} | {va / vb:.2f} | {paired} |")
+    lines.append("\nLoad average (1, 5, 15 min) after each pass: " + "; ".join(loads) + ".")
     table = "\n".join(lines)
     print(table)
+    if args.raw:
+        args.raw.write_text(json.dumps({"base": args.base, "head": head, "loads": loads, "runs": {
+            name: [rows for rows in by_run.values()] for name, by_run in results.items()}}))
     if args.out:
         args.out.write_text(f"# Shuffled batches on label-sorted data, before and after\n\n"
                             f"`python bench/shuffle.py --base {args.base}`\n\n{table}\n")
