@@ -248,10 +248,13 @@ _failed: weakref.WeakKeyDictionary[Any, tuple[int, BaseException]] = weakref.Wea
 def raise_if_failed_before_fork(dataset: Any) -> None:
     """In a process forked after ``dataset``'s listing failed in its parent's fork hook: raise
     that error now, rather than list again (against a dead endpoint, every worker would wait as
-    long as the parent did). The parent itself may try again (``resolve``)."""
+    long as the parent did). The parent itself may try again (``resolve``). Raised without the
+    parent's traceback and the library error under it (this process's copy): the DataLoader
+    prints the worker's traceback into its message, and the parent's frames (a refused
+    connection deep in ``http.client``) would bury the error's own advice there."""
     failed = _failed.get(dataset)
     if failed is not None and failed[0] != os.getpid():
-        raise failed[1]
+        raise failed[1].with_traceback(None) from None
 
 
 def _in_job(job: Job, name: str, target: str, anchor: int, produce: Callable[[], KeyList]) -> KeyList:
