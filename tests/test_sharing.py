@@ -210,6 +210,24 @@ def test_a_process_lists_just_before_it_forks_a_process_holding_the_dataset():
     assert fake.list_requests == 6, "listed once, not at every fork"
 
 
+def test_the_hook_finds_a_dataset_in_a_process_arguments_but_not_through_functions():
+    """What counts as held: an argument, an item, a value, an attribute, a ``partial``'s
+    argument; not what a function reaches (its globals, its closure: everything)."""
+    import functools
+    import types
+
+    wanted = [object(), object()]
+    a, b = wanted
+
+    def holds(*args, **kwargs) -> list:
+        return sharing.held_by(types.SimpleNamespace(_args=args, _kwargs=kwargs), wanted)
+
+    assert holds(1, a) == [a] and holds(x={"y": [_Wrapper(b)]}) == [b]
+    assert holds(functools.partial(print, a)) == [a]
+    assert holds(lambda: a, _Wrapper(len)) == [] and holds() == [] and sharing.held_by(None, wanted) == []
+    assert holds(list(range(sharing._ITEMS)) + [a]) == [], "long containers are data, looked into in part"
+
+
 def test_a_plain_fork_lists_nothing():
     """``os.fork()`` (or a ``multiprocessing`` child started without the dataset) reads no
     dataset of ours that the hook could know of: it does not wait for any listing."""

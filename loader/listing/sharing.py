@@ -143,7 +143,8 @@ def _job(worker: bool) -> Job | None:
 
 _pending: weakref.WeakSet[Any] = weakref.WeakSet()
 _hooked_in: int | None = None
-_REACH = 20_000  # objects the fork hook looks through for datasets in a process's arguments
+_REACH = 5_000  # objects the fork hook looks through for datasets in a process's arguments
+_ITEMS = 1_000  # of each container: datasets are held in short ones, long ones are data (keys)
 
 
 def track(dataset: Any) -> None:
@@ -197,7 +198,8 @@ def _process_being_started() -> Any:
 def held_by(process: Any, wanted: list[Any]) -> list[Any]:
     """Those of ``wanted`` that ``process``'s arguments hold: one of them, or a dataset (or a
     wrapper of one) holding it in an attribute or a container; none when ``process`` is None.
-    Functions, classes and modules are not looked into (a module's globals hold everything)."""
+    Functions, classes and modules are not looked into (a module's globals hold everything);
+    at most ``_ITEMS`` of a container and ``_REACH`` objects in all (a few ms at most)."""
     if process is None or not wanted:
         return []
     targets = {id(obj): obj for obj in wanted}
@@ -213,7 +215,7 @@ def held_by(process: Any, wanted: list[Any]) -> list[Any]:
         if id(obj) in targets:
             found[id(obj)] = obj
         before = len(queue)
-        queue.extend(itertools.islice(_parts(obj), budget))
+        queue.extend(itertools.islice(_parts(obj), min(budget, _ITEMS)))
         budget -= len(queue) - before
     return list(found.values())
 
