@@ -274,3 +274,38 @@ def test_a_single_process_and_its_forked_workers_list_once(s3_server):
         assert len(dataset) == len(expected) and epochs == [sorted(expected)] * 2
         requests, started = list_requests(proxy, bucket, "single/")
         assert one_listing(requests, started, len(items)) and one > 1, "one listing for everyone"
+
+
+def test_a_dataset_never_read_does_not_hold_up_another_datasets_forked_workers(s3_server, caplog):
+    """Datasets over a dead endpoint (a closed port) and over one answering every request with
+    an error, built and never read, are not listed when a DataLoader over another dataset
+    forks its workers: no request reaches the failing one, no warning names either. The
+    dataset read is listed once for its workers, as one process alone lists it."""
+    import logging
+
+    from torch.utils.data import DataLoader
+
+    from faults import FaultPlan
+
+    bucket = s3_server.new_bucket("once2")
+    items, expected = cell_objects("read", "objects")
+    upload_objects(s3_server.minio, bucket, items)
+    listing = ListOptions(page_size=list_once_worker.PAGE)
+    closed = f"http://127.0.0.1:{free_port()}"  # bound, released: connections are refused
+    refusing = FaultPlan(slowdown=1.0, only_methods=None, objects_only=False)
+    with FaultProxy(s3_server.config.endpoint_url) as live, \
+            FaultProxy(s3_server.config.endpoint_url, refusing) as failing:
+        def dataset_at(endpoint: str) -> AsyncS3Dataset:
+            config = dataclasses.replace(s3_server.config, endpoint_url=endpoint)
+            return AsyncS3Dataset.from_prefix(f"s3://{bucket}/read/", config=config, listing=listing)
+
+        unread = [dataset_at(closed), dataset_at(failing.endpoint_url)]
+        read = dataset_at(live.endpoint_url)
+        with caplog.at_level(logging.WARNING, logger="loader"):
+            keys = sorted(sample["__key__"] for sample in
+                          DataLoader(read, batch_size=None, num_workers=2, timeout=120))
+        assert keys == sorted(expected)
+        assert one_listing(*list_requests(live, bucket, "read/"), len(items)), "one listing for the workers"
+        assert failing.counts["requests"] == 0, "the failing endpoint was never asked"
+        assert all(dataset.source._keys is None for dataset in unread)
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

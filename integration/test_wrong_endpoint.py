@@ -90,3 +90,20 @@ def test_the_map_dataset_names_the_wrong_endpoint(wrong):
         dataset = AsyncS3MapDataset.from_keys("train", ["objects/0000.bin"], config=config)
         dataset[0]
     assert_fast_and_named(str(info.value), endpoint)
+
+
+@pytest.mark.parametrize("entry", ["from_prefix", "from_shards", "from_parquet"])
+def test_forked_workers_report_the_listings_error_without_the_library_frames_under_it(wrong, entry):
+    """With ``num_workers=2`` the listing runs in this process just before the workers fork,
+    and each worker raises its error; the DataLoader prints the worker's traceback into the
+    message. It holds the error's advice, and only frames of the loader and torch, not the
+    refused connection deep in the HTTP library that the error was made from."""
+    endpoint, config = wrong
+    dataset = getattr(AsyncS3Dataset, entry)(f"s3://train/{entry}/", config=config)
+    with pytest.raises(EndpointUnreachableError) as info:
+        next(iter(DataLoader(dataset, batch_size=None, num_workers=2)))
+    message = str(info.value)
+    assert_fast_and_named(message, endpoint)
+    assert "no worker listed again" in message
+    frames = re.findall(r'File "([^"]+)"', message)
+    assert frames and all("/loader/" in path or "/torch/" in path for path in frames), frames

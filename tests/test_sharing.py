@@ -168,10 +168,31 @@ def test_a_list_larger_than_a_store_value_travels_in_chunks(store, tmp_path):
     assert len(calls) == 1 and fetched == big and int(kv.get("chunks")) > 2
 
 
-def test_a_process_lists_just_before_it_forks_so_forked_workers_inherit_the_keys():
-    """The DataLoader forks workers without asking the dataset: the fork hook lists first."""
+class _Wrapper:
+    """A user's dataset that reads one of ours (held in an attribute)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+
+def _exit_holding(*datasets) -> None:
+    os._exit(0)
+
+
+def _fork_holding(*datasets) -> int:
+    """Fork a ``multiprocessing`` child started with ``datasets`` as its arguments (as the
+    DataLoader starts a worker with its dataset); its exit code."""
     import multiprocessing
 
+    child = multiprocessing.get_context("fork").Process(target=_exit_holding, args=datasets)
+    child.start()
+    child.join()
+    return child.exitcode
+
+
+def test_a_process_lists_just_before_it_forks_a_process_holding_the_dataset():
+    """The DataLoader forks workers without asking the dataset: the fork hook lists the
+    datasets the process being started holds (itself, or in a wrapper), and only those."""
     from loader import AsyncS3Dataset, AsyncS3MapDataset
 
     from fakes import FakeStore, payloads, reusable
@@ -179,15 +200,82 @@ def test_a_process_lists_just_before_it_forks_so_forked_workers_inherit_the_keys
     fake = FakeStore.with_objects("bucket", payloads(7), page_size=3)
     objects = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake))
     mapped = AsyncS3MapDataset.from_prefix("s3://bucket/train/", store=reusable(fake))
+    other_fake = FakeStore.with_objects("bucket", payloads(7), page_size=3)
+    other = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(other_fake))
     assert objects.source._keys is None and mapped.source._keys is None and fake.list_requests == 0
-    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
-    child.start()
-    child.join()
+    assert _fork_holding(objects, [_Wrapper(mapped)]) == 0
     assert len(objects.source._keys) == len(mapped.source._keys) == 7 and fake.list_requests == 6
-    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
-    child.start()
-    child.join()
+    assert other.source._keys is None and other_fake.list_requests == 0, "not this fork's dataset"
+    assert _fork_holding(objects, _Wrapper(mapped)) == 0
     assert fake.list_requests == 6, "listed once, not at every fork"
+
+
+def test_the_hook_finds_a_dataset_in_a_process_arguments_but_not_through_functions():
+    """What counts as held: an argument, an item, a value, an attribute, a ``partial``'s
+    argument; not what a function reaches (its globals, its closure: everything)."""
+    import functools
+    import types
+
+    wanted = [object(), object()]
+    a, b = wanted
+
+    def holds(*args, **kwargs) -> list:
+        return sharing.held_by(types.SimpleNamespace(_args=args, _kwargs=kwargs), wanted)
+
+    assert holds(1, a) == [a] and holds(x={"y": [_Wrapper(b)]}) == [b]
+    assert holds(functools.partial(print, a)) == [a]
+    assert holds(lambda: a, _Wrapper(len)) == [] and holds() == [] and sharing.held_by(None, wanted) == []
+    assert holds(list(range(sharing._ITEMS)) + [a]) == [], "long containers are data, looked into in part"
+
+
+def test_a_plain_fork_lists_nothing():
+    """``os.fork()`` (or a ``multiprocessing`` child started without the dataset) reads no
+    dataset of ours that the hook could know of: it does not wait for any listing."""
+    from loader import AsyncS3Dataset
+
+    from fakes import reusable
+
+    fake = _dead_endpoint_store()
+    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake))
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert _fork_holding() == 0 and _fork_holding([1, 2], {"a": None}) == 0
+    assert fake.list_requests == 0 and ds.source._keys is None
+    assert ds.source in sharing._pending, "still due at the fork of a process that reads it"
+
+
+_read_store: list = []  # the store the DataLoader below reads (its workers see their fork's copy)
+
+
+def _worker_lists(batch) -> tuple[int, int]:
+    """In a DataLoader worker: this worker's copy of the store's LIST count, and its pid."""
+    return _read_store[0].list_requests, os.getpid()
+
+
+def test_a_dataset_never_read_does_not_hold_up_another_datasets_forked_workers(caplog):
+    """A dataset over a dead endpoint, never iterated, is not listed when a DataLoader over
+    another dataset forks its workers: no LIST to it, no warning naming it. The dataset read
+    is listed once, in this process, and its workers share that listing."""
+    from torch.utils.data import DataLoader
+
+    from loader import AsyncS3Dataset
+
+    from fakes import FakeStore, SharedFake, payloads
+
+    dead_fake = _dead_endpoint_store()
+    dead = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=SharedFake(dead_fake))
+    fake = FakeStore.with_objects("bucket", payloads(7), page_size=3)
+    live = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=SharedFake(fake))
+    _read_store[:] = [fake]
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        got = list(DataLoader(live, batch_size=1, num_workers=2, collate_fn=_worker_lists))
+    assert len(got) == 7 and len({pid for _, pid in got}) == 2
+    assert fake.list_requests == 3 and {lists for lists, _ in got} == {3}, \
+        "one listing, in this process; no worker listed again"
+    assert dead_fake.list_requests == 0 and dead.source._keys is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def _dead_endpoint_store():
@@ -213,7 +301,7 @@ def test_a_listing_that_fails_before_a_fork_is_raised_in_the_forked_workers_not_
     ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake),
                                     retry=RetryPolicy(max_attempts=2, base_delay=0.001))
 
-    def child() -> None:
+    def child(ds) -> None:
         before = fake.list_requests
         try:
             ds.keys()
@@ -221,8 +309,8 @@ def test_a_listing_that_fails_before_a_fork_is_raised_in_the_forked_workers_not_
             os._exit(0 if fake.list_requests == before and "127.0.0.1:9" in str(exc) else 2)
         os._exit(1)
 
-    with caplog.at_level(logging.WARNING, logger="loader"):
-        process = multiprocessing.get_context("fork").Process(target=child)
+    with caplog.at_level(logging.WARNING, logger="loader"):  # started holding the dataset, as a worker is
+        process = multiprocessing.get_context("fork").Process(target=child, args=(ds,))
         process.start()
         process.join()
     assert process.exitcode == 0, "the child raised the parent's error without a LIST of its own"

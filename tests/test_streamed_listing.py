@@ -160,7 +160,6 @@ def test_a_first_page_sent_for_a_pass_whose_store_fails_to_open_has_its_connecti
     """The first LIST page goes out from a thread before the engine starts; when the engine's own
     store then fails to open, the listing's store is never opened (so never closed by the
     listing): the pass closes it, and with it that page's connection (counted at the server)."""
-    import gc
     import http.server
     import threading
     import time
@@ -216,8 +215,4 @@ def test_a_first_page_sent_for_a_pass_whose_store_fails_to_open_has_its_connecti
             assert open_connections[0] == 0, "the first page's connection is still open"
             del failed  # (held until here: its frames hold the pass and its listing's store)
         finally:
-            # a dataset never listed stays due for a listing at the next fork of this process
-            # (listing.sharing): gone before its server goes, it cannot hold up later tests' forks
-            dataset = None
-            gc.collect()
             server.shutdown()

@@ -3,10 +3,12 @@
 Where the listing happens, the one documented point (docs/design/listing-once-per-job.md): a
 rank lists (or receives) its key list before its DataLoader starts workers, at the first of
 ``resolve``/``set_epoch``/``len``/``__iter__`` in the rank's own process, just before it forks
-workers (``track``: an ``os.register_at_fork`` hook), or when it pickles the dataset to start a
-spawned or forkserver worker. Pickling for anything else lists nothing. A listing that fails in
-the fork hook cannot raise there: it is logged as a warning, and each forked worker raises that
-very error at once (``raise_if_failed_before_fork``) instead of listing again.
+workers (``track``: an ``os.register_at_fork`` hook, for the datasets the process being started
+holds), or when it pickles the dataset to start a spawned or forkserver worker. Pickling for
+anything else lists nothing; nor does a fork that starts no process holding the dataset (a
+plain ``os.fork``, another DataLoader's workers). A listing that fails in the fork hook cannot
+raise there: it is logged as a warning, and each forked worker raises that very error at once
+(``raise_if_failed_before_fork``) instead of listing again.
 
 In a ``torch.distributed`` job rank 0 lists; one process per other machine fetches the result
 once through the job's ``TCPStore``; every process of a machine maps the one file
@@ -17,15 +19,18 @@ lists in memory (its forked workers share the pages).
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
+import itertools
 import logging
 import os
 import pickle
 import sys
 import time
+import types
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from .. import topology
@@ -138,13 +143,15 @@ def _job(worker: bool) -> Job | None:
 
 _pending: weakref.WeakSet[Any] = weakref.WeakSet()
 _hooked_in: int | None = None
+_REACH = 5_000  # objects the fork hook looks through for datasets in a process's arguments
+_ITEMS = 1_000  # of each container: datasets are held in short ones, long ones are data (keys)
 
 
 def track(dataset: Any) -> None:
-    """List ``dataset``'s keys (if still needed) just before this process forks, so forked
-    DataLoader workers inherit them: the one point where a rank's own process runs before its
-    workers do. Registered on first use, not at import. A failure there reaches the user
-    through the workers (``raise_if_failed_before_fork``)."""
+    """List ``dataset``'s keys (if still needed) just before this process forks a process that
+    holds it (a DataLoader worker reading it), so forked workers inherit them: the one point
+    where a rank's own process runs before its workers do. Registered on first use, not at
+    import. A failure there reaches the user through the workers (``raise_if_failed_before_fork``)."""
     global _hooked_in
     _pending.add(dataset)
     if _hooked_in != os.getpid():
@@ -153,9 +160,12 @@ def track(dataset: Any) -> None:
 
 
 def _before_fork() -> None:
-    if topology.in_worker():
+    """List the pending datasets that the process being forked holds, and only those: a
+    dataset never read by this fork (another DataLoader's, one whose endpoint is down) must
+    not delay it, nor a plain ``os.fork``."""
+    if topology.in_worker() or not _pending:
         return
-    for dataset in list(_pending):
+    for dataset in held_by(_process_being_started(), list(_pending)):
         _pending.discard(dataset)  # one try per dataset, not one per worker forked
         try:
             resolve = getattr(dataset, "resolve", None)
@@ -170,6 +180,67 @@ def _before_fork() -> None:
             _failed.pop(dataset, None)
 
 
+def _process_being_started() -> Any:
+    """The ``multiprocessing`` process whose ``start()`` is forking now (a DataLoader worker,
+    most often), else None (``os.fork`` called directly)."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is None:
+        return None
+    start = process.BaseProcess.start.__code__
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is start:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+def held_by(process: Any, wanted: list[Any]) -> list[Any]:
+    """Those of ``wanted`` that ``process``'s arguments hold: one of them, or a dataset (or a
+    wrapper of one) holding it in an attribute or a container; none when ``process`` is None.
+    Functions, classes and modules are not looked into (a module's globals hold everything);
+    at most ``_ITEMS`` of a container and ``_REACH`` objects in all (a few ms at most)."""
+    if process is None or not wanted:
+        return []
+    targets = {id(obj): obj for obj in wanted}
+    found: dict[int, Any] = {}
+    queue = collections.deque([getattr(process, "_args", ()), getattr(process, "_kwargs", {})])
+    seen: set[int] = set()
+    budget = _REACH  # objects queued in all: a bound on the hook's time, whatever the arguments
+    while queue and len(found) < len(targets):
+        obj = queue.popleft()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if id(obj) in targets:
+            found[id(obj)] = obj
+        before = len(queue)
+        queue.extend(itertools.islice(_parts(obj), min(budget, _ITEMS)))
+        budget -= len(queue) - before
+    return list(found.values())
+
+
+_OPAQUE = (str, bytes, bytearray, memoryview, int, float, complex, type, types.ModuleType,
+           types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType)
+
+
+def _parts(obj: Any) -> Iterable[Any]:
+    """What ``obj`` holds, as far as the fork hook looks: items, values, instance attributes."""
+    if obj is None or isinstance(obj, _OPAQUE):
+        return ()
+    if isinstance(obj, dict):
+        return obj.values()
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        return obj
+    if isinstance(obj, functools.partial):
+        return (*obj.args, *obj.keywords.values())
+    try:
+        attributes = object.__getattribute__(obj, "__dict__")
+    except Exception:  # noqa: BLE001 - no attributes to look into (or a proxy's): nothing held
+        return ()
+    return attributes.values() if isinstance(attributes, dict) else ()
+
+
 _FAILED_NOTE = ("(raised by the listing this process ran just before the DataLoader forked its "
                 "workers; no worker listed again)")
 # what failed in the fork hook, with the pid of the process that tried: its forked children raise it
@@ -179,10 +250,13 @@ _failed: weakref.WeakKeyDictionary[Any, tuple[int, BaseException]] = weakref.Wea
 def raise_if_failed_before_fork(dataset: Any) -> None:
     """In a process forked after ``dataset``'s listing failed in its parent's fork hook: raise
     that error now, rather than list again (against a dead endpoint, every worker would wait as
-    long as the parent did). The parent itself may try again (``resolve``)."""
+    long as the parent did). The parent itself may try again (``resolve``). Raised without the
+    parent's traceback and the library error under it (this process's copy): the DataLoader
+    prints the worker's traceback into its message, and the parent's frames (a refused
+    connection deep in ``http.client``) would bury the error's own advice there."""
     failed = _failed.get(dataset)
     if failed is not None and failed[0] != os.getpid():
-        raise failed[1]
+        raise failed[1].with_traceback(None) from None
 
 
 def _in_job(job: Job, name: str, target: str, anchor: int, produce: Callable[[], KeyList]) -> KeyList:
