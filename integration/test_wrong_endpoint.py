@@ -107,3 +107,21 @@ def test_forked_workers_report_the_listings_error_without_the_library_frames_und
     assert "no worker listed again" in message
     frames = re.findall(r'File "([^"]+)"', message)
     assert frames and all("/loader/" in path or "/torch/" in path for path in frames), frames
+
+
+def test_forked_workers_report_the_engines_error_without_the_connection_frames_under_it(wrong):
+    """``from_keys`` with ``num_workers=2``: no listing, each worker's own GETs fail to connect.
+    The message the DataLoader builds from the worker's traceback leads with the package's frames
+    and errors, not asyncio's frames and ``OSError`` of the refused connect they were made from;
+    the reason (refused, and where) stays in the error's text."""
+    endpoint, config = wrong
+    dataset = AsyncS3Dataset.from_keys("train", [f"objects/{i:04d}.bin" for i in range(8)], config=config)
+    with pytest.raises(EndpointUnreachableError) as info:
+        next(iter(DataLoader(dataset, batch_size=None, num_workers=2)))
+    message = str(info.value)
+    assert_fast_and_named(message, endpoint)
+    assert f"Connection refused at {endpoint.removeprefix('http://')}" in message, message
+    frames = re.findall(r'File "([^"]+)"', message)
+    assert frames and not [path for path in frames if "/asyncio/" in path], frames
+    raised = re.findall(r"^(\w[\w.]*(?:Error|Failed)): ", message, re.MULTILINE)
+    assert raised and all(name.startswith("loader.") for name in raised), raised

@@ -677,11 +677,13 @@ class ConnectionPool:
         except TimeoutError:
             raise ConnectFailed(f"no connection within {self._connect_timeout:g} s") from None
         except socket.gaierror as exc:
-            raise ConnectFailed(f"host {host!r} not found: {exc.strerror}") from exc
+            raise ConnectFailed(f"host {host!r} not found: {exc.strerror}") from None
         except OSError as exc:  # asyncio's own text is "Connect call failed (address)"
+            # its reason in the text, not as the cause: a DataLoader worker's message prints the
+            # chain, and asyncio's frames of the refused connect would come before the advice
             reason = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
             via = "" if self._proxy is None else " (the proxy)"
-            raise ConnectFailed(f"{reason} at {host}:{port}{via}") from exc
+            raise ConnectFailed(f"{reason} at {host}:{port}{via}") from None
         return connection
 
     async def _tunnel(self) -> _Connection:
