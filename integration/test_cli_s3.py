@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from loader.shard_index.read import read_index_counts
 from loader.tools.sizes import format_size
 
 from datasets import jpeg_dataset, sha256, upload_objects
+from faults import FaultPlan, FaultProxy
 from s3servers import S3_VARS
 from shardsets import upload_shards
 
@@ -376,3 +378,21 @@ def test_ls_and_bench_read_a_prefix_of_parquet_files_as_rows(s3_server):
     assert_ok(cut)
     assert "these are Parquet files (3 of 3 objects, 55 rows in 6 row groups)" in cut.stdout, cut.stdout
     assert f"unreadable: s3://{bucket}/pq/part-2.parquet" in cut.stdout
+
+
+def test_ls_against_errors_gives_up_at_its_retry_deadline_naming_who_answered(s3_server):
+    """Every request answered 503 SlowDown by a proxy in front of the server: ``loader ls
+    --retry-deadline 2`` gives up at that deadline (the default is 120 s), and its error names
+    the endpoint that answered (the proxy's) and advises the option, not ``RetryPolicy``."""
+    plan = FaultPlan(slowdown=1.0, objects_only=False)  # listings too
+    with FaultProxy(s3_server.config.endpoint_url, plan) as proxy:
+        proc = run_loader(s3_server, "ls", "--retry-deadline", "2", "s3://cli/train/", timeout=90,
+                          AWS_ENDPOINT_URL=proxy.endpoint_url)
+        answered = proxy.counts["slowdown"]
+    assert_one_line_error(proc, "loader ls: error: s3://cli/train/ (listing): the server answered SlowDown "
+                          f"(HTTP 503) at {proxy.endpoint_url}; gave up after ",
+                          "(its deadline of 2 s would pass before another attempt: raise it with "
+                          "--retry-deadline to wait out longer outages)")
+    assert "RetryPolicy" not in proc.stderr
+    attempts = int(re.search(r"gave up after (\d+) attempt\(s\)", proc.stderr).group(1))
+    assert attempts >= 2 and answered == attempts  # one listing's attempts, each answered by the proxy

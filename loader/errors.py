@@ -75,7 +75,10 @@ def _rebuild_store_error(cls, message, bucket, key):
 
 
 class TransientStoreError(StoreError):
-    """A fault that may go away on its own (5xx, SlowDown, reset, timeout, truncated body)."""
+    """A fault that may go away on its own (5xx, SlowDown, reset, timeout, truncated body).
+    ``endpoint``: the endpoint whose answer it is, where one answered (the final error names it)."""
+
+    endpoint: str = ""
 
 
 class BadAnswerError(TransientStoreError):

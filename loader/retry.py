@@ -11,12 +11,13 @@ than an outage. Pure except
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol, TypeVar
 
 import anyio
@@ -103,6 +104,27 @@ def forget() -> None:
         _answered.clear()
 
 
+# Where messages send a user who wants a longer deadline: ``RetryPolicy(deadline=...)``, or, while
+# a command-line tool runs (``advising``), its option, since a shell user cannot set the former.
+_deadline_option: str | None = None
+
+
+@contextlib.contextmanager
+def advising(option: str) -> Iterator[None]:
+    """Within: messages that advise a longer deadline name ``option`` (a command line's, e.g.
+    ``--retry-deadline``) rather than ``RetryPolicy(deadline=...)``."""
+    global _deadline_option
+    before, _deadline_option = _deadline_option, option
+    try:
+        yield
+    finally:
+        _deadline_option = before
+
+
+def _raise_deadline() -> str:
+    return f"raise it with {_deadline_option}" if _deadline_option else "raise RetryPolicy(deadline=...)"
+
+
 class Clock(Protocol):
     """Where retrying reads the time and waits: the system clock, or a test's that moves when told."""
 
@@ -149,13 +171,18 @@ def gave_up(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapse
     elif policy.max_attempts is not None and failures >= policy.max_attempts:
         limit = f"RetryPolicy(max_attempts={policy.max_attempts}) allows no more"
     else:
-        limit = (f"its deadline of {policy.deadline:g} s would pass before another attempt: raise "
-                 "RetryPolicy(deadline=...) to wait out longer outages")
+        limit = (f"its deadline of {policy.deadline:g} s would pass before another attempt: "
+                 f"{_raise_deadline()} to wait out longer outages")
     where = f" on {what}" if what else ""
-    message = f"{exc}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})"
+    # the endpoint that answered so (with several endpoints, or a proxy in front, the bucket and
+    # key alone do not say which); an unreachable one names it already
+    answerer = "" if isinstance(exc, EndpointUnreachableError) or not exc.endpoint else f" at {exc.endpoint}"
+    message = f"{exc}{answerer}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})"
     if isinstance(exc, EndpointUnreachableError):
         return type(exc)(message, bucket=exc.bucket, key=exc.key, endpoint=exc.endpoint)
-    return type(exc)(message, bucket=exc.bucket, key=exc.key)
+    final = type(exc)(message, bucket=exc.bucket, key=exc.key)
+    final.endpoint = exc.endpoint
+    return final
 
 
 def first_contact(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapsed: float,
@@ -185,7 +212,7 @@ def wrong_endpoint(exc: EndpointUnreachableError, failures: int, elapsed: float,
         "endpoint, not an outage. Fix AWS_ENDPOINT_URL (or S3_ENDPOINT_URL, MINIO_ENDPOINT, "
         "S3Config(endpoint_url=...)): its scheme (http or https), host and port, or start the "
         f"server there. (Once an endpoint has answered, outages are retried for up to "
-        "RetryPolicy.deadline.)",
+        f"{_deadline_option or 'RetryPolicy.deadline'}.)",
         bucket=exc.bucket, key=exc.key, endpoint=endpoint,
     )
 
@@ -253,8 +280,8 @@ class Retrying:
                 and _Throttle.ready(now):  # (a first contact ends within seconds: nothing to report)
             limit = (f"{self.policy.max_attempts} attempts or " if self.policy.max_attempts else "")
             log.warning("still retrying%s after %.0f s of failures (attempt %d; gives up after %s%g s, "
-                        "see RetryPolicy): %s", f" {self.what}" if self.what else "", elapsed,
-                        self.failures, limit, self.policy.deadline, exc)
+                        "see %s): %s", f" {self.what}" if self.what else "", elapsed,
+                        self.failures, limit, self.policy.deadline, _deadline_option or "RetryPolicy", exc)
         return delay
 
 

@@ -163,6 +163,8 @@ BAD_ARGUMENTS = [
     (["demo", "--samples", "0"], ["not a positive integer"]),
     (["serve", "--port", "99999"], ["TCP port"]),
     (["serve", "--bucket", "ft"], ["--bucket", "'ft' is not a valid bucket name", "3-63 characters"]),
+    (["ls", "s3://bkt/x/", "--retry-deadline", "0"], ["--retry-deadline", "not a positive number of seconds"]),
+    (["index", "s3://bkt/s/", "--retry-deadline", "soon"], ["--retry-deadline", "not a number of seconds"]),
 ]
 NO_CREDENTIALS = [
     ["ls", "s3://bkt/train/"],
@@ -210,6 +212,21 @@ def test_missing_credentials_are_one_line_errors(error_runs, argv):
 def test_a_bad_endpoint_variable_is_a_one_line_error():
     proc = run_cli("ls", "s3://bkt/train/", env={"AWS_ENDPOINT_URL": "127.0.0.1:9000"})
     assert_one_line_error(proc, 1, "AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+
+
+@pytest.mark.parametrize("argv", [
+    ["ls", "s3://bkt/x/"], ["shard", "s3://bkt/a/", "s3://bkt/b/"], ["index", "s3://bkt/s/"],
+    ["bench", "s3://bkt/x/"],
+])
+def test_every_verb_that_talks_to_the_store_takes_a_retry_deadline(argv):
+    """The advice to wait out longer outages can be followed from a shell: each verb that
+    talks to the store sets ``RetryPolicy(deadline=...)`` from ``--retry-deadline``."""
+    from loader.retry import RetryPolicy
+    from loader.tools.arguments import retry_policy
+
+    parser = cli.build_parser()
+    assert retry_policy(parser.parse_args(argv)) is None  # the library's default
+    assert retry_policy(parser.parse_args([*argv, "--retry-deadline", "7.5"])) == RetryPolicy(deadline=7.5)
 
 
 def test_shard_refuses_the_sources_own_folder_as_destination_before_any_request():

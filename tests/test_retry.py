@@ -587,6 +587,50 @@ async def test_the_final_error_reads_as_final(moving, error):
                      r"RetryPolicy\(deadline=\.\.\.\) to wait out longer outages\)$", message), message
 
 
+PROXY = "http://127.0.0.1:8081"  # a proxy in front of the store, say: the endpoint that answers
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("code", "status"), [("InternalError", 500), ("", 502), ("SlowDown", 503)])
+async def test_the_final_error_of_error_answers_names_the_endpoint_that_answered(moving, code, status):
+    """With several endpoints, or a proxy in front, the bucket and key do not say who answered
+    the errors: the final error names the endpoint (the dead-endpoint error names it already)."""
+    error = error_answers.error_for_answer(code, status, bucket="bkt", key="train/000001.jpg",
+                                           endpoint=PROXY)
+    attempt = Flaky([error] * 100)
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(type(error)) as info:
+            await call_with_retries(attempt, RetryPolicy(deadline=30), clock=moving)
+    message = str(info.value)
+    assert message.startswith(f"s3://bkt/train/000001.jpg: the server answered {code or status} "
+                              f"(HTTP {status}) at {PROXY}; gave up after "), message
+    assert message.count(PROXY) == 1 and info.value.endpoint == PROXY
+    assert type(info.value) is type(error) and (info.value.bucket, info.value.key) == ("bkt", "train/000001.jpg")
+
+
+@pytest.mark.anyio
+async def test_a_tools_option_is_the_advice_while_the_tool_runs(moving, caplog):
+    """Within ``advising(option)`` (the command line's ``--retry-deadline``), the progress lines
+    and the final error advise the option, which a shell user can set, not ``RetryPolicy``;
+    outside it, the library's words again."""
+    error = error_answers.error_for_answer("InternalError", 500, bucket="bkt", key="k", endpoint=ENDPOINT)
+    with contact.advising("--retry-deadline"):
+        with (caplog.at_level("WARNING", logger="loader.retry"), anyio.fail_after(DEADLINE),
+              pytest.raises(TransientStoreError) as info):
+            await call_with_retries(Flaky([error] * 1000), RetryPolicy(deadline=30), clock=moving)
+        unreachable = error_answers.unreachable("http://127.0.0.1:9", "bkt", "k")
+        wrong = contact.wrong_endpoint(unreachable, 3, 4.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "loader.retry"]
+    assert lines and all("see --retry-deadline): " in line for line in lines), lines
+    message = str(info.value)
+    assert message.endswith("(its deadline of 30 s would pass before another attempt: raise it with "
+                            "--retry-deadline to wait out longer outages)"), message
+    assert "RetryPolicy" not in message and "RetryPolicy" not in "".join(lines)
+    assert str(wrong).endswith("retried for up to --retry-deadline.)"), str(wrong)
+    after = contact.gave_up(error, RetryPolicy(deadline=30), 2, 1.0)
+    assert "raise RetryPolicy(deadline=...) to wait out longer outages" in str(after)
+
+
 # ------------------------------------------------------------------------------ first contact
 
 

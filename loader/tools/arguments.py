@@ -8,9 +8,12 @@ import argparse
 import sys
 import textwrap
 import warnings
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..errors import LoaderError
+
+if TYPE_CHECKING:
+    from ..retry import RetryPolicy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -70,6 +73,16 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
 
 
 def _s3_uri(text: str) -> str:
@@ -141,3 +154,24 @@ def add_deprecated_alias(p: argparse.ArgumentParser, old: str, new: str, dest: s
 
     p.add_argument(old, action=Alias, dest=dest, nargs=0 if flag else None, help=argparse.SUPPRESS,
                    default=argparse.SUPPRESS, **kwargs)
+
+
+RETRY_DEADLINE_OPTION = "--retry-deadline"
+
+
+def add_retry_options(p: argparse.ArgumentParser) -> None:
+    """``--retry-deadline``, for every verb that talks to the store: how long a failing request is
+    retried (``RetryPolicy(deadline=...)``), since the library's advice to raise it must be
+    followable from a shell."""
+    p.add_argument(RETRY_DEADLINE_OPTION, type=_seconds, default=None, metavar="SECONDS",
+                   help="how long a request failing with errors the server may recover from (5xx, "
+                        "SlowDown, resets) is retried before the command fails (default: 120, "
+                        "RetryPolicy's); an endpoint that never answered fails within seconds")
+
+
+def retry_policy(args: argparse.Namespace) -> RetryPolicy | None:
+    """The policy ``--retry-deadline`` asks for; None: the library's default."""
+    from ..retry import RetryPolicy
+
+    deadline = getattr(args, "retry_deadline", None)
+    return None if deadline is None else RetryPolicy(deadline=deadline)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checks import check_int
 from ..config import S3Config
@@ -20,6 +20,9 @@ from ..formats.compression import SHARD_SUFFIXES, is_shard_name
 from ..uri import parse_s3_uri
 from .ls import among, is_parquet, mostly
 from .sizes import format_size
+
+if TYPE_CHECKING:
+    from ..retry import RetryPolicy
 
 DEFAULT_SAMPLES = 5000
 DEFAULT_WORKERS = 2
@@ -71,12 +74,12 @@ def count_batch(batch: list[dict[str, Any]]) -> tuple[int, int]:
 
 
 def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | None = None,
-          progress: bool | None = None) -> dict[str, Any]:
+          retry: RetryPolicy | None = None, progress: bool | None = None) -> dict[str, Any]:
     """Read ``uri`` through a DataLoader and measure; returns the numbers ``bench_lines`` prints."""
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
-    from ..datasets.groups import Limits
+    from ..datasets.groups import Limits, Store
     from ..datasets.iterable import AsyncS3Dataset
 
     options = options or BenchOptions()
@@ -86,7 +89,8 @@ def bench(uri: str, options: BenchOptions | None = None, *, config: S3Config | N
         mode = "parquet"
     else:
         mode = "objects"
-    common: dict[str, Any] = dict(shuffle=True, seed=options.seed, store=options.store, config=config,
+    backend: Any = options.store if retry is None else Store(backend=options.store, retry=retry)
+    common: dict[str, Any] = dict(shuffle=True, seed=options.seed, store=backend, config=config,
                                   limits=Limits(concurrency=options.concurrency))
     total: int | None
     note = ""

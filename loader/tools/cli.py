@@ -25,6 +25,7 @@ from .arguments import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    RETRY_DEADLINE_OPTION,
     _bucket_name,
     _Formatter,
     _name_format,
@@ -36,6 +37,8 @@ from .arguments import (
     _size,
     add_deprecated_alias,
     add_long_run_options,
+    add_retry_options,
+    retry_policy,
 )
 from .bars import Bars, bar_disabled
 from .index import register as register_index
@@ -152,6 +155,7 @@ def register_ls(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("uri", type=_s3_uri, metavar="URI", help="s3://bucket/prefix to list")
     p.add_argument("--save", metavar="PATH", help="also save the listing (keys, sizes, ETags) to "
                    "PATH, which from_manifest(PATH) reads back without a LIST")
+    add_retry_options(p)
     p.set_defaults(run=run_ls)
 
 
@@ -225,6 +229,7 @@ def register_shard(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="ignore an earlier run's progress and shards under DST_PREFIX; repack everything")
     add_long_run_options(p)
+    add_retry_options(p)
     p.set_defaults(run=run_shard)
 
 
@@ -245,7 +250,7 @@ def run_shard(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str]
         return bars.counting("shard", total_bytes, total_objects, "objects")
 
     try:
-        report = pack(args.src, args.dst, options, progress=progress)
+        report = pack(args.src, args.dst, options, retry=retry_policy(args), progress=progress)
     except KeyboardInterrupt:
         bars.close()
         print(f"loader shard: interrupted; run the same command again to resume "
@@ -313,6 +318,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
                          metavar="K")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
+    add_retry_options(p)
     p.set_defaults(run=run_bench)
 
 
@@ -323,7 +329,8 @@ def run_bench(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     options = BenchOptions(samples=args.samples, workers=args.workers, batch_size=args.batch_size,
                            shards=args.shards, objects=args.objects, store=args.store,
                            concurrency=args.concurrency)
-    result = bench(args.uri, options, progress=not bar_disabled(args.progress, sys.stderr))
+    result = bench(args.uri, options, retry=retry_policy(args),
+                   progress=not bar_disabled(args.progress, sys.stderr))
     for line in bench_lines(result):
         print(line, file=out)
     return EXIT_OK
@@ -364,6 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     _log_warnings_to_stderr()
     try:
+        if hasattr(args, "retry_deadline"):  # the verbs that talk to a store
+            from ..retry import advising
+
+            with advising(RETRY_DEADLINE_OPTION):  # the library's advice names the option
+                return int(args.run(args) or EXIT_OK)
         return int(args.run(args) or EXIT_OK)
     except NoCredentialsError as exc:
         message = (f"no credentials for {exc.endpoint}: {CLI_CREDENTIALS_ADVICE}. Tried: "

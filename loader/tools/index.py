@@ -17,6 +17,8 @@ from .arguments import (
     _s3_uri,
     add_deprecated_alias,
     add_long_run_options,
+    add_retry_options,
+    retry_policy,
 )
 from .bars import Bars
 
@@ -61,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_deprecated_alias(p, "--parts-inflight", "--part-concurrency", "parts_inflight", type=_positive_int,
                          metavar="P")
     add_long_run_options(p)
+    add_retry_options(p)
     p.set_defaults(run=run)
 
 
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | Non
 
     shards = args.shards[0] if len(args.shards) == 1 else args.shards
     try:
-        report = index_shards(shards, options, progress=progress)
+        report = index_shards(shards, options, retry=retry_policy(args), progress=progress)
     except KeyboardInterrupt:
         bars.close()
         print("loader index: interrupted; the shards indexed so far are in the index: run the same "

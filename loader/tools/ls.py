@@ -26,6 +26,7 @@ from ..retry import RetryPolicy
 from ..s3 import ObjectInfo, StoreSpec
 from ..shard_index.format import INDEX_NAME
 from ..uri import parse_s3_uri
+from .arguments import retry_policy
 from .sizes import format_size
 
 SMALL_OBJECT = 1 << 20  # below this median, per-object loading is request-bound: suggest shards
@@ -173,15 +174,16 @@ def empty_listing(uri: str) -> str:
 def run_ls(args: argparse.Namespace, out: IO[str]) -> int:
     """``loader ls [--save PATH] URI``: the summary; ``--save``: the listing snapshot too."""
     save = getattr(args, "save", None)
+    retry = retry_policy(args)
     try:
-        objects = list_uri(args.uri, save=save)
+        objects = list_uri(args.uri, save=save, retry=retry)
     except EmptyDatasetError:
         if save:  # a snapshot of nothing would only fail later, in from_manifest
             raise
         # an empty listing is an answer, not a failure: a new bucket is empty until the first upload
         print(empty_listing(args.uri), file=out)
         return 0
-    rows = parquet_rows(args.uri, objects) if mostly((info.key for info in objects), is_parquet) else None
+    rows = parquet_rows(args.uri, objects, retry=retry) if mostly((info.key for info in objects), is_parquet) else None
     for line in summarize_listing(args.uri, objects, parquet=rows):
         print(line, file=out)
     if save:
@@ -191,14 +193,14 @@ def run_ls(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def parquet_rows(uri: str, objects: Sequence[ObjectInfo], *, config: S3Config | None = None,
-                 store: str | None = None) -> ParquetRows:
+                 store: str | None = None, retry: RetryPolicy | None = None) -> ParquetRows:
     """Rows and row groups from the footers of the listing's ``.parquet`` files (one ranged GET
     of each file's tail, as ``from_parquet`` reads them); a file whose footer does not read is
     named, not fatal: ``ls`` describes what is there."""
     from ..datasets.parquet_source import read_footers_or_errors
     from ..formats.parquet import ParquetRef, parse_footer
 
-    retry = RetryPolicy()
+    retry = retry or RetryPolicy()
     factory = StoreSpec.of(store, config).opener(max_connections=4, retry=retry)
     bucket = parse_s3_uri(uri).bucket
     refs = [ParquetRef(bucket, info.key, info.size, info.etag) for info in objects
@@ -216,10 +218,10 @@ def parquet_rows(uri: str, objects: Sequence[ObjectInfo], *, config: S3Config | 
 
 
 def list_uri(uri: str, *, config: S3Config | None = None, store: str | None = None,
-             save: str | None = None) -> list[ObjectInfo]:
+             save: str | None = None, retry: RetryPolicy | None = None) -> list[ObjectInfo]:
     """Every object under ``uri`` (sorted; an empty prefix is an ``EmptyDatasetError``);
     ``save``: also write it as a listing snapshot to that path (``listing.snapshots``)."""
-    retry = RetryPolicy()
+    retry = retry or RetryPolicy()
     factory = StoreSpec.of(store, config).opener(max_connections=4, retry=retry)
     snapshot = snapshot_option(save, "--save ")  # checked before listing: a bad path fails now
     found = list_prefix(uri, factory=factory, retry=retry)
