@@ -93,8 +93,10 @@ def test_compressed_shards_exactly_once(s3_server, compressed, kind, store):
 @pytest.mark.parametrize("kind", KINDS)
 def test_compressed_shards_exactly_once_through_injected_faults(s3_server, compressed, kind, store):
     bucket, expected = compressed
+    # seed 39: 3 resets, 2 SlowDowns, 5 cuts and one stall before the 6 shards finish (each
+    # fault one more GET; the draws go by arrival), so the stall's read timeout is paid once
     plan = FaultPlan(reset=0.1, slowdown=0.1, truncate=0.3, stall=0.03, stall_seconds=TIMEOUT + 2,
-                     seed=11)
+                     seed=39)
     try:
         proxy = FaultProxy(s3_server.config.endpoint_url, FaultPlan())
     except ValueError as exc:
