@@ -14,7 +14,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,6 +30,7 @@ from loader import AsyncS3Dataset, Reading
 from s3servers import S3_VARS
 
 CLASSES, PER_CLASS, PER_SHARD = 10, 60, 20
+BATCH = 8  # what the stopped and resumed runs read in
 LABELS = [i // PER_CLASS for i in range(CLASSES * PER_CLASS)]
 
 # Written in a process of its own: this folder's ``datasets`` module hides Hugging Face's here.
@@ -110,31 +113,41 @@ def through_a_checkpoint(s3_server, bucket: str, ds: AsyncS3Dataset, seen: int) 
     return state
 
 
-@pytest.mark.parametrize("mode", ["shards", "parquet"])
-def test_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, sorted_set, mode):
-    batch = 8
+def stopped_and_resumed(s3_server, bucket: str, build: Callable[[], Any], stop_at: int) -> list[tuple[str, str]]:
+    """Epoch 2 of ``build()`` (a dataset with ``batch_size=BATCH``) read by 2 workers, stopped
+    after batch ``stop_at``, saved and loaded through a checkpoint, resumed on 3 workers: the
+    samples before the stop are a slice of the epoch's order and, with the rest, the whole epoch
+    once (a sample lost or read twice fails). Returns the epoch's ``(source, key)`` in order."""
 
     def keys(samples):
-        return [s["__key__"] for s in samples]
+        return [(s.get("__source__", ""), s["__key__"]) for s in samples]
 
-    whole_ds = dataset(s3_server, sorted_set, mode, batch_size=batch)
+    whole_ds = build()
     whole_ds.resume(epoch=2, samples_seen=0, lanes=2)  # the order of the 2-worker run, read by one
-    whole = [k for b in DataLoader(whole_ds, batch_size=batch, collate_fn=keys) for k in b]
-    first = dataset(s3_server, sorted_set, mode, batch_size=batch)
+    whole = [k for b in DataLoader(whole_ds, batch_size=BATCH, collate_fn=keys) for k in b]
+    first = build()
     first.set_epoch(2)
-    before: list[str] = []
-    for step, b in enumerate(DataLoader(first, batch_size=batch, num_workers=2, collate_fn=keys)):
+    before: list[tuple[str, str]] = []
+    for step, b in enumerate(DataLoader(first, batch_size=BATCH, num_workers=2, collate_fn=keys)):
         before += b
-        if step == 20:
+        if step == stop_at:
             break
-    seen = first.samples_seen(21)
-    state = through_a_checkpoint(s3_server, sorted_set, first, seen)
-    second = dataset(s3_server, sorted_set, mode, batch_size=batch)
+    seen = first.samples_seen(stop_at + 1)
+    state = through_a_checkpoint(s3_server, bucket, first, seen)
+    second = build()
     second.resume(epoch=state["data"]["epoch"], samples_seen=state["seen"], lanes=state["data"]["lanes"])
-    after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
-    assert seen == len(before) == 21 * batch
+    after = [k for b in DataLoader(second, batch_size=BATCH, num_workers=3, collate_fn=keys) for k in b]
+    assert seen == len(before) == (stop_at + 1) * BATCH
     assert sorted(before) == sorted(whole[:seen])  # a resume skips a slice of the epoch's order
-    assert sorted(before + after) == sorted(whole) and len(set(whole)) == len(LABELS)
+    assert sorted(before + after) == sorted(whole)
+    return whole
+
+
+@pytest.mark.parametrize("mode", ["shards", "parquet"])
+def test_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, sorted_set, mode):
+    whole = stopped_and_resumed(s3_server, sorted_set,
+                                lambda: dataset(s3_server, sorted_set, mode, batch_size=BATCH), stop_at=20)
+    assert len(set(whole)) == len(whole) == len(LABELS)
 
 
 @pytest.mark.parametrize("mode", ["shards", "parquet"])
@@ -190,25 +203,6 @@ def test_a_mix_of_label_sorted_shards_and_parquet_gives_mixed_batches(s3_server,
 
 
 def test_a_mix_stopped_on_two_workers_resumed_on_three_reads_the_rest_once(s3_server, sorted_set):
-    batch = 8
-
-    def keys(samples):
-        return [(s["__source__"], s["__key__"]) for s in samples]
-
-    whole_ds = mixed(s3_server, sorted_set, batch_size=batch)
-    whole_ds.resume(epoch=2, samples_seen=0, lanes=2)
-    whole = [k for b in DataLoader(whole_ds, batch_size=batch, collate_fn=keys) for k in b]
-    first = mixed(s3_server, sorted_set, batch_size=batch)
-    first.set_epoch(2)
-    before: list[tuple[str, str]] = []
-    for step, b in enumerate(DataLoader(first, batch_size=batch, num_workers=2, collate_fn=keys)):
-        before += b
-        if step == 30:
-            break
-    seen = first.samples_seen(31)
-    state = through_a_checkpoint(s3_server, sorted_set, first, seen)
-    second = mixed(s3_server, sorted_set, batch_size=batch)
-    second.resume(epoch=state["data"]["epoch"], samples_seen=state["seen"], lanes=state["data"]["lanes"])
-    after = [k for b in DataLoader(second, batch_size=batch, num_workers=3, collate_fn=keys) for k in b]
-    assert sorted(before) == sorted(whole[:seen])
-    assert sorted(before + after) == sorted(whole) and len(set(whole)) == 2 * len(LABELS)
+    whole = stopped_and_resumed(s3_server, sorted_set,
+                                lambda: mixed(s3_server, sorted_set, batch_size=BATCH), stop_at=30)
+    assert len(set(whole)) == len(whole) == 2 * len(LABELS)

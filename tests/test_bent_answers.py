@@ -427,12 +427,14 @@ def dataset_over(transport: str, endpoint: str, mapped: bool = False, cache: Any
 
     kind = AsyncS3MapDataset if mapped else AsyncS3Dataset
     return kind.from_prefix("s3://bkt/p/", store=Store(backend=factory, cache=cache,
-                                                       retry=RetryPolicy(deadline=5, base_delay=0.01)))
+                                                       retry=RetryPolicy(deadline=60, base_delay=0.01)))
 
 
 async def _open(transport: str, endpoint: str) -> Any:
     config = S3Config(endpoint_url=endpoint, access_key_id="AK", secret_access_key="SK")
-    retry = RetryPolicy(connect_timeout=2, read_timeout=2, deadline=5)
+    # these tests end on a count of attempts (a wrong answer is tried 3 times): timeouts and a
+    # deadline a loaded machine cannot reach, or a slow answer ends them on time instead
+    retry = RetryPolicy(connect_timeout=10, read_timeout=10, deadline=60)
     if transport == "obstore":
         from loader.s3.obstore_store import ObstoreStore
 

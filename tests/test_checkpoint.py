@@ -221,7 +221,7 @@ def test_save_blocks_the_writer_when_every_slot_is_busy(monkeypatch):
     thread = threading.Thread(target=run)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a wait, not a bound: ends once the parts have started
         while fake.parts_started < inflight and time.monotonic() < deadline:
             time.sleep(0.005)
         time.sleep(0.2)  # the writer would run ahead here if nothing held it back

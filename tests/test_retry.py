@@ -48,7 +48,7 @@ from loader.retry import (
 )
 from loader.s3 import error_answers
 
-DEADLINE = 5.0  # seconds any async test may take before it fails instead of hanging
+DEADLINE = 30.0  # seconds any async test may take before it fails instead of hanging (a loaded machine is slow)
 FAST = dict(base_delay=0.001, max_delay=0.001)
 
 
