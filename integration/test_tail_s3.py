@@ -85,8 +85,11 @@ def test_a_throttle_is_met_with_fewer_requests(s3_server, objects, store):
     later = kinds[2 * DEFAULT_MAX_INFLIGHT:]
     assert later.count("slowdown") <= 0.15 * len(later), (counts, kinds.count("slowdown") - later.count("slowdown"))
     # hedges go out only before the throttle shows: under the suite's load the first answers can
-    # be slow enough to be hedged (tests/test_hedging.py: none once it has shown)
-    assert stats["throttled"] == slowdowns
+    # be slow enough to be hedged (tests/test_hedging.py: none once it has shown). Each SlowDown
+    # is counted once in stats(), never twice; one answered to the loser of a hedge's race, which
+    # was cancelled, is never read (27 of the proxy's 29 once, in a run of 4 GETs beyond the
+    # samples and their retries: hedges)
+    assert slowdowns - stats["hedged"] <= stats["throttled"] <= slowdowns, (stats, counts)
     assert stats["hedged"] <= hedging.HEDGE_SHARE * stats["requests"] + hedging.HEDGE_BURST
     assert "S3 throttled this job" in report
 
