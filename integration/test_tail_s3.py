@@ -13,7 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset
-from loader.engine import hedging, throttle
+from loader.engine import DEFAULT_MAX_INFLIGHT, hedging, throttle
 
 from datasets import sha256, upload_objects
 from faults import FaultPlan, FaultProxy
@@ -69,17 +69,27 @@ def test_a_throttle_is_met_with_fewer_requests(s3_server, objects, store):
     bucket, digests = objects
     with FaultProxy(s3_server.config.endpoint_url, FaultPlan(get_rate=100.0)) as proxy:
         got, stats, report = read_all(s3_server, proxy, bucket, sorted(digests), store)
-        counts = proxy.counts
+        counts, proxy_decisions = proxy.counts, proxy.decisions
     assert got == collections.Counter(digests.items())  # nothing lost, nothing twice
     slowdowns = counts["throttled"]
     assert slowdowns >= 1  # the throttle was met ...
-    # ... and answered by sending less: without the control 68 % of GETs were SlowDowns; on a quiet
-    # machine 6 % are (bench/results/tail-*.md); under the suite's load the first requests' storm,
-    # before the first cut, takes a few points more
-    assert slowdowns <= 0.15 * counts["requests"], counts
+    # ... and answered by sending less, once the first two windows of requests in flight have
+    # gone: the burst sent before any answer, and the window sent when that burst was answered
+    # without a SlowDown (nothing yet says there is a limit). Those two are the harness's more
+    # than the control's: the proxy is a thread of this process, so when the loaded process
+    # stalls it reads the first burst late, its bucket refills meanwhile, the whole burst gets
+    # through and the second window meets the bucket empty (once 85 SlowDowns of 495 GETs in
+    # the suite; with the proxy in a process of its own, never more than 5.4 % loaded). After
+    # them, the control's own share: 1 % quiet, at most 9 % loaded; 72 % without the control.
+    kinds = [kind for method, _, kind in proxy_decisions if method == "GET"]
+    later = kinds[2 * DEFAULT_MAX_INFLIGHT:]
+    assert later.count("slowdown") <= 0.15 * len(later), (counts, kinds.count("slowdown") - later.count("slowdown"))
     # hedges go out only before the throttle shows: under the suite's load the first answers can
-    # be slow enough to be hedged (tests/test_hedging.py: none once it has shown)
-    assert stats["throttled"] == slowdowns
+    # be slow enough to be hedged (tests/test_hedging.py: none once it has shown). Each SlowDown
+    # is counted once in stats(), never twice; one answered to the loser of a hedge's race, which
+    # was cancelled, is never read (27 of the proxy's 29 once, in a run of 4 GETs beyond the
+    # samples and their retries: hedges)
+    assert slowdowns - stats["hedged"] <= stats["throttled"] <= slowdowns, (stats, counts)
     assert stats["hedged"] <= hedging.HEDGE_SHARE * stats["requests"] + hedging.HEDGE_BURST
     assert "S3 throttled this job" in report
 
