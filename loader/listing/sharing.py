@@ -186,10 +186,11 @@ def _process_being_started() -> Any:
 
     The package's one read of a frame, and why: a fork hook is told nothing, and nothing of the
     process being started is reachable before ``os.fork`` returns (``multiprocessing`` records
-    its children after). So the hook finds the standard library's ``BaseProcess.start`` on the
-    stack by its code object and reads only its ``self``; were that ever to change, the hook
-    would find no process and list nothing, each forked worker would list for itself, and
-    ``tests/test_sharing.py`` (one listing per job) would fail."""
+    its children after). So the hook finds the standard library's
+    ``multiprocessing.process.BaseProcess.start`` on the stack by its code object and reads only
+    its ``self``; were that ever to change, the hook would find no process and list nothing,
+    each forked worker would list for itself, and ``tests/test_sharing.py`` (one listing per
+    job) would fail."""
     process = sys.modules.get("multiprocessing.process")
     if process is None:
         return None
