@@ -308,8 +308,12 @@ def test_a_parquet_epoch_reuses_its_connections(s3_server, shuffle, store):
         before = proxy.accepted
         rows = sorted(row["n"] for row in ds)
         requests, connections = proxy.counts["requests"], proxy.accepted - before
+        stats = ds.stats()
     assert rows == sorted(list(range(200)) * 2)
     assert requests >= 40, requests
     # a spare few: a client may connect for a GET while another GET's connection is coming back
-    # (obstore's pool did, once in a while); one connection per GET made 40
-    assert connections <= DEFAULT_SHARDS_INFLIGHT * DEFAULT_PARTS_INFLIGHT + 4, (connections, requests)
+    # (obstore's pool did, once in a while); one connection per GET made 40. A hedge or a retry
+    # runs beside the GETs in flight and may need a connection of its own: on a loaded machine
+    # answers are slow enough to be hedged (26 connections for 50 GETs once, 10 of them extra)
+    extra = stats["hedged"] + stats["retries"]
+    assert connections <= DEFAULT_SHARDS_INFLIGHT * DEFAULT_PARTS_INFLIGHT + 4 + extra, (connections, requests, stats)
