@@ -10,6 +10,7 @@ only when it runs. Mistakes a user can fix print one line, no traceback; exit co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -362,6 +363,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _advising_the_option(args: argparse.Namespace) -> contextlib.AbstractContextManager[None]:
+    """For the verbs that talk to a store: the library's advice names ``--retry-deadline``."""
+    if not hasattr(args, "retry_deadline"):
+        return contextlib.nullcontext()
+    from ..retry import advising
+
+    return advising(RETRY_DEADLINE_OPTION)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     parser = build_parser()
@@ -371,12 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     _log_warnings_to_stderr()
     try:
-        if hasattr(args, "retry_deadline"):  # the verbs that talk to a store
-            from ..retry import advising
-
-            with advising(RETRY_DEADLINE_OPTION):  # the library's advice names the option
-                return int(args.run(args) or EXIT_OK)
-        return int(args.run(args) or EXIT_OK)
+        with _advising_the_option(args):
+            return int(args.run(args) or EXIT_OK)
     except NoCredentialsError as exc:
         message = (f"no credentials for {exc.endpoint}: {CLI_CREDENTIALS_ADVICE}. Tried: "
                    + "; ".join(exc.tried)) if exc.tried else one_line(exc)
