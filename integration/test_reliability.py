@@ -49,6 +49,8 @@ from loader import (
     AsyncS3Dataset,
     ConfigError,
     EndpointUnreachableError,
+    Limits,
+    Reading,
     RetryPolicy,
     SampleError,
     ShardFormatError,
@@ -175,12 +177,12 @@ def build_fault_dataset(mode: str, bucket: str, config, store: str, concurrency:
                         **options) -> AsyncS3Dataset:
     common = dict(shuffle=True, seed=5, config=config, store=store, **options)
     if mode == "objects":
-        return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", max_inflight=concurrency, **common)
+        return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", limits=Limits(concurrency=concurrency), **common)
     if mode == "shards-stream":  # no sizes known: one GET per shard, resumed by ranged GETs
         return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/shard-{{0000..0007}}.tar",
-                                          chunk_size=64 << 10, **common)
+                                          reading=Reading(chunk_size=64 << 10), **common)
     # a prefix lists sizes: each shard is read as ranged parts, each part retried whole
-    return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", part_size=PART_SIZE, **common)
+    return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", reading=Reading(part_size=PART_SIZE), **common)
 
 
 def first_requests(dataset: AsyncS3Dataset, mode: str) -> int:

@@ -36,14 +36,7 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import (
-    AccessDeniedError,
-    AsyncS3Dataset,
-    ConfigError,
-    NoSuchBucketError,
-    S3Config,
-    SampleError,
-)
+from loader import AccessDeniedError, AsyncS3Dataset, ConfigError, Limits, NoSuchBucketError, S3Config, SampleError
 from loader.engine.fetch import live_engines
 
 from datasets import jpeg_dataset, sha256, upload_objects
@@ -72,7 +65,7 @@ def data(s3_server):
 def make_dataset(mode: str, bucket: str, config, store: str, **options) -> AsyncS3Dataset:
     if mode == "objects":
         return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", config=config, store=store,
-                                          max_inflight=16, **options)
+                                          limits=Limits(concurrency=16), **options)
     return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", config=config, store=store, **options)
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError, NoSuchKeyError, ShardFormatError
+from loader import AsyncS3Dataset, ConfigError, Limits, NoSuchKeyError, Reading, ShardFormatError
 
 from datasets import import_probe, sha256
 from shardsets import pack, upload_shards
@@ -66,8 +66,8 @@ def test_part_size_below_the_floor_is_refused_and_the_floor_reads_in_parts(s3_se
     for part_size in (1, 256 << 10, (1 << 20) - 1):
         with pytest.raises(ConfigError, match=rf"^part_size={part_size} is below the floor of 1048576 bytes: "
                                               r"each part is one ranged GET.*give part_size=1048576 \(1 MiB\)"):
-            AsyncS3Dataset.from_shards(uri, part_size=part_size, config=s3_server.config)
-    dataset = AsyncS3Dataset.from_shards(uri, part_size=1 << 20, config=s3_server.config)
+            AsyncS3Dataset.from_shards(uri, reading=Reading(part_size=part_size), config=s3_server.config)
+    dataset = AsyncS3Dataset.from_shards(uri, reading=Reading(part_size=1 << 20), config=s3_server.config)
     (shard,) = dataset.shards()
     assert 2 << 20 < shard.size <= 3 << 20
     assert_exactly_once(digests(dataset), expected)
@@ -135,7 +135,7 @@ def test_truncated_garbage_and_empty_shards(s3_server):
 
     def read(pattern, **options):
         return [s["__key__"] for s in AsyncS3Dataset.from_shards(pattern, config=s3_server.config,
-                                                                 shards_inflight=1, **options)]
+                                                                 limits=Limits(concurrency=4), **options)]
 
     with pytest.raises(ShardFormatError, match=rf"s3://{bucket}/mix/1-truncated.tar.*byte \d+") as info:
         read(url)

@@ -25,7 +25,7 @@ import anyio
 import pytest
 import torch
 
-from loader import AsyncS3Dataset, ObjectChangedError, RetryPolicy, checkpoint
+from loader import AsyncS3Dataset, Limits, ObjectChangedError, Reading, RetryPolicy, Store, checkpoint
 from loader.s3 import open_store
 from loader.s3.aioboto3_store import Aioboto3Store
 
@@ -167,7 +167,7 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
 def test_shard_replaced_between_listing_and_reading_is_read_in_its_new_version(s3_server, backend):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", part_size=256 << 10,
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", reading=Reading(part_size=256 << 10),
                                          config=s3_server.config, store=backend)
     dataset.shards()
     upload(s3_server, bucket, "s/a.tar", tar_of(2, 30, 100_000))
@@ -214,8 +214,8 @@ def test_stream_cut_by_the_proxy_resumes_only_on_the_same_version(s3_server, bac
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         store = overwriting(backend, config, "s/a.tar", 2, new if overwrite else None,
                             before=lambda: proxy.set_plan(FaultPlan()))
-        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/a.tar", shuffle_buffer=0,
-                                             store=store, retry=FAST_RETRY)
+        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/a.tar", reading=Reading(shuffle_buffer=0),
+                                             store=Store(backend=store, retry=FAST_RETRY))
         dataset.resolve()  # the look for an index (there is none) before the proxy cuts GETs
         proxy.set_plan(FaultPlan(truncate=1.0, seed=3))
         delivered = []
@@ -250,7 +250,7 @@ def test_checkpoint_overwritten_during_a_parallel_load_fails_naming_it(s3_server
     torch.save(state(2), replacement)
     store = overwriting(backend, s3_server.config, "ckpt/latest.pt", 4, replacement.getvalue())
     with pytest.raises(ObjectChangedError, match=rf"{uri} changed during the read"):
-        checkpoint.load(uri, store=store, part_size=1 << 20, parts_inflight=4)
+        checkpoint.load(uri, store=store, part_size=1 << 20, limits=Limits(concurrency=4))
     loaded = checkpoint.load(uri, store=functools.partial(open_backend, backend, s3_server.config))
     assert torch.equal(loaded["layer3"], state(2)["layer3"])
 

@@ -19,7 +19,7 @@ from test_shards import FAST_RETRY
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from loader import AsyncS3Dataset, ConfigError, Store
+from loader import AsyncS3Dataset, ConfigError, Split, Store
 from loader.datasets import cycling, partition
 from loader.errors import EmptyDatasetError
 
@@ -187,7 +187,7 @@ def test_resume_without_batch_size_works_per_rank():
 def test_a_slot_without_samples_fails_instead_of_spinning():
     fake, _ = store_with_index([2], index=False)
     ds = AsyncS3Dataset.from_shards("s3://bucket/shards/train-0000.tar", store=reusable(fake),
-                                    samples_per_epoch=5, rank=2, world_size=3)
+                                    split=Split(samples_per_epoch=5, rank=2, world_size=3))
     with pytest.raises(EmptyDatasetError, match="rank 2 worker 0 read a whole pass over its shards "
                                                 "without finding a sample"):
         list(ds)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from loader import AccessDeniedError, ConfigError, NoSuchKeyError, SampleError
+from loader import AccessDeniedError, ConfigError, NoSuchKeyError, SampleError, Store
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
 from loader.datasets.options import LoaderOptions
 
@@ -165,8 +165,8 @@ def test_transient_errors_are_retried(closing):
     objects = payloads(4)
     flaky = [TransientStoreError("503", bucket=BUCKET, key="train/000002.bin")] * 2
     fake = FakeStore.with_objects(BUCKET, objects, fail={"train/000002.bin": flaky})
-    ds = AsyncS3MapDataset.from_keys(BUCKET, sorted(objects), store=reusable(fake),
-                                     retry=RetryPolicy(base_delay=0.001))
+    ds = AsyncS3MapDataset.from_keys(BUCKET, sorted(objects),
+                                     store=Store(backend=reusable(fake), retry=RetryPolicy(base_delay=0.001)))
     closing(ds)
     assert [key_of(s) for s in ds.__getitems__([2, 3])] == ["train/000002", "train/000003"]
     assert fake.requests_by_key["train/000002.bin"] == 3

@@ -88,7 +88,7 @@ def test_per_object_queue_over_the_budget_is_refused():
 
 def test_the_map_dataset_refuses_a_budget_it_cannot_use():
     with pytest.raises(ConfigError, match="memory_budget=.* means nothing for AsyncS3MapDataset"):
-        AsyncS3MapDataset.from_keys("bucket", ["a.jpg"], memory_budget=64 * MiB)
+        AsyncS3MapDataset.from_keys("bucket", ["a.jpg"], limits=Limits(memory=64 * MiB))
 
 
 # ----------------------------------------------------------------------------- the engine's share
@@ -129,7 +129,7 @@ def test_per_object_dataset_under_a_budget_is_exactly_once():
     keys = [f"train/{i:04d}.bin" for i in range(80)]
     objects = {k: random.Random(i).randbytes(50_000) for i, k in enumerate(keys)}
     fake = FakeStore.with_objects(BUCKET, objects, latency=0.005)
-    ds = AsyncS3Dataset.from_keys(BUCKET, keys, store=reusable(fake), memory_budget=8 * MiB,
+    ds = AsyncS3Dataset.from_keys(BUCKET, keys, store=reusable(fake), limits=Limits(memory=8 * MiB),
                                   shuffle=True, seed=1)
     got = list(ds)
     assert Counter(s["__url__"] for s in got) == Counter(f"s3://{BUCKET}/{k}" for k in keys)

@@ -24,6 +24,7 @@ from loader import (
     ObjectChangedError,
     ParquetFormatError,
     Reading,
+    Split,
     mix,
 )
 from loader.formats.parquet import SparseFile, class_label_names, merge_ranges, split_ranges
@@ -184,7 +185,7 @@ def test_mixed_with_objects():
     store = reusable(FAKE)
     web = AsyncS3Dataset.from_prefix("s3://bucket/web/", store=store)
     rows = dataset(store=store)
-    ds = mix({"web": web, "rows": rows}, {"web": 1, "rows": 1}, samples_per_epoch=60, store=store)
+    ds = mix({"web": web, "rows": rows}, {"web": 1, "rows": 1}, split=Split(samples_per_epoch=60), store=store)
     counts = collections.Counter(s["__source__"] for s in ds)
     assert counts == {"web": 30, "rows": 30}
 
@@ -226,7 +227,7 @@ def test_a_budget_too_small_for_a_row_group_says_what_it_needs():
     out = io.BytesIO()
     pq.write_table(big, out, row_group_size=256, compression="none", use_dictionary=False)
     fake.objects["bucket", "big/b.parquet"] = out.getvalue()
-    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), memory_budget=16 << 20)
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=16 << 20))
     with pytest.raises(ConfigError, match=r"row group 0 of s3://bucket/big/b.parquet needs \d+ bytes"):
         ds.resolve()
 

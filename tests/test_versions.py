@@ -21,7 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, checkpoint
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, Limits, Reading, Store, checkpoint
 from loader.cache.files import MAGIC, DiskCache
 from loader.cache.store import CachedStore
 from loader.errors import ObjectChangedError
@@ -109,8 +109,8 @@ def test_fake_store_answers_if_match_like_s3():
 
 
 def shard_dataset(fake: FakeStore, spec: str, **options) -> AsyncS3Dataset:
-    return AsyncS3Dataset.from_shards(spec, store=reusable(fake), retry=FAST_RETRY,
-                                      shuffle_buffer=0, **options)
+    return AsyncS3Dataset.from_shards(spec, store=Store(backend=reusable(fake), retry=FAST_RETRY),
+                                      reading=Reading(shuffle_buffer=0), **options)
 
 
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
@@ -207,7 +207,7 @@ def test_checkpoint_overwritten_during_a_load_fails_naming_it():
     fake.on_read = overwrite_on(fake, "ckpt/step.pt", 3, new)
     with pytest.raises(ObjectChangedError, match=r"s3://bucket/ckpt/step\.pt changed during the read"):
         checkpoint.load(f"s3://{BUCKET}/ckpt/step.pt", store=reusable(fake), part_size=4096,
-                        parts_inflight=2)
+                        limits=Limits(concurrency=2))
 
 
 def test_checkpoint_overwritten_after_its_listing_fails_before_reading_anything():
