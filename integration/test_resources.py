@@ -225,11 +225,11 @@ def test_the_secret_appears_nowhere(canary_server, monkeypatch, caplog, tmp_path
     logging.getLogger().addHandler(handler)
     for name in SECRET_LOGGERS:
         caplog.set_level(logging.DEBUG, logger=name)
+    caplog.set_level(logging.INFO, logger="loader.stats")  # the workers' stats lines too
     try:
         # 1. an epoch with two forked workers; every child's argv read while they run (the parent
         # lists before it forks them: the workers' own records are their stats lines)
-        dataset = AsyncS3Dataset.from_prefix("s3://canary/data/", shuffle=True, max_inflight=8,
-                                             log_stats=True)
+        dataset = AsyncS3Dataset.from_prefix("s3://canary/data/", shuffle=True, limits=Limits(concurrency=8))
         argv: dict[int, list[str]] = {}
         got = []
         for number, sample in enumerate(DataLoader(dataset, batch_size=None, num_workers=2,

@@ -50,7 +50,7 @@ def test_every_sample_exactly_once(s3_server, shards, num_workers):
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_prefix_form_reads_large_shards_as_ranged_parts(s3_server, shards):
     bucket, expected, _ = shards
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/", part_size=64 << 10, parts_inflight=4,
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/", reading=Reading(part_size=64 << 10),
                                          config=s3_server.config)
     assert all(shard.size for shard in dataset.shards()), "the listing gives sizes"
     assert_exactly_once(digests(dataset), expected)
@@ -104,8 +104,9 @@ def test_slow_consumer_keeps_buffered_bytes_within_the_budget(s3_server):
     # 3 shards of ~3 MB each against a 256 KiB budget: the shards are 12x the budget.
     expected, _ = upload_shards(s3_server.minio, bucket, "big/", [100, 100, 100], payload=30_000)
     budget = 256 << 10
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", queue_bytes=budget, shuffle_buffer=0,
-                                         config=s3_server.config)
+    with pytest.deprecated_call(match="queue_bytes="):  # the queue's own size has no new spelling
+        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", queue_bytes=budget,
+                                             reading=Reading(shuffle_buffer=0), config=s3_server.config)
     seen = []
     for number, sample in enumerate(dataset):
         seen.append(sample["__key__"])

@@ -275,7 +275,7 @@ def test_compressed_shards_are_never_read_as_ranged_parts(kind):
     objects, expected = compressed_store(kind, shards=2, per_shard=200)
     fake = FakeStore.with_objects(BUCKET, objects)
     dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/", store=reusable(fake),
-                                         part_size=1024, parts_inflight=4)
+                                         reading=Reading(part_size=1024))  # 4 parts in flight
     assert all(shard.size and shard.size > 2048 for shard in dataset.shards())
     fake.reset_counters()
     assert_exactly([digests(sample) for sample in dataset], expected)

@@ -113,7 +113,8 @@ def test_resume_from_batches_counts_samples():
     objects = stems(20)
     fake = store(objects)
     ds = AsyncS3Dataset.from_keys(BUCKET, sorted(objects), store=reusable(fake), batch_size=4)
-    ds.resume_from_batches(epoch=0, batches_seen=2, batch_size=4)
+    with pytest.deprecated_call(match="resume_from_batches"):
+        ds.resume_from_batches(epoch=0, batches_seen=2, batch_size=4)
     assert [s["__key__"] for s in ds] == [f"imgs/{i:05d}" for i in range(8, 20)]
 
 

@@ -62,9 +62,8 @@ def test_a_smaller_run_replaces_the_rows_of_a_bigger_one():
 
 def test_stats_are_logged_at_the_end_of_a_pass(caplog):
     objects = payloads(10, size=10)
-    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), log_stats=True,
-                                  store=reusable(FakeStore.with_objects("bucket", objects)))
-    with caplog.at_level(logging.INFO, logger="loader"):
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(FakeStore.with_objects("bucket", objects)))
+    with caplog.at_level(logging.INFO, logger="loader.stats"):  # the documented switch
         list(ds)
     assert any("worker 0: 10 samples" in record.getMessage() for record in caplog.records)
 
