@@ -8,7 +8,7 @@ import traceback
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, S3Config
+from loader import AsyncS3Dataset, Reading, S3Config, Split
 
 
 def keys_of_batch(batch: list[dict]) -> list[str]:
@@ -48,10 +48,10 @@ def read(spec: dict, config: S3Config) -> tuple[list[str], int]:
     """The keys this rank reads in one epoch of ``spec``, and ``len()`` of its dataset."""
     if spec["mode"] == "objects":
         dataset = AsyncS3Dataset.from_prefix(spec["uri"], shuffle=True, seed=5, config=config,
-                                             pad_policy=spec.get("pad_policy", "pad"))
+                                             split=Split(pad=spec.get("pad_policy", "pad")))
     else:
         dataset = AsyncS3Dataset.from_shards(spec["uri"], shuffle=True, seed=5, config=config,
-                                             sample_counts=spec.get("counts"), shuffle_buffer=50)
+                                             sample_counts=spec.get("counts"), reading=Reading(shuffle_buffer=50))
     dataset.set_epoch(1)  # dataset built and rank read after init_process_group, as users do
     loader = DataLoader(dataset, batch_size=16, num_workers=2, collate_fn=keys_of_batch, timeout=120)
     return [key for batch in loader for key in batch], len(dataset)

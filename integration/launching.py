@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, S3Config
+from loader import AsyncS3Dataset, AsyncS3MapDataset, Reading, S3Config
 
 SEED = 5
 EPOCH = 1
@@ -106,7 +106,7 @@ def build(mode: str, data: dict[str, Any], config: S3Config) -> Any:
                                              batch_size=BATCH)
     else:
         dataset = AsyncS3Dataset.from_shards(data["shards-prefix"], shuffle=True, seed=SEED, config=config,
-                                             shuffle_buffer=10)
+                                             reading=Reading(shuffle_buffer=10))
     dataset.set_epoch(EPOCH)
     return dataset
 

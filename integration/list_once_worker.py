@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ListOptions
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ListOptions, Reading, Split, Store
 
 from launching import save_result
 
@@ -69,12 +69,13 @@ def build(cell: dict[str, Any], bucket: str) -> Any:
     uri = f"s3://{bucket}/{cell['name']}/"
     listing = ListOptions(page_size=PAGE)
     if cell["mode"] == "map":
-        return AsyncS3MapDataset.from_prefix(uri, listing=listing)
+        return AsyncS3MapDataset.from_prefix(uri, store=Store(listing=listing))
     if cell["mode"] == "parquet":
-        return AsyncS3Dataset.from_parquet(uri, listing=listing, shuffle=True, seed=2)
+        return AsyncS3Dataset.from_parquet(uri, store=Store(listing=listing), shuffle=True, seed=2)
     if cell["mode"] == "shards":
-        return AsyncS3Dataset.from_shards(uri, listing=listing, shuffle_buffer=0, uneven_ranks=True)
-    return AsyncS3Dataset.from_prefix(uri, listing=listing)
+        return AsyncS3Dataset.from_shards(uri, store=Store(listing=listing), reading=Reading(shuffle_buffer=0),
+                                          split=Split(uneven_ranks=True))
+    return AsyncS3Dataset.from_prefix(uri, store=Store(listing=listing))
 
 
 def read(cell: dict[str, Any], dataset: Any) -> dict[str, Any]:

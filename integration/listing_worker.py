@@ -6,7 +6,7 @@ import hashlib
 
 import torch.distributed as dist
 
-from loader import AsyncS3Dataset, ListOptions, S3Config
+from loader import AsyncS3Dataset, ListOptions, S3Config, Store
 
 
 def list_on_rank(rank: int, world_size: int, port: int, spec: dict, out: dict) -> None:
@@ -19,7 +19,7 @@ def list_on_rank(rank: int, world_size: int, port: int, spec: dict, out: dict) -
         found = {}
         for name, options in (("shared", ListOptions(page_size=100)),
                               ("alone", ListOptions(page_size=100, once_per_job=False))):
-            dataset = AsyncS3Dataset.from_prefix(spec[name], config=config, listing=options)
+            dataset = AsyncS3Dataset.from_prefix(spec[name], config=config, store=Store(listing=options))
             keys = dataset.keys()
             found[name] = (len(keys), hashlib.sha256("\n".join(keys).encode()).hexdigest())
             dist.barrier()

@@ -21,7 +21,7 @@ import anyio
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, StoreError
+from loader import AsyncS3Dataset, Limits, Reading, StoreError
 from loader.cache.files import HEADER_SIZE, DiskCache
 from loader.cache.store import CachedStore, CacheStats
 from loader.retry import RetryPolicy
@@ -142,7 +142,7 @@ def jpegs(s3_server):
 def test_per_object_epochs_after_the_first_send_no_get(s3_server, jpegs, tmp_path):
     bucket, expected = jpegs
     setup = Setup(s3_server, tmp_path, 64 << 20)
-    dataset = AsyncS3Dataset.from_keys(bucket, sorted(expected), shuffle=True, seed=1, max_inflight=32,
+    dataset = AsyncS3Dataset.from_keys(bucket, sorted(expected), shuffle=True, seed=1, limits=Limits(concurrency=32),
                                        store=setup.factory)
     for epoch in range(3):
         dataset.set_epoch(epoch)
@@ -162,7 +162,7 @@ def test_dataloader_workers_fill_and_share_one_cache(s3_server, jpegs, tmp_path)
     the next epoch's workers (new processes) read everything from it."""
     bucket, expected = jpegs
     setup = Setup(s3_server, tmp_path, 64 << 20)
-    dataset = AsyncS3Dataset.from_keys(bucket, sorted(expected), shuffle=True, seed=2, max_inflight=16,
+    dataset = AsyncS3Dataset.from_keys(bucket, sorted(expected), shuffle=True, seed=2, limits=Limits(concurrency=16),
                                        store=setup.factory)
     for epoch in range(2):
         dataset.set_epoch(epoch)
@@ -181,7 +181,8 @@ def test_shard_epochs_after_the_first_send_no_get(s3_server, tmp_path, how):
     # known, and shards above two parts are read as parallel ranged GETs of part_size.
     uri = f"s3://{bucket}/shards/" if how == "ranged_parts" else f"s3://{bucket}/shards/train-{{0000..0005}}.tar"
     part_size = 32 << 10
-    dataset = AsyncS3Dataset.from_shards(uri, shuffle=True, seed=4, part_size=part_size, store=setup.factory)
+    dataset = AsyncS3Dataset.from_shards(uri, shuffle=True, seed=4, reading=Reading(part_size=part_size),
+                                         store=setup.factory)
     for epoch in range(3):
         dataset.set_epoch(epoch)
         got = {}
@@ -206,7 +207,7 @@ def test_eviction_keeps_the_directory_under_the_limit_while_reading_more(s3_serv
     total = sum(len(s3_server.minio.get_object(bucket, key).read()) for key in list(expected)[:50]) * N // 50
     limit = total // 4
     setup = Setup(s3_server, tmp_path, limit)
-    dataset = AsyncS3Dataset.from_keys(bucket, sorted(expected), shuffle=True, seed=5, max_inflight=32,
+    dataset = AsyncS3Dataset.from_keys(bucket, sorted(expected), shuffle=True, seed=5, limits=Limits(concurrency=32),
                                        store=setup.factory)
     peak, stop = [0], threading.Event()
 

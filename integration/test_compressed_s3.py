@@ -17,7 +17,7 @@ import io
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, RetryPolicy
+from loader import AsyncS3Dataset, Reading, RetryPolicy, Store
 
 from datasets import sha256
 from faults import FAULT_KINDS, FaultPlan, FaultProxy
@@ -77,7 +77,7 @@ def assert_exactly_once(got: list[tuple[str, str]], expected: dict[str, str]) ->
 def test_compressed_shards_exactly_once(s3_server, compressed, kind, store):
     bucket, expected = compressed
     dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/{kind}/", shuffle=True, seed=2,
-                                         config=s3_server.config, store=store, part_size=64 << 10)
+                                         config=s3_server.config, store=store, reading=Reading(part_size=64 << 10))
     assert all(shard.compression == ("gzip" if kind == "tgz" else "zstd") for shard in dataset.shards())
     if store == "aioboto3":  # forked workers; obstore's runtime is not fork-safe in this process
         batches = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork",
@@ -105,7 +105,7 @@ def test_compressed_shards_exactly_once_through_injected_faults(s3_server, compr
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         dataset = AsyncS3Dataset.from_shards(
             f"s3://{bucket}/{kind}/shard-{{0000..{SHARDS - 1:04d}}}{SUFFIXES[kind]}", shuffle=True,
-            seed=4, config=config, store=store, retry=FAST_RETRY, chunk_size=32 << 10)
+            seed=4, config=config, store=Store(backend=store, retry=FAST_RETRY), reading=Reading(chunk_size=32 << 10))
         dataset.resolve()  # the look for an index (none here) before the faults: they are for the shards
         proxy.set_plan(plan)
         got = [keyed(sample) for sample in dataset]

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset
+from loader import AsyncS3Dataset, Split
 from loader.tools.shard import PackOptions, pack
 
 from datasets import jpeg_dataset
@@ -47,7 +47,7 @@ def run(s3_server, bucket, mode, world_size, num_workers, *, steps=None, seen=No
     the bytes all ranks fetched (``lanes``: the rank x worker slots whose lanes deal the epoch)."""
     out, saved, fetched = [], None, 0
     for rank in range(world_size):
-        ds = make(s3_server, bucket, mode, rank=rank, world_size=world_size)
+        ds = make(s3_server, bucket, mode, split=Split(rank=rank, world_size=world_size))
         if seen is not None or lanes is not None:
             ds.resume(epoch=EPOCH, samples_seen=seen or 0, lanes=lanes)
         ds.set_epoch(EPOCH)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset
+from loader import AsyncS3Dataset, Cache, Limits, Split, Store
 
 from datasets import jpeg_dataset, sha256
 from shardsets import upload_shards
@@ -88,7 +88,8 @@ def test_resume_from_batches_reads_the_rest_of_the_epoch(s3_server, objects):
             break
     del loader
     resumed = make()
-    resumed.resume_from_batches(epoch=2, batches_seen=5, batch_size=8)
+    with pytest.deprecated_call(match="resume_from_batches"):  # the deprecated form this test keeps working
+        resumed.resume_from_batches(epoch=2, batches_seen=5, batch_size=8)
     rest = keys_of(resumed)
     assert len(first) == 40
     assert len(first) + len(rest) == len(stems), "no sample twice"
@@ -97,8 +98,8 @@ def test_resume_from_batches_reads_the_rest_of_the_epoch(s3_server, objects):
 
 def test_ordered_false_still_delivers_each_sample_once(s3_server, objects):
     bucket, stems = objects
-    ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", config=s3_server.config, ordered=False,
-                                    max_inflight=16)
+    ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", config=s3_server.config,
+                                    limits=Limits(ordered=False, concurrency=16))
     got = keys_of(ds)
     assert sorted(got) == stems
 
@@ -109,7 +110,7 @@ def test_pad_policy_drop_gives_equal_ranks_without_repeats(s3_server, objects):
     per_rank = []
     for rank in range(world):
         ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", config=s3_server.config, shuffle=True,
-                                        seed=3, rank=rank, world_size=world, pad_policy="drop")
+                                        seed=3, split=Split(rank=rank, world_size=world, pad="drop"))
         per_rank.append(keys_of(ds, num_workers=2))
         assert len(ds) == len(per_rank[-1])
     flat = [key for keys in per_rank for key in keys]
@@ -120,8 +121,8 @@ def test_pad_policy_drop_gives_equal_ranks_without_repeats(s3_server, objects):
 
 def test_log_stats_logs_one_line_per_worker_pass(s3_server, objects, caplog):
     bucket, stems = objects
-    ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", config=s3_server.config, log_stats=True)
-    with caplog.at_level(logging.INFO, logger="loader"):
+    ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", config=s3_server.config)
+    with caplog.at_level(logging.INFO, logger="loader.stats"):  # the documented switch
         got = keys_of(ds, num_workers=0)
     assert sorted(got) == stems
     lines = [r.getMessage() for r in caplog.records if "samples in" in r.getMessage()]
@@ -132,7 +133,7 @@ def test_log_stats_logs_one_line_per_worker_pass(s3_server, objects, caplog):
 def test_cache_dir_serves_the_second_epoch_from_disk(s3_server, objects, tmp_path):
     bucket, stems = objects
     ds = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", config=s3_server.config,
-                                    cache_dir=tmp_path / "cache", cache_limit=1 << 30)
+                                    store=Store(cache=Cache(tmp_path / "cache", limit=1 << 30)))
     assert sorted(keys_of(ds, num_workers=0)) == stems
     first = ds.stats()
     assert first["cache_misses"] == len(stems) and first["requests"] == len(stems)

@@ -31,7 +31,7 @@ import list_once_worker
 import pytest
 import torch.multiprocessing as mp
 
-from loader import AsyncS3Dataset, ListOptions
+from loader import AsyncS3Dataset, ListOptions, Store
 from loader.listing.nodeshare import SHARE_DIR_ENV
 
 from datasets import upload_objects
@@ -155,9 +155,10 @@ def matrix(s3_server, tmp_path_factory):
     with FaultProxy(s3_server.config.endpoint_url, max_lifetime=1800) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         listing = ListOptions(page_size=list_once_worker.PAGE)
-        AsyncS3Dataset.from_prefix(f"s3://{bucket}/plain-objects/", config=config, listing=listing).keys()
-        AsyncS3Dataset.from_shards(f"s3://{bucket}/plain-shards/", config=config, listing=listing).shards()
-        AsyncS3Dataset.from_parquet(f"s3://{bucket}/plain-parquet/", config=config, listing=listing).resolve()
+        AsyncS3Dataset.from_prefix(f"s3://{bucket}/plain-objects/", config=config, store=Store(listing=listing)).keys()
+        AsyncS3Dataset.from_shards(f"s3://{bucket}/plain-shards/", config=config, store=Store(listing=listing)).shards()
+        AsyncS3Dataset.from_parquet(f"s3://{bucket}/plain-parquet/", config=config,
+                                    store=Store(listing=listing)).resolve()
         env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url, SHARE_DIR_ENV: str(share)}
         for style, (_, cells) in LAUNCHES.items():
             plan = {"cells": cells, "bucket": bucket, "env": env, "out": str(out / style),
@@ -264,10 +265,10 @@ def test_a_single_process_and_its_forked_workers_list_once(s3_server):
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         listing = ListOptions(page_size=list_once_worker.PAGE)
         uri = f"s3://{bucket}/single/"
-        AsyncS3Dataset.from_prefix(uri, config=config, listing=listing).keys()  # the yardstick
+        AsyncS3Dataset.from_prefix(uri, config=config, store=Store(listing=listing)).keys()  # the yardstick
         one, _ = list_requests(proxy, bucket, "single/")
         proxy.reset_counts()
-        dataset = AsyncS3Dataset.from_prefix(uri, config=config, listing=listing)
+        dataset = AsyncS3Dataset.from_prefix(uri, config=config, store=Store(listing=listing))
         loader = DataLoader(dataset, batch_size=None, num_workers=2, timeout=120)
         epochs = [sorted(sample["__key__"] for sample in loader) for _ in range(2)]
         dataset.set_epoch(2)
@@ -297,7 +298,7 @@ def test_a_dataset_never_read_does_not_hold_up_another_datasets_forked_workers(s
             FaultProxy(s3_server.config.endpoint_url, refusing) as failing:
         def dataset_at(endpoint: str) -> AsyncS3Dataset:
             config = dataclasses.replace(s3_server.config, endpoint_url=endpoint)
-            return AsyncS3Dataset.from_prefix(f"s3://{bucket}/read/", config=config, listing=listing)
+            return AsyncS3Dataset.from_prefix(f"s3://{bucket}/read/", config=config, store=Store(listing=listing))
 
         unread = [dataset_at(closed), dataset_at(failing.endpoint_url)]
         read = dataset_at(live.endpoint_url)

@@ -8,7 +8,7 @@ import traceback
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from loader import NoSuchKeyError
+from loader import Limits, NoSuchKeyError
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset
 
 from datasets import jpeg_dataset, sha256
@@ -49,7 +49,7 @@ def our_threads():
 def test_distributed_sampler_ranks_cover_the_data_set(s3_server, jpegs, context):
     bucket, expected = jpegs
     dataset = AsyncS3MapDataset.from_prefix(f"s3://{bucket}/train/", transform=digest,
-                                            max_inflight=32, config=s3_server.config)
+                                            limits=Limits(concurrency=32), config=s3_server.config)
     assert len(dataset) == N  # listed here, once; the workers get the key list
     samplers = [DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=7)
                 for rank in (0, 1)]

@@ -14,9 +14,11 @@ from loader import (
     AsyncS3Dataset,
     ConfigError,
     EmptyDatasetError,
+    Limits,
     NoSuchBucketError,
     NoSuchKeyError,
     S3Config,
+    Store,
 )
 from loader.engine.fetch import live_engines
 
@@ -57,7 +59,7 @@ def assert_exactly_once(got, expected):
 def test_every_object_exactly_once(s3_server, jpegs, num_workers, context):
     bucket, expected = jpegs
     dataset = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", shuffle=True, seed=3,
-                                         max_inflight=32, config=s3_server.config)
+                                         limits=Limits(concurrency=32), config=s3_server.config)
     options = {"num_workers": num_workers}
     if context:
         options["multiprocessing_context"] = context
@@ -191,7 +193,7 @@ def test_unreachable_endpoint_gives_up_with_a_clear_error():
     from loader import RetryPolicy
 
     fails_fast(lambda: AsyncS3Dataset.from_keys("bucket", ["a.jpg"], config=config,
-                                                retry=RetryPolicy(max_attempts=3, deadline=5)),
+                                                store=Store(retry=RetryPolicy(max_attempts=3, deadline=5))),
                ConnectionError, r"cannot connect to http://127\.0\.0\.1:9.*gave up")
 
 

@@ -24,6 +24,7 @@ from loader import (
     ConfigError,
     EndpointUnreachableError,
     InvalidRangeError,
+    Limits,
     NoSuchBucketError,
     NoSuchKeyError,
     RetryPolicy,
@@ -360,7 +361,7 @@ def test_dataset_reads_200_objects_exactly_once(server):
         client.put_object(Bucket=BUCKET, Key=f"ds/{i:04d}.bin", Body=body)
         expected[f"ds/{i:04d}"] = body
     dataset = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/ds/", store="obstore", shuffle=True, seed=1,
-                                         max_inflight=32, config=server.config)
+                                         limits=Limits(concurrency=32), config=server.config)
     samples = list(dataset)
     keys = [sample["__key__"] for sample in samples]
     assert len(keys) == len(set(keys)) == 200

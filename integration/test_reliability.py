@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -49,9 +50,12 @@ from loader import (
     AsyncS3Dataset,
     ConfigError,
     EndpointUnreachableError,
+    Limits,
+    Reading,
     RetryPolicy,
     SampleError,
     ShardFormatError,
+    Store,
     TransientStoreError,
 )
 from loader.engine.fetch import live_engines
@@ -172,15 +176,18 @@ def fault_data(s3_server):
 
 
 def build_fault_dataset(mode: str, bucket: str, config, store: str, concurrency: int = 32,
-                        **options) -> AsyncS3Dataset:
-    common = dict(shuffle=True, seed=5, config=config, store=store, **options)
+                        retry: RetryPolicy | None = None, **options) -> AsyncS3Dataset:
+    common = dict(shuffle=True, seed=5, config=config, store=Store(backend=store, retry=retry or RetryPolicy()),
+                  **options)
     if mode == "objects":
-        return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", max_inflight=concurrency, **common)
+        return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", limits=Limits(concurrency=concurrency),
+                                          **common)
     if mode == "shards-stream":  # no sizes known: one GET per shard, resumed by ranged GETs
         return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/shard-{{0000..0007}}.tar",
-                                          chunk_size=64 << 10, **common)
+                                          reading=Reading(chunk_size=64 << 10), **common)
     # a prefix lists sizes: each shard is read as ranged parts, each part retried whole
-    return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", part_size=PART_SIZE, **common)
+    return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", reading=Reading(part_size=PART_SIZE),
+                                      **common)
 
 
 def first_requests(dataset: AsyncS3Dataset, mode: str) -> int:
@@ -375,11 +382,14 @@ def running(own_server):
 def restart_dataset(mode: str, config, store: str, retry: RetryPolicy) -> AsyncS3Dataset:
     """Small buffers, so most of the epoch is fetched after the fault, not before it."""
     if mode == "objects":
-        return AsyncS3Dataset.from_prefix("s3://rel/objects/", config=config, store=store, retry=retry,
-                                          max_inflight=8, queue_items=16)
-    return AsyncS3Dataset.from_shards("s3://rel/shards/shard-{0000..0007}.tar", config=config,
-                                      store=store, retry=retry, shards_inflight=2,
-                                      queue_bytes=256 << 10, chunk_size=64 << 10)
+        with pytest.deprecated_call(match="queue_items="):  # the queue's own size has no new spelling
+            return AsyncS3Dataset.from_prefix("s3://rel/objects/", config=config,
+                                              store=Store(backend=store, retry=retry),
+                                              limits=Limits(concurrency=8), queue_items=16)
+    with pytest.deprecated_call(match="queue_bytes="):  # the queue's own size has no new spelling
+        return AsyncS3Dataset.from_shards("s3://rel/shards/shard-{0000..0007}.tar", config=config,
+                                          store=Store(backend=store, retry=retry), limits=Limits(concurrency=8),
+                                          reading=Reading(chunk_size=64 << 10), queue_bytes=256 << 10)
 
 
 class InThread:
@@ -614,18 +624,21 @@ def test_transform_error_names_the_key_and_keeps_the_cause(s3_server, fault_data
 @pytest.mark.parametrize("mode", ["objects", "shards"])
 @pytest.mark.parametrize(
     "option,value",
-    [("max_inflight", -1), ("max_inflight", 0), ("queue_bytes", 0), ("queue_bytes", -5)],
+    [("concurrency", -1), ("concurrency", 0), ("queue_bytes", 0), ("queue_bytes", -5)],
 )
 def test_invalid_options_are_refused_before_any_request(s3_server, fault_data, mode, option, value):
     bucket, _, _ = fault_data
     threads = set(threading.enumerate())
     with proxy_for(s3_server, FaultPlan()) as proxy:
         config = through(s3_server, proxy)
-        # an old spelling is named as given, with the group that takes its value now
-        with pytest.raises(ConfigError, match=rf"{option}={value!r} must be (what .* takes: .*)?a positive integer"):
+        # the queue's own size is an old spelling only: named as given
+        name = "Limits.concurrency" if option == "concurrency" else option
+        with pytest.raises(ConfigError, match=rf"{name}={value!r} must be a positive integer"), \
+                (contextlib.nullcontext() if option == "concurrency" else pytest.deprecated_call()):
+            given = {"limits": Limits(concurrency=value)} if option == "concurrency" else {option: value}
             if mode == "objects":
-                AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", config=config, **{option: value})
+                AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", config=config, **given)
             else:
-                AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", config=config, **{option: value})
+                AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", config=config, **given)
         assert proxy.counts["requests"] == 0, "a request was made before the options were checked"
     assert not [t.name for t in threading.enumerate() if t not in threads and t.name.startswith("loader-")]

@@ -36,14 +36,7 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import (
-    AccessDeniedError,
-    AsyncS3Dataset,
-    ConfigError,
-    NoSuchBucketError,
-    S3Config,
-    SampleError,
-)
+from loader import AccessDeniedError, AsyncS3Dataset, ConfigError, Limits, NoSuchBucketError, S3Config, SampleError
 from loader.engine.fetch import live_engines
 
 from datasets import jpeg_dataset, sha256, upload_objects
@@ -72,7 +65,7 @@ def data(s3_server):
 def make_dataset(mode: str, bucket: str, config, store: str, **options) -> AsyncS3Dataset:
     if mode == "objects":
         return AsyncS3Dataset.from_prefix(f"s3://{bucket}/objects/", config=config, store=store,
-                                          max_inflight=16, **options)
+                                          limits=Limits(concurrency=16), **options)
     return AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", config=config, store=store, **options)
 
 
@@ -232,11 +225,11 @@ def test_the_secret_appears_nowhere(canary_server, monkeypatch, caplog, tmp_path
     logging.getLogger().addHandler(handler)
     for name in SECRET_LOGGERS:
         caplog.set_level(logging.DEBUG, logger=name)
+    caplog.set_level(logging.INFO, logger="loader.stats")  # the workers' stats lines too
     try:
         # 1. an epoch with two forked workers; every child's argv read while they run (the parent
         # lists before it forks them: the workers' own records are their stats lines)
-        dataset = AsyncS3Dataset.from_prefix("s3://canary/data/", shuffle=True, max_inflight=8,
-                                             log_stats=True)
+        dataset = AsyncS3Dataset.from_prefix("s3://canary/data/", shuffle=True, limits=Limits(concurrency=8))
         argv: dict[int, list[str]] = {}
         got = []
         for number, sample in enumerate(DataLoader(dataset, batch_size=None, num_workers=2,

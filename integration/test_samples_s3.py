@@ -13,7 +13,7 @@ import warnings
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, Limits
 
 from datasets import make_jpeg, sha256, upload_objects
 
@@ -55,7 +55,7 @@ def summary(sample):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_grouped_stems_exactly_once(s3_server, bucket, num_workers):
     name, digests = bucket
-    ds = AsyncS3Dataset.from_prefix(f"s3://{name}/imgs/", shuffle=True, seed=1, max_inflight=16,
+    ds = AsyncS3Dataset.from_prefix(f"s3://{name}/imgs/", shuffle=True, seed=1, limits=Limits(concurrency=16),
                                     transform=summary, config=s3_server.config)
     assert len(ds) == STEMS
     got = list(DataLoader(ds, batch_size=None, **loader_options(num_workers)))

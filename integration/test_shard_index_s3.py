@@ -25,7 +25,7 @@ import pytest
 import torch.multiprocessing as mp
 import webdataset as wds
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Reading, Split
 from loader.errors import ObjectChangedError
 from loader.shard_index.write import IndexOptions, index_shards
 
@@ -185,7 +185,7 @@ def test_a_shard_rewritten_after_indexing_is_named_and_never_counted_stale(s3_se
     pattern = f"s3://{bucket}/s/x-{{0..2}}.tar"
 
     def read(spec, rank, world, **options):
-        return list(AsyncS3Dataset.from_shards(spec, config=s3_server.config, rank=rank, world_size=world,
+        return list(AsyncS3Dataset.from_shards(spec, config=s3_server.config, split=Split(rank=rank, world_size=world),
                                                **options))
 
     # a pattern: no listing, the reads are pinned to the indexed ETag (the server answers 412)
@@ -215,5 +215,5 @@ def test_a_ctrl_c_leaves_a_resumable_index(s3_server, foreign):
     done = cli("index", f"s3://{bucket}/foreign/", "--out", out, "--no-progress", env=s3_server.env)
     assert done.returncode == 0 and "indexed 5 shard(s)" in done.stdout and "4 were indexed already" in done.stdout
     assert f"index='{out}'" in done.stdout
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/foreign/", config=s3_server.config, index=out)
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/foreign/", config=s3_server.config, reading=Reading(index=out))
     assert sum(dataset.shard_counts()) == 292

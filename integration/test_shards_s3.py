@@ -8,7 +8,7 @@ import time
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError, NoSuchKeyError, ShardFormatError
+from loader import AsyncS3Dataset, ConfigError, Limits, NoSuchKeyError, Reading, ShardFormatError
 
 from datasets import import_probe, sha256
 from shardsets import pack, upload_shards
@@ -50,7 +50,7 @@ def test_every_sample_exactly_once(s3_server, shards, num_workers):
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_prefix_form_reads_large_shards_as_ranged_parts(s3_server, shards):
     bucket, expected, _ = shards
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/", part_size=64 << 10, parts_inflight=4,
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/", reading=Reading(part_size=64 << 10),
                                          config=s3_server.config)
     assert all(shard.size for shard in dataset.shards()), "the listing gives sizes"
     assert_exactly_once(digests(dataset), expected)
@@ -66,8 +66,8 @@ def test_part_size_below_the_floor_is_refused_and_the_floor_reads_in_parts(s3_se
     for part_size in (1, 256 << 10, (1 << 20) - 1):
         with pytest.raises(ConfigError, match=rf"^part_size={part_size} is below the floor of 1048576 bytes: "
                                               r"each part is one ranged GET.*give part_size=1048576 \(1 MiB\)"):
-            AsyncS3Dataset.from_shards(uri, part_size=part_size, config=s3_server.config)
-    dataset = AsyncS3Dataset.from_shards(uri, part_size=1 << 20, config=s3_server.config)
+            AsyncS3Dataset.from_shards(uri, reading=Reading(part_size=part_size), config=s3_server.config)
+    dataset = AsyncS3Dataset.from_shards(uri, reading=Reading(part_size=1 << 20), config=s3_server.config)
     (shard,) = dataset.shards()
     assert 2 << 20 < shard.size <= 3 << 20
     assert_exactly_once(digests(dataset), expected)
@@ -104,8 +104,9 @@ def test_slow_consumer_keeps_buffered_bytes_within_the_budget(s3_server):
     # 3 shards of ~3 MB each against a 256 KiB budget: the shards are 12x the budget.
     expected, _ = upload_shards(s3_server.minio, bucket, "big/", [100, 100, 100], payload=30_000)
     budget = 256 << 10
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", queue_bytes=budget, shuffle_buffer=0,
-                                         config=s3_server.config)
+    with pytest.deprecated_call(match="queue_bytes="):  # the queue's own size has no new spelling
+        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", queue_bytes=budget,
+                                             reading=Reading(shuffle_buffer=0), config=s3_server.config)
     seen = []
     for number, sample in enumerate(dataset):
         seen.append(sample["__key__"])
@@ -135,7 +136,7 @@ def test_truncated_garbage_and_empty_shards(s3_server):
 
     def read(pattern, **options):
         return [s["__key__"] for s in AsyncS3Dataset.from_shards(pattern, config=s3_server.config,
-                                                                 shards_inflight=1, **options)]
+                                                                 limits=Limits(concurrency=4), **options)]
 
     with pytest.raises(ShardFormatError, match=rf"s3://{bucket}/mix/1-truncated.tar.*byte \d+") as info:
         read(url)

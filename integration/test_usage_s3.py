@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Reading
 
 from shardsets import upload_shards
 
@@ -57,4 +57,4 @@ def test_a_shuffle_buffer_that_would_not_apply_is_refused(s3_server, data):
     bucket, _, counts = data
     with pytest.raises(ConfigError, match=r"shuffle_buffer=200 cannot be used with batch_size="):
         AsyncS3Dataset.from_shards(f"s3://{bucket}/shards/", shuffle=True, batch_size=4,
-                                   shuffle_buffer=200, config=s3_server.config)
+                                   reading=Reading(shuffle_buffer=200), config=s3_server.config)

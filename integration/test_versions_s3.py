@@ -25,7 +25,7 @@ import anyio
 import pytest
 import torch
 
-from loader import AsyncS3Dataset, ObjectChangedError, RetryPolicy, checkpoint
+from loader import AsyncS3Dataset, Cache, Limits, ObjectChangedError, Reading, RetryPolicy, Store, checkpoint
 from loader.s3 import open_store
 from loader.s3.aioboto3_store import Aioboto3Store
 
@@ -144,9 +144,10 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "big/train-0000.tar", old)
     store = overwriting(backend, s3_server.config, "big/train-0000.tar", 6, new)
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", part_size=2 << 20,
-                                         parts_inflight=2, shuffle_buffer=0, store=store,
-                                         retry=FAST_RETRY)
+    with pytest.deprecated_call(match="parts_inflight="):  # parts per shard: the old spelling only
+        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", parts_inflight=2,
+                                             reading=Reading(part_size=2 << 20, shuffle_buffer=0),
+                                             store=Store(backend=store, retry=FAST_RETRY))
     assert dataset.shards()[0].etag is not None, "the listing carries the ETag"
     delivered = []
     with pytest.raises(ObjectChangedError, match=rf"s3://{bucket}/big/train-0000\.tar changed "
@@ -155,9 +156,10 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
             delivered.append(sample)
     assert 0 < len(delivered) < 40 and versions_of(delivered) == {1}
     # the next epoch reads the new version whole
-    again = list(AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", part_size=2 << 20,
-                                            parts_inflight=2, config=s3_server.config,
-                                            store=backend.split("-")[0]))
+    with pytest.deprecated_call(match="parts_inflight="):
+        again = AsyncS3Dataset.from_shards(f"s3://{bucket}/big/", reading=Reading(part_size=2 << 20), parts_inflight=2,
+                                           config=s3_server.config, store=backend.split("-")[0])
+    again = list(again)
     assert len(again) == 40 and versions_of(again) == {2}
 
 
@@ -167,7 +169,7 @@ def test_shard_overwritten_during_ranged_parts_is_never_spliced(s3_server, big_s
 def test_shard_replaced_between_listing_and_reading_is_read_in_its_new_version(s3_server, backend):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))
-    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", part_size=256 << 10,
+    dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", reading=Reading(part_size=256 << 10),
                                          config=s3_server.config, store=backend)
     dataset.shards()
     upload(s3_server, bucket, "s/a.tar", tar_of(2, 30, 100_000))
@@ -214,8 +216,8 @@ def test_stream_cut_by_the_proxy_resumes_only_on_the_same_version(s3_server, bac
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         store = overwriting(backend, config, "s/a.tar", 2, new if overwrite else None,
                             before=lambda: proxy.set_plan(FaultPlan()))
-        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/a.tar", shuffle_buffer=0,
-                                             store=store, retry=FAST_RETRY)
+        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/a.tar", reading=Reading(shuffle_buffer=0),
+                                             store=Store(backend=store, retry=FAST_RETRY))
         dataset.resolve()  # the look for an index (there is none) before the proxy cuts GETs
         proxy.set_plan(FaultPlan(truncate=1.0, seed=3))
         delivered = []
@@ -250,7 +252,7 @@ def test_checkpoint_overwritten_during_a_parallel_load_fails_naming_it(s3_server
     torch.save(state(2), replacement)
     store = overwriting(backend, s3_server.config, "ckpt/latest.pt", 4, replacement.getvalue())
     with pytest.raises(ObjectChangedError, match=rf"{uri} changed during the read"):
-        checkpoint.load(uri, store=store, part_size=1 << 20, parts_inflight=4)
+        checkpoint.load(uri, store=store, part_size=1 << 20, limits=Limits(concurrency=4))
     loaded = checkpoint.load(uri, store=functools.partial(open_backend, backend, s3_server.config))
     assert torch.equal(loaded["layer3"], state(2)["layer3"])
 
@@ -269,7 +271,7 @@ def test_cache_gives_fresh_bytes_after_an_overwrite_between_epochs(s3_server, tm
     bucket = s3_server.new_bucket()
     for key, data in objects(40, 1).items():
         upload(s3_server, bucket, key, data)
-    options = {"config": s3_server.config, "store": backend, "cache_dir": tmp_path}
+    options = {"config": s3_server.config, "store": Store(backend=backend, cache=Cache(tmp_path))}
     first = AsyncS3Dataset.from_prefix(f"s3://{bucket}/train/", **options)
     assert versions_of(first) == {1}
     assert versions_of(first) == {1} and first.stats()["requests"] == 0  # epoch 2: no GET
@@ -291,8 +293,7 @@ def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, 
     for key, data in objects(8, 1).items():
         upload(s3_server, bucket, key, data)
     keys = sorted(objects(8, 1))
-    options = {"config": s3_server.config, "store": backend, "cache_dir": tmp_path,
-                   "cache_validate": "always"}
+    options = {"config": s3_server.config, "store": Store(backend=backend, cache=Cache(tmp_path, validate="always"))}
     assert versions_of(AsyncS3Dataset.from_keys(bucket, keys, **options)) == {1}
     upload(s3_server, bucket, keys[5], objects(8, 2)[keys[5]])
     again = AsyncS3Dataset.from_keys(bucket, keys, **options)
@@ -306,7 +307,8 @@ def test_cache_validate_always_asks_the_server_with_conditional_gets(s3_server, 
 def test_shards_from_the_cache_are_refetched_when_overwritten(s3_server, tmp_path):
     bucket = s3_server.new_bucket()
     upload(s3_server, bucket, "s/a.tar", tar_of(1, 20, 100_000))
-    options = {"config": s3_server.config, "cache_dir": tmp_path, "part_size": 256 << 10}
+    options = {"config": s3_server.config, "store": Store(cache=Cache(tmp_path)),
+               "reading": Reading(part_size=256 << 10)}
     assert versions_of(AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", **options)) == {1}
     upload(s3_server, bucket, "s/a.tar", tar_of(2, 20, 100_000))
     dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/s/", **options)

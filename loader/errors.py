@@ -78,7 +78,17 @@ class TransientStoreError(StoreError):
     """A fault that may go away on its own (5xx, SlowDown, reset, timeout, truncated body).
     ``endpoint``: the endpoint whose answer it is, where one answered (the final error names it)."""
 
-    endpoint: str = ""
+    def __init__(self, message: str, *, bucket: str | None = None, key: str | None = None,
+                 endpoint: str = "") -> None:
+        super().__init__(message, bucket=bucket, key=key)
+        self.endpoint = endpoint
+
+    def __reduce__(self):  # the endpoint too: a DataLoader worker's error reaches the parent pickled
+        return (_rebuild_transient, (type(self), str(self), self.bucket, self.key, self.endpoint))
+
+
+def _rebuild_transient(cls, message, bucket, key, endpoint):
+    return cls(message, bucket=bucket, key=key, endpoint=endpoint)
 
 
 class BadAnswerError(TransientStoreError):
@@ -100,18 +110,6 @@ class EndpointUnreachableError(TransientStoreError, ConnectionError):
     """Nothing answered at the endpoint (``endpoint``). Transient until the retry deadline passes
     once the endpoint has answered; before that (its first contact), it is given up within seconds,
     since a wrong endpoint is far likelier than an outage (docs/design/retry.md)."""
-
-    def __init__(self, message: str, *, bucket: str | None = None, key: str | None = None,
-                 endpoint: str = "") -> None:
-        super().__init__(message, bucket=bucket, key=key)
-        self.endpoint = endpoint
-
-    def __reduce__(self):
-        return (_rebuild_unreachable, (type(self), str(self), self.bucket, self.key, self.endpoint))
-
-
-def _rebuild_unreachable(cls, message, bucket, key, endpoint):
-    return cls(message, bucket=bucket, key=key, endpoint=endpoint)
 
 
 class TLSError(StoreError, ConnectionError):

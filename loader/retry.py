@@ -178,11 +178,7 @@ def gave_up(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapse
     # key alone do not say which); an unreachable one names it already
     answerer = "" if isinstance(exc, EndpointUnreachableError) or not exc.endpoint else f" at {exc.endpoint}"
     message = f"{exc}{answerer}; gave up{where} after {failures} attempt(s) over {elapsed:.1f}s ({limit})"
-    if isinstance(exc, EndpointUnreachableError):
-        return type(exc)(message, bucket=exc.bucket, key=exc.key, endpoint=exc.endpoint)
-    final = type(exc)(message, bucket=exc.bucket, key=exc.key)
-    final.endpoint = exc.endpoint
-    return final
+    return type(exc)(message, bucket=exc.bucket, key=exc.key, endpoint=exc.endpoint)
 
 
 def first_contact(exc: TransientStoreError, policy: RetryPolicy, failures: int, elapsed: float,

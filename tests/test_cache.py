@@ -27,7 +27,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Limits, Reading, Store
 from loader.cache.files import HEADER_SIZE, DiskCache
 from loader.cache.options import check_cache_options
 from loader.cache.store import CachedStore, CacheStats, open_cached_store
@@ -756,7 +756,7 @@ def test_per_object_epochs_after_the_first_make_no_request(tmp_path):
     data = objects(300, 2000)
     fake = FakeStore.with_objects(BUCKET, data)
     stats: list[CacheStats] = []
-    dataset = AsyncS3Dataset.from_keys(BUCKET, list(data), shuffle=True, seed=1, max_inflight=16,
+    dataset = AsyncS3Dataset.from_keys(BUCKET, list(data), shuffle=True, seed=1, limits=Limits(concurrency=16),
                                        store=cached_factory(fake, tmp_path / "cache", 8 << 20, stats))
     epochs = []
     for epoch in range(3):
@@ -789,8 +789,9 @@ def test_shard_epochs_after_the_first_make_no_request(tmp_path, how):
     fake = FakeStore.with_objects(BUCKET, shards, truncate=truncate)
     stats: list[CacheStats] = []
     uri = f"s3://{BUCKET}/shards/" if how == "parts" else f"s3://{BUCKET}/shards/train-{{0000..0005}}.tar"
-    dataset = AsyncS3Dataset.from_shards(uri, shuffle=True, seed=2, retry=FAST_RETRY, part_size=8192,
-                                         store=cached_factory(fake, tmp_path / "cache", 8 << 20, stats))
+    dataset = AsyncS3Dataset.from_shards(uri, shuffle=True, seed=2, reading=Reading(part_size=8192),
+                                         store=Store(backend=cached_factory(fake, tmp_path / "cache", 8 << 20, stats),
+                                                     retry=FAST_RETRY))
     epochs = []
     for epoch in range(3):
         dataset.set_epoch(epoch)
@@ -818,7 +819,7 @@ def test_forked_workers_after_cached_in_process_epochs_do_not_hang(tmp_path, no_
     data = objects(200, 300_000 // 100)
     fake = FakeStore.with_objects(BUCKET, data)
     stats: list[CacheStats] = []
-    dataset = AsyncS3Dataset.from_keys(BUCKET, list(data), max_inflight=8,
+    dataset = AsyncS3Dataset.from_keys(BUCKET, list(data), limits=Limits(concurrency=8),
                                        store=cached_factory(fake, tmp_path / "cache", 8 << 20, stats))
     for epoch in range(3):
         dataset.set_epoch(epoch)

@@ -26,7 +26,7 @@ import pytest
 import webdataset as wds
 import zstandard
 
-from loader import AsyncS3Dataset, ConfigError, Limits, Store
+from loader import AsyncS3Dataset, ConfigError, Limits, Reading, Store
 from loader.errors import EmptyDatasetError, ShardFormatError
 from loader.formats.compression import compression_of, is_shard_name, open_decoder
 from loader.formats.tar import TarStreamParser
@@ -262,8 +262,8 @@ def test_cut_streams_restart_from_the_first_byte_without_duplicates(kind):
     last = f"c/shard-0003{SUFFIX[kind]}"
     fake.truncate = {first: [sizes[first] // 3, (2 * sizes[first]) // 3, None],
                      last: [sizes[last] - 10, None]}
-    dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/", store=reusable(fake), retry=FAST_RETRY,
-                                         chunk_size=4096, part_size=1024)
+    dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/", store=Store(backend=reusable(fake), retry=FAST_RETRY),
+                                         reading=Reading(chunk_size=4096, part_size=1024))
     got = [digests(sample) for sample in dataset]
     assert_exactly(got, expected)
     assert fake.requests_by_key[first] == 3 and fake.requests_by_key[last] == 2
@@ -275,7 +275,7 @@ def test_compressed_shards_are_never_read_as_ranged_parts(kind):
     objects, expected = compressed_store(kind, shards=2, per_shard=200)
     fake = FakeStore.with_objects(BUCKET, objects)
     dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/", store=reusable(fake),
-                                         part_size=1024, parts_inflight=4)
+                                         reading=Reading(part_size=1024))  # 4 parts in flight
     assert all(shard.size and shard.size > 2048 for shard in dataset.shards())
     fake.reset_counters()
     assert_exactly([digests(sample) for sample in dataset], expected)
@@ -288,8 +288,8 @@ def test_every_sample_once_with_workers_and_shuffle(kind):
     objects, expected = compressed_store(kind)
     fake = FakeStore.with_objects(BUCKET, objects)
     fake.truncate = {key: [len(value) // 2, None] for key, value in objects.items()}
-    dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/", store=reusable(fake), retry=FAST_RETRY,
-                                         shuffle=True, seed=3, chunk_size=2048)
+    dataset = AsyncS3Dataset.from_shards(f"s3://{BUCKET}/c/", store=Store(backend=reusable(fake), retry=FAST_RETRY),
+                                         shuffle=True, seed=3, reading=Reading(chunk_size=2048))
     got = [digests(s) for s in DataLoader(dataset, batch_size=None, num_workers=2,
                                           multiprocessing_context="fork")]
     assert_exactly(got, expected)

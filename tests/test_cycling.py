@@ -19,7 +19,7 @@ from test_shards import FAST_RETRY
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from loader import AsyncS3Dataset, ConfigError, Store
+from loader import AsyncS3Dataset, ConfigError, Limits, Reading, Split, Store
 from loader.datasets import cycling, partition
 from loader.errors import EmptyDatasetError
 
@@ -111,7 +111,7 @@ def test_every_rank_yields_exactly_n_without_any_counts(n):
     fake, expected = store_with_index(index=False)
     got = []
     for rank in range(3):
-        ds = ds_of(fake, rank=rank, world_size=3, samples_per_epoch=n, shuffle=True, seed=1)
+        ds = ds_of(fake, split=Split(rank=rank, world_size=3, samples_per_epoch=n), shuffle=True, seed=1)
         assert len(ds) == n
         samples = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
         assert len(samples) == n
@@ -123,17 +123,17 @@ def test_every_rank_yields_exactly_n_without_any_counts(n):
 
 def test_each_pass_reads_every_sample_of_the_slot_once():
     fake, expected = store_with_index(index=False)
-    samples = keys(ds_of(fake, samples_per_epoch=180, shuffle=False, shards_inflight=1))
+    samples = keys(ds_of(fake, split=Split(samples_per_epoch=180), limits=Limits(concurrency=4), shuffle=False))
     assert samples[:90] == samples[90:] and sorted(samples[:90]) == sorted(expected)
-    shuffled = keys(ds_of(fake, samples_per_epoch=180, shuffle=True, seed=3, shuffle_buffer=0,
-                          shards_inflight=1))
+    shuffled = keys(ds_of(fake, split=Split(samples_per_epoch=180), reading=Reading(shuffle_buffer=0),
+                          limits=Limits(concurrency=4), shuffle=True, seed=3))
     first, second = shuffled[:90], shuffled[90:]
     assert sorted(first) == sorted(second) == sorted(expected) and first != second
 
 
 def test_epochs_differ_and_repeat():
     fake, _ = store_with_index(index=False)
-    ds = ds_of(fake, samples_per_epoch=40, shuffle=True, seed=5)
+    ds = ds_of(fake, split=Split(samples_per_epoch=40), shuffle=True, seed=5)
     ds.set_epoch(1)
     one = keys(ds)
     ds.set_epoch(2)
@@ -144,7 +144,7 @@ def test_epochs_differ_and_repeat():
 
 def test_state_dict_resume_yields_the_rest_of_the_quota_without_repeats():
     fake, _ = store_with_index(index=False)
-    ds = ds_of(fake, samples_per_epoch=70, shuffle=True, seed=2, batch_size=5)
+    ds = ds_of(fake, split=Split(samples_per_epoch=70), shuffle=True, seed=2, batch_size=5)
     loader = StatefulDataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context="fork")
     first, state = [], None
     for step, batch in enumerate(loader):
@@ -152,7 +152,7 @@ def test_state_dict_resume_yields_the_rest_of_the_quota_without_repeats():
         if step == 5:
             state = loader.state_dict()
             break
-    again = ds_of(fake, samples_per_epoch=70, shuffle=True, seed=2, batch_size=5)
+    again = ds_of(fake, split=Split(samples_per_epoch=70), shuffle=True, seed=2, batch_size=5)
     resumed = StatefulDataLoader(again, batch_size=5, num_workers=2, multiprocessing_context="fork")
     resumed.load_state_dict(state)
     rest = [key for batch in resumed for key in batch["__key__"]]
@@ -162,12 +162,12 @@ def test_state_dict_resume_yields_the_rest_of_the_quota_without_repeats():
 
 def test_resume_counts_samples_seen_per_rank_on_any_topology():
     fake, _ = store_with_index(index=False)
-    ds = ds_of(fake, samples_per_epoch=50, batch_size=4, rank=0, world_size=2, shuffle=True)
+    ds = ds_of(fake, split=Split(samples_per_epoch=50, rank=0, world_size=2), batch_size=4, shuffle=True)
     assert ds.samples_seen(3) == 12 and ds.samples_seen(100) == 50
     for world in (1, 3):  # saved on 2 ranks after 3 steps, resumed on 1 or 3
         lengths = []
         for rank in range(world):
-            ds = ds_of(fake, samples_per_epoch=50, batch_size=4, rank=rank, world_size=world, shuffle=True)
+            ds = ds_of(fake, split=Split(samples_per_epoch=50, rank=rank, world_size=world), batch_size=4, shuffle=True)
             ds.resume(epoch=4, samples_seen=12)
             ds.set_epoch(4)
             assert len(ds) == 38 and ds.samples_seen(2) == 20
@@ -179,7 +179,7 @@ def test_resume_counts_samples_seen_per_rank_on_any_topology():
 
 def test_resume_without_batch_size_works_per_rank():
     fake, _ = store_with_index(index=False)
-    ds = ds_of(fake, samples_per_epoch=30)
+    ds = ds_of(fake, split=Split(samples_per_epoch=30))
     ds.resume(epoch=0, samples_seen=10)
     assert len(ds) == 20 and len(list(ds)) == 20
 
@@ -187,7 +187,7 @@ def test_resume_without_batch_size_works_per_rank():
 def test_a_slot_without_samples_fails_instead_of_spinning():
     fake, _ = store_with_index([2], index=False)
     ds = AsyncS3Dataset.from_shards("s3://bucket/shards/train-0000.tar", store=reusable(fake),
-                                    samples_per_epoch=5, rank=2, world_size=3)
+                                    split=Split(samples_per_epoch=5, rank=2, world_size=3))
     with pytest.raises(EmptyDatasetError, match="rank 2 worker 0 read a whole pass over its shards "
                                                 "without finding a sample"):
         list(ds)
@@ -195,12 +195,12 @@ def test_a_slot_without_samples_fails_instead_of_spinning():
 
 def test_shuffle_buffer_with_batch_size_works_with_samples_per_epoch():
     fake, _ = store_with_index(index=False)
-    ds = ds_of(fake, samples_per_epoch=20, batch_size=4, shuffle=True, shuffle_buffer=50)
+    ds = ds_of(fake, split=Split(samples_per_epoch=20), reading=Reading(shuffle_buffer=50), batch_size=4, shuffle=True)
     assert len(list(DataLoader(ds, batch_size=4))) == 5
 
 
 def test_samples_per_epoch_must_be_positive():
     fake, _ = store_with_index(index=False)
     with pytest.raises(ConfigError, match="samples_per_epoch=0 must be a positive integer"):
-        ds_of(fake, samples_per_epoch=0)
+        ds_of(fake, split=Split(samples_per_epoch=0))
     assert sum(SIZES) == 90

@@ -234,6 +234,14 @@ def test_an_old_and_a_new_spelling_of_one_setting_are_refused_together(tmp_path)
                                  cache_dir=tmp_path / "old")
 
 
+@pytest.mark.parametrize("mode", ["objects", "shards"])
+def test_a_bad_value_in_an_old_spelling_is_named_as_given_with_the_group_that_takes_it(mode):
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            ConfigError, match=r"^max_inflight=0 must be what limits=Limits\(concurrency=\.\.\.\) takes: "
+                               r"Limits\.concurrency=0 must be a positive integer"):
+        build(mode, max_inflight=0)
+
+
 def test_a_flat_field_of_the_old_record_still_reads_with_a_warning(tmp_path):
     ds = AsyncS3Dataset.from_keys("bkt", ["a.jpg"], store=Store(backend=STORE, cache=Cache(tmp_path)),
                                   limits=Limits(memory=64 << 20), split=Split(rank=1, world_size=2))

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, Limits, Reading, Split
 from loader.datasets.partition import (
     block_positions,
     block_shape,
@@ -189,7 +189,7 @@ def make_dataset(mode, fake, counts=None, **options):
 
 
 def rank_run(make, rank, world_size, num_workers, steps=None, resume=None, lanes=None):
-    ds = make(rank=rank, world_size=world_size)
+    ds = make(split=Split(rank=rank, world_size=world_size))
     if resume is not None:
         ds.resume(epoch=2, samples_seen=resume, lanes=lanes)
     ds.set_epoch(2)
@@ -240,7 +240,7 @@ def test_stop_on_three_ranks_resume_on_two_then_one(mode):
 def test_shard_mode_reads_the_index_beside_the_shards():
     objects = payloads(60, size=16)
     fake, _ = shard_store(objects, index=True)
-    ds = make_dataset("shards", fake, rank=0, world_size=1)
+    ds = make_dataset("shards", fake, split=Split(rank=0, world_size=1))
     keys = [s["__key__"] for s in ds]
     assert sorted(keys) == sorted(k.rsplit(".", 1)[0] for k in objects) and len(ds) == 60
 
@@ -253,7 +253,8 @@ def test_with_the_index_offsets_each_rank_fetches_only_its_blocks():
         batches, read = [], 0
         for rank in range(3):
             # unshuffled: blocks of the shards' stored order (shuffled ones are read in lanes)
-            ds = make_dataset("shards", fake, counts, rank=rank, world_size=3, chunk_size=256, shuffle=False)
+            ds = make_dataset("shards", fake, counts, split=Split(rank=rank, world_size=3),
+                              reading=Reading(chunk_size=256), shuffle=False)
             ds.set_epoch(1)
             loader = DataLoader(ds, batch_size=BATCH, collate_fn=lambda b: [s["__key__"] for s in b])
             batches.append(list(loader))
@@ -269,7 +270,7 @@ def test_with_the_index_offsets_each_rank_fetches_only_its_blocks():
 
 def test_shard_mode_without_counts_says_what_is_missing():
     fake, _ = shard_store(payloads(30, size=16))
-    ds = make_dataset("shards", fake, rank=0, world_size=1)
+    ds = make_dataset("shards", fake, split=Split(rank=0, world_size=1))
     with pytest.raises(ConfigError, match=r"sample count of each shard is unknown \(no index.json at "
                                           r"s3://bucket/shards/index.json\).*python -m loader index "
                                           r".*sample_counts=.*samples_per_epoch="):
@@ -280,7 +281,7 @@ def test_shard_mode_without_counts_says_what_is_missing():
 
 def test_set_epoch_keeps_a_resume_of_the_same_epoch_and_drops_it_for_another():
     objects = payloads(40, size=16)
-    ds = make_dataset("objects", FakeStore.with_objects("bucket", objects), rank=0, world_size=1)
+    ds = make_dataset("objects", FakeStore.with_objects("bucket", objects), split=Split(rank=0, world_size=1))
     ds.resume(epoch=3, samples_seen=12)
     ds.set_epoch(3)
     assert len(ds) == 28 and len(list(ds)) == 28 and ds.samples_seen(0) == 12
@@ -291,24 +292,24 @@ def test_set_epoch_keeps_a_resume_of_the_same_epoch_and_drops_it_for_another():
 def test_state_dict_carries_the_resume_point():
     objects = payloads(40, size=16)
     fake = FakeStore.with_objects("bucket", objects)
-    ds = make_dataset("objects", fake, rank=0, world_size=1)
+    ds = make_dataset("objects", fake, split=Split(rank=0, world_size=1))
     ds.resume(epoch=1, samples_seen=16)
     it = iter(ds)
     got = [next(it)["__key__"] for _ in range(5)]
     state = ds.state_dict()
     it.close()
-    again = make_dataset("objects", fake, rank=0, world_size=1)
+    again = make_dataset("objects", fake, split=Split(rank=0, world_size=1))
     again.load_state_dict(state)
     rest = [s["__key__"] for s in again]
     assert len(got) + len(rest) == 24 and not set(got) & set(rest)
-    other = make_dataset("objects", fake, rank=0, world_size=1, batch_size=None)
+    other = make_dataset("objects", fake, split=Split(rank=0, world_size=1), batch_size=None)
     with pytest.raises(ConfigError, match="batch_size=4"):
         other.load_state_dict(state)
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda fake: make_dataset("objects", fake, batch_size=0), "batch_size=0 must be a positive"),
-    (lambda fake: make_dataset("objects", fake, ordered=False), "ordered=False"),
+    (lambda fake: make_dataset("objects", fake, limits=Limits(ordered=False)), "ordered=False"),
     (lambda fake: make_dataset("objects", fake, batch_size=None).resume(epoch=0, samples_seen=1),
      "build the dataset with batch_size="),
     (lambda fake: make_dataset("objects", fake).resume(epoch=0, samples_seen=-1), "samples_seen=-1"),
@@ -333,7 +334,7 @@ def test_same_topology_resumes_still_work_with_batch_size(mode, how):
         return cls(ds, batch_size=BATCH, num_workers=2, collate_fn=lambda b: [s["__key__"] for s in b])
 
     def dataset():
-        ds = make_dataset(mode, fake, counts, rank=1, world_size=2)
+        ds = make_dataset(mode, fake, counts, split=Split(rank=1, world_size=2))
         # itself resumed elastically (from a run of 2 ranks x 2 workers), then stopped again
         ds.resume(epoch=2, samples_seen=16, lanes=4)
         ds.set_epoch(2)
@@ -346,7 +347,8 @@ def test_same_topology_resumes_still_work_with_batch_size(mode, how):
     if how == "stateful":
         second.load_state_dict(first.state_dict())
     else:
-        second.dataset.resume_from_batches(epoch=2, batches_seen=3, batch_size=BATCH)
+        with pytest.deprecated_call(match="resume_from_batches"):
+            second.dataset.resume_from_batches(epoch=2, batches_seen=3, batch_size=BATCH)
     assert head + list(second) == whole
 
 
@@ -374,7 +376,7 @@ def test_resuming_shuffled_shards_by_samples_seen_asks_for_the_lanes_of_the_run_
     """A shuffled epoch of shards is dealt to one lane per rank x worker of the run that started
     it; without that number a resume would repeat and skip samples: it is asked for, by name."""
     fake, counts = shard_store(payloads(90, size=16))
-    ds = make_dataset("shards", fake, counts, rank=0, world_size=1)
+    ds = make_dataset("shards", fake, counts, split=Split(rank=0, world_size=1))
     with pytest.raises(ConfigError, match=r"needs lanes=.*world_size \* max\(1, num_workers\)"):
         ds.resume(epoch=1, samples_seen=16)
     ds.resume(epoch=1, samples_seen=16, lanes=3)  # given: accepted

@@ -12,7 +12,7 @@ import pytest
 from test_shard_index import PATTERN, SIZES, store_with_index
 from test_shards import BUCKET, build_shard, shard_key, shard_url
 
-from loader import AsyncS3Dataset, ConfigError
+from loader import AsyncS3Dataset, ConfigError, Reading, Split
 from loader.errors import NoSuchKeyError
 from loader.shard_index.format import parse_index
 from loader.shard_index.write import IndexOptions, index_shards
@@ -55,7 +55,7 @@ def test_what_it_writes_is_what_a_three_rank_job_reads_with_equal_counts():
     run(fake)
     lengths = []
     for rank in range(3):
-        ds = AsyncS3Dataset.from_shards(PATTERN, store=reusable(fake), rank=rank, world_size=3)
+        ds = AsyncS3Dataset.from_shards(PATTERN, store=reusable(fake), split=Split(rank=rank, world_size=3))
         assert len(ds) == 30
         lengths.append(len(list(ds)))
     assert lengths == [30, 30, 30]
@@ -131,7 +131,7 @@ def test_out_writes_elsewhere_and_index_reads_it():
     fake, _ = store_with_index(index=False)
     report = run(fake, out=f"s3://{BUCKET}/meta/")
     assert report.index_url == f"s3://{BUCKET}/meta/index.json" and (BUCKET, INDEX) not in fake.objects
-    ds = AsyncS3Dataset.from_shards(PATTERN, store=reusable(fake), index=report.index_url)
+    ds = AsyncS3Dataset.from_shards(PATTERN, store=reusable(fake), reading=Reading(index=report.index_url))
     assert ds.shard_counts() == SIZES
 
 
@@ -172,8 +172,8 @@ def test_loader_shard_records_each_shards_size_and_etag_and_from_shards_finds_it
     for shard in document["shards"]:
         assert shard["size"] == len(fake.objects[BUCKET, shard["key"]])
         assert shard["etag"] == fake.etag_of(BUCKET, shard["key"])
-    lengths = [len(list(AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake), rank=r,
-                                                    world_size=4))) for r in range(4)]
+    lengths = [len(list(AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake),
+                                                    split=Split(rank=r, world_size=4)))) for r in range(4)]
     assert lengths == [15] * 4 and len(entries) > 4
     assert len(AsyncS3Dataset.from_shards(f"s3://{BUCKET}/dst/", store=reusable(fake))) == 60  # no batch_size
 

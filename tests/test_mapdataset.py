@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from loader import AccessDeniedError, ConfigError, NoSuchKeyError, SampleError
+from loader import AccessDeniedError, ConfigError, Limits, NoSuchKeyError, SampleError, Store
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
 from loader.datasets.options import LoaderOptions
 
@@ -105,14 +105,14 @@ def test_a_batch_of_64_is_64_concurrent_gets(closing):
 
 @pytest.mark.parametrize("max_inflight,batch_size", [(16, 64), (8, 8), (64, 5)])
 def test_inflight_gets_are_bounded_by_max_inflight(closing, max_inflight, batch_size):
-    ds, _, fake = dataset(100, max_inflight=max_inflight)
+    ds, _, fake = dataset(100, limits=Limits(concurrency=max_inflight))
     closing(ds)
     assert len(ds.__getitems__(list(range(batch_size)))) == batch_size
     assert fake.peak_inflight == min(max_inflight, batch_size)
 
 
 def test_max_inflight_bounds_concurrent_batches_from_several_threads(closing):
-    ds, _, fake = dataset(100, max_inflight=10)
+    ds, _, fake = dataset(100, limits=Limits(concurrency=10))
     closing(ds)
     ds[0]  # open the client first, so both threads share it
     results = {}
@@ -165,8 +165,8 @@ def test_transient_errors_are_retried(closing):
     objects = payloads(4)
     flaky = [TransientStoreError("503", bucket=BUCKET, key="train/000002.bin")] * 2
     fake = FakeStore.with_objects(BUCKET, objects, fail={"train/000002.bin": flaky})
-    ds = AsyncS3MapDataset.from_keys(BUCKET, sorted(objects), store=reusable(fake),
-                                     retry=RetryPolicy(base_delay=0.001))
+    ds = AsyncS3MapDataset.from_keys(BUCKET, sorted(objects),
+                                     store=Store(backend=reusable(fake), retry=RetryPolicy(base_delay=0.001)))
     closing(ds)
     assert [key_of(s) for s in ds.__getitems__([2, 3])] == ["train/000002", "train/000003"]
     assert fake.requests_by_key["train/000002.bin"] == 3
@@ -231,12 +231,12 @@ def test_loader_options_given_directly_are_checked_too():
 
 @pytest.mark.parametrize(
     "option,value,match",
-    [("max_inflight", 0, "max_inflight=0"), ("transform", 3, "transform=3"),
+    [("limits", lambda: Limits(concurrency=0), r"Limits\.concurrency=0"), ("transform", 3, "transform=3"),
      ("store", "s3fs", "store='s3fs'")],
 )
 def test_loader_options_validation_is_reused(option, value, match):
     with pytest.raises(ConfigError, match=match):
-        AsyncS3MapDataset.from_keys(BUCKET, ["a.bin"], **{option: value})
+        AsyncS3MapDataset.from_keys(BUCKET, ["a.bin"], **{option: value() if option == "limits" else value})
 
 
 def test_keys_are_validated_up_front():

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 from test_shards import BUCKET, assert_exactly, make_store, shards_ds
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, Limits
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, Limits, Reading
 from loader.datasets.object_samples import object_job
 from loader.datasets.options import Options, budget_options, dataset_options, shard_read_bytes
 from loader.datasets.shuffle import shuffled
@@ -64,31 +64,40 @@ def test_explicit_knobs_win_and_the_rest_is_derived():
     derived = budget_options({"memory_budget": 256 * MiB, "queue_bytes": 32 * MiB,
                               "shards_inflight": 2}, "shards")
     assert derived["queue_bytes"] == 32 * MiB and derived["shards_inflight"] == 2
-    ds = AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", memory_budget=256 * MiB,
-                                    queue_bytes=32 * MiB, shards_inflight=2)
-    assert ds.options.queue_bytes == 32 * MiB and ds.source.shard_options.shards_inflight == 2
+    ds = AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", limits=Limits(memory=256 * MiB, concurrency=8))
+    assert ds.source.shard_options.shards_inflight == 2  # concurrency // 4 parts
+    with pytest.deprecated_call(match="queue_bytes="):  # the queue's own size has no new spelling
+        ds = AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", limits=Limits(memory=256 * MiB),
+                                        queue_bytes=32 * MiB)
+    assert ds.options.queue_bytes == 32 * MiB
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(memory_budget=64 * MiB, shards_inflight=8, part_size=16 * MiB),
+    (lambda: dict(limits=Limits(memory=64 * MiB, concurrency=32), reading=Reading(part_size=16 * MiB)),
      r"more than Limits\(memory=67108864\).* 8 files read at once x \(2 x \d+ parts in flight \+ 1\) x "
      r"Reading\(part_size=16777216\)"),
-    (dict(memory_budget=64 * MiB, queue_bytes=64 * MiB), r"queue_bytes=67108864 leaves nothing"),
-    (dict(memory_budget=1000), r"memory_budget=1000 must be .* at least"),
+    (lambda: dict(limits=Limits(memory=1000)), r"Limits.memory=1000 must be .* at least"),
 ])
 def test_settings_over_the_budget_are_refused(options, match):
     with pytest.raises(ConfigError, match=match):
-        AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", **options)
+        AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", **options())
 
 
-def test_per_object_queue_over_the_budget_is_refused():
-    with pytest.raises(ConfigError, match="queue_bytes=.* leaves nothing of memory_budget"):
-        AsyncS3Dataset.from_keys("bucket", ["a.jpg"], memory_budget=32 * MiB, queue_bytes=32 * MiB)
+@pytest.mark.parametrize("mode", ["objects", "shards"])
+def test_a_queue_over_the_budget_is_refused(mode):
+    """The queue's own size is an old spelling only (the new one derives it from the budget)."""
+    with pytest.raises(ConfigError, match="queue_bytes=.* leaves nothing of memory_budget"), \
+            pytest.deprecated_call(match="queue_bytes="):
+        if mode == "objects":
+            AsyncS3Dataset.from_keys("bucket", ["a.jpg"], limits=Limits(memory=32 * MiB), queue_bytes=32 * MiB)
+        else:
+            AsyncS3Dataset.from_shards("s3://bucket/s-{0..3}.tar", limits=Limits(memory=64 * MiB),
+                                       queue_bytes=64 * MiB)
 
 
 def test_the_map_dataset_refuses_a_budget_it_cannot_use():
-    with pytest.raises(ConfigError, match="memory_budget=.* means nothing for AsyncS3MapDataset"):
-        AsyncS3MapDataset.from_keys("bucket", ["a.jpg"], memory_budget=64 * MiB)
+    with pytest.raises(ConfigError, match=r"memory=67108864.*AsyncS3MapDataset takes only Limits\(concurrency=\)"):
+        AsyncS3MapDataset.from_keys("bucket", ["a.jpg"], limits=Limits(memory=64 * MiB))
 
 
 # ----------------------------------------------------------------------------- the engine's share
@@ -129,7 +138,7 @@ def test_per_object_dataset_under_a_budget_is_exactly_once():
     keys = [f"train/{i:04d}.bin" for i in range(80)]
     objects = {k: random.Random(i).randbytes(50_000) for i, k in enumerate(keys)}
     fake = FakeStore.with_objects(BUCKET, objects, latency=0.005)
-    ds = AsyncS3Dataset.from_keys(BUCKET, keys, store=reusable(fake), memory_budget=8 * MiB,
+    ds = AsyncS3Dataset.from_keys(BUCKET, keys, store=reusable(fake), limits=Limits(memory=8 * MiB),
                                   shuffle=True, seed=1)
     got = list(ds)
     assert Counter(s["__url__"] for s in got) == Counter(f"s3://{BUCKET}/{k}" for k in keys)
@@ -169,7 +178,7 @@ def test_the_byte_bounded_shuffle_repeats_for_a_seed():
 
 def test_shard_dataset_under_a_budget_is_exactly_once():
     fake, expected = make_store(num_shards=6, per_shard=80)
-    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", memory_budget=8 * MiB, shuffle=True, seed=2)
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", limits=Limits(memory=8 * MiB), shuffle=True, seed=2)
     assert ds.source.shard_options.shuffle_bytes == 2 * MiB
     assert_exactly(list(ds), expected)
     assert ds.stats()["peak_buffered_bytes"] <= 2 * MiB + 2 * 10_000
@@ -182,8 +191,10 @@ def test_a_batch_in_the_consumers_hands_counts_against_the_queue():
     included, rather than refilling the whole queue behind it."""
     objects = {f"train/{i:03d}.bin": bytes([i]) * MiB for i in range(40)}
     fake = FakeStore.with_objects("bucket", objects)
-    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(fake), max_inflight=1,
-                                  queue_bytes=4 * MiB)
+    # the queue takes half the budget: 4 MiB; the other half bounds the one body in flight
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(fake),
+                                  limits=Limits(concurrency=1, memory=8 * MiB))
+    assert ds.options.queue_bytes == 4 * MiB
     items = iter(ds)
     next(items)
     time.sleep(0.3)  # the queue fills up

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError, mix
+from loader import AsyncS3Dataset, ConfigError, Limits, Split, mix
 from loader.datasets.mix_order import DrawOrder, apportion
 from loader.engine import fetch
 
@@ -65,7 +65,7 @@ def run(world_size, num_workers, epoch=1, steps=None, resume=None, lanes=None, *
     the rank x worker slots of the run that started the epoch, where another one did."""
     out, probe = [], None
     for rank in range(world_size):
-        ds = make(batch_size=BATCH, rank=rank, world_size=world_size, **options)
+        ds = make(batch_size=BATCH, split=Split(rank=rank, world_size=world_size), **options)
         if resume is not None or lanes is not None:
             ds.resume(epoch=epoch, samples_seen=resume or 0, lanes=lanes)
         ds.set_epoch(epoch)
@@ -117,7 +117,7 @@ def test_resume_on_another_topology_continues_the_mix_exactly():
     head, probe = run(3, 2, epoch=2, steps=3, samples_per_epoch=96)
     seen = probe.samples_seen(3)
     with pytest.raises(ConfigError, match="lanes="):
-        make(batch_size=BATCH, rank=0, world_size=2).resume(epoch=2, samples_seen=seen)
+        make(batch_size=BATCH, split=Split(rank=0, world_size=2)).resume(epoch=2, samples_seen=seen)
     tail, _ = run(2, 3, epoch=2, resume=seen, lanes=6, samples_per_epoch=96)
     assert global_order(head) + global_order(tail) == global_order(whole)
 
@@ -269,7 +269,9 @@ def test_a_slow_source_does_not_stall_the_others_before_the_buffer_is_full():
     store = reusable(fake)
     datasets = {"a": AsyncS3Dataset.from_prefix("s3://bucket/a/", store=store),
                 "b": AsyncS3Dataset.from_prefix("s3://bucket/b/", store=store)}
-    ds = mix(datasets, {"a": 1, "b": 1}, samples_per_epoch=80, store=store, queue_items=24, max_inflight=8)
+    with pytest.deprecated_call(match="queue_items="):  # the queue's own size has no new spelling
+        ds = mix(datasets, {"a": 1, "b": 1}, samples_per_epoch=80, store=store,
+                 limits=Limits(concurrency=8), queue_items=24)
     ds.set_epoch(0)
     samples = list(ds)
     assert samples[0]["__source__"] == "a" and len(samples) == 80

@@ -5,6 +5,7 @@ corrupt footer, a file overwritten after its footer was read, a budget too small
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import json
 import logging
@@ -24,6 +25,7 @@ from loader import (
     ObjectChangedError,
     ParquetFormatError,
     Reading,
+    Split,
     mix,
 )
 from loader.formats.parquet import SparseFile, class_label_names, merge_ranges, split_ranges
@@ -59,7 +61,8 @@ TOTAL = sum(ROWS)
 
 def dataset(**options):
     options.setdefault("store", reusable(FAKE))
-    options.setdefault("part_size", 1 << 20)  # units of two or three row groups of 400 KB
+    reading = options.get("reading", Reading())  # units of two or three row groups of 400 KB:
+    options["reading"] = dataclasses.replace(reading, part_size=reading.part_size or 1 << 20)
     return AsyncS3Dataset.from_parquet("s3://bucket/pq/", columns=options.pop("columns", ["image", "label", "tag",
                                                                                          "tokens"]), **options)
 
@@ -70,7 +73,7 @@ def keys(ds, epoch=0):
 
 
 def test_rows_carry_their_key_url_and_selected_columns():
-    samples = list(dataset(row_groups_inflight=1))  # one row group at a time: file order
+    samples = list(dataset(limits=Limits(concurrency=4)))  # one row group at a time: file order
     assert len(samples) == TOTAL
     first = samples[0]
     assert first["__key__"] == "pq/part-0/0" and first["__url__"] == "s3://bucket/pq/part-0.parquet"
@@ -106,7 +109,7 @@ def test_ranks_and_workers_read_every_row_once_in_equal_shares(world, workers):
     seen = []
     lengths = set()
     for rank in range(world):
-        ds = dataset(rank=rank, world_size=world, pad_policy="drop", shuffle=True, seed=3)
+        ds = dataset(split=Split(rank=rank, world_size=world, pad="drop"), shuffle=True, seed=3)
         ds.set_epoch(1)
         rank_keys = [s["__key__"] for s in loader_of(ds, workers)]
         lengths.add(len(rank_keys))
@@ -129,7 +132,7 @@ def test_shuffle_changes_with_the_epoch_and_repeats_with_the_seed():
 
 def test_resume_mid_epoch_on_another_topology_reads_the_rest_once():
     whole = keys(dataset(batch_size=4, shuffle=True, seed=2), 3)
-    first = dataset(batch_size=4, shuffle=True, seed=2, rank=0, world_size=1)
+    first = dataset(batch_size=4, shuffle=True, seed=2, split=Split(rank=0, world_size=1))
     first.set_epoch(3)
     taken = []
     for sample in first:
@@ -138,7 +141,7 @@ def test_resume_mid_epoch_on_another_topology_reads_the_rest_once():
             break
     rest = []
     for rank in range(2):
-        ds = dataset(batch_size=4, shuffle=True, seed=2, rank=rank, world_size=2)
+        ds = dataset(batch_size=4, shuffle=True, seed=2, split=Split(rank=rank, world_size=2))
         ds.resume(epoch=3, samples_seen=24, lanes=1)  # dealt to one lane
         rest += [s["__key__"] for s in ds]
     assert taken == whole[:24]
@@ -146,13 +149,13 @@ def test_resume_mid_epoch_on_another_topology_reads_the_rest_once():
 
 
 def test_state_dict_resumes_exactly_once():
-    ds = dataset(shuffle=True, seed=5, shuffle_buffer=8)
+    ds = dataset(shuffle=True, seed=5, reading=Reading(shuffle_buffer=8))
     ds.set_epoch(0)
     it = iter(ds)
     taken = [next(it)["__key__"] for _ in range(30)]
     state = ds.state_dict()
     it.close()
-    again = dataset(shuffle=True, seed=5, shuffle_buffer=8)
+    again = dataset(shuffle=True, seed=5, reading=Reading(shuffle_buffer=8))
     again.load_state_dict(state)
     rest = [s["__key__"] for s in again]
     assert len(taken) + len(rest) == TOTAL and set(taken).isdisjoint(rest)
@@ -166,7 +169,7 @@ def test_consecutive_row_groups_of_a_file_form_units_up_to_part_size():
 
 
 def test_a_budget_makes_units_smaller_before_it_refuses_one():
-    ds = dataset(memory_budget=8 << 20)  # 1.5 MiB for each of 4 units: one row group of 400 KB each
+    ds = dataset(limits=Limits(memory=8 << 20))  # 1.5 MiB for each of 4 units: one row group of 400 KB each
     plans = ds.source.plans()
     assert all(plan.need <= ds.source.read_bytes() // 4 for plan in plans)
     assert [plan.groups for plan in plans][:4] == [(0,), (1,), (2,), (3,)]
@@ -174,7 +177,7 @@ def test_a_budget_makes_units_smaller_before_it_refuses_one():
 
 
 def test_samples_per_epoch_cycles_the_row_groups():
-    ds = dataset(samples_per_epoch=250, shuffle=True)
+    ds = dataset(split=Split(samples_per_epoch=250), shuffle=True)
     got = keys(ds)
     assert len(got) == 250
     assert set(got) == {f"pq/part-{f}/{i}" for f, n in enumerate(ROWS) for i in range(n)}
@@ -226,7 +229,7 @@ def test_a_budget_too_small_for_a_row_group_says_what_it_needs():
     out = io.BytesIO()
     pq.write_table(big, out, row_group_size=256, compression="none", use_dictionary=False)
     fake.objects["bucket", "big/b.parquet"] = out.getvalue()
-    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), memory_budget=16 << 20)
+    ds = AsyncS3Dataset.from_parquet("s3://bucket/big/", store=reusable(fake), limits=Limits(memory=16 << 20))
     with pytest.raises(ConfigError, match=r"row group 0 of s3://bucket/big/b.parquet needs \d+ bytes"):
         ds.resolve()
 
@@ -281,7 +284,7 @@ def test_row_groups_in_flight_are_per_rank_unless_given(monkeypatch, given, work
 
     info = types.SimpleNamespace(num_workers=workers) if workers else None
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
-    options = {} if given is None else {"row_groups_inflight": given}
+    options = {} if given is None else {"limits": Limits(concurrency=4 * given)}  # row groups: concurrency // 4
     assert dataset(**options).source.limits("ordered").max_inflight == expected
 
 

@@ -70,7 +70,8 @@ def test_resume_from_batches_with_a_plain_dataloader(mode, tmp_path):
     head = run(first, stop=9)
     second = make()
     if mode == "objects":
-        second.resume_from_batches(epoch=3, batches_seen=9, batch_size=8)
+        with pytest.deprecated_call(match="resume_from_batches"):
+            second.resume_from_batches(epoch=3, batches_seen=9, batch_size=8)
     else:  # a shuffled epoch of shards is dealt to lanes: the resume asks how many the first run had
         with pytest.raises(ConfigError, match="needs lanes="), pytest.warns(DeprecationWarning):
             second.resume_from_batches(epoch=3, batches_seen=9, batch_size=8)
@@ -85,7 +86,8 @@ def test_resume_from_batches_with_a_plain_dataloader(mode, tmp_path):
 def test_resume_from_batches_needs_the_datasets_batch_size():
     ds = AsyncS3Dataset.from_keys("bucket", ["a.bin"],
                                   store=reusable(FakeStore.with_objects("bucket", {"a.bin": b"x"})))
-    with pytest.raises(ConfigError, match=r"build the dataset with batch_size=8 \(the DataLoader's"):
+    with pytest.raises(ConfigError, match=r"build the dataset with batch_size=8 \(the DataLoader's"), \
+            pytest.deprecated_call(match="resume_from_batches"):
         ds.resume_from_batches(0, 1, 8)
 
 

@@ -23,12 +23,14 @@ import loader.retry as retry_module
 from loader import retry as contact
 from loader.errors import (
     AccessDeniedError,
+    BadAnswerError,
     ConfigError,
     EndpointUnreachableError,
     InvalidRangeError,
     NoSuchBucketError,
     NoSuchKeyError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 from loader.retry import (
@@ -43,6 +45,7 @@ from loader.retry import (
     RetryPolicy,
     backoff_delay,
     call_with_retries,
+    gave_up,
     is_transient,
     next_delay,
 )
@@ -281,6 +284,21 @@ async def test_gives_up_after_max_attempts_with_the_same_type(max_attempts, cls)
     assert err.__cause__ is not None and str(err.__cause__) == f"503 SlowDown #{last}"
     back = pickle.loads(pickle.dumps(err))  # still intact across a worker boundary
     assert type(back) is cls and (back.bucket, back.key) == (err.bucket, err.key)
+
+
+@pytest.mark.parametrize("cls", [TransientStoreError, BadAnswerError, ThrottledError, EndpointUnreachableError])
+def test_the_endpoint_of_a_transient_error_is_given_once_and_survives_pickling(cls):
+    """A DataLoader worker's error reaches the parent pickled: the endpoint that answered stays on
+    it, and the final error (``gave_up``) names it."""
+    err = cls("503 SlowDown", bucket="bkt", key="k", endpoint="http://127.0.0.1:9000")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls and str(back) == "503 SlowDown"
+    assert (back.endpoint, back.bucket, back.key) == ("http://127.0.0.1:9000", "bkt", "k")
+    final = pickle.loads(pickle.dumps(gave_up(err, RetryPolicy(max_attempts=2), 2, 0.5)))
+    assert type(final) is cls and final.endpoint == "http://127.0.0.1:9000"
+    answerer = "" if cls is EndpointUnreachableError else " at http://127.0.0.1:9000"  # it names it itself
+    assert str(final).startswith(f"503 SlowDown{answerer}; gave up after 2 attempt(s)")
+    assert cls("no endpoint known").endpoint == ""
 
 
 @pytest.mark.anyio

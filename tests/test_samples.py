@@ -13,13 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from loader import (
-    AsyncS3Dataset,
-    AsyncS3MapDataset,
-    ConfigError,
-    NoSuchKeyError,
-    SampleError,
-)
+from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, Limits, NoSuchKeyError, SampleError, Split
 
 from fakes import FakeStore, reusable
 
@@ -62,7 +56,7 @@ def test_group_false_keeps_one_object_per_sample():
 
 def test_the_parts_of_a_sample_are_fetched_concurrently():
     fake = store(stems(4, exts=("jpg", "cls", "json")), latency=0.05)
-    ds = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/imgs/", store=reusable(fake), max_inflight=1)
+    ds = AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/imgs/", store=reusable(fake), limits=Limits(concurrency=1))
     assert len(list(ds)) == 4
     assert fake.peak_inflight == 3  # one sample at a time, its three GETs together
 
@@ -89,7 +83,7 @@ def test_grouped_samples_exactly_once_across_ranks_and_workers(n, world, workers
     got = []
     for rank in range(world):
         ds = AsyncS3Dataset.from_keys(BUCKET, keys, store=reusable(fake), shuffle=shuffle,
-                                      seed=seed, rank=rank, world_size=world, pad_policy="drop")
+                                      seed=seed, split=Split(rank=rank, world_size=world, pad="drop"))
         for worker in range(max(1, workers)):
             with mock.patch("loader.topology.worker", return_value=(worker, workers)):
                 got.extend(sample["__key__"] for sample in ds)
@@ -119,7 +113,8 @@ def test_resume_from_batches_counts_samples():
     objects = stems(20)
     fake = store(objects)
     ds = AsyncS3Dataset.from_keys(BUCKET, sorted(objects), store=reusable(fake), batch_size=4)
-    ds.resume_from_batches(epoch=0, batches_seen=2, batch_size=4)
+    with pytest.deprecated_call(match="resume_from_batches"):
+        ds.resume_from_batches(epoch=0, batches_seen=2, batch_size=4)
     assert [s["__key__"] for s in ds] == [f"imgs/{i:05d}" for i in range(8, 20)]
 
 

@@ -15,7 +15,7 @@ import pytest
 from test_shards import BUCKET, FAST_RETRY, assert_exactly, build_shard, shard_key, shard_url
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, ConfigError, Store
+from loader import AsyncS3Dataset, ConfigError, Reading, Split, Store
 from loader.errors import NoSuchKeyError, ObjectChangedError, ShardFormatError
 from loader.shard_index.format import entry_document, index_document
 
@@ -58,11 +58,11 @@ def ds_of(fake, spec=PATTERN, **options):
     return AsyncS3Dataset.from_shards(spec, store=Store(backend=reusable(fake), retry=retry), **options)
 
 
-def ranks(fake, world, spec=PATTERN, workers=0, **options):
+def ranks(fake, world, spec=PATTERN, workers=0, uneven_ranks=False, **options):
     """Each simulated rank's samples (a DataLoader with ``workers`` forked workers)."""
     out = []
     for rank in range(world):
-        ds = ds_of(fake, spec, rank=rank, world_size=world, **options)
+        ds = ds_of(fake, spec, split=Split(rank=rank, world_size=world, uneven_ranks=uneven_ranks), **options)
         loader = DataLoader(ds, batch_size=None, num_workers=workers,
                             multiprocessing_context="fork" if workers else None)
         out.append(list(loader))
@@ -81,7 +81,7 @@ def rewrite(fake, s, n):
 @pytest.mark.parametrize("spec", [PATTERN, PREFIX])
 def test_the_index_beside_the_shards_gives_equal_ranks_and_len_with_one_get(spec):
     fake, expected = store_with_index()
-    ds = ds_of(fake, spec, rank=0, world_size=3)
+    ds = ds_of(fake, spec, split=Split(rank=0, world_size=3))
     assert ds.shard_counts() == SIZES and len(ds) == 30  # ceil(90 / 3): len() works, no argument
     assert fake.requests_by_key[INDEX] == 1
     got = ranks(fake, 3, spec, workers=2, shuffle=True, seed=4)
@@ -109,8 +109,8 @@ def test_an_index_in_another_folder_is_named_with_index():
     fake.objects[BUCKET, "meta/train.json"] = fake.objects.pop((BUCKET, INDEX))
     with pytest.raises(ConfigError, match=r"index='s3://bucket/meta/none.json': no index.json at "
                                           r"s3://bucket/meta/none.json.*--out s3://bucket/meta/none.json"):
-        ds_of(fake, index="s3://bucket/meta/none.json").shard_counts()
-    got = ranks(fake, 2, index="s3://bucket/meta/train.json")
+        ds_of(fake, reading=Reading(index="s3://bucket/meta/none.json")).shard_counts()
+    got = ranks(fake, 2, reading=Reading(index="s3://bucket/meta/train.json"))
     assert [len(r) for r in got] == [45, 45]
     assert_exactly([s for r in got for s in r], expected)
 
@@ -130,7 +130,7 @@ def test_another_tools_index_json_is_left_alone_with_a_warning(caplog):
 def test_sample_counts_and_index_together_are_refused():
     fake, _ = store_with_index()
     with pytest.raises(ConfigError, match="sample_counts= or index=, not both"):
-        ds_of(fake, sample_counts={}, index="s3://bucket/shards/index.json")
+        ds_of(fake, sample_counts={}, reading=Reading(index="s3://bucket/shards/index.json"))
 
 
 # --------------------------------------------------------------------------- never silently unequal
@@ -138,7 +138,7 @@ def test_sample_counts_and_index_together_are_refused():
 
 def test_unknown_counts_on_several_ranks_fail_before_any_sample_and_name_the_fixes():
     fake, _ = store_with_index(index=False)
-    ds = ds_of(fake, rank=1, world_size=3)
+    ds = ds_of(fake, split=Split(rank=1, world_size=3))
     fake.reset_counters()
     with pytest.raises(ConfigError) as caught:
         next(iter(ds))
@@ -170,7 +170,7 @@ def test_one_rank_needs_no_counts():
 def test_a_listed_shard_that_changed_since_indexing_is_not_counted_from_its_entry():
     fake, _ = store_with_index()
     rewrite(fake, 2, 24)  # one sample fewer than the index says
-    ds = ds_of(fake, PREFIX, rank=0, world_size=3)
+    ds = ds_of(fake, PREFIX, split=Split(rank=0, world_size=3))
     assert ds.shard_counts() is None
     with pytest.raises(ConfigError, match=r"1 shard\(s\) changed since the index s3://bucket/shards/"
                                           r"index.json counted them: s3://bucket/shards/train-0002.tar "
@@ -185,7 +185,7 @@ def test_a_listed_shard_missing_from_the_index_is_named():
     data, _ = build_shard(4, 10, 100, 400)
     fake.objects[BUCKET, shard_key(4)] = data
     with pytest.raises(ConfigError, match=r"1 shard\(s\) are not in the index .*train-0004.tar"):
-        next(iter(ds_of(fake, PREFIX, rank=0, world_size=2)))
+        next(iter(ds_of(fake, PREFIX, split=Split(rank=0, world_size=2))))
 
 
 @pytest.mark.parametrize("n", [24, 26])
@@ -201,7 +201,7 @@ def test_a_named_shard_rewritten_after_indexing_stops_every_rank_before_its_firs
         with pytest.raises(ObjectChangedError, match=r"s3://bucket/shards/train-0002.tar is not the version "
                                                       r"the index s3://bucket/shards/index.json counted.*"
                                                       r"no rank starts; run `python -m loader index .*` again"):
-            for sample in ds_of(fake, spec, rank=rank, world_size=3):
+            for sample in ds_of(fake, spec, split=Split(rank=rank, world_size=3)):
                 delivered.append(sample)
         assert delivered == []
 
@@ -233,7 +233,7 @@ def test_a_count_found_wrong_while_reading_is_an_error_naming_the_shard(n, world
     with pytest.raises(ConfigError, match=rf"train-0002.tar holds {more} samples, but the index "
                                           r"s3://bucket/shards/index.json says it holds 25"):
         for rank in range(world):
-            list(ds_of(fake, rank=rank, world_size=world))
+            list(ds_of(fake, split=Split(rank=rank, world_size=world)))
 
 
 @pytest.mark.parametrize("n", [24, 26])
@@ -243,7 +243,7 @@ def test_wrong_sample_counts_are_an_error_too(n):
     counts[shard_url(1)] = n - 5  # 19 or 21 where the shard holds 20
     with pytest.raises(ConfigError, match=r"train-0001.tar holds .* samples, but sample_counts= says it holds"):
         for rank in range(2):
-            list(ds_of(fake, rank=rank, world_size=2, sample_counts=counts))
+            list(ds_of(fake, split=Split(rank=rank, world_size=2), sample_counts=counts))
 
 
 @pytest.mark.parametrize("n", [24, 26])
@@ -253,7 +253,7 @@ def test_stale_offsets_are_never_blamed_on_a_valid_shard(n):
     with pytest.raises(ConfigError, match=r"train-0002.tar holds .* samples, but the index .* says it "
                                           r"holds 25.*python -m loader index"):
         for rank in range(3):
-            list(ds_of(fake, rank=rank, world_size=3, batch_size=4, shuffle=True, seed=2))
+            list(ds_of(fake, split=Split(rank=rank, world_size=3), batch_size=4, shuffle=True, seed=2))
 
 
 def test_offsets_that_meet_another_version_say_so():
@@ -265,7 +265,7 @@ def test_offsets_that_meet_another_version_say_so():
     fake.objects[BUCKET, shard_key(2)] = data
     with pytest.raises((ShardFormatError, ConfigError)) as caught:
         for rank in range(3):
-            list(ds_of(fake, rank=rank, world_size=3, batch_size=4, shuffle=True, seed=2))
+            list(ds_of(fake, split=Split(rank=rank, world_size=3), batch_size=4, shuffle=True, seed=2))
     message = str(caught.value)
     assert "train-0002.tar" in message and "python -m loader index" in message
     if isinstance(caught.value, ShardFormatError):

@@ -8,6 +8,7 @@ corrupted sample fails whichever way it happened.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, get_worker_info
 
 import loader.datasets.shard_source
-from loader import AsyncS3Dataset, ConfigError, SampleError, Store
+from loader import AsyncS3Dataset, ConfigError, Limits, Reading, SampleError, Split, Store
 from loader.datasets.options import MIN_MEMORY_BUDGET, budget_options
 from loader.errors import NoSuchKeyError, ShardFormatError, TransientStoreError
 from loader.formats.shards import MIN_PART_SIZE, ShardOptions
@@ -107,8 +108,12 @@ def assert_exactly(samples, expected: dict) -> None:
 
 
 def shards_ds(fake: FakeStore, spec=PATTERN8, **options) -> AsyncS3Dataset:
+    """``parts_inflight=`` (ranged parts per shard) and ``queue_bytes=`` (the queue's own size): what
+    only the old spellings set, warned about."""
     retry = options.pop("retry", FAST_RETRY)
-    return AsyncS3Dataset.from_shards(spec, store=Store(backend=reusable(fake), retry=retry), **options)
+    old = {"parts_inflight", "queue_bytes"} & options.keys()
+    with pytest.deprecated_call(match="|".join(sorted(old))) if old else contextlib.nullcontext():
+        return AsyncS3Dataset.from_shards(spec, store=Store(backend=reusable(fake), retry=retry), **options)
 
 
 def keys_of(samples) -> list[str]:
@@ -168,7 +173,7 @@ def test_prefix_form_uses_parallel_ranged_gets_and_keeps_bytes_exact():
     fake, expected = make_store(num_shards=3, per_shard=60)
     sizes = {key: len(data) for (_, key), data in fake.objects.items()}
     assert all(size > 2 * 4096 for size in sizes.values())
-    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", part_size=4096, parts_inflight=3)
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", reading=Reading(part_size=4096), parts_inflight=3)
     assert [ref.size for ref in ds.shards()] == [sizes[shard_key(s)] for s in range(3)]
     fake.reset_counters()
     assert_exactly(list(ds), expected)
@@ -204,8 +209,8 @@ def test_three_shards_over_two_ranks_of_two_workers():
     spec = f"s3://{BUCKET}/shards/train-{{0000..0002}}.tar"
     samples, slots = [], Counter()
     for rank in range(2):
-        ds = shards_ds(fake, spec, rank=rank, world_size=2, shuffle=True, seed=5,
-                       transform=tag_worker, uneven_ranks=True)
+        ds = shards_ds(fake, spec, split=Split(rank=rank, world_size=2, uneven_ranks=True), shuffle=True, seed=5,
+                       transform=tag_worker)
         got = list(loader_of(ds, 2))
         slots.update((rank, sample["__worker__"]) for sample in got)
         samples.extend(got)
@@ -220,7 +225,7 @@ def test_sample_split_warns_once_about_the_cost(caplog, monkeypatch):
     samples = []
     with caplog.at_level(logging.WARNING, logger="loader"):
         for rank in range(3):
-            samples.extend(shards_ds(fake, spec, rank=rank, world_size=3, uneven_ranks=True))
+            samples.extend(shards_ds(fake, spec, split=Split(rank=rank, world_size=3, uneven_ranks=True)))
     assert_exactly(samples, expected)
     warned = [r for r in caplog.records if "downloaded up to" in r.getMessage()]
     assert len(warned) == 1, "logged once per process, not once per iteration"
@@ -233,24 +238,24 @@ def test_sample_split_warns_once_about_the_cost(caplog, monkeypatch):
 
 def test_shuffled_order_depends_on_epoch_and_repeats_for_the_same_epoch():
     fake, expected = make_store(num_shards=8, per_shard=40)
-    ds = shards_ds(fake, shuffle=True, seed=11, shuffle_buffer=50)
+    ds = shards_ds(fake, shuffle=True, seed=11, reading=Reading(shuffle_buffer=50))
     ds.set_epoch(0)
     first = keys_of(ds)
     assert keys_of(ds) == first, "same (seed, epoch), same order"
     ds.set_epoch(1)
     second = keys_of(ds)
     assert second != first and sorted(second) == sorted(first) == sorted(expected)
-    fresh = shards_ds(fake, shuffle=True, seed=11, shuffle_buffer=50)
+    fresh = shards_ds(fake, shuffle=True, seed=11, reading=Reading(shuffle_buffer=50))
     fresh.set_epoch(1)
     assert keys_of(fresh) == second, "a fresh dataset with the same (seed, epoch) agrees"
-    other = shards_ds(fake, shuffle=True, seed=12, shuffle_buffer=50)
+    other = shards_ds(fake, shuffle=True, seed=12, reading=Reading(shuffle_buffer=50))
     other.set_epoch(1)
     assert keys_of(other) != second
 
 
 def test_shuffled_order_repeats_with_workers():
     fake, expected = make_store(num_shards=8, per_shard=40)
-    ds = shards_ds(fake, shuffle=True, seed=11, shuffle_buffer=50)
+    ds = shards_ds(fake, shuffle=True, seed=11, reading=Reading(shuffle_buffer=50))
     runs = []
     for epoch in (0, 0, 1):
         ds.set_epoch(epoch)
@@ -263,7 +268,7 @@ def test_shuffled_order_repeats_with_workers():
 
 def test_shuffle_buffer_mixes_samples_across_shards():
     fake, expected = make_store(num_shards=8, per_shard=40)
-    ds = shards_ds(fake, shuffle=True, seed=2, shuffle_buffer=100, shards_inflight=1)
+    ds = shards_ds(fake, shuffle=True, seed=2, reading=Reading(shuffle_buffer=100), limits=Limits(concurrency=4))
     samples = list(ds)
     assert_exactly(samples, expected)
     head = [shard_of(sample) for sample in samples[:40]]
@@ -275,7 +280,7 @@ def test_shuffle_buffer_mixes_samples_across_shards():
 @pytest.mark.parametrize("shuffle_buffer", [0, 1, 64, 5000])
 def test_exactly_once_whatever_the_shuffle_buffer(shuffle_buffer):
     fake, expected = make_store(num_shards=8, per_shard=40)
-    ds = shards_ds(fake, shuffle=True, seed=4, shuffle_buffer=shuffle_buffer)
+    ds = shards_ds(fake, shuffle=True, seed=4, reading=Reading(shuffle_buffer=shuffle_buffer))
     samples = list(ds)
     assert_exactly(samples, expected)
     if shuffle_buffer <= 1:
@@ -287,13 +292,13 @@ def test_exactly_once_whatever_the_shuffle_buffer(shuffle_buffer):
 
 def test_unshuffled_one_shard_at_a_time_is_shard_order_then_member_order():
     fake, expected = make_store(num_shards=8, per_shard=40)
-    ds = shards_ds(fake, shards_inflight=1)
+    ds = shards_ds(fake, limits=Limits(concurrency=4))
     assert keys_of(ds) == sorted(expected)
 
 
 def test_unshuffled_ordered_delivery_is_deterministic():
     fake, expected = make_store(num_shards=8, per_shard=40, latency=lambda key: random.random() / 100)
-    ds = shards_ds(fake, shards_inflight=4, chunk_size=1000)
+    ds = shards_ds(fake, limits=Limits(concurrency=16), reading=Reading(chunk_size=1000))
     first = keys_of(ds)
     assert sorted(first) == sorted(expected)
     assert keys_of(ds) == first, "ordered delivery does not depend on timing"
@@ -304,18 +309,18 @@ def test_unshuffled_ordered_delivery_is_deterministic():
 
 def test_unordered_delivery_is_still_exactly_once():
     fake, expected = make_store(num_shards=8, per_shard=40)
-    assert_exactly(list(shards_ds(fake, ordered=False, shuffle=True, seed=1)), expected)
+    assert_exactly(list(shards_ds(fake, limits=Limits(ordered=False), shuffle=True, seed=1)), expected)
 
 
 def test_unshuffled_is_the_stored_order_with_several_shards_in_flight():
     fake, expected = make_store(num_shards=8, per_shard=40)
-    keys = keys_of(shards_ds(fake, shards_inflight=3))
+    keys = keys_of(shards_ds(fake, limits=Limits(concurrency=12)))
     assert keys == sorted(expected)  # shard after shard, each in member order
 
 
 def test_interleave_takes_round_robin_over_shards_in_flight():
     fake, expected = make_store(num_shards=8, per_shard=40)  # shuffled, counts unknown: no lanes
-    keys = keys_of(shards_ds(fake, shards_inflight=3, shuffle=True, shuffle_buffer=0))
+    keys = keys_of(shards_ds(fake, limits=Limits(concurrency=12), reading=Reading(shuffle_buffer=0), shuffle=True))
     assert sorted(keys) == sorted(expected)
     shards = [key.split("/")[0] for key in keys[:6]]
     assert shards[:3] == shards[3:] and len(set(shards[:3])) == 3
@@ -348,7 +353,7 @@ def test_slow_consumer_keeps_the_buffer_within_queue_bytes():
     assert all(len(data) > 8 * queue_bytes for data in objects.values())
     fake = CountingStore.with_objects(BUCKET, objects)
     ds = shards_ds(fake, f"s3://{BUCKET}/shards/train-{{0000..0001}}.tar",
-                   queue_bytes=queue_bytes, shuffle_buffer=0, chunk_size=64 << 10)
+                   queue_bytes=queue_bytes, reading=Reading(shuffle_buffer=0, chunk_size=64 << 10))
     samples = []
     it = iter(ds)
     for _ in range(5):
@@ -449,7 +454,7 @@ def test_garbage_object_is_not_a_tar():
 def test_garbage_object_on_the_ranged_path_is_not_a_tar():
     fake, _ = make_store(num_shards=2, per_shard=10)
     fake.objects[BUCKET, shard_key(1)] = random.Random(1).randbytes(50_000)
-    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", part_size=4096, parts_inflight=3)
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", reading=Reading(part_size=4096), parts_inflight=3)
     with pytest.raises(ShardFormatError, match=r"train-0001\.tar.*not a tar"):
         list(ds)
 
@@ -475,7 +480,7 @@ def test_empty_object_is_an_empty_shard():
 def test_empty_object_found_by_listing_is_an_empty_shard():
     fake, expected = make_store(num_shards=3, per_shard=10)
     fake.objects[BUCKET, shard_key(1)] = b""
-    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", part_size=1024)
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", reading=Reading(part_size=1024))
     assert_exactly(list(ds), {k: v for k, v in expected.items() if not k.startswith("s001/")})
 
 
@@ -503,7 +508,7 @@ def test_missing_shard_is_not_skipped_by_on_error():
 def test_cut_stream_resumes_with_a_ranged_get():
     fake, expected = make_store(num_shards=8, per_shard=40)
     fake.truncate = {shard_key(2): [20_000, 5_555, None], shard_key(6): [777]}
-    ds = shards_ds(fake, chunk_size=3000)
+    ds = shards_ds(fake, reading=Reading(chunk_size=3000))
     samples = list(ds)
     assert_exactly(samples, expected)
     assert ds.stats()["retries"] >= 3
@@ -545,7 +550,7 @@ def test_transient_faults_on_ranged_parts_are_retried():
         shard_key(0): [TransientStoreError("503 SlowDown", bucket=BUCKET, key=shard_key(0))] * 3,
         shard_key(2): [TransientStoreError("reset", bucket=BUCKET, key=shard_key(2))],
     }
-    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", part_size=4096, parts_inflight=3)
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", reading=Reading(part_size=4096), parts_inflight=3)
     ds.shards()
     fake.reset_counters()
     assert_exactly(list(ds), expected)
@@ -558,7 +563,7 @@ def test_transient_faults_on_ranged_parts_are_retried():
 def test_persistent_fault_on_a_part_gives_up():
     fake, _ = make_store(num_shards=2, per_shard=60)
     fake.fail = {shard_key(1): [TransientStoreError("503", bucket=BUCKET, key=shard_key(1))] * 10}
-    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", part_size=4096, parts_inflight=3,
+    ds = shards_ds(fake, f"s3://{BUCKET}/shards/", reading=Reading(part_size=4096), parts_inflight=3,
                    retry=RetryPolicy(max_attempts=2, base_delay=0.001))
     with pytest.raises(TransientStoreError, match="gave up"):
         list(ds)
@@ -572,8 +577,8 @@ def test_sample_ranges_that_end_inside_a_ranged_shard_stop_cleanly():
     counts = {shard_url(s): 60 for s in range(3)}
     samples = []
     for rank in range(2):
-        ds = shards_ds(fake, f"s3://{BUCKET}/shards/", rank=rank, world_size=2, part_size=4096,
-                       parts_inflight=3, sample_counts=counts)
+        ds = shards_ds(fake, f"s3://{BUCKET}/shards/", split=Split(rank=rank, world_size=2),
+                       reading=Reading(part_size=4096), parts_inflight=3, sample_counts=counts)
         got = list(ds)
         assert len(got) == len(ds) == 90
         samples.extend(got)
@@ -605,7 +610,7 @@ def read_part(ds, fraction: float, total: int):
 @pytest.mark.parametrize("fraction", [0.0, 0.37, 0.99])
 def test_resume_mid_epoch_with_shuffle(fraction):
     fake, expected = make_store(num_shards=8, per_shard=40)
-    options = dict(shuffle=True, seed=21, shuffle_buffer=100)
+    options = dict(shuffle=True, seed=21, reading=Reading(shuffle_buffer=100))
     ds = shards_ds(fake, **options)
     ds.set_epoch(3)
     first, state = read_part(ds, fraction, len(expected))
@@ -624,7 +629,7 @@ def test_resume_mid_epoch_with_shuffle(fraction):
 
 def test_resume_does_not_reread_completed_shards():
     fake, expected = make_store(num_shards=8, per_shard=40)
-    options = dict(shuffle=True, seed=8, shuffle_buffer=8, shards_inflight=2)
+    options = dict(shuffle=True, seed=8, reading=Reading(shuffle_buffer=8), limits=Limits(concurrency=8))
     ds = shards_ds(fake, **options)
     first, state = read_part(ds, 0.37, len(expected))
     per_shard = Counter(shard_of(sample) for sample in first)
@@ -671,22 +676,24 @@ def test_resume_rejects_another_seed_or_shard_count():
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"shards_inflight": 0}, r"shards_inflight=0"),
-        ({"shuffle_buffer": -1}, r"shuffle_buffer=-1"),
-        ({"shuffle_buffer": 2.5}, r"shuffle_buffer=2\.5"),
-        ({"on_error": "ignore"}, r"on_error='ignore'"),
-        ({"part_size": 0}, r"part_size=0"),
-        ({"part_size": 1}, r"^part_size=1 is below the floor of 1048576 bytes: each part is one ranged GET"),
-        ({"part_size": (1 << 20) - 1}, r"part_size=1048575 is below the floor.*give part_size=1048576 \(1 MiB\)"),
-        ({"parts_inflight": 0}, r"parts_inflight=0"),
-        ({"chunk_size": -5}, r"chunk_size=-5"),
-        ({"shards_inflight": True}, r"shards_inflight=True"),
+        (lambda: {"limits": Limits(concurrency=0)}, r"Limits\.concurrency=0"),
+        (lambda: {"reading": Reading(shuffle_buffer=-1)}, r"shuffle_buffer=-1"),
+        (lambda: {"reading": Reading(shuffle_buffer=2.5)}, r"shuffle_buffer=2\.5"),
+        (lambda: {"on_error": "ignore"}, r"on_error='ignore'"),
+        (lambda: {"reading": Reading(part_size=0)}, r"part_size=0"),
+        (lambda: {"reading": Reading(part_size=1)},
+         r"^part_size=1 is below the floor of 1048576 bytes: each part is one ranged GET"),
+        (lambda: {"reading": Reading(part_size=(1 << 20) - 1)},
+         r"part_size=1048575 is below the floor.*give part_size=1048576 \(1 MiB\)"),
+        (lambda: {"parts_inflight": 0}, r"parts_inflight=0"),
+        (lambda: {"reading": Reading(chunk_size=-5)}, r"chunk_size=-5"),
+        (lambda: {"limits": Limits(concurrency=True)}, r"Limits\.concurrency=True"),
     ],
 )
 def test_invalid_shard_options_are_rejected_at_construction(options, match):
     fake, _ = make_store(num_shards=1, per_shard=1)
     with pytest.raises(ConfigError, match=match):
-        shards_ds(fake, **options)
+        shards_ds(fake, **options())
     assert fake.requests == fake.list_requests == 0
 
 
@@ -760,6 +767,6 @@ def test_shuffle_buffer_with_batch_size_is_refused_not_ignored():
     fake, _ = make_store(num_shards=2, per_shard=10)
     with pytest.raises(ConfigError, match=r"shuffle_buffer=200 cannot be used with batch_size=: blocks "
                                           r".*Drop shuffle_buffer=.*loader shard --shuffle"):
-        shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=200)
-    shards_ds(fake, shuffle=True, batch_size=8, shuffle_buffer=0)  # saying "no buffer" is fine
+        shards_ds(fake, shuffle=True, batch_size=8, reading=Reading(shuffle_buffer=200))
+    shards_ds(fake, shuffle=True, batch_size=8, reading=Reading(shuffle_buffer=0))  # saying "no buffer" is fine
     shards_ds(fake, shuffle=True, batch_size=8)  # and so is the default, which does not apply

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from loader import EmptyDatasetError
+from loader import EmptyDatasetError, Store
 from loader.listing import nodeshare, sharing
 from loader.listing.keylist import KeyList
 from loader.listing.sharing import Job, once_per_job, ticket
@@ -298,8 +298,8 @@ def test_a_listing_that_fails_before_a_fork_is_raised_in_the_forked_workers_not_
     from fakes import reusable
 
     fake = _dead_endpoint_store()
-    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake),
-                                    retry=RetryPolicy(max_attempts=2, base_delay=0.001))
+    retry = RetryPolicy(max_attempts=2, base_delay=0.001)
+    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=Store(backend=reusable(fake), retry=retry))
 
     def child(ds) -> None:
         before = fake.list_requests
@@ -332,8 +332,8 @@ def test_a_dataloader_over_a_dead_endpoint_fails_with_the_listings_error():
     from fakes import reusable
 
     fake = _dead_endpoint_store()
-    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=reusable(fake),
-                                    retry=RetryPolicy(max_attempts=1))
+    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/",
+                                    store=Store(backend=reusable(fake), retry=RetryPolicy(max_attempts=1)))
     with pytest.raises(EndpointUnreachableError, match=r"127\.0\.0\.1:9.*AWS_ENDPOINT_URL") as info:
         next(iter(DataLoader(ds, batch_size=None, num_workers=2)))
     assert "no worker listed again" in str(info.value) and fake.list_requests == 1

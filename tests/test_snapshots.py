@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, NoSuchKeyError
+from loader import AsyncS3Dataset, AsyncS3MapDataset, Cache, ConfigError, NoSuchKeyError, Store
 from loader.errors import ObjectChangedError
 from loader.listing.keyfile import read_header
 
@@ -83,7 +83,7 @@ def test_a_fresh_listing_is_not_pinned(fake):
 
 def test_a_disk_cache_serves_only_the_version_the_snapshot_recorded(fake, tmp_path):
     path, cache = tmp_path / "train.keys", tmp_path / "cache"
-    options = dict(store=reusable(fake), cache_dir=str(cache))
+    options = dict(store=Store(backend=reusable(fake), cache=Cache(str(cache))))
     AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", snapshot=str(path), **options).keys()
     old = fake.objects[BUCKET, "train/000003.bin"]
     assert len(keys_read(AsyncS3Dataset.from_manifest(str(path), **options))) == 12  # cache filled

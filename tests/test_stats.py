@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, TransientStoreError
+from loader import AsyncS3Dataset, Limits, TransientStoreError
 from loader.datasets.stats import StepWaits, report, timed
 from loader.s3.recording import BOUNDS, LatencyHistogram
 
@@ -62,9 +62,8 @@ def test_a_smaller_run_replaces_the_rows_of_a_bigger_one():
 
 def test_stats_are_logged_at_the_end_of_a_pass(caplog):
     objects = payloads(10, size=10)
-    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), log_stats=True,
-                                  store=reusable(FakeStore.with_objects("bucket", objects)))
-    with caplog.at_level(logging.INFO, logger="loader"):
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), store=reusable(FakeStore.with_objects("bucket", objects)))
+    with caplog.at_level(logging.INFO, logger="loader.stats"):  # the documented switch
         list(ds)
     assert any("worker 0: 10 samples" in record.getMessage() for record in caplog.records)
 
@@ -94,7 +93,7 @@ def test_timed_measures_the_training_loops_wait_per_step():
     each step waits for several GETs; the same data with a loop that takes 20 ms per step and
     requests that cost nothing: the data is there before the loop asks."""
     objects = payloads(48, size=100)
-    slow = AsyncS3Dataset.from_keys("bucket", sorted(objects), max_inflight=1,
+    slow = AsyncS3Dataset.from_keys("bucket", sorted(objects), limits=Limits(concurrency=1),
                                     store=reusable(FakeStore.with_objects("bucket", objects, latency=0.02)))
     batches = [len(batch["bin"]) for batch in slow.timed(DataLoader(slow, batch_size=4))]
     waited = slow.stats()
@@ -193,7 +192,7 @@ def test_the_loader_processes_keep_their_start_up_apart():
     """The wait for the engine's first item is start-up: counted in ``startup_s``, not in
     ``consumer_wait_s`` (whose share picks the advice)."""
     objects = payloads(8, size=10)
-    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), max_inflight=8,
+    ds = AsyncS3Dataset.from_keys("bucket", sorted(objects), limits=Limits(concurrency=8),
                                   store=reusable(FakeStore.with_objects("bucket", objects, latency=0.05)))
     assert len(list(ds)) == 8
     stats = ds.stats()

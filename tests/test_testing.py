@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, NoSuchKeyError, TransientStoreError, checkpoint
+from loader import AsyncS3Dataset, AsyncS3MapDataset, Limits, NoSuchKeyError, TransientStoreError, checkpoint
 from loader.testing import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def test_injected_faults_are_retried_or_reach_the_caller_naming_the_key():
 
 def test_injected_latency_keeps_requests_in_flight_together():
     store = MemoryStore.with_objects("bucket", objects(40), latency=0.02)
-    dataset = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=store, max_inflight=8)
+    dataset = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=store, limits=Limits(concurrency=8))
     assert len(list(dataset)) == 40
     assert 2 <= store.peak_inflight <= 8
 

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from loader import topology
+from loader import Split, topology
 from loader.errors import ConfigError
 
 
@@ -194,7 +194,7 @@ def test_pickling_for_a_worker_carries_the_parents_rank(in_worker, monkeypatch):
 
 
 def test_explicit_rank_wins_over_everything(in_worker, monkeypatch):
-    ds = _dataset(rank=1, world_size=3)
+    ds = _dataset(split=Split(rank=1, world_size=3))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     worker_copy = _pickled_for_a_worker(ds)

@@ -14,6 +14,7 @@ import io
 import random
 import re
 import tarfile
+from pathlib import Path
 
 import anyio
 import pytest
@@ -21,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loader import AsyncS3Dataset, AsyncS3MapDataset, ConfigError, checkpoint
+from loader import AsyncS3Dataset, AsyncS3MapDataset, Cache, ConfigError, Limits, Reading, Store, checkpoint
 from loader.cache.files import MAGIC, DiskCache
 from loader.cache.store import CachedStore
 from loader.errors import ObjectChangedError
@@ -108,9 +109,15 @@ def test_fake_store_answers_if_match_like_s3():
 # --------------------------------------------------------------------------- shards
 
 
-def shard_dataset(fake: FakeStore, spec: str, **options) -> AsyncS3Dataset:
-    return AsyncS3Dataset.from_shards(spec, store=reusable(fake), retry=FAST_RETRY,
-                                      shuffle_buffer=0, **options)
+def shard_dataset(fake: FakeStore, spec: str, *, part_size: int | None = None, parts_inflight: int | None = None,
+                  cache: Path | None = None) -> AsyncS3Dataset:
+    """``parts_inflight``: ranged parts per shard, which only the old spelling sets (warned about)."""
+    store = Store(backend=reusable(fake), retry=FAST_RETRY, cache=None if cache is None else Cache(cache))
+    reading = Reading(shuffle_buffer=0, part_size=part_size)
+    if parts_inflight is None:
+        return AsyncS3Dataset.from_shards(spec, store=store, reading=reading)
+    with pytest.deprecated_call(match="parts_inflight="):
+        return AsyncS3Dataset.from_shards(spec, store=store, reading=reading, parts_inflight=parts_inflight)
 
 
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
@@ -207,7 +214,7 @@ def test_checkpoint_overwritten_during_a_load_fails_naming_it():
     fake.on_read = overwrite_on(fake, "ckpt/step.pt", 3, new)
     with pytest.raises(ObjectChangedError, match=r"s3://bucket/ckpt/step\.pt changed during the read"):
         checkpoint.load(f"s3://{BUCKET}/ckpt/step.pt", store=reusable(fake), part_size=4096,
-                        parts_inflight=2)
+                        limits=Limits(concurrency=2))
 
 
 def test_checkpoint_overwritten_after_its_listing_fails_before_reading_anything():
@@ -238,7 +245,7 @@ def by_key(samples) -> dict[str, bytes]:
 
 def test_listing_etags_refetch_overwritten_entries_and_nothing_else(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(40, 1))
-    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
+    options = {"store": Store(backend=reusable(fake), retry=FAST_RETRY, cache=Cache(tmp_path))}
     assert len(list(AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", **options))) == 40
     changed = payloads(40, 2)
     for key in list(changed)[:10]:
@@ -257,7 +264,7 @@ def test_listing_etags_refetch_overwritten_entries_and_nothing_else(tmp_path):
 def test_without_etags_in_the_key_list_listing_rule_trusts_entries(tmp_path):
     """The documented rule: cache_validate='listing' with from_keys has nothing to compare."""
     fake = FakeStore.with_objects(BUCKET, payloads(5, 1))
-    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
+    options = {"store": Store(backend=reusable(fake), retry=FAST_RETRY, cache=Cache(tmp_path))}
     keys = sorted(key for _, key in fake.objects)
     list(AsyncS3Dataset.from_keys(BUCKET, keys, **options))
     fake.objects.update({(BUCKET, k): v for k, v in payloads(5, 2).items()})
@@ -268,8 +275,7 @@ def test_without_etags_in_the_key_list_listing_rule_trusts_entries(tmp_path):
 
 def test_always_revalidates_with_conditional_gets_that_cost_no_body(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(8, 1))
-    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY,
-                   "cache_validate": "always"}
+    options = {"store": Store(backend=reusable(fake), retry=FAST_RETRY, cache=Cache(tmp_path, validate="always"))}
     keys = sorted(key for _, key in fake.objects)
     list(AsyncS3Dataset.from_keys(BUCKET, keys, **options))
     fake.objects[BUCKET, keys[3]] = payloads(8, 2)[keys[3]]
@@ -283,8 +289,7 @@ def test_always_revalidates_with_conditional_gets_that_cost_no_body(tmp_path):
 
 def test_never_trusts_entries(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(4, 1))
-    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY,
-                   "cache_validate": "never"}
+    options = {"store": Store(backend=reusable(fake), retry=FAST_RETRY, cache=Cache(tmp_path, validate="never"))}
     list(AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", **options))
     fake.objects.update({(BUCKET, k): v for k, v in payloads(4, 2).items()})
     fake.reset_counters()
@@ -294,12 +299,12 @@ def test_never_trusts_entries(tmp_path):
 
 def test_cache_validate_is_checked_up_front():
     with pytest.raises(ConfigError, match=r"cache_validate='sometimes' must be one of"):
-        AsyncS3Dataset.from_keys(BUCKET, ["k"], cache_validate="sometimes")
+        AsyncS3Dataset.from_keys(BUCKET, ["k"], store=Store(cache=Cache("cache", validate="sometimes")))
 
 
 def test_map_dataset_refetches_overwritten_entries(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(6, 1))
-    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
+    options = {"store": Store(backend=reusable(fake), retry=FAST_RETRY, cache=Cache(tmp_path))}
     with AsyncS3MapDataset.from_prefix(f"s3://{BUCKET}/train/", **options) as ds:
         assert versions_of(ds.__getitems__(list(range(6)))) == {1}
     fake.objects.update({(BUCKET, k): v for k, v in payloads(6, 2).items()})
@@ -312,7 +317,7 @@ def test_map_dataset_refetches_overwritten_entries(tmp_path):
 @pytest.mark.usefixtures("small_parts")  # parts of a few KiB
 def test_shards_from_a_cache_are_refetched_when_the_listing_says_so(tmp_path):
     fake = FakeStore.with_objects(BUCKET, {"shards/a.tar": tar_of(1)})
-    options = {"cache_dir": tmp_path, "part_size": 4096, "parts_inflight": 2}
+    options = {"cache": tmp_path, "part_size": 4096, "parts_inflight": 2}
     assert versions_of(shard_dataset(fake, f"s3://{BUCKET}/shards/", **options)) == {1}
     fake.objects[BUCKET, "shards/a.tar"] = tar_of(2)
     fake.reset_counters()
@@ -374,7 +379,7 @@ async def test_a_pinned_read_never_takes_an_entry_of_another_version(tmp_path, a
 
 def test_cache_files_of_the_first_format_are_fetched_again(tmp_path):
     fake = FakeStore.with_objects(BUCKET, payloads(3, 1))
-    options = {"store": reusable(fake), "cache_dir": tmp_path, "retry": FAST_RETRY}
+    options = {"store": Store(backend=reusable(fake), retry=FAST_RETRY, cache=Cache(tmp_path))}
     list(AsyncS3Dataset.from_prefix(f"s3://{BUCKET}/train/", **options))
     files = [path for path in tmp_path.rglob("*") if path.is_file() and len(path.name) == 64]
     assert len(files) == 3

@@ -137,20 +137,18 @@ def error_for_answer(
     if code in THROTTLE_CODES or status in (429, 503):
         throttled = ThrottledError(
             f"{what}: the server answered {code or status} (HTTP {status})",
-            bucket=bucket, key=key,
+            bucket=bucket, key=key, endpoint=endpoint,
         )
         throttled.retry_after = retry_after(headers("retry-after") if headers is not None else None,
                                             time.time())
-        throttled.endpoint = endpoint
         return throttled
     if code in TRANSIENT_CODES or status >= 500 or status == 408:  # 408: the server gave up
         # waiting (on a kept-alive connection, often one it was closing): another try is right
-        failed = TransientStoreError(
+        # the endpoint is named once the retries give up (``retry.gave_up``)
+        return TransientStoreError(
             f"{what}: the server answered {code or status} (HTTP {status})",
-            bucket=bucket, key=key,
+            bucket=bucket, key=key, endpoint=endpoint,
         )
-        failed.endpoint = endpoint  # named once the retries give up (``retry.gave_up``)
-        return failed
     return StoreError(f"{what}: the server answered {code or status} (HTTP {status})",
                       bucket=bucket, key=key)
 
