@@ -61,6 +61,16 @@ from .signing import signed_get_request
 _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
 
 
+def _connect(address: tuple[str, int], *args: Any) -> socket.socket:
+    """``socket.create_connection`` for ``http.client``, an ASCII host given as bytes: a ``str``
+    host makes ``getaddrinfo`` encode it with the ``idna`` codec, whose import (with
+    ``stringprep`` and ``unicodedata``) costs a first listing ~2,800 objects for the collector and
+    a few ms. An ASCII name or address encodes the same either way."""
+    host, port = address
+    name: str | bytes = host.encode("ascii") if host.isascii() else host
+    return socket.create_connection((name, port), *args)  # type: ignore[arg-type]
+
+
 def _quiet(connection: http.client.HTTPConnection) -> bool:
     """Whether nothing more arrived on a connection whose answer was read whole: bytes past an
     answer's framing (or its end) mean the connection cannot be trusted with another request."""
@@ -385,6 +395,7 @@ class HttpLister:
                 connection.set_tunnel(origin.host, origin.port, headers=tunnel)
         connection.response_class = functools.partial(  # type: ignore[assignment]
             _CheckedResponse, read_timeout=self._read_timeout)
+        connection._create_connection = _connect  # type: ignore[attr-defined]
         return connection, proxy
 
     def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
