@@ -38,6 +38,7 @@ from .answer_pace import MIN_RATE as _MIN_RATE
 from .credentials import resolve_credentials
 from .error_answers import (
     answer_code,
+    at_endpoint,
     broken_framing,
     certificate_rejected,
     error_for_answer,
@@ -314,16 +315,17 @@ class HttpLister:
             else:
                 check_codings(response.getheader("Transfer-Encoding"), asked, bucket, key)
                 body = response.read(_MAX_ERROR_BODY)
-        except BadAnswerError:
+        except BadAnswerError as exc:
             connection.close()  # its framing cannot be trusted for another answer
+            at_endpoint(exc, self._endpoint)
             raise
         except (http.client.RemoteDisconnected, http.client.IncompleteRead) as exc:
             connection.close()  # the connection ended early: worth another try
             self._fail(exc, bucket, key, listing)
         except (http.client.HTTPException, ValueError, OverflowError) as exc:
             connection.close()  # not HTTP/1.1 (http.client raises all three for bad framing)
-            raise broken_framing(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing,
-                                 request=asked.describe()) from exc
+            raise at_endpoint(broken_framing(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing,
+                                             request=asked.describe()), self._endpoint) from exc
         except OSError as exc:
             connection.close()
             self._fail(exc, bucket, key, listing)
@@ -416,7 +418,7 @@ class HttpLister:
         else:
             said = str(exc)
         detail = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
-        raise failed_mid_request(bucket, key, detail, listing=listing) from exc
+        raise at_endpoint(failed_mid_request(bucket, key, detail, listing=listing), self._endpoint) from exc
 
     async def aclose(self) -> None:
         self.close()
