@@ -29,6 +29,7 @@ from ..errors import (
 from ..retry import answered
 
 E = TypeVar("E", bound=BaseException)
+
 TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
     "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "503", "500", "502", "504",
