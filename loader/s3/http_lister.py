@@ -65,8 +65,8 @@ _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: ke
 def _connect(address: tuple[str, int], *args: Any) -> socket.socket:
     """``socket.create_connection`` for ``http.client``, an ASCII host given as bytes: a ``str``
     host makes ``getaddrinfo`` encode it with the ``idna`` codec, whose import (with
-    ``stringprep`` and ``unicodedata``) costs a first listing ~2,800 objects for the collector and
-    a few ms. An ASCII name or address encodes the same either way."""
+    ``stringprep`` and ``unicodedata``) held up a first listing by 3-6 ms. An ASCII name or
+    address encodes the same either way."""
     host, port = address
     name: str | bytes = host.encode("ascii") if host.isascii() else host
     return socket.create_connection((name, port), *args)  # type: ignore[arg-type]
