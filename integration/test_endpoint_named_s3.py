@@ -10,9 +10,10 @@ import re
 
 import pytest
 
+from loader import AsyncS3Dataset, EndpointUnreachableError, RetryPolicy, Store, TransientStoreError
+
 from datasets import upload_objects
 from faults import FaultPlan, FaultProxy
-from loader import AsyncS3Dataset, EndpointUnreachableError, RetryPolicy, Store, TransientStoreError
 
 pytestmark = pytest.mark.timeout(120)
 
