@@ -17,7 +17,8 @@ from datasets import upload_objects
 UNUSED = ("xml.etree", "encodings.idna", "stringprep", "aiohttp", "aiobotocore", "aioboto3", "botocore", "obstore",
           "pyarrow",
           "loader.datasets.shard_source", "loader.datasets.parquet_source", "loader.shard_index",
-          "loader.formats.packing", "loader.formats.shards", "loader.formats.tar", "loader.cache.store")
+          "loader.formats.packing", "loader.formats.shards", "loader.formats.tar", "loader.cache.store",
+          "loader.checkpoint", "loader.tools")
 
 PROBE = """
 import json, sys
