@@ -1,6 +1,7 @@
 """The first sample from a real server imports only what the per-object path uses: the listing's
-plain pages need no XML library, the lab endpoint's signed GETs no aiohttp or botocore, and no
-module of another mode (shards, Parquet, the disk cache) comes along. Counted in ``sys.modules``."""
+plain pages need no XML library (nor the ``idna`` codec: the lister resolves an ASCII host as
+bytes), the lab endpoint's signed GETs no aiohttp or botocore, and no module of another mode
+(shards, Parquet, the disk cache) comes along. Counted in ``sys.modules``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import pytest
 
 from datasets import upload_objects
 
-UNUSED = ("xml.etree", "aiohttp", "aiobotocore", "aioboto3", "botocore", "obstore", "pyarrow",
+UNUSED = ("xml.etree", "encodings.idna", "stringprep", "aiohttp", "aiobotocore", "aioboto3", "botocore", "obstore",
+          "pyarrow",
           "loader.datasets.shard_source", "loader.datasets.parquet_source", "loader.shard_index",
-          "loader.formats.packing", "loader.formats.shards", "loader.formats.tar", "loader.cache.store")
+          "loader.formats.packing", "loader.formats.shards", "loader.formats.tar", "loader.cache.store",
+          "loader.checkpoint", "loader.tools")
 
 PROBE = """
 import json, sys

@@ -136,6 +136,28 @@ def test_the_aioboto3_backend_words_its_transports_errors_alike():
     assert "failed mid-request (TimeoutError: no byte received for 30 s)" in str(stalled)
 
 
+
+def test_a_fault_that_is_no_answer_names_its_endpoint_once_retries_give_up():
+    """A cut connection, a stall or a short body met on botocore's path (the one AWS endpoints
+    take) is marked with the endpoint, as an error answer is, and ``retry.gave_up`` names it; an
+    endpoint already named (a wrapper's) is kept."""
+    from botocore.exceptions import ConnectionClosedError, IncompleteReadError, ReadTimeoutError
+
+    from loader.retry import RetryPolicy, gave_up
+    from loader.s3.aioboto3_store import translate_error
+
+    where = dict(bucket="bkt", key="k", endpoint=END)
+    for fault in (ConnectionClosedError(endpoint_url=END), ReadTimeoutError(endpoint_url=END),
+                  IncompleteReadError(actual_bytes=3, expected_bytes=9)):
+        error = translate_error(fault, **where)
+        assert type(error) is TransientStoreError and error.endpoint == END, (fault, error)
+        final = gave_up(error, RetryPolicy(max_attempts=2), 2, 0.5)
+        assert f"failed mid-request ({type(fault).__name__}: " in str(final), final
+        assert f") at {END}; gave up after 2 attempt(s)" in str(final), final
+    named = failed_mid_request("bkt", "k", "cut")
+    named.endpoint = "http://elsewhere:1"
+    assert translate_error(named, **where).endpoint == "http://elsewhere:1"
+
 def test_the_listing_lister_says_how_long_a_silent_server_was_waited_out():
     """A server that accepts and never answers: the standard-library lister's error says so, as
     the backends' do, not a bare '(TimeoutError)'."""

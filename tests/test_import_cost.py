@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # third-party clients and formats no per-object start needs (each costs 3-90 ms to import)
 CLIENTS = ("botocore", "aiobotocore", "aioboto3", "aiohttp", "obstore", "pyarrow", "PIL", "simplejpeg")
 # this package's modules for other modes: shards (their jobs, tar parser, codecs), the shard index,
-# Parquet, the disk cache
+# Parquet, the disk cache, checkpoints
 OTHER_MODES = ("loader.datasets.shard_source", "loader.datasets.parquet_source", "loader.shard_index",
                "loader.formats.packing", "loader.formats.shards", "loader.formats.tar",
-               "loader.formats.compression", "loader.cache.store", "loader.cache.files")
+               "loader.formats.compression", "loader.cache.store", "loader.cache.files",
+               "loader.checkpoint")  # (the command line: the real-server test; loader.testing imports its dev server)
 
 
 def imported_after(code: str) -> list[str]:
@@ -34,7 +35,8 @@ def holding(modules: list[str], names: tuple[str, ...]) -> list[str]:
 
 def test_import_loader_imports_no_client_torch_or_event_loop_library():
     modules = imported_after("import loader")
-    assert not holding(modules, (*CLIENTS, "torch", "anyio", "xml.etree", "loader.datasets")), modules
+    assert not holding(modules, (*CLIENTS, "torch", "numpy", "anyio", "asyncio", "xml.etree", "encodings.idna",
+                                 "loader.datasets", "loader.s3", "loader.engine")), modules
 
 
 def test_a_per_object_dataset_reaches_its_first_sample_without_other_modes_or_clients():

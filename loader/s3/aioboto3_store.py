@@ -43,6 +43,7 @@ from .answer_pace import (
 )
 from .credentials import GivenKeys, credentials_error, no_credentials_found
 from .error_answers import (
+    at_endpoint,
     broken_framing,
     certificate_rejected,
     error_for_answer,
@@ -421,12 +422,12 @@ class Aioboto3Store:
         finally:  # a consumer that stops early releases the connection now, not at GC
             await pieces.aclose()
         if expected >= 0 and received < expected:
-            raise TransientStoreError(
+            raise at_endpoint(TransientStoreError(
                 f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
                 f"{expected - received} short of its Content-Length",
                 bucket=bucket,
                 key=key,
-            )
+            ), self._endpoint)
 
     async def _pieces(
         self, bucket: str, key: str, byte_range: str | None, chunk_size: int, if_match: str | None
@@ -609,7 +610,14 @@ def _aiohttp_errors() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, .
 def translate_error(
     exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> BaseException:
-    """The one place where aiobotocore's and aiohttp's errors become ours (wording: ``error_answers``)."""
+    """The one place where aiobotocore's and aiohttp's errors become ours (wording: ``error_answers``);
+    a transient one names ``endpoint`` once retrying it gives up."""
+    return at_endpoint(_translated(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing), endpoint)
+
+
+def _translated(
+    exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
+) -> BaseException:
     if isinstance(exc, (StoreError, asyncio.CancelledError)):
         return exc
     bce = _botocore()

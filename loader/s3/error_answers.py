@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from ..errors import (
     AccessDeniedError,
@@ -26,6 +27,8 @@ from ..errors import (
     TransientStoreError,
 )
 from ..retry import answered
+
+E = TypeVar("E", bound=BaseException)
 
 TRANSIENT_CODES = frozenset({
     "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
@@ -223,6 +226,15 @@ def plain_http_server(endpoint: str, bucket: str, key: str, *, listing: bool = F
         f"use {plain} as AWS_ENDPOINT_URL, or enable TLS on the server",
         bucket=bucket, key=key,
     )
+
+
+def at_endpoint(exc: E, endpoint: str) -> E:
+    """``exc``, where it is a transient error that names no endpoint yet (a cut connection, a
+    stall, a broken or short answer), marked as met at ``endpoint``: the final error names it
+    once the retries give up (``retry.gave_up``), as it names the endpoint of a 5xx."""
+    if isinstance(exc, TransientStoreError) and not exc.endpoint:
+        exc.endpoint = endpoint
+    return exc
 
 
 def failed_mid_request(

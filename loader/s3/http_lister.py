@@ -38,6 +38,7 @@ from .answer_pace import MIN_RATE as _MIN_RATE
 from .credentials import resolve_credentials
 from .error_answers import (
     answer_code,
+    at_endpoint,
     broken_framing,
     certificate_rejected,
     error_for_answer,
@@ -59,6 +60,16 @@ from .protocol import (
 from .signing import signed_get_request
 
 _MAX_ERROR_BODY = 64 << 10  # an error body larger than this is not S3's XML: keep only its start
+
+
+def _connect(address: tuple[str, int], *args: Any) -> socket.socket:
+    """``socket.create_connection`` for ``http.client``, an ASCII host given as bytes: a ``str``
+    host makes ``getaddrinfo`` encode it with the ``idna`` codec, whose import (with
+    ``stringprep`` and ``unicodedata``) held up a first listing by 3-6 ms. An ASCII name or
+    address encodes the same either way."""
+    host, port = address
+    name: str | bytes = host.encode("ascii") if host.isascii() else host
+    return socket.create_connection((name, port), *args)  # type: ignore[arg-type]
 
 
 def _quiet(connection: http.client.HTTPConnection) -> bool:
@@ -304,16 +315,17 @@ class HttpLister:
             else:
                 check_codings(response.getheader("Transfer-Encoding"), asked, bucket, key)
                 body = response.read(_MAX_ERROR_BODY)
-        except BadAnswerError:
+        except BadAnswerError as exc:
             connection.close()  # its framing cannot be trusted for another answer
+            at_endpoint(exc, self._endpoint)
             raise
         except (http.client.RemoteDisconnected, http.client.IncompleteRead) as exc:
             connection.close()  # the connection ended early: worth another try
             self._fail(exc, bucket, key, listing)
         except (http.client.HTTPException, ValueError, OverflowError) as exc:
             connection.close()  # not HTTP/1.1 (http.client raises all three for bad framing)
-            raise broken_framing(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing,
-                                 request=asked.describe()) from exc
+            raise at_endpoint(broken_framing(bucket, key, f"{type(exc).__name__}: {exc}", listing=listing,
+                                             request=asked.describe()), self._endpoint) from exc
         except OSError as exc:
             connection.close()
             self._fail(exc, bucket, key, listing)
@@ -385,6 +397,7 @@ class HttpLister:
                 connection.set_tunnel(origin.host, origin.port, headers=tunnel)
         connection.response_class = functools.partial(  # type: ignore[assignment]
             _CheckedResponse, read_timeout=self._read_timeout)
+        connection._create_connection = _connect  # type: ignore[attr-defined]
         return connection, proxy
 
     def _fail(self, exc: BaseException, bucket: str, key: str, listing: bool) -> NoReturn:
@@ -405,7 +418,7 @@ class HttpLister:
         else:
             said = str(exc)
         detail = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
-        raise failed_mid_request(bucket, key, detail, listing=listing) from exc
+        raise at_endpoint(failed_mid_request(bucket, key, detail, listing=listing), self._endpoint) from exc
 
     async def aclose(self) -> None:
         self.close()

@@ -47,6 +47,7 @@ from .answer_pace import (
 from .credentials import BotocoreCredentialProvider, resolve_credentials
 from .error_answers import (
     DENIED_CODES,
+    at_endpoint,
     certificate_rejected,
     error_for_answer,
     failed_mid_request,
@@ -252,7 +253,8 @@ class ObstoreStore:
             start, stop = result.range
             check_span(_asked(options), start, stop, _size(result.meta), result.meta.get("e_tag"),
                        bucket, key)
-        except StoreError:
+        except StoreError as exc:  # a check of the answer (``check_span``)
+            at_endpoint(exc, self._endpoint)
             raise
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
@@ -262,7 +264,7 @@ class ObstoreStore:
             # connection) and the bucket's store (its pool, every idle connection) stayed open
             # after a `break` until the garbage collector happened to run.
             del store, result
-        return _checked(data, stop - start, bucket, key, start)
+        return _checked(data, stop - start, bucket, key, start, self._endpoint)
 
     async def get_range(
         self, bucket: str, key: str, start: int, end: int | None, *, pin: Pin | None = None
@@ -364,7 +366,8 @@ class ObstoreStore:
                        bucket, key)
             if pin is not None:
                 pin.observe(result.meta.get("e_tag"), bucket, key)
-        except StoreError:
+        except StoreError as exc:  # a check of the answer (``check_span``)
+            at_endpoint(exc, self._endpoint)
             raise
         except Exception as exc:
             if start and _status_of(exc) == 416:
@@ -399,12 +402,12 @@ class ObstoreStore:
         finally:
             del chunks, result  # drops the Rust body, releasing its connection
         if received != expected:
-            raise TransientStoreError(
+            raise at_endpoint(TransientStoreError(
                 f"{object_url(bucket, key)}: body ended after {start + received} bytes, "
                 f"{expected - received} short of its Content-Length",
                 bucket=bucket,
                 key=key,
-            )
+            ), self._endpoint)
 
     async def put(self, bucket: str, key: str, data: bytes) -> None:
         _check_key(bucket, key)
@@ -507,6 +510,13 @@ class ObstoreStore:
 
 
 def translate_error(
+    exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
+) -> BaseException:
+    """``_translated``, and a transient error names ``endpoint`` once retrying it gives up."""
+    return at_endpoint(_translated(exc, bucket=bucket, key=key, endpoint=endpoint, listing=listing), endpoint)
+
+
+def _translated(
     exc: BaseException, *, bucket: str, key: str, endpoint: str, listing: bool = False
 ) -> BaseException:
     """The one place where obstore's errors become ours (same wording as the aioboto3 backend).
@@ -709,14 +719,14 @@ def _check_range_args(bucket: str, key: str, start: int, end: int | None) -> Non
         )
 
 
-def _checked(data: Any, expected: int, bucket: str, key: str, start: int) -> bytes:
+def _checked(data: Any, expected: int, bucket: str, key: str, start: int, endpoint: str) -> bytes:
     """``data`` as ``bytes`` (one copy), if it is as long as the response said."""
     if len(data) != expected:
-        raise TransientStoreError(
+        raise at_endpoint(TransientStoreError(
             f"{object_url(bucket, key)}: body ended after {start + len(data)} bytes, "
             f"{expected - len(data)} short of its Content-Length",
             bucket=bucket, key=key,
-        )
+        ), endpoint)
     return bytes(data)
 
 
