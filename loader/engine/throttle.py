@@ -160,15 +160,14 @@ class ThrottleControl:
             if self.started is None:
                 self.started = now
             rate = self.rate
+            self.sent += 1  # (a held turn too: the first cut measures what the process asked to send)
             if rate is None:
                 if self.inflight >= self.window or self.held:  # slow start: wait for an answer
                     turn = Turn(math.inf, self.generation, False)
                     self.held.append(turn)
                     return turn
-                self.sent += 1
                 self.inflight += 1
                 return Turn(now, self.generation, True)
-            self.sent += 1
             booked = self.booked
             while booked and booked[0].taken:
                 booked.popleft()
@@ -290,12 +289,12 @@ class ThrottleControl:
             turn = held.popleft()
             if turn.taken:
                 continue  # cancelled
-            self.sent += 1
-            turn.generation = self.generation
             if self.rate is None:
                 turn.due, turn.taken = now, True
                 self.inflight += 1
-            else:
+            else:  # booked under the first cut's limit, in its generation
+                self.sent += 1
+                turn.generation = self.generation
                 start = turn.due = max(now, self.next_free, self.paused_until)
                 self.next_free = start + 1.0 / self.rate
                 self.booked.append(turn)
@@ -408,6 +407,8 @@ class ThrottleControl:
             else:
                 turn.taken = True
                 self.requests -= 1
+                if turn.generation == self.generation:
+                    self.sent -= 1
 
     async def acquire(self) -> int:
         """Wait for this request's turn under the rate limit (at once when there is none); the
@@ -444,9 +445,11 @@ class ThrottleControl:
             await given
 
     def congested(self) -> bool:
-        """Whether a second request for the same object would add to a throttle: limited, or
-        answered SlowDown within the last ``RATE_WINDOW``."""
-        return self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
+        """Whether a second request for the same object would add to a throttle, or be held: limited,
+        answered SlowDown within the last ``RATE_WINDOW``, or the start window full (a read that
+        waits for its place is not a straggler)."""
+        return (self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
+                or self.inflight >= self.window)
 
     def statistics(self) -> ThrottleStats:
         return ThrottleStats(self.requests, self.throttled, self.rate, self.cuts)
