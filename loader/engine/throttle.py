@@ -89,7 +89,7 @@ RECHECK = 0.1  # seconds: a request waiting for its turn looks this often whethe
 # round trip, as TCP's slow start): a job of many processes starts at this many each, not at the
 # engine's 64 each (8 processes x 64 went into a second that allowed 300); 64 in flight are
 # reached in 3 round trips (60 ms at 20 ms an answer)
-START_WINDOW = 8
+START_WINDOW = 16
 
 
 class ThrottleStats(NamedTuple):
@@ -431,9 +431,13 @@ class ThrottleControl:
         loop = asyncio.get_running_loop()
         given = loop.create_future()
 
+        def give() -> None:
+            if not given.done():
+                given.set_result(None)
+
         def wake() -> None:
             try:
-                loop.call_soon_threadsafe(lambda: given.done() or given.set_result(None))
+                loop.call_soon_threadsafe(give)
             except RuntimeError:  # that loop closed: nothing waits there any more
                 pass
 
@@ -445,11 +449,9 @@ class ThrottleControl:
             await given
 
     def congested(self) -> bool:
-        """Whether a second request for the same object would add to a throttle, or be held: limited,
-        answered SlowDown within the last ``RATE_WINDOW``, or the start window full (a read that
-        waits for its place is not a straggler)."""
-        return (self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
-                or self.inflight >= self.window)
+        """Whether a second request for the same object would add to a throttle: limited, or
+        answered SlowDown within the last ``RATE_WINDOW``."""
+        return self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
 
     def statistics(self) -> ThrottleStats:
         return ThrottleStats(self.requests, self.throttled, self.rate, self.cuts)
