@@ -448,10 +448,12 @@ class ThrottleControl:
         with anyio.move_on_after(RECHECK):
             await given
 
-    def congested(self) -> bool:
+    def congested(self, hedge: bool = False) -> bool:
         """Whether a second request for the same object would add to a throttle: limited, or
-        answered SlowDown within the last ``RATE_WINDOW``."""
-        return self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
+        answered SlowDown within the last ``RATE_WINDOW``; for a ``hedge``, also while the start
+        window is full (it would wait behind the reads held there, and be cancelled unsent)."""
+        return (self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
+                or (hedge and self.inflight >= self.window))
 
     def statistics(self) -> ThrottleStats:
         return ThrottleStats(self.requests, self.throttled, self.rate, self.cuts)
@@ -551,9 +553,9 @@ class ThrottledStore(ReadWrapper):
             control = self.controls[bucket] = control_for(self.endpoint, bucket)
         return control
 
-    def congested(self, bucket: str) -> bool:
-        """Whether a hedge for ``bucket`` would add to a throttle (``HedgedStore`` asks)."""
-        return self.control(bucket).congested()
+    def congested(self, bucket: str, hedge: bool = False) -> bool:
+        """Whether a second request for ``bucket`` would add to a throttle (``HedgedStore`` asks)."""
+        return self.control(bucket).congested(hedge)
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
