@@ -10,6 +10,11 @@ Each process sees only its own answers. ``ThrottleControl`` is a state machine d
 events on an injected clock (a turn booked, an answer, a SlowDown); tests/throttle_sim.py runs
 the same class for a job of many processes against a simulated prefix. The rules:
 
+* **Start small**: before any limit is known, at most ``START_WINDOW`` requests are in flight,
+  one more for each good answer (doubling every round trip, as TCP's slow start), so a job of
+  many processes does not start with all of every process's requests at once; a request held
+  for its place counts as asked for (the first cut measures what the process asked to send),
+  and the first cut books the held ones under the limit it sets. No hedge while the window is full.
 * **Cut** when more than ``TARGET_SHARE`` of the last answers (at most ``RECENT``) to requests sent
   since the last cut are SlowDown: the limit becomes ``BACKOFF`` x what got through (the rate sent
   since the last cut, for the first cut what was sent in one ``RATE_WINDOW`` at most, times the
