@@ -9,8 +9,9 @@ answer wins and the others are cancelled (their bytes were never handed over, so
 once). A hedge takes the next place among the engine's requests in flight: reads give way to it.
 At most ``HEDGE_SHARE`` of requests (plus ``HEDGE_BURST``) are hedged, and none while the store
 below says its bucket is congested (``ThrottledStore.congested``: a second request would add to a
-throttle, or wait behind the reads its start window holds). One watcher task per engine (``HedgedStore.watch``) sends the hedges. The latencies
-and the budget are shared per endpoint and bucket in a process (``HedgeControl``).
+throttle, or wait behind the reads its start window holds). One watcher task per engine
+(``HedgedStore.watch``) sends the hedges. The latencies and the budget are shared per endpoint
+and bucket in a process (``HedgeControl``).
 
 Hand-written: no asyncio library offers hedged requests. Why and the numbers: docs/design/retry.md.
 """
