@@ -331,6 +331,7 @@ def test_before_any_limit_a_process_starts_with_start_window_in_flight():
     store = MemoryStore.with_objects("b", {f"k{i}": b"x" for i in range(64)}, gate=first)
     reads = ThrottledStore(store, endpoint="memory:slow-start")
     control = reads.control("b")
+    control.clock = lambda: 0.0  # a stalled test must not see a held read's longest wait pass
     got: list[bytes] = []
 
     async def read(i: int) -> None:
@@ -354,6 +355,24 @@ def test_before_any_limit_a_process_starts_with_start_window_in_flight():
         assert control.inflight == 0 and control.rate is None and control.throttled == 0
 
     anyio.run(main)
+
+
+def test_a_read_held_by_the_start_window_goes_after_rate_window_whatever_holds_the_places():
+    """The start window is for the first round trips: a read held a whole ``RATE_WINDOW`` goes,
+    even while every place is held by reads never answered (a place lost to an accounting slip
+    costs a second, never a hang)."""
+    from loader.engine.throttle import RATE_WINDOW, START_WINDOW
+
+    clock = Clock()
+    control = ThrottleControl(clock)
+    for _ in range(START_WINDOW):
+        assert control.take(control.turn())
+    held = control.turn()
+    assert not control.take(held)
+    clock.now += RATE_WINDOW / 2
+    assert not control.take(held)
+    clock.now += RATE_WINDOW / 2
+    assert control.take(held) and control.inflight == START_WINDOW + 1
 
 
 def test_a_read_cancelled_or_failed_gives_its_place_in_the_start_window_back():

@@ -110,12 +110,13 @@ class Turn:
     """A booked turn: when it comes ``due`` (the control's clock) and the ``generation`` (cuts so
     far) to report its answer with; a cut or a grown limit moves both. ``taken``: it went."""
 
-    __slots__ = ("due", "generation", "taken", "wake")
+    __slots__ = ("due", "generation", "taken", "wake", "since")
 
-    def __init__(self, due: float, generation: int, taken: bool) -> None:
+    def __init__(self, due: float, generation: int, taken: bool, since: float = 0.0) -> None:
         self.due = due  # inf: held for a place in the start window, given by an answer
         self.generation = generation
         self.taken = taken
+        self.since = since  # when it was booked (a held turn waits at most RATE_WINDOW)
         self.wake: Callable[[], None] | None = None  # called (under the lock) when a held turn is given
 
 
@@ -168,7 +169,7 @@ class ThrottleControl:
             self.sent += 1  # (a held turn too: the first cut measures what the process asked to send)
             if rate is None:
                 if self.inflight >= self.window or self.held:  # slow start: wait for an answer
-                    turn = Turn(math.inf, self.generation, False)
+                    turn = Turn(math.inf, self.generation, False, now)
                     self.held.append(turn)
                     return turn
                 self.inflight += 1
@@ -390,6 +391,8 @@ class ThrottleControl:
             now = self.clock()
             if turn.due > now and self.rate is not None:
                 self._grow(self.rate, now)  # a grown limit may move it sooner
+            if turn.due == math.inf and now - turn.since >= RATE_WINDOW:
+                turn.due = now  # the window is for the first round trips: never hold a read longer
             if turn.due > now:
                 return False
             turn.taken = True
