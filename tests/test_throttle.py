@@ -36,19 +36,27 @@ def drive(control: ThrottleControl, clock: Clock, seconds: float, server: Server
     good = slow = 0
     end = clock.now + seconds
     pending: list[tuple[float, int, bool]] = []  # (answer due, generation, answered well)
+
+    def answer() -> None:
+        nonlocal good, slow
+        due, generation, ok = pending.pop(0)
+        clock.now = max(clock.now, due)
+        if ok:
+            good += 1
+            control.on_answer(generation)
+        else:
+            slow += 1
+            control.on_throttled(generation)
+
     while clock.now < end:
         turn = control.turn()
+        while turn.due == math.inf:  # held for a place in the start window: an answer gives it
+            answer()
         clock.now = max(turn.due, clock.now + 1.0 / demand)
         assert control.take(turn)
         pending.append((clock.now + latency, turn.generation, server.answers(clock.now - START)))
         while pending and pending[0][0] <= clock.now:
-            _, generation, ok = pending.pop(0)
-            if ok:
-                good += 1
-                control.on_answer(generation)
-            else:
-                slow += 1
-                control.on_throttled(generation)
+            answer()
     return good, slow
 
 
@@ -303,3 +311,117 @@ def test_a_limit_grows_while_every_request_waits():
     assert not control.take(turns[-1])  # a look: not its turn yet ...
     assert turns[-1].due - clock.now < 1.0, (turns[-1].due - clock.now, control.rate)  # ... but soon
     assert [t.due for t in turns[1:]] == sorted(t.due for t in turns[1:])  # in the order booked
+
+
+async def until(condition) -> None:
+    """Yield to the other tasks until ``condition()`` holds (a hang guard, not a time bound)."""
+    with anyio.fail_after(30):
+        while not condition():
+            await anyio.sleep(0.001)
+
+
+def test_before_any_limit_a_process_starts_with_start_window_in_flight():
+    """64 reads at once (the engine's requests in flight) before any limit is known: the store
+    sees ``START_WINDOW`` of them before the first answer, then two more for each good answer
+    (the window grows by one, and the answered place is free), and all 64 once they are answered."""
+    from loader.engine.throttle import START_WINDOW, ThrottledStore
+    from loader.testing import MemoryStore
+
+    first, second = anyio.Event(), anyio.Event()
+    store = MemoryStore.with_objects("b", {f"k{i}": b"x" for i in range(64)}, gate=first)
+    reads = ThrottledStore(store, endpoint="memory:slow-start")
+    control = reads.control("b")
+    control.clock = lambda: 0.0  # a stalled test must not see a held read's longest wait pass
+    got: list[bytes] = []
+
+    async def read(i: int) -> None:
+        got.append(await reads.get("b", f"k{i}"))
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(read, i)
+            await until(lambda: store.requests == START_WINDOW and len(control.held) == 64 - START_WINDOW)
+            await anyio.sleep(0.05)
+            assert store.requests == START_WINDOW  # the rest wait for answers
+            store.gate = second
+            first.set()  # the first window is answered
+            await until(lambda: store.requests == 3 * START_WINDOW)
+            await anyio.sleep(0.05)
+            assert store.requests == 3 * START_WINDOW and control.window == 2 * START_WINDOW
+            store.gate = None
+            second.set()
+        assert len(got) == 64 and store.requests == 64
+        assert control.inflight == 0 and control.rate is None and control.throttled == 0
+
+    anyio.run(main)
+
+
+def test_a_read_held_by_the_start_window_goes_after_rate_window_whatever_holds_the_places():
+    """The start window is for the first round trips: a read held a whole ``RATE_WINDOW`` goes,
+    even while every place is held by reads never answered (a place lost to an accounting slip
+    costs a second, never a hang)."""
+    from loader.engine.throttle import RATE_WINDOW, START_WINDOW
+
+    clock = Clock()
+    control = ThrottleControl(clock)
+    for _ in range(START_WINDOW):
+        assert control.take(control.turn())
+    held = control.turn()
+    assert not control.take(held)
+    clock.now += RATE_WINDOW / 2
+    assert not control.take(held)
+    clock.now += RATE_WINDOW / 2
+    assert control.take(held) and control.inflight == START_WINDOW + 1
+
+
+def test_a_read_cancelled_or_failed_gives_its_place_in_the_start_window_back():
+    """Reads cancelled while they wait at the store (a hedge that lost) and reads that fail free
+    their places: the next reads go, none waits for an answer that never comes."""
+    from loader.engine.throttle import START_WINDOW, ThrottledStore
+    from loader.errors import NoSuchKeyError
+    from loader.testing import MemoryStore
+
+    gate = anyio.Event()
+    store = MemoryStore.with_objects("b", {f"k{i}": b"x" for i in range(64)}, gate=gate)
+    reads = ThrottledStore(store, endpoint="memory:slow-start-cancel")
+    control = reads.control("b")
+
+    async def main() -> None:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                for i in range(64):
+                    tg.start_soon(reads.get, "b", f"k{i}")
+                await until(lambda: store.requests == START_WINDOW)
+                scope.cancel()
+        assert control.inflight == 0  # every place given back
+        store.gate = None
+        with pytest.raises(NoSuchKeyError):
+            await reads.get("b", "missing")
+        assert control.inflight == 0
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(reads.get, "b", f"k{i}")
+        assert control.inflight == 0 and not [t for t in control.held if not t.taken]
+
+    anyio.run(main)
+
+
+def test_a_cut_before_any_limit_books_the_held_requests_under_it():
+    """The first cut comes while requests wait for a place in the start window: they are booked
+    under the new limit, in their order, paced at it (not let go at once, not lost)."""
+    from loader.engine.throttle import START_WINDOW
+
+    clock = Clock()
+    control = ThrottleControl(clock)
+    turns = [control.turn() for _ in range(64)]
+    assert sum(t.taken for t in turns) == START_WINDOW
+    held = turns[START_WINDOW:]
+    assert all(t.due == math.inf for t in held)
+    clock.now += 0.02
+    for _ in range(3):
+        control.on_throttled(0)
+    assert control.rate is not None and control.cuts == 1
+    dues = [t.due for t in held]
+    assert all(math.isfinite(d) for d in dues) and dues == sorted(dues)
+    assert dues[-1] - dues[0] >= (len(held) - 1) / control.rate - 1e-6  # paced under the limit

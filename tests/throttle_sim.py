@@ -178,7 +178,17 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
             send(t, p, slot, turn.generation, attempt)
         else:
             waiting[p][slot] = [t, turn, 0, attempt, turn.due]
-            push(turn.due, WAKE, p, slot, 0)  # looks before then change nothing unless told
+            if turn.due == math.inf:  # held for a place in the start window: an answer wakes it
+                turn.wake = lambda: wake(p, slot)
+            else:
+                push(turn.due, WAKE, p, slot, 0)  # looks before then change nothing unless told
+
+    def wake(p: int, slot: int) -> None:
+        state = waiting[p].get(slot)
+        if state is not None:
+            state[2] += 1
+            state[4] = now[0]
+            push(now[0], WAKE, p, slot, state[2])
 
     def send(t: float, p: int, slot: int, generation: int, attempt: int) -> None:
         latency = job.latency + rng.expovariate(1 / job.jitter) if job.jitter else job.latency

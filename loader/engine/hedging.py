@@ -9,8 +9,9 @@ answer wins and the others are cancelled (their bytes were never handed over, so
 once). A hedge takes the next place among the engine's requests in flight: reads give way to it.
 At most ``HEDGE_SHARE`` of requests (plus ``HEDGE_BURST``) are hedged, and none while the store
 below says its bucket is congested (``ThrottledStore.congested``: a second request would add to a
-throttle). One watcher task per engine (``HedgedStore.watch``) sends the hedges. The latencies
-and the budget are shared per endpoint and bucket in a process (``HedgeControl``).
+throttle, or wait behind the reads its start window holds). One watcher task per engine
+(``HedgedStore.watch``) sends the hedges. The latencies and the budget are shared per endpoint
+and bucket in a process (``HedgeControl``).
 
 Hand-written: no asyncio library offers hedged requests. Why and the numbers: docs/design/retry.md.
 """
@@ -155,10 +156,10 @@ class HedgedStore(ReadWrapper):
             control = self.controls[bucket] = control_for(self.endpoint, bucket)
         return control
 
-    def congested(self, bucket: str) -> bool:
+    def congested(self, bucket: str, hedge: bool = False) -> bool:
         """Whether a hedge now would add to a throttle (the store below says so)."""
         congested = getattr(self.inner, "congested", None)
-        return bool(congested(bucket)) if congested is not None else False
+        return bool(congested(bucket, hedge)) if congested is not None else False
 
     def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
@@ -272,7 +273,7 @@ class HedgedStore(ReadWrapper):
                         due = pending.started + pending.after * (len(pending.hedges) + 1)
                         if due > now:
                             wake = min(wake, due - now)
-                        elif not self.congested(pending.bucket) and pending.control.reserve_hedge():
+                        elif not self.congested(pending.bucket, hedge=True) and pending.control.reserve_hedge():
                             hedge = anyio.CancelScope()
                             pending.hedges.append(hedge)
                             tg.start_soon(self._hedge, pending, hedge)
@@ -289,7 +290,7 @@ class HedgedStore(ReadWrapper):
             with scope:
                 await self.enter(hedge=True)
                 try:
-                    if self.congested(pending.bucket):
+                    if self.congested(pending.bucket, hedge=True):
                         return  # throttled since it was decided: a second request would add to the storm
                     with control.lock:
                         control.hedges_queued -= 1

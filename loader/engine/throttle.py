@@ -10,6 +10,11 @@ Each process sees only its own answers. ``ThrottleControl`` is a state machine d
 events on an injected clock (a turn booked, an answer, a SlowDown); tests/throttle_sim.py runs
 the same class for a job of many processes against a simulated prefix. The rules:
 
+* **Start small**: before any limit is known, at most ``START_WINDOW`` requests are in flight,
+  one more for each good answer (doubling every round trip, as TCP's slow start), so a job of
+  many processes does not start with all of every process's requests at once; a request held
+  for its place counts as asked for (the first cut measures what the process asked to send),
+  and the first cut books the held ones under the limit it sets. No hedge while the window is full.
 * **Cut** when more than ``TARGET_SHARE`` of the last answers (at most ``RECENT``) to requests sent
   since the last cut are SlowDown: the limit becomes ``BACKOFF`` x what got through (the rate sent
   since the last cut, for the first cut what was sent in one ``RATE_WINDOW`` at most, times the
@@ -46,6 +51,7 @@ Why and the numbers: docs/design/throttle.md.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import threading
@@ -84,6 +90,11 @@ RATE_WINDOW = 1.0
 RECOVER_DOUBLING = RATE_WINDOW / 10
 MIN_RATE = 1.0  # requests/s: the lowest limit (a process answered only SlowDown waits no longer)
 RECHECK = 0.1  # seconds: a request waiting for its turn looks this often whether the limit was reset
+# requests in flight before any limit is known, one more for each good answer (doubling every
+# round trip, as TCP's slow start): a job of many processes starts at this many each, not at the
+# engine's 64 each (8 processes x 64 went into a second that allowed 300); 64 in flight are
+# reached in 3 round trips (60 ms at 20 ms an answer)
+START_WINDOW = 16
 
 
 class ThrottleStats(NamedTuple):
@@ -99,12 +110,14 @@ class Turn:
     """A booked turn: when it comes ``due`` (the control's clock) and the ``generation`` (cuts so
     far) to report its answer with; a cut or a grown limit moves both. ``taken``: it went."""
 
-    __slots__ = ("due", "generation", "taken")
+    __slots__ = ("due", "generation", "taken", "wake", "since")
 
-    def __init__(self, due: float, generation: int, taken: bool) -> None:
-        self.due = due
+    def __init__(self, due: float, generation: int, taken: bool, since: float = 0.0) -> None:
+        self.due = due  # inf: held for a place in the start window, given by an answer
         self.generation = generation
         self.taken = taken
+        self.since = since  # when it was booked (a held turn waits at most RATE_WINDOW)
+        self.wake: Callable[[], None] | None = None  # called (under the lock) when a held turn is given
 
 
 class ThrottleControl:
@@ -135,6 +148,9 @@ class ThrottleControl:
         self.last_throttled = -math.inf
         self.clean = 0  # good answers since the last SlowDown
         self.cut_at = -math.inf
+        self.inflight = 0  # requests taken and not yet answered
+        self.window = START_WINDOW  # before any limit: at most this many in flight
+        self.held: deque[Turn] = deque()  # turns waiting for a place in the window, in order
         self.requests = 0
         self.throttled = 0
         self.cuts = 0
@@ -147,11 +163,16 @@ class ThrottleControl:
         with self.lock:
             now = self.clock()
             self.requests += 1
-            self.sent += 1
             if self.started is None:
                 self.started = now
             rate = self.rate
+            self.sent += 1  # (a held turn too: the first cut measures what the process asked to send)
             if rate is None:
+                if self.inflight >= self.window or self.held:  # slow start: wait for an answer
+                    turn = Turn(math.inf, self.generation, False, now)
+                    self.held.append(turn)
+                    return turn
+                self.inflight += 1
                 return Turn(now, self.generation, True)
             booked = self.booked
             while booked and booked[0].taken:
@@ -162,6 +183,7 @@ class ThrottleControl:
             turn = Turn(start, self.generation, start <= now)
             if turn.taken:
                 self.last_due = start
+                self.inflight += 1
             else:
                 booked.append(turn)
             return turn
@@ -238,8 +260,12 @@ class ThrottleControl:
             while answered[0] < now - RATE_WINDOW:
                 answered.popleft()
             self.clean += 1
+            self.inflight -= 1
+            if self.rate is None:
+                self.window += 1
             if generation == self.generation:
                 self._note(now, False)
+            self._give(now)
 
     def on_throttled(self, generation: int) -> None:
         """A SlowDown to a request booked in ``generation``: cut when they are a share of the answers."""
@@ -248,65 +274,98 @@ class ThrottleControl:
             self.throttled += 1
             self.last_throttled = now
             self.clean = 0
-            if generation != self.generation:
-                return  # sent before the last cut: that cut answered it
-            self._note(now, True)
-            recent, slowdowns = self.recent, self.recent_slowdowns
-            if slowdowns < 2 or slowdowns <= TARGET_SHARE * len(recent):
-                return
-            # most answered SlowDown (not at the first cut: a job's first requests all go at once)
-            full = self.rate is not None and slowdowns > len(recent) / 2
-            if self.cuts >= (1 if not full else 2) and now - self.cut_at < RATE_WINDOW:
-                # the prefix counts a second: what was sent before the last cut still counts (the
-                # first cut, made mid-burst, may be followed at once by one more)
-                return
-            assert self.started is not None
-            span = now - self.started
-            if self.rate is None:  # the first: what was sent in a second at most (a burst's rate says nothing)
-                sent = self.sent / max(span, RATE_WINDOW)
-            else:  # below the limit while requests back off
-                sent = min(self.sent / span if span > 0 else math.inf, self.rate)
-            # the share answered well, counted as if 1 / TARGET_SHARE more were answered at
-            # TARGET_SHARE (a process with few answers is judged no worse for having few)
-            prior = 1 / TARGET_SHARE
-            n, k = len(recent), slowdowns
-            judged = (n - k + prior - 1) / (n + prior)
-            if full:
-                taken = 1 - slowdowns / len(recent)
-            else:  # over the last second
-                n, k = len(self.second), self.second_slowdowns
-                taken = (n - k + prior - 1) / (n + prior)
-            before = self.rate
-            self.rate = max(MIN_RATE, BACKOFF * taken * sent)
-            if not full:
-                self.known = self.rate
-            else:  # back fast to what was answered well over the last second, once the limit opens
-                answered = self.answered
-                while answered and answered[0] < now - RATE_WINDOW:
-                    answered.popleft()
-                # ... or the share of the limit it had that its answers show taken: a process
-                # answered little may have met a limit that others took (a DataLoader worker that
-                # starts late meets the bucket emptied), not one it overran
-                assert before is not None  # a full limit is met only once limited
-                got = max(len(answered) / RATE_WINDOW, judged * before)
-                self.known = max(self.rate, min(self.known, got))
-                # a limit that remembers a second (a sliding second) still counts what this process
-                # got through in the last one: nothing goes until that has fallen below ``known``'s
-                # second, and then at ``known`` (growing back from nearly nothing, the process sent
-                # into the closed second all the while)
-                over = len(answered) - int(self.known * RATE_WINDOW)
-                if over >= 0:
-                    self.paused_until = answered[over] + RATE_WINDOW
-                    self.rate = self.known
-            self.grown_at = self.started = self.cut_at = now
-            self.sent = 0
-            self.generation += 1
-            self.cuts += 1
-            recent.clear()
-            self.recent_slowdowns = 0
-            self.second.clear()
-            self.second_slowdowns = 0
-            self._reschedule(now, max(now + 1.0 / self.rate, self.paused_until), cut=True)
+            self.inflight -= 1
+            if generation == self.generation:
+                self._note(now, True)
+                self._cut(now)
+            self._give(now)
+
+    def on_failed(self) -> None:
+        """A request taken and ended otherwise (an error, cancelled: a hedge that lost): its place
+        in the start window is free."""
+        with self.lock:
+            self.inflight -= 1
+            self._give(self.clock())
+
+    def _give(self, now: float) -> None:
+        """Held turns get their place: in the start window while no limit is known, else a turn
+        booked under the limit (the first cut came). Under the lock."""
+        held = self.held
+        while held and (self.rate is not None or self.inflight < self.window):
+            turn = held.popleft()
+            if turn.taken:
+                continue  # cancelled
+            if self.rate is None:
+                turn.due, turn.taken = now, True
+                self.inflight += 1
+            else:  # booked under the first cut's limit, in its generation
+                self.sent += 1
+                turn.generation = self.generation
+                start = turn.due = max(now, self.next_free, self.paused_until)
+                self.next_free = start + 1.0 / self.rate
+                self.booked.append(turn)
+            if turn.wake is not None:
+                turn.wake()
+
+    def _cut(self, now: float) -> None:
+        """Cut the limit when SlowDowns are more than a share of this generation's answers.
+        Under the lock."""
+        recent, slowdowns = self.recent, self.recent_slowdowns
+        if slowdowns < 2 or slowdowns <= TARGET_SHARE * len(recent):
+            return
+        # most answered SlowDown (not at the first cut: a job's first requests all go at once)
+        full = self.rate is not None and slowdowns > len(recent) / 2
+        if self.cuts >= (1 if not full else 2) and now - self.cut_at < RATE_WINDOW:
+            # the prefix counts a second: what was sent before the last cut still counts (the
+            # first cut, made mid-burst, may be followed at once by one more)
+            return
+        assert self.started is not None
+        span = now - self.started
+        if self.rate is None:  # the first: what was sent in a second at most (a burst's rate says nothing)
+            sent = self.sent / max(span, RATE_WINDOW)
+        else:  # below the limit while requests back off
+            sent = min(self.sent / span if span > 0 else math.inf, self.rate)
+        # the share answered well, counted as if 1 / TARGET_SHARE more were answered at
+        # TARGET_SHARE (a process with few answers is judged no worse for having few)
+        prior = 1 / TARGET_SHARE
+        n, k = len(recent), slowdowns
+        judged = (n - k + prior - 1) / (n + prior)
+        if full:
+            taken = 1 - slowdowns / len(recent)
+        else:  # over the last second
+            n, k = len(self.second), self.second_slowdowns
+            taken = (n - k + prior - 1) / (n + prior)
+        before = self.rate
+        self.rate = max(MIN_RATE, BACKOFF * taken * sent)
+        if not full:
+            self.known = self.rate
+        else:  # back fast to what was answered well over the last second, once the limit opens
+            answered = self.answered
+            while answered and answered[0] < now - RATE_WINDOW:
+                answered.popleft()
+            # ... or the share of the limit it had that its answers show taken: a process
+            # answered little may have met a limit that others took (a DataLoader worker that
+            # starts late meets the bucket emptied), not one it overran
+            assert before is not None  # a full limit is met only once limited
+            got = max(len(answered) / RATE_WINDOW, judged * before)
+            self.known = max(self.rate, min(self.known, got))
+            # a limit that remembers a second (a sliding second) still counts what this process
+            # got through in the last one: nothing goes until that has fallen below ``known``'s
+            # second, and then at ``known`` (growing back from nearly nothing, the process sent
+            # into the closed second all the while)
+            over = len(answered) - int(self.known * RATE_WINDOW)
+            if over >= 0:
+                self.paused_until = answered[over] + RATE_WINDOW
+                self.rate = self.known
+        self.grown_at = self.started = self.cut_at = now
+        self.sent = 0
+        self.generation += 1
+        self.cuts += 1
+        recent.clear()
+        self.recent_slowdowns = 0
+        self.second.clear()
+        self.second_slowdowns = 0
+        self._reschedule(now, max(now + 1.0 / self.rate, self.paused_until), cut=True)
 
     def _note(self, now: float, slowdown: bool) -> None:
         """One answer of this generation into the share's windows. Under the lock."""
@@ -332,16 +391,28 @@ class ThrottleControl:
             now = self.clock()
             if turn.due > now and self.rate is not None:
                 self._grow(self.rate, now)  # a grown limit may move it sooner
+            if turn.due == math.inf and now - turn.since >= RATE_WINDOW:
+                turn.due = now  # the window is for the first round trips: never hold a read longer
             if turn.due > now:
                 return False
             turn.taken = True
+            self.inflight += 1
             self.last_due = max(self.last_due, turn.due)
             return True
 
     def cancel(self, turn: Turn) -> None:
-        """A booked turn its request no longer waits for (cancelled): no later turn waits for it."""
+        """A booked turn its request no longer waits for (cancelled): no later turn waits for it
+        (a turn given and not yet seen gives its place back)."""
         with self.lock:
-            if not turn.taken:
+            if turn.taken:
+                self.inflight -= 1
+                self._give(self.clock())
+            elif turn.due != math.inf:  # booked (a held turn is skipped when its place comes)
+                turn.taken = True
+                self.requests -= 1
+                if turn.generation == self.generation:
+                    self.sent -= 1
+            else:
                 turn.taken = True
                 self.requests -= 1
                 if turn.generation == self.generation:
@@ -353,16 +424,44 @@ class ThrottleControl:
         turn = self.turn()
         try:
             while not self.take(turn):  # it looks every RECHECK whether its turn moved
-                await anyio.sleep(min(max(turn.due - self.clock(), 0.0), RECHECK))
+                if turn.due == math.inf:
+                    await self._held(turn)
+                else:
+                    await anyio.sleep(min(max(turn.due - self.clock(), 0.0), RECHECK))
         except BaseException:
             self.cancel(turn)
             raise
         return turn.generation
 
-    def congested(self) -> bool:
+    async def _held(self, turn: Turn) -> None:
+        """Wait until ``turn`` is given a place (an answer, maybe on another engine's loop thread,
+        wakes it) or ``RECHECK`` passed."""
+        loop = asyncio.get_running_loop()
+        given = loop.create_future()
+
+        def give() -> None:
+            if not given.done():
+                given.set_result(None)
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(give)
+            except RuntimeError:  # that loop closed: nothing waits there any more
+                pass
+
+        with self.lock:
+            if turn.due != math.inf:
+                return
+            turn.wake = wake
+        with anyio.move_on_after(RECHECK):
+            await given
+
+    def congested(self, hedge: bool = False) -> bool:
         """Whether a second request for the same object would add to a throttle: limited, or
-        answered SlowDown within the last ``RATE_WINDOW``."""
-        return self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
+        answered SlowDown within the last ``RATE_WINDOW``; for a ``hedge``, also while the start
+        window is full (it would wait behind the reads held there, and be cancelled unsent)."""
+        return (self.rate is not None or self.clock() - self.last_throttled < RATE_WINDOW
+                or (hedge and self.inflight >= self.window))
 
     def statistics(self) -> ThrottleStats:
         return ThrottleStats(self.requests, self.throttled, self.rate, self.cuts)
@@ -462,9 +561,9 @@ class ThrottledStore(ReadWrapper):
             control = self.controls[bucket] = control_for(self.endpoint, bucket)
         return control
 
-    def congested(self, bucket: str) -> bool:
-        """Whether a hedge for ``bucket`` would add to a throttle (``HedgedStore`` asks)."""
-        return self.control(bucket).congested()
+    def congested(self, bucket: str, hedge: bool = False) -> bool:
+        """Whether a second request for ``bucket`` would add to a throttle (``HedgedStore`` asks)."""
+        return self.control(bucket).congested(hedge)
 
     async def stream(
         self, bucket: str, key: str, start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
@@ -481,10 +580,14 @@ class ThrottledStore(ReadWrapper):
                     first = False
                 yield chunk
         except ThrottledError:
-            self.throttled += 1
-            control.on_throttled(generation)
+            if first:
+                first = False
+                self.throttled += 1
+                control.on_throttled(generation)
             raise
         finally:
+            if first:  # ended before an answer (an error, cancelled, no body)
+                control.on_failed()
             await chunks.aclose()
 
     def __repr__(self) -> str:
@@ -498,6 +601,9 @@ class ThrottledStore(ReadWrapper):
         except ThrottledError:
             self.throttled += 1
             control.on_throttled(generation)
+            raise
+        except BaseException:
+            control.on_failed()
             raise
         control.on_answer(generation)
         return result
