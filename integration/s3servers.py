@@ -398,3 +398,14 @@ def _moto_version() -> str:
     from importlib.metadata import version
 
     return version("moto")
+
+
+def fault_proxy(s3_server: S3Server, plan: Any) -> Any:
+    """A ``faults.FaultProxy`` in front of ``s3_server`` (which must be plain HTTP on 127.0.0.1)
+    with ``plan`` (a ``faults.FaultPlan``)."""
+    from faults import FaultProxy
+
+    try:
+        return FaultProxy(s3_server.config.endpoint_url, plan)
+    except ValueError as exc:
+        pytest.fail(f"the fault proxy needs a plain-http server on 127.0.0.1 (point the tests at one): {exc}")

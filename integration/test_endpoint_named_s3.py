@@ -14,6 +14,7 @@ from loader import AsyncS3Dataset, EndpointUnreachableError, RetryPolicy, Store,
 
 from datasets import upload_objects
 from faults import FaultPlan, FaultProxy
+from s3servers import fault_proxy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,13 +26,6 @@ def objects(s3_server):
     bucket = s3_server.new_bucket()
     upload_objects(s3_server.minio, bucket, {f"named/{i}.bin": bytes([i]) * 50_000 for i in range(3)})
     return bucket
-
-
-def proxy_for(s3_server, plan: FaultPlan) -> FaultProxy:
-    try:
-        return FaultProxy(s3_server.config.endpoint_url, plan)
-    except ValueError as exc:
-        pytest.fail(f"the fault proxy needs a plain-http server on 127.0.0.1 (point the tests at one): {exc}")
 
 
 def gave_up_naming(proxy: FaultProxy, error: BaseException) -> str:
@@ -46,7 +40,7 @@ def gave_up_naming(proxy: FaultProxy, error: BaseException) -> str:
 @pytest.mark.parametrize("store", ["aioboto3", "obstore"])
 @pytest.mark.parametrize("fault", ["reset", "truncate"])
 def test_an_object_read_cut_short_names_its_endpoint_when_retries_give_up(s3_server, objects, store, fault):
-    with proxy_for(s3_server, FaultPlan(**{fault: 1.0})) as proxy:
+    with fault_proxy(s3_server, FaultPlan(**{fault: 1.0})) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         dataset = AsyncS3Dataset.from_keys(objects, ["named/0.bin"], config=config,
                                            store=Store(backend=store, retry=RETRY))
@@ -61,7 +55,7 @@ def test_an_object_read_cut_short_names_its_endpoint_when_retries_give_up(s3_ser
 @pytest.mark.parametrize("store", ["aioboto3", "obstore"])
 def test_a_listing_cut_short_names_its_endpoint_when_retries_give_up(s3_server, objects, store):
     plan = FaultPlan(reset=1.0, objects_only=False)  # the LIST requests too
-    with proxy_for(s3_server, plan) as proxy:
+    with fault_proxy(s3_server, plan) as proxy:
         config = dataclasses.replace(s3_server.config, endpoint_url=proxy.endpoint_url)
         dataset = AsyncS3Dataset.from_prefix(f"s3://{objects}/named/", config=config,
                                              store=Store(backend=store, retry=RETRY))

@@ -62,6 +62,7 @@ from loader.engine.fetch import live_engines
 
 from datasets import jpeg_dataset, sha256
 from faults import FAULT_KINDS, FaultPlan, FaultProxy
+from s3servers import fault_proxy
 from shardsets import pack, upload_shards
 
 BACKENDS = ("aioboto3", "obstore")
@@ -121,14 +122,6 @@ def object_gets(decisions: list[tuple[str, str, str | None]], bucket: str) -> li
         if method == "GET" and path.startswith(f"/{bucket}/") and len(path) > len(bucket) + 2:
             out.append((path, kind))
     return out
-
-
-def proxy_for(s3_server, plan: FaultPlan) -> FaultProxy:
-    """A FaultProxy in front of the session's server (which must be plain HTTP on 127.0.0.1)."""
-    try:
-        return FaultProxy(s3_server.config.endpoint_url, plan)
-    except ValueError as exc:
-        pytest.fail(f"the fault proxy needs a plain-http server on 127.0.0.1 (point the tests at one): {exc}")
 
 
 def through(s3_server, proxy: FaultProxy):
@@ -216,7 +209,7 @@ def test_every_epoch_is_exact_through_injected_faults(s3_server, fault_data, fau
     plan = dataclasses.replace(FAULTS, seed=SEEDS[mode])
     rows: dict[str, KindRow] = collections.defaultdict(KindRow)
     loader_retries = below_loader = 0
-    with proxy_for(s3_server, FaultPlan()) as proxy:
+    with fault_proxy(s3_server, FaultPlan()) as proxy:
         dataset = build_fault_dataset(mode, bucket, through(s3_server, proxy), store, retry=FAST_RETRY)
         dataset.set_epoch(0)  # lists (through the proxy, unfaulted) before the first epoch
         baseline = first_requests(dataset, mode)
@@ -297,7 +290,7 @@ def test_streamed_shards_resume_exactly_under_heavy_truncation(s3_server, fault_
     # seed 7: 19 truncated bodies, 6 resets, 4 SlowDowns and a stall before the 8 shards finish
     plan = FaultPlan(reset=0.1, slowdown=0.1, truncate=0.5, stall=0.03, stall_seconds=STALL_SECONDS,
                      seed=7)
-    with proxy_for(s3_server, FaultPlan()) as proxy:
+    with fault_proxy(s3_server, FaultPlan()) as proxy:
         dataset = build_fault_dataset("shards-stream", bucket, through(s3_server, proxy), store,
                                       retry=dataclasses.replace(FAST_RETRY, max_attempts=40))
         dataset.resolve()
@@ -323,7 +316,7 @@ def test_the_error_that_ends_the_retries_reads_as_final(s3_server, fault_data, m
     bucket, _, _ = fault_data
     policy = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, connect_timeout=TIMEOUT,
                          read_timeout=TIMEOUT)
-    with proxy_for(s3_server, FaultPlan(**{fault: 1.0})) as proxy:
+    with fault_proxy(s3_server, FaultPlan(**{fault: 1.0})) as proxy:
         # few requests at once: where every answer is SlowDown the throttle control soon allows
         # one request a second, and the first request's last attempt waits behind the others' turns
         dataset = build_fault_dataset(mode, bucket, through(s3_server, proxy), store, retry=policy,
@@ -629,7 +622,7 @@ def test_transform_error_names_the_key_and_keeps_the_cause(s3_server, fault_data
 def test_invalid_options_are_refused_before_any_request(s3_server, fault_data, mode, option, value):
     bucket, _, _ = fault_data
     threads = set(threading.enumerate())
-    with proxy_for(s3_server, FaultPlan()) as proxy:
+    with fault_proxy(s3_server, FaultPlan()) as proxy:
         config = through(s3_server, proxy)
         # the queue's own size is an old spelling only: named as given
         name = "Limits.concurrency" if option == "concurrency" else option
