@@ -298,8 +298,15 @@ def test_never_trusts_entries(tmp_path):
 
 
 def test_cache_validate_is_checked_up_front():
-    with pytest.raises(ConfigError, match=r"cache_validate='sometimes' must be one of"):
+    """Each spelling's error names the spelling the user wrote."""
+    with pytest.raises(ConfigError, match=r"^Cache\.validate='sometimes' must be one of"):
         AsyncS3Dataset.from_keys(BUCKET, ["k"], store=Store(cache=Cache("cache", validate="sometimes")))
+    with pytest.raises(ConfigError, match=r"^Cache\.limit=100 must be a number of bytes, at least 4096"):
+        Cache("cache", limit=100)
+    with pytest.raises(ConfigError, match=r"^Cache\.dir='' must be a directory path"):
+        Cache("")
+    with pytest.deprecated_call(), pytest.raises(ConfigError, match=r"^cache_validate='sometimes' must be one of"):
+        AsyncS3Dataset.from_keys(BUCKET, ["k"], cache_dir="cache", cache_validate="sometimes")
 
 
 def test_map_dataset_refetches_overwritten_entries(tmp_path):

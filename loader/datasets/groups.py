@@ -26,6 +26,7 @@ import dataclasses
 import os
 from typing import Literal
 
+from ..cache.options import check_limit, check_validate
 from ..checks import check_int
 from ..errors import ConfigError
 from ..listing.keylist import ListOptions
@@ -98,6 +99,13 @@ class Cache:
     dir: str | os.PathLike[str]
     limit: int | None = None  # None: DEFAULT_CACHE_LIMIT, 10 GiB
     validate: str = "listing"  # DEFAULT_VALIDATE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, (str, os.PathLike)) or not os.fspath(self.dir):
+            raise ConfigError(f"Cache.dir={self.dir!r} must be a directory path (str or os.PathLike)")
+        if self.limit is not None:
+            check_limit(self.limit, "Cache.limit")
+        check_validate(self.validate, "Cache.validate")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
