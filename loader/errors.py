@@ -103,7 +103,18 @@ class ThrottledError(TransientStoreError):
     fewer requests to that endpoint and bucket for a while (docs/design/retry.md).
     ``retry_after``: the seconds its ``Retry-After`` asked for, when it sent one."""
 
-    retry_after: float | None = None
+    def __init__(self, message: str, *, bucket: str | None = None, key: str | None = None,
+                 endpoint: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message, bucket=bucket, key=key, endpoint=endpoint)
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # Retry-After too, as the other fields cross a worker boundary
+        return (_rebuild_throttled, (type(self), str(self), self.bucket, self.key, self.endpoint,
+                                     self.retry_after))
+
+
+def _rebuild_throttled(cls, message, bucket, key, endpoint, retry_after):
+    return cls(message, bucket=bucket, key=key, endpoint=endpoint, retry_after=retry_after)
 
 
 class EndpointUnreachableError(TransientStoreError, ConnectionError):

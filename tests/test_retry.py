@@ -301,6 +301,14 @@ def test_the_endpoint_of_a_transient_error_is_given_once_and_survives_pickling(c
     assert cls("no endpoint known").endpoint == ""
 
 
+def test_a_throttles_retry_after_survives_pickling():
+    """The seconds a ``Retry-After`` asked for stay on a throttle's error in the parent process."""
+    err = ThrottledError("503 SlowDown", bucket="bkt", key="k", endpoint="http://127.0.0.1:9000", retry_after=4.0)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.retry_after, back.endpoint, back.key) == (4.0, "http://127.0.0.1:9000", "k")
+    assert ThrottledError("503").retry_after is None
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "error",

@@ -138,13 +138,11 @@ def error_for_answer(
         return changed_during_read(bucket, key, "the server answered 412 PreconditionFailed to "
                                    "If-Match: it no longer holds the version the read began with")
     if code in THROTTLE_CODES or status in (429, 503):
-        throttled = ThrottledError(
+        return ThrottledError(
             f"{what}: the server answered {code or status} (HTTP {status})",
             bucket=bucket, key=key, endpoint=endpoint,
+            retry_after=retry_after(headers("retry-after") if headers is not None else None, time.time()),
         )
-        throttled.retry_after = retry_after(headers("retry-after") if headers is not None else None,
-                                            time.time())
-        return throttled
     if code in TRANSIENT_CODES or status >= 500 or status == 408:  # 408: the server gave up
         # waiting (on a kept-alive connection, often one it was closing): another try is right
         # the endpoint is named once the retries give up (``retry.gave_up``)
