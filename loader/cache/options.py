@@ -28,11 +28,16 @@ def check_cache_options(
         if cache_limit is not None:
             raise ConfigError(f"cache_limit={cache_limit!r} needs cache_dir= (the directory to cache in)")
         return None, None
-    if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
-        raise ConfigError(f"cache_dir={cache_dir!r} must be a directory path (str or os.PathLike)")
+    check_dir(cache_dir, "cache_dir")
     limit = DEFAULT_CACHE_LIMIT if cache_limit is None else cache_limit
     check_limit(limit, "cache_limit")
     return os.path.abspath(os.path.expanduser(os.fspath(cache_dir))), limit
+
+
+def check_dir(folder: Any, name: str) -> None:
+    """A cache's folder: a non-empty path (created by the first ``DiskCache``, not here)."""
+    if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
+        raise ConfigError(f"{name}={folder!r} must be a directory path (str or os.PathLike)")
 
 
 def check_validate(validate: Any, name: str = "cache_validate") -> None:

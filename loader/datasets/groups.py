@@ -26,7 +26,7 @@ import dataclasses
 import os
 from typing import Literal
 
-from ..cache.options import check_limit, check_validate
+from ..cache.options import check_dir, check_limit, check_validate
 from ..checks import check_int
 from ..errors import ConfigError
 from ..listing.keylist import ListOptions
@@ -101,8 +101,7 @@ class Cache:
     validate: str = "listing"  # DEFAULT_VALIDATE
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dir, (str, os.PathLike)) or not os.fspath(self.dir):
-            raise ConfigError(f"Cache.dir={self.dir!r} must be a directory path (str or os.PathLike)")
+        check_dir(self.dir, "Cache.dir")
         if self.limit is not None:
             check_limit(self.limit, "Cache.limit")
         check_validate(self.validate, "Cache.validate")
