@@ -54,13 +54,19 @@ class OneStuck:
     def __init__(self, stuck: int = 1) -> None:
         self.stuck = stuck
         self.reads: dict[str, int] = {}
+        self.inflight = self.peak_inflight = 0  # reads at the store at once, as a server counts them
 
     async def get(self, bucket: str, key: str, *, pin=None) -> bytes:
         self.reads[key] = self.reads.get(key, 0) + 1
-        if key == "stuck" and self.reads[key] <= self.stuck:
-            await anyio.sleep_forever()
-        await anyio.sleep(0.002)
-        return key.encode()
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        try:
+            if key == "stuck" and self.reads[key] <= self.stuck:
+                await anyio.sleep_forever()
+            await anyio.sleep(0.002)
+            return key.encode()
+        finally:
+            self.inflight -= 1
 
 
 def test_a_hedge_gets_a_place_while_other_reads_keep_every_place_busy():
@@ -91,7 +97,40 @@ def test_a_hedge_gets_a_place_while_other_reads_keep_every_place_busy():
     assert anyio.run(main) == b"stuck"
     assert inner.reads["stuck"] == 2
     assert store.hedges_won == 1
-    assert store.inflight == 0 and store.hedges_waiting == 0
+    assert store.inflight == 0 and store.hedges_waiting == 0 and store.hedges_out == 0
+    # the hedge took a place that freed up; the feeders' next reads waited for another, so the
+    # store never saw more than max_requests at once
+    assert inner.peak_inflight == 4
+
+
+def test_reads_wait_for_a_place_while_a_hedge_holds_one():
+    # A hedge holds one of the two places, a read holds the other: the next read must wait until
+    # one of them ends (without the wait, three requests would be in flight under a limit of 2).
+    store = HedgedStore(OneStuck(), f"http://tail-test-{next(_endpoints)}", max_requests=2)
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            await store.enter()  # a read's place
+            hedge = anyio.CancelScope()
+            entered = anyio.Event()
+
+            async def read() -> None:
+                await store.enter()
+                entered.set()
+
+            await store.enter(hedge=True)
+            store.hedges_out += 1  # as ``_hedge`` counts it once in
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await anyio.sleep(0.05)
+                assert not entered.is_set() and store.inflight == 2
+                store.hedges_out -= 1
+                store.leave()  # the hedge ends: its place goes to the read
+                await entered.wait()
+            hedge.cancel()
+        assert store.inflight == 2
+
+    anyio.run(main)
 
 
 def test_a_read_that_gave_way_to_a_hedge_goes_when_the_hedge_is_called_off():

@@ -128,8 +128,8 @@ class HedgedStore(ReadWrapper):
 
     A hedge is sent only when fewer than ``max_requests`` of this store's reads are in flight
     (the engine's ``max_inflight``), taking the next place that frees up ahead of the engine's
-    next read; the reads of jobs already started are not held back, so while hedges are out the
-    count may pass ``max_requests`` by at most their number (the hedging budget bounds it). No
+    next read; while a hedge waits or is out, reads wait for a place too, so hedging never takes
+    the reads in flight past ``max_requests`` (a user's concurrency is a bound on requests). No
     hedge goes while the ``ThrottledStore.congested(bucket)`` below says so.
     Counts its own engine's share (``hedged``, ``hedges_won``) for ``stats()``."""
 
@@ -139,6 +139,7 @@ class HedgedStore(ReadWrapper):
         self.max_requests = max_requests
         self.inflight = 0
         self.hedges_waiting = 0  # hedges waiting for a place: reads give way to them
+        self.hedges_out = 0  # hedges holding a place: reads wait for one below max_requests
         self.freed: anyio.Event | None = None  # set when a place frees up, for those waiting
         self.pending: set[_Pending] = set()  # reads that may be hedged, while in flight
         self.watching = False  # whether ``watch`` runs (else nothing is hedged)
@@ -177,7 +178,8 @@ class HedgedStore(ReadWrapper):
         reads jobs ask for are already bounded by the engine (whose jobs may send several at
         once: the objects of one sample), but give way to a waiting hedge: the engine keeps
         ``max_requests`` in flight while its buffer has room, so a hedge that only took a
-        place left free would wait for the epoch's end, and the straggler with it."""
+        place left free would wait for the epoch's end, and the straggler with it. While hedges
+        are out, reads wait for a place as hedges do: a hedge takes a place, never one more."""
         limit = self.max_requests
         if limit is None:
             self.inflight += 1
@@ -191,7 +193,7 @@ class HedgedStore(ReadWrapper):
                 self.hedges_waiting -= 1
                 self._wake()  # reads that gave way to it may go (it may have been cancelled)
         else:
-            while self.hedges_waiting and self.inflight + self.hedges_waiting >= limit:
+            while (self.hedges_waiting or self.hedges_out) and self.inflight + self.hedges_waiting >= limit:
                 await self._wait_freed()
         self.inflight += 1
 
@@ -289,6 +291,7 @@ class HedgedStore(ReadWrapper):
         try:
             with scope:
                 await self.enter(hedge=True)
+                self.hedges_out += 1
                 try:
                     if self.congested(pending.bucket, hedge=True):
                         return  # throttled since it was decided: a second request would add to the storm
@@ -302,6 +305,7 @@ class HedgedStore(ReadWrapper):
                 except Exception:  # noqa: BLE001 - the original request goes on and decides
                     return
                 finally:
+                    self.hedges_out -= 1
                     self.leave()
                 if pending in self.pending and pending.result is None:  # the first answer: it wins
                     pending.result = (data,)
