@@ -13,7 +13,7 @@ def fresh_throttle_controls(monkeypatch):
     """Each test starts as a new process does: no rate limit learned and no start window grown by
     the tests that ran before it in this worker (the fakes share one endpoint and bucket name, and
     the controls are per process), so what a test sees does not hang on the order tests ran in."""
-    from loader.engine import throttle
+    from loader.s3 import throttle
 
     monkeypatch.setattr(throttle.CONTROLS, "by_key", {})
 

@@ -9,7 +9,7 @@ import itertools
 import anyio
 import pytest
 
-from loader.engine.hedging import HEDGE_AT_FIRST, HEDGE_BURST, HEDGE_SHARE, HEDGES_PER_READ, HedgedStore
+from loader.s3.hedging import HEDGE_AT_FIRST, HEDGE_BURST, HEDGE_SHARE, HEDGES_PER_READ, HedgedStore
 
 _endpoints = itertools.count()
 STRAGGLE = HEDGE_AT_FIRST + 1.0  # seconds: well past the threshold used before any answer is known

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from loader import AccessDeniedError, ConfigError, Limits, NoSuchKeyError, SampleError, Store
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
 from loader.datasets.options import LoaderOptions
-from loader.engine.throttle import START_WINDOW
+from loader.s3.throttle import START_WINDOW
 
 from fakes import FakeStore, SharedFake, payloads, reusable
 from waiting import wait_until

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from throttle_sim import Prefix, Server
 
-from loader.engine import throttle
-from loader.engine.throttle import BACKOFF, MIN_RATE, RATE_WINDOW, RISE_FOUND, ThrottleControl
+from loader.s3 import throttle
+from loader.s3.throttle import BACKOFF, MIN_RATE, RATE_WINDOW, RISE_FOUND, ThrottleControl
 
 START = 1000.0
 
@@ -324,7 +324,7 @@ def test_before_any_limit_a_process_starts_with_start_window_in_flight():
     """64 reads at once (the engine's requests in flight) before any limit is known: the store
     sees ``START_WINDOW`` of them before the first answer, then two more for each good answer
     (the window grows by one, and the answered place is free), and all 64 once they are answered."""
-    from loader.engine.throttle import START_WINDOW, ThrottledStore
+    from loader.s3.throttle import START_WINDOW, ThrottledStore
     from loader.testing import MemoryStore
 
     first, second = anyio.Event(), anyio.Event()
@@ -361,7 +361,7 @@ def test_a_read_held_by_the_start_window_goes_after_rate_window_whatever_holds_t
     """The start window is for the first round trips: a read held a whole ``RATE_WINDOW`` goes,
     even while every place is held by reads never answered (a place lost to an accounting slip
     costs a second, never a hang)."""
-    from loader.engine.throttle import RATE_WINDOW, START_WINDOW
+    from loader.s3.throttle import RATE_WINDOW, START_WINDOW
 
     clock = Clock()
     control = ThrottleControl(clock)
@@ -378,8 +378,8 @@ def test_a_read_held_by_the_start_window_goes_after_rate_window_whatever_holds_t
 def test_a_read_cancelled_or_failed_gives_its_place_in_the_start_window_back():
     """Reads cancelled while they wait at the store (a hedge that lost) and reads that fail free
     their places: the next reads go, none waits for an answer that never comes."""
-    from loader.engine.throttle import START_WINDOW, ThrottledStore
     from loader.errors import NoSuchKeyError
+    from loader.s3.throttle import START_WINDOW, ThrottledStore
     from loader.testing import MemoryStore
 
     gate = anyio.Event()
@@ -410,7 +410,7 @@ def test_a_read_cancelled_or_failed_gives_its_place_in_the_start_window_back():
 def test_a_cut_before_any_limit_books_the_held_requests_under_it():
     """The first cut comes while requests wait for a place in the start window: they are booked
     under the new limit, in their order, paced at it (not let go at once, not lost)."""
-    from loader.engine.throttle import START_WINDOW
+    from loader.s3.throttle import START_WINDOW
 
     clock = Clock()
     control = ThrottleControl(clock)

@@ -13,7 +13,7 @@ import statistics
 import pytest
 from throttle_sim import SHAPES, Job, Prefix, simulate
 
-from loader.engine.throttle import RISE_FOUND
+from loader.s3.throttle import RISE_FOUND
 
 # in flight per process: enough that the job can send past the prefix's 5,500 GET/s
 JOBS = {2: Job(processes=2, concurrency=256), 8: Job(processes=8, concurrency=64),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from throttle_sim import Job, Prefix, simulate
 
-from loader.engine.throttle import RISE_FOUND
+from loader.s3.throttle import RISE_FOUND
 
 SHAPES = {
     "sliding second": Prefix(shape="window"),

@@ -22,8 +22,8 @@ import random
 import statistics
 from collections import deque
 
-from loader.engine.throttle import RECHECK, ThrottleControl
 from loader.retry import RetryPolicy, backoff_delay
+from loader.s3.throttle import RECHECK, ThrottleControl
 
 S3_PREFIX_RATE = 5500.0  # GET/s a prefix answers (AWS's documented figure)
 

@@ -105,7 +105,7 @@ class CachedStore:
     store is closed. Use it in one event loop, like any store (see ``loader/s3/protocol.py``).
     """
 
-    # The engine does not hedge reads through the cache (engine/hedging.py): a hedged miss would
+    # The engine does not hedge reads through the cache (s3/hedging.py): a hedged miss would
     # fetch and fill the same entry twice, and a hit is a local file read, never a straggler.
     hedged_by_engine = False
 

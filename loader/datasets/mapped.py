@@ -27,7 +27,6 @@ from torch.utils.data import Dataset
 from ..config import S3Config
 from ..decode import apply_transform
 from ..engine.core import run_all
-from ..engine.hedging import TailStore
 from ..engine.loopthread import LoopThread
 from ..errors import NoSuchKeyError, SampleError, say_skipped
 from ..lifecycle import LiveObjects
@@ -36,6 +35,7 @@ from ..listing.keylist import KeyList
 from ..listing.snapshots import is_snapshot, saved_snapshot, snapshot_option, snapshot_uri
 from ..retry import RetryPolicy, call_with_retries
 from ..s3 import ObjectStore, StoreFactory
+from ..s3.hedging import TailStore
 from ..s3.listed_reads import reread_listed
 from ..uri import parse_s3_uri
 from .groups import Limits, Store
@@ -300,7 +300,7 @@ class _Client:
         self.retry = retry
         self.store: TailStore | None = None
         self.limiter: anyio.Semaphore | None = None  # shared by concurrent calls from any thread
-        self.watcher: Future[None] | None = None  # the store's hedging watcher (engine/hedging.py)
+        self.watcher: Future[None] | None = None  # the store's hedging watcher (s3/hedging.py)
         self.closed = False
 
     @classmethod

@@ -18,8 +18,8 @@ import anyio
 from ..retry import RetryPolicy
 from ..s3 import ObjectStore
 from ..s3.blocking import first_error
+from ..s3.hedging import TailStore
 from .delivery import DeliveryPolicy, Entry, Slot, delivery_for
-from .hedging import TailStore
 from .limits import Counts, EngineLimits
 from .tuning import TUNING, Tuning
 
@@ -194,7 +194,7 @@ class EngineCore:
         try:
             store = self.tail = TailStore(await self.store_factory(), max_requests=self.limits.max_inflight)
             async with anyio.create_task_group() as beside:
-                beside.start_soon(store.watch)  # hedges straggling reads (engine/hedging.py)
+                beside.start_soon(store.watch)  # hedges straggling reads (s3/hedging.py)
                 async with anyio.create_task_group() as tg:
                     await self.launch_all(tg, store)
                 beside.cancel_scope.cancel()

@@ -59,7 +59,7 @@ class EngineStats(NamedTuple):
     retries: int
     consumer_wait_s: float
     peak_reserved_bytes: int = 0  # most of ``inflight_bytes`` reserved at once (0 without it)
-    throttled: int = 0  # requests answered SlowDown/503/429 (engine/throttle.py)
+    throttled: int = 0  # requests answered SlowDown/503/429 (s3/throttle.py)
     hedged: int = 0  # straggling requests sent a second time
     hedges_won: int = 0  # ... of which the second answered first
 

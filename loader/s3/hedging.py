@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import anyio
 
-from ..s3 import DEFAULT_CHUNK_SIZE, ObjectStore, Pin
+from .protocol import DEFAULT_CHUNK_SIZE, ObjectStore, Pin
 from .throttle import ReadWrapper, SharedControls, ThrottledStore, endpoint_of
 
 T = TypeVar("T")

@@ -63,7 +63,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import anyio
 
 from ..errors import ThrottledError
-from ..s3 import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
+from .protocol import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 
 T = TypeVar("T")
 C = TypeVar("C")
