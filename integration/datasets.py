@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import subprocess
-import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,13 +69,11 @@ def _sample_seed(seed: int, index: int) -> int:
     return seed * 1_000_003 + index
 
 
+_IMPORT_SETUP = "import sys\nfrom torch.utils.data import DataLoader\nfrom loader import AsyncS3Dataset\n"
+
 _IMPORT_PROBE = """
-import sys
-from torch.utils.data import DataLoader
-from loader import AsyncS3Dataset
-build, uri, store = sys.argv[1:4]
-backend = "loader.s3." + store + "_store"
-dataset = getattr(AsyncS3Dataset, build)(uri, shuffle=True, store=store)
+backend = "loader.s3." + {store!r} + "_store"
+dataset = getattr(AsyncS3Dataset, {build!r})({uri!r}, shuffle=True, store={store!r})
 built = backend in sys.modules
 keys = [sample["__key__"] for sample in DataLoader(dataset, batch_size=None, num_workers=2, timeout=120)]
 assert len(keys) == len(set(keys)), "a sample read twice"
@@ -85,13 +81,21 @@ print(built, backend in sys.modules, len(keys))
 """
 
 
-def import_probe(s3_server, build: str, uri: str, store: str) -> tuple[bool, bool, int]:
-    """In a fresh process pointed at ``s3_server`` by the environment: whether ``store``'s backend
-    was imported once ``AsyncS3Dataset.<build>(uri)`` returned, whether it was after its
-    DataLoader (2 workers, the platform's start method) read every sample, and how many it read."""
+def import_probes(forked_probes, s3_server, build: str, uri: str,
+                  stores=("aioboto3", "obstore")) -> dict[str, tuple[bool, bool, int] | str]:
+    """For each of ``stores``, in a child forked from a fresh interpreter pointed at ``s3_server``
+    by the environment that imported only torch's DataLoader and the dataset class: whether the
+    store's backend was imported once ``AsyncS3Dataset.<build>(uri)`` returned, whether it was
+    after its DataLoader (2 workers, the platform's start method) read every sample, and how many
+    it read; or, where the child failed, its exit code and stderr."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}, **s3_server.env}
-    run = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, build, uri, store], env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    built, after, count = run.stdout.split()
-    return built == "True", after == "True", int(count)
+    results = forked_probes(_IMPORT_SETUP, {store: _IMPORT_PROBE.format(build=build, uri=uri, store=store)
+                                            for store in stores}, env=env)
+    probed: dict[str, tuple[bool, bool, int] | str] = {}
+    for store, (code, out, err) in results.items():
+        if code != 0:
+            probed[store] = f"exit {code}: {err[-3000:]}"
+            continue
+        built, after, count = out.split()
+        probed[store] = (built == "True", after == "True", int(count))
+    return probed

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,14 +18,14 @@ UNUSED = ("xml.etree", "encodings.idna", "stringprep", "aiohttp", "aiobotocore",
           "loader.formats.packing", "loader.formats.shards", "loader.formats.tar", "loader.cache.store",
           "loader.checkpoint", "loader.tools")
 
+# each case runs in a child forked from a fresh interpreter that ran only these imports
+SETUP = "import json, sys\nfrom torch.utils.data import DataLoader\nfrom loader import AsyncS3Dataset\n"
+
 PROBE = """
-import json, sys
-from torch.utils.data import DataLoader
-from loader import AsyncS3Dataset
-dataset = AsyncS3Dataset.from_prefix(sys.argv[1], shuffle=True, seed=4)
-workers = int(sys.argv[2])
+dataset = AsyncS3Dataset.from_prefix({uri!r}, shuffle=True, seed=4)
+workers = {workers}
 first = next(iter(DataLoader(dataset, batch_size=None, num_workers=workers, timeout=120 if workers else 0)))
-print(json.dumps({"key": first["__key__"], "size": len(first["bin"]), "modules": sorted(sys.modules)}))
+print(json.dumps({{"key": first["__key__"], "size": len(first["bin"]), "modules": sorted(sys.modules)}}))
 """
 
 
@@ -38,13 +36,19 @@ def objects(s3_server):
     return bucket
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_the_first_sample_imports_no_xml_client_or_other_mode(s3_server, objects, num_workers):
+@pytest.fixture(scope="module")
+def probed(forked_probes, s3_server, objects) -> dict[int, tuple[int, str, str]]:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}, **s3_server.env}
-    run = subprocess.run([sys.executable, "-c", PROBE, f"s3://{objects}/train/", str(num_workers)], env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    results = forked_probes(SETUP, {str(workers): PROBE.format(uri=f"s3://{objects}/train/", workers=workers)
+                                    for workers in (0, 2)}, env=env)
+    return {int(workers): result for workers, result in results.items()}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_first_sample_imports_no_xml_client_or_other_mode(probed, num_workers):
+    code, out, err = probed[num_workers]
+    assert code == 0, err[-3000:]
+    got = json.loads(out.strip().splitlines()[-1])
     assert got["key"].startswith("train/") and got["size"] == 100  # two listing pages were read
     assert "loader.s3.http_lister" in got["modules"]  # it listed through the HTTP lister
     imported = [m for m in got["modules"] if any(m == name or m.startswith(name + ".") for name in UNUSED)]

@@ -22,7 +22,7 @@ from loader import (
 )
 from loader.engine.fetch import live_engines
 
-from datasets import import_probe, jpeg_dataset, sha256
+from datasets import import_probes, jpeg_dataset, sha256
 
 N = 1200
 
@@ -197,10 +197,15 @@ def test_unreachable_endpoint_gives_up_with_a_clear_error():
                ConnectionError, r"cannot connect to http://127\.0\.0\.1:9.*gave up")
 
 
+@pytest.fixture(scope="module")
+def listed_imports(forked_probes, s3_server, jpegs):
+    return import_probes(forked_probes, s3_server, "from_prefix", f"s3://{jpegs[0]}/train/")
+
+
 @pytest.mark.parametrize("store", ["aioboto3", "obstore"])
 def test_a_listed_dataset_imports_its_backend_while_listing_and_its_workers_read_every_object(
-        s3_server, jpegs, store):
+        jpegs, listed_imports, store):
     """The backend's import waits for the listing (it runs while the pages arrive), which the
     DataLoader's workers start after, however they start: each still reads its share."""
-    bucket, expected = jpegs
-    assert import_probe(s3_server, "from_prefix", f"s3://{bucket}/train/", store) == (False, True, len(expected))
+    _, expected = jpegs
+    assert listed_imports[store] == (False, True, len(expected))

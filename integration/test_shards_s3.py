@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, ConfigError, Limits, NoSuchKeyError, Reading, ShardFormatError
 
-from datasets import import_probe, sha256
+from datasets import import_probes, sha256
 from shardsets import pack, upload_shards
 
 SIZES = [260, 250, 270, 240, 255, 265, 245, 275]  # 2,060 samples in 8 shards
@@ -162,9 +162,14 @@ def test_missing_shard_names_the_key(s3_server, shards):
                                         config=s3_server.config))
 
 
+@pytest.fixture(scope="module")
+def listed_imports(forked_probes, s3_server, shards):
+    return import_probes(forked_probes, s3_server, "from_shards", f"s3://{shards[0]}/train/")
+
+
 @pytest.mark.parametrize("store", ["aioboto3", "obstore"])
 def test_shards_listed_from_a_prefix_import_the_backend_while_listing_and_workers_read_them_all(
-        s3_server, shards, store):
+        shards, listed_imports, store):
     """As per-object mode: the import waits for the listing, which the workers start after."""
-    bucket, expected, _ = shards
-    assert import_probe(s3_server, "from_shards", f"s3://{bucket}/train/", store) == (False, True, len(expected))
+    _, expected, _ = shards
+    assert listed_imports[store] == (False, True, len(expected))

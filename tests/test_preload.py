@@ -3,7 +3,6 @@ that lists imports it while its listing runs."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -11,64 +10,72 @@ import pytest
 import loader.s3
 from loader import AsyncS3Dataset, ConfigError, S3Config
 
+# what every probe imports first; each case runs in a child forked from a fresh interpreter
+# that ran only this, so what a case finds imported comes from what the case itself did
+_SETUP = "import sys\nfrom loader import AsyncS3Dataset, S3Config\n"
+
 _PROBE = """
-import sys
-from loader import AsyncS3Dataset, S3Config
-config = S3Config(endpoint_url=sys.argv[2] or None, access_key_id="a", secret_access_key="b")
-before = {name for name in ("aiohttp", "loader.s3.aioboto3_store", "loader.s3.obstore_store")
-          if name in sys.modules}
-AsyncS3Dataset.from_keys("b", ["k"], config=config, store=sys.argv[1])
-after = {name for name in ("aiohttp", "loader.s3.aioboto3_store", "loader.s3.obstore_store")
-         if name in sys.modules}
+config = S3Config(endpoint_url={endpoint!r} or None, access_key_id="a", secret_access_key="b")
+before = {{name for name in ("aiohttp", "loader.s3.aioboto3_store", "loader.s3.obstore_store")
+          if name in sys.modules}}
+AsyncS3Dataset.from_keys("b", ["k"], config=config, store={store!r})
+after = {{name for name in ("aiohttp", "loader.s3.aioboto3_store", "loader.s3.obstore_store")
+         if name in sys.modules}}
 print(sorted(before), sorted(after))
 """
 
-
-def probe(store: str, endpoint: str = "http://127.0.0.1:9") -> str:
-    run = subprocess.run([sys.executable, "-c", _PROBE, store, endpoint], capture_output=True,
-                         text=True, timeout=120, check=True)
-    return run.stdout.strip()
-
-
-def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork():
-    # every endpoint goes through the signed transport, which needs nothing of aiohttp's
-    assert probe("aioboto3") == "[] ['loader.s3.aioboto3_store']"
-    assert probe("aioboto3", "") == "[] ['loader.s3.aioboto3_store']", "AWS itself too"
-    # obstore datasets list with the standard library's HTTP client: nothing of aiohttp's or
-    # aioboto3's, in the parent or in a forked worker, whatever the endpoint
-    assert probe("obstore") == "[] ['loader.s3.obstore_store']"
-    assert probe("obstore", "") == "[] ['loader.s3.obstore_store']"
-
-
 _LISTED_PROBE = """
-import sys
-from loader import AsyncS3Dataset, S3Config
 from loader.listing.keylist import KeyList
 from loader.listing.snapshots import save_snapshot
-path, uri = sys.argv[2], "s3://bkt/train/"
+path, uri = {path!r}, "s3://bkt/train/"
 save_snapshot(KeyList.from_keys(["train/a.jpg", "train/b.jpg"], [1, 2]), path, uri)
 config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
-backend = "loader.s3." + sys.argv[1] + "_store"
-if sys.argv[3] == "objects":
-    dataset = AsyncS3Dataset.from_prefix(uri, snapshot=path, config=config, store=sys.argv[1])
+backend = "loader.s3." + {store!r} + "_store"
+if {kind!r} == "objects":
+    dataset = AsyncS3Dataset.from_prefix(uri, snapshot=path, config=config, store={store!r})
 else:  # shards named, not listed: nothing to import beside
-    dataset = AsyncS3Dataset.from_shards(["s3://bkt/t/a-0.tar"], sample_counts={"s3://bkt/t/a-0.tar": 2}, config=config,
-                                         store=sys.argv[1])
+    dataset = AsyncS3Dataset.from_shards(["s3://bkt/t/a-0.tar"], sample_counts={{"s3://bkt/t/a-0.tar": 2}},
+                                         config=config, store={store!r})
 built = backend in sys.modules
 count = len(dataset)
 print(built, count, backend in sys.modules)
 """
 
+STORES = ("aioboto3", "obstore")
+ENDPOINTS = ("http://127.0.0.1:9", "")  # a lab endpoint, and AWS itself
+
+
+@pytest.fixture(scope="module")
+def probed(forked_probes, tmp_path_factory) -> dict[str, str]:
+    """Every probe of this module, each in its own forked child: its stdout by case."""
+    folder = tmp_path_factory.mktemp("snapshots")
+    cases = {f"built-{store}-{endpoint}": _PROBE.format(store=store, endpoint=endpoint)
+             for store in STORES for endpoint in ENDPOINTS}
+    cases |= {f"listed-{store}-{kind}": _LISTED_PROBE.format(store=store, kind=kind,
+                                                             path=str(folder / f"{store}-{kind}"))
+              for store in STORES for kind in ("objects", "shards")}
+    results = forked_probes(_SETUP, cases, timeout=120)
+    return {name: out.strip() if code == 0 else f"exit {code}: {err[-3000:]}"
+            for name, (code, out, err) in results.items()}
+
+
+def test_building_a_dataset_imports_its_backend_and_aiohttp_before_any_fork(probed):
+    # every endpoint goes through the signed transport, which needs nothing of aiohttp's
+    assert probed["built-aioboto3-http://127.0.0.1:9"] == "[] ['loader.s3.aioboto3_store']"
+    assert probed["built-aioboto3-"] == "[] ['loader.s3.aioboto3_store']", "AWS itself too"
+    # obstore datasets list with the standard library's HTTP client: nothing of aiohttp's or
+    # aioboto3's, in the parent or in a forked worker, whatever the endpoint
+    assert probed["built-obstore-http://127.0.0.1:9"] == "[] ['loader.s3.obstore_store']"
+    assert probed["built-obstore-"] == "[] ['loader.s3.obstore_store']"
+
 
 @pytest.mark.parametrize("kind", ["objects", "shards"])
-@pytest.mark.parametrize("store", ["aioboto3", "obstore"])
-def test_a_dataset_that_lists_imports_its_backend_when_it_lists_not_at_construction(store, kind, tmp_path):
+@pytest.mark.parametrize("store", STORES)
+def test_a_dataset_that_lists_imports_its_backend_when_it_lists_not_at_construction(store, kind, probed):
     """(Where it lists, the import runs while the pages arrive: ``run_async``'s ``meanwhile``;
     here the keys come from a snapshot, or the shards are named, and the backend is imported
     all the same.)"""
-    run = subprocess.run([sys.executable, "-c", _LISTED_PROBE, store, str(tmp_path / "keys"), kind],
-                         capture_output=True, text=True, timeout=120, check=True)
-    assert run.stdout.split() == ["False", "2", "True"]
+    assert probed[f"listed-{store}-{kind}"].split() == ["False", "2", "True"]
 
 
 def test_a_listing_runs_while_the_calling_thread_works_and_an_error_there_stops_it():
