@@ -13,7 +13,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from loader import AsyncS3Dataset, AsyncS3MapDataset
-from loader.engine import DEFAULT_MAX_INFLIGHT, hedging, throttle
+from loader.engine import DEFAULT_MAX_INFLIGHT
+from loader.s3 import hedging, throttle
 
 from datasets import sha256, upload_objects
 from faults import FaultPlan, FaultProxy
