@@ -10,7 +10,10 @@ pytest-xdist) when a test first needs one. Their names, for ``$LOADER_TEST_SERVE
 
 ``LOADER_TEST_SERVERS=seaweedfs,moto``: the first server runs every test, and each one runs the
 tests marked ``server_sensitive`` (listings, versions, ranges, multipart, S3's error answers: where
-S3 implementations differ); a test's id names its server (``test_x[moto]``). Unset: an
+S3 implementations differ); a test's id names its server (``test_x[moto]``). A marker with
+``beyond_first={"store": ("http-ahead",)}`` keeps, on the servers after the first, only the cases
+whose parameters take those values (where the other cases repeat, server by server, what the first
+server's cases prove). Unset: an
 endpoint from the environment, else MinIO when a Docker engine answers, else SeaweedFS; then moto.
 
 Tests get ``s3_server`` (see ``S3Server``) and, to read configuration from ``os.environ`` like a
@@ -56,6 +59,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if not metafunc.definition.get_closest_marker(SENSITIVE):
             names = names[:1]
         metafunc.parametrize("s3_server", names, indirect=True, ids=names, scope="session")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect, on the servers after the first, the cases of a ``server_sensitive`` test that
+    its ``beyond_first`` does not name (see the module docstring)."""
+    first = chosen_servers()[0]
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker(SENSITIVE)
+        params = getattr(item, "callspec", None)
+        only = marker.kwargs.get("beyond_first") if marker is not None else None
+        if only and params is not None and params.params.get("s3_server", first) != first \
+                and any(params.params.get(name) not in values for name, values in only.items()):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
