@@ -2,8 +2,9 @@
 
 A rank is started by ``torch.multiprocessing.spawn`` (so its DataLoader workers are spawned, the
 default there), joins a gloo group, and for each cell builds ``AsyncS3Dataset.from_shards`` with
-the cell's URIs and options and reads one epoch with 2 workers. It writes ``{out}/{cell}/rank{r}
-.json``: the keys it read, ``len()`` (or why there is none), and the error, when the cell raised.
+the cell's URIs and options and reads one epoch with the cell's ``workers`` (default 1). It
+writes ``{out}/{cell}/rank{r}.json``: the keys it read, ``len()`` (or why there is none), and the
+error, when the cell raised.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def spawned(rank: int, world_size: int, plan: dict[str, Any]) -> None:
                     result["length"] = len(dataset)
                 except TypeError as exc:
                     result["length"] = f"TypeError: {exc}"
-                loader = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=keys_of_batch,
+                loader = DataLoader(dataset, batch_size=8, num_workers=cell.get("workers", 1), collate_fn=keys_of_batch,
                                     timeout=120)
                 for batch in loader:
                     result["keys"].extend(batch)

@@ -3,8 +3,9 @@
 The shards come from GNU tar (the ``tar`` command, long names and directory entries included),
 webdataset's ``ShardWriter`` and ``tar -czf`` (``.tgz``). ``python -m loader index`` indexes them
 as a user runs it; then 3 ranks started by ``torch.multiprocessing.spawn`` (DataLoader workers
-spawned, 2 each, as there by default) read them with nothing but the shards' URIs: every rank the
-same count, each sample once (the pad policy repeats at most 2). Shards without an index fail in
+spawned, as there by default: 2 a rank where all nine shards are split among ranks and workers, 1
+elsewhere) read them with nothing but the shards' URIs: every rank the same count, each sample once
+(the pad policy repeats at most 2). Shards without an index fail in
 such a job before the first sample, with the advice; ``samples_per_epoch`` gives N on every rank.
 A shard rewritten after indexing is an error naming it, or read exactly where counts do not matter.
 """
@@ -137,13 +138,16 @@ def test_foreign_shards_indexed_then_read_by_three_spawned_ranks(s3_server, fore
 
     gnu_and_tgz = [f"s3://{bucket}/foreign/gnu-{i:03d}.tar" for i in range(3)] + \
                   [f"s3://{bucket}/foreign/tgz-{i}.tgz" for i in range(2)]
+    # 2 DataLoader workers a rank where the split among workers is proven: every writer's shards
+    # (long names, gzip) laid end to end into 6 equal runs; 1 elsewhere, where a cell proves how
+    # its URIs are read (a worker per rank is still a spawned process reading its rank's share)
     cells = [
-        {"name": "prefix", "shards": f"s3://{bucket}/foreign/"},
+        {"name": "prefix", "shards": f"s3://{bucket}/foreign/", "workers": 2},
         {"name": "pattern", "shards": f"s3://{bucket}/foreign/wds-{{000000..000003}}.tar"},
         {"name": "list", "shards": gnu_and_tgz},
         {"name": "per-epoch", "shards": f"s3://{bucket}/raw/", "options": {"samples_per_epoch": 50}},
-        # last: a DataLoader that fails while its other spawned worker still starts leaves that
-        # worker to die on the queues it was given, and torch blames the next loader for it
+        # last: a DataLoader that fails while another spawned worker of it still starts leaves
+        # that worker to die on the queues it was given, and torch blames the next loader for it
         {"name": "unindexed", "shards": f"s3://{bucket}/raw/"},
     ]
     results = spawn_ranks(s3_server, cells, tmp_path)
