@@ -1,7 +1,7 @@
 """``python -m loader ls | shard | bench`` on a real S3 server, run as a user would: a subprocess
 whose environment points at the server (``s3_server.env``).
 
-``shard`` is checked end to end: 2,000 objects (1,000 samples of ``.jpg`` + ``.cls``) become tar
+``shard`` is checked end to end: 800 objects (400 samples of ``.jpg`` + ``.cls``) become tar
 shards whose samples are exactly the objects (key, extension and sha256), read back through
 ``AsyncS3Dataset.from_shards`` with the index's sample counts; an interrupted run (stopped after
 two shards, or killed) finishes on a rerun without duplicates; a shard bigger than a part goes up
@@ -33,7 +33,7 @@ from s3servers import S3_VARS
 from shardsets import upload_shards
 
 REPO = Path(__file__).resolve().parents[1]
-N_SAMPLES = 1000  # x 2 objects (.jpg + .cls)
+N_SAMPLES = 400  # x 2 objects (.jpg + .cls): ~2.4 kB JPEGs, ~1.6 MB of tar
 CLI_VARS = S3_VARS + ("LOADER_STORE",)  # what a shell user may have set, cleared for each run
 
 
@@ -69,9 +69,19 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 @pytest.fixture(scope="module")
 def source(s3_server):
-    """2,000 objects under train/ in a fresh bucket: (bucket, {key: sha256})."""
+    """800 objects under train/ in a fresh bucket: (bucket, {key: sha256})."""
     bucket = s3_server.new_bucket("cli")
     return bucket, jpeg_dataset(s3_server.minio, bucket, "train/", N_SAMPLES, seed=11, with_cls=True)
+
+
+@pytest.fixture(scope="module")
+def packed(s3_server, source):
+    """``loader shard`` of ``source`` into shards/ (about 8 shards of at most 200 kB), run once:
+    the shard test checks what it made and said, the bench reads its shards. (dst URI, process)."""
+    bucket, _ = source
+    dst = f"s3://{bucket}/shards/"
+    return dst, run_loader(s3_server, "shard", f"s3://{bucket}/train/", dst, "--target-size", "200k",
+                           "--concurrency", "4", "--progress")
 
 
 def tar_keys(s3_server, bucket: str, prefix: str) -> dict[str, int]:
@@ -93,21 +103,19 @@ def read_back(s3_server, dst: str, counts: dict[str, int] | None = None) -> dict
     return got
 
 
-def test_shard_makes_shards_whose_samples_are_the_objects(s3_server, source):
+def test_shard_makes_shards_whose_samples_are_the_objects(s3_server, source, packed):
     bucket, expected = source
-    dst = f"s3://{bucket}/shards/"
-    proc = run_loader(s3_server, "shard", f"s3://{bucket}/train/", dst, "--target-size", "500k",
-                      "--concurrency", "4", "--progress")
+    dst, proc = packed
     assert_ok(proc)
-    assert f"packed 2,000 objects ({N_SAMPLES:,} samples" in proc.stdout
+    assert f"packed {2 * N_SAMPLES:,} objects ({N_SAMPLES:,} samples" in proc.stdout
     assert f"from_shards({dst!r})" in proc.stdout and "sample_counts" not in proc.stdout  # finds the index
     assert "shard" in proc.stderr and "objects" in proc.stderr  # the progress bar
 
     listed = tar_keys(s3_server, bucket, "shards/")
     index = json.loads(s3_server.minio.get_object(bucket, "shards/index.json").read())
-    assert index["samples"] == N_SAMPLES and index["objects"] == 2000
+    assert index["samples"] == N_SAMPLES and index["objects"] == 2 * N_SAMPLES
     assert {s["key"]: s["bytes"] for s in index["shards"]} == listed
-    assert len(listed) > 5 and max(listed.values()) <= 500_000
+    assert len(listed) > 5 and max(listed.values()) <= 200_000
 
     counts = read_index_counts(dst + "index.json", config=s3_server.config)
     assert counts == {f"s3://{bucket}/{s['key']}": s["samples"] for s in index["shards"]}
@@ -128,7 +136,7 @@ def test_shard_makes_shards_whose_samples_are_the_objects(s3_server, source):
 def test_shard_compress_makes_compressed_shards_that_read_back_exactly(s3_server, source, kind, suffix):
     bucket, expected = source
     dst = f"s3://{bucket}/shards-{kind}/"
-    proc = run_loader(s3_server, "shard", f"s3://{bucket}/train/", dst, "--target-size", "1MB",
+    proc = run_loader(s3_server, "shard", f"s3://{bucket}/train/", dst, "--target-size", "500k",
                       "--compress", kind)
     assert_ok(proc)
     stored = {o.object_name: o.size for o in s3_server.minio.list_objects(bucket, f"shards-{kind}/")
@@ -177,7 +185,8 @@ def test_an_interrupted_shard_run_finishes_on_a_rerun_without_duplicates(s3_serv
 def test_a_killed_shard_run_finishes_on_a_rerun(s3_server, source):
     bucket, expected = source
     src, dst = f"s3://{bucket}/train/", f"s3://{bucket}/killed/"
-    args = ("shard", src, dst, "--target-size", "100k", "--concurrency", "1", "--get-concurrency", "2")
+    # ~30 shards: the run is still packing when the first appears
+    args = ("shard", src, dst, "--target-size", "50k", "--concurrency", "1", "--get-concurrency", "2")
     proc = subprocess.Popen(loader_cmd(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=cli_env(s3_server), cwd=REPO)
     try:
@@ -244,13 +253,13 @@ def test_ls_prints_count_size_histogram_and_the_shard_hint(s3_server, source):
     total = sum(o.size for o in s3_server.minio.list_objects(bucket, "train/", recursive=True))
     proc = run_loader(s3_server, "ls", f"s3://{bucket}/train/")
     assert_ok(proc)
-    assert f"s3://{bucket}/train/: 2,000 objects, {format_size(total)} ({total:,} bytes)" in proc.stdout
-    assert "jpg 1,000" in proc.stdout and "cls 1,000" in proc.stdout
+    assert f"s3://{bucket}/train/: {2 * N_SAMPLES:,} objects, {format_size(total)} ({total:,} bytes)" in proc.stdout
+    assert f"jpg {N_SAMPLES:,}" in proc.stdout and f"cls {N_SAMPLES:,}" in proc.stdout
     assert "size histogram" in proc.stdout and "█" in proc.stdout
     assert f"loader shard s3://{bucket}/train/" in proc.stdout
 
 
-def test_bench_reports_throughput_in_both_modes(s3_server, source):
+def test_bench_reports_throughput_in_both_modes(s3_server, source, packed):
     bucket, _ = source
     objects = run_loader(s3_server, "bench", f"s3://{bucket}/train/", "--samples", "300",
                          "--workers", "0", "--batch-size", "32")
@@ -263,11 +272,9 @@ def test_bench_reports_throughput_in_both_modes(s3_server, source):
     assert lines["samples"].split()[1] == "300" and 600 <= requests <= 600 + 30 + 8, lines["requests"]
     assert "n/a" not in lines["latency"]
 
-    packed = run_loader(s3_server, "shard", f"s3://{bucket}/train/", f"s3://{bucket}/bench-shards/",
-                        "--target-size", "200k")  # its own shards: tests may run in any order
-    assert_ok(packed)
-    shards = run_loader(s3_server, "bench", f"s3://{bucket}/bench-shards/", "--shards", "--samples", "0",
-                        "--workers", "2")
+    dst, proc = packed
+    assert_ok(proc)
+    shards = run_loader(s3_server, "bench", dst, "--shards", "--samples", "0", "--workers", "2")
     assert_ok(shards)
     assert "(shards," in shards.stdout
     assert f"{N_SAMPLES:,}" in shards.stdout.splitlines()[1]
@@ -299,16 +306,24 @@ def test_ls_of_nothing_says_so_and_succeeds(s3_server, source):
     assert "0 objects under this prefix" in typo.stdout and "case-sensitive" in typo.stdout
 
 
-@pytest.mark.parametrize("compression", [None, "gzip", "zstd"])
-def test_ls_and_bench_see_shards_in_a_prefix_as_shards(s3_server, compression):
-    """Small .tar / .tar.gz / .tar.zst shards (with the index files `loader shard` leaves beside them):
-    `ls` says they are shards, with no advice to pack them into shards, and `bench` on the same
-    prefix reads them in shard mode and says why."""
-    bucket = s3_server.new_bucket(f"cli-{compression or 'tar'}")
-    expected, counts = upload_shards(s3_server.minio, bucket, "packed/shard-", [40] * 3,
-                                     compression=compression)
+@pytest.fixture(scope="module")
+def shard_prefix(s3_server) -> tuple[str, dict[str, int]]:
+    """A small shard of each kind, .tar, .tar.gz and .tar.zst, and the index files `loader shard`
+    leaves beside them, in one prefix: (the prefix's URI, {shard URI: samples})."""
+    bucket = s3_server.new_bucket("cli-shards")
+    counts: dict[str, int] = {}
+    for seed, compression in enumerate((None, "gzip", "zstd")):
+        counts.update(upload_shards(s3_server.minio, bucket, f"packed/{compression or 'tar'}-", [40 + seed],
+                                    seed=seed, compression=compression)[1])
     upload_objects(s3_server.minio, bucket, {"packed/index.json": b"{}", "packed/_progress.json": b"{}"})
-    uri = f"s3://{bucket}/packed/"
+    return f"s3://{bucket}/packed/", counts
+
+
+def test_ls_and_bench_see_shards_in_a_prefix_as_shards(s3_server, shard_prefix):
+    """Small .tar, .tar.gz and .tar.zst shards (with the index files `loader shard` leaves beside
+    them): `ls` says they are shards, each kind, with no advice to pack them into shards, and
+    `bench` on the same prefix reads them in shard mode, each kind decompressed, and says why."""
+    uri, counts = shard_prefix
     listed = run_loader(s3_server, "ls", uri)
     assert_ok(listed)
     assert f"these look like tar shards (3 of 5 objects): read them with AsyncS3Dataset.from_shards({uri!r})" \
@@ -318,8 +333,14 @@ def test_ls_and_bench_see_shards_in_a_prefix_as_shards(s3_server, compression):
     benched = run_loader(s3_server, "bench", uri, "--samples", "0", "--workers", "0")
     assert_ok(benched)
     assert "(shards," in benched.stdout.splitlines()[0]
-    assert "of 3 shards" in benched.stdout and f"{sum(counts.values())}" in benched.stdout.splitlines()[1]
+    assert sum(counts.values()) == 123
+    assert "of 3 shards" in benched.stdout and "123" in benched.stdout.splitlines()[1]
     assert f"note: 3 of the 5 objects under {uri} are tar shards: read in shard mode" in benched.stdout
+
+
+def test_bench_objects_reads_a_prefix_of_shards_as_objects(s3_server, shard_prefix):
+    """`bench --objects` overrides the shard mode a prefix of shards gets: per-object, without the note."""
+    uri, _ = shard_prefix
     as_objects = run_loader(s3_server, "bench", uri, "--objects", "--samples", "0", "--workers", "0")
     assert_ok(as_objects)
     assert "(per-object," in as_objects.stdout and "note:" not in as_objects.stdout
