@@ -5,10 +5,12 @@ One rank process runs several *cells* in turn, each a DataLoader over one mode
 ``DistributedSampler``, ``shards``: ``from_shards`` over a brace pattern, ``shards-prefix``: over
 the shards' prefix; both shard modes find the shards' index by themselves) with workers started
 one way (``default`` passes no ``multiprocessing_context``; ``fork``, ``spawn``, ``forkserver``
-name it, as a user would). Shard cells stop after two steps and resume: the pattern with
-``batch_size=`` and ``ds.resume(samples_seen=)``, the prefix with ``StatefulDataLoader``'s state.
+name it, as a user would). Shard cells marked ``"resume"`` stop after two steps and resume: the
+pattern with ``batch_size=`` and ``ds.resume(samples_seen=)``, the prefix with
+``StatefulDataLoader``'s state; the other shard cells read their epoch straight through.
 Each cell writes ``{out}/{cell}/rank{r}.json``: the keys this rank read, in order, the kind of
-process each batch came from, and ``len(dataset)``. The test compares the ranks.
+process each batch came from, ``len(dataset)``, and how many samples a resumed cell read before
+it stopped. The test compares the ranks.
 
 Launched three ways, the way users launch:
 
@@ -116,8 +118,10 @@ def read(cell: dict[str, Any], dataset: Any, world_size: int) -> dict[str, Any]:
     options: dict[str, Any] = {"batch_size": BATCH, "num_workers": cell.get("workers", 2),
                                "multiprocessing_context": context, "collate_fn": keys_and_started,
                                "timeout": 120}
+    resume = bool(cell.get("resume"))  # shard cells only: stop after RESUME_AFTER steps, resume
     keys: list[str] = []
     started: set[str] = set()
+    stopped = None  # samples read before the stop, in a resumed cell
 
     def take(loader: Any, steps: int | None = None) -> None:
         for step, (batch_keys, how) in enumerate(loader):
@@ -131,26 +135,30 @@ def read(cell: dict[str, Any], dataset: Any, world_size: int) -> dict[str, Any]:
         sampler.set_epoch(EPOCH)
         take(DataLoader(dataset, sampler=sampler, **options))
         length = len(sampler)
-    elif cell["mode"] == "shards":  # two steps, then the rest after resume(samples_seen=)
+    elif cell["mode"] == "shards":  # resumed: two steps, then the rest after resume(samples_seen=)
         length = len(dataset)
-        take(DataLoader(dataset, **options), RESUME_AFTER)
-        # the lanes of the run that saved samples_seen: its ranks x workers (this run's here)
-        lanes = world_size * max(1, options["num_workers"])
-        dataset.resume(epoch=EPOCH, samples_seen=dataset.samples_seen(RESUME_AFTER), lanes=lanes)
-        take(DataLoader(dataset, **options))
-    elif cell["mode"] == "shards-prefix":  # two steps, then the rest from the loader's state
+        take(DataLoader(dataset, **options), RESUME_AFTER if resume else None)
+        if resume:
+            stopped = len(keys)
+            # the lanes of the run that saved samples_seen: its ranks x workers (this run's here)
+            lanes = world_size * max(1, options["num_workers"])
+            dataset.resume(epoch=EPOCH, samples_seen=dataset.samples_seen(RESUME_AFTER), lanes=lanes)
+            take(DataLoader(dataset, **options))
+    elif cell["mode"] == "shards-prefix":  # resumed: two steps, then the rest from the loader's state
         length = len(dataset)
         first = StatefulDataLoader(dataset, **options)
-        take(first, RESUME_AFTER)
-        state = first.state_dict()
-        del first
-        again = StatefulDataLoader(dataset, **options)
-        again.load_state_dict(state)
-        take(again)
+        take(first, RESUME_AFTER if resume else None)
+        if resume:
+            stopped = len(keys)
+            state = first.state_dict()
+            del first
+            again = StatefulDataLoader(dataset, **options)
+            again.load_state_dict(state)
+            take(again)
     else:
         take(DataLoader(dataset, **options))
         length = len(dataset)
-    return {"keys": keys, "started": sorted(started), "length": length}
+    return {"keys": keys, "started": sorted(started), "length": length, "stopped": stopped}
 
 
 _KINDS = {"ForkProcess": "fork", "SpawnProcess": "spawn", "ForkServerProcess": "forkserver"}

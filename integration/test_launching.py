@@ -3,11 +3,21 @@
 Each launch starts 2 ranks that read one epoch per *cell* (a mode and a worker start method,
 see ``launching.py``); the test checks, per cell, that the ranks' union is the data set exactly
 once and that every rank read as many samples as ``len()`` promised. Shard cells read shards
-indexed by ``loader index`` with no counts given, stop after two steps and resume. Spawned processes import
+indexed by ``loader index`` with no counts given; the cells marked ``resume`` stop after two
+steps and resume, and the union must still be the epoch exactly once. Spawned processes import
 torch again (seconds each on a small machine), so the matrix is cut to cover every value of
 every axis, every launch style with every mode, and the combinations that broke: ranks started
 by ``mp.spawn`` whose workers are spawned by default, and ``torchrun`` ranks with forkserver
 workers. A cell also checks that its workers really were started the way it says.
+
+Resume runs where what it depends on differs, not in every cell (each resumed spawn or
+forkserver cell starts its workers twice): each launch style resumes at least once; each
+resume mechanism (``resume(samples_seen=)`` for the pattern, ``StatefulDataLoader`` state for
+the prefix) with workers that inherit the resumed dataset by fork and with workers it is pickled
+to (spawn, forkserver), the pickled ones under a rank from the process group (``mp.spawn``) and
+from the environment alone (``torchrun``, before its group); early-built datasets in both
+mechanisms; two workers per rank (lanes = ranks x workers) once. How the ranks met (tcp, file,
+env, SLURM's variables) and which start method of the two that pickle do not touch resume.
 
 And the epoch: with persistent workers, whatever was (not) called before the workers started,
 each epoch follows the last ``set_epoch``.
@@ -51,19 +61,23 @@ def cell(mode: str, start: str, **extra: object) -> dict:
 # their dataset before the process group is initialized; under torchrun the group starts at the
 # first cell that asks for it (DistributedSampler needs one), so the cells before read RANK alone.
 # Shard cells read indexed shards (found beside them, no counts given) by pattern ("shards") and
-# by prefix ("shards-prefix"), each with every start method, and resume halfway (launching.read).
+# by prefix ("shards-prefix"), each with every start method; those marked resume=True stop
+# halfway and resume (launching.read; which ones and why: the module's docstring).
 LAUNCHES = {
     "mp.spawn+tcp": ("spawn", [cell("objects", "default"), cell("shards", "default"),
                                cell("shards-prefix", "default"),
                                cell("map", "default"), cell("objects", "fork", early=True),
-                               cell("shards", "spawn", early=True), cell("map", "fork", early=True)]),
+                               cell("shards", "spawn", early=True, resume=True),
+                               cell("map", "fork", early=True)]),
     "mp.spawn+file": ("spawn", [cell("objects", "fork"), cell("shards", "forkserver"),
-                                cell("shards-prefix", "fork", early=True), cell("map", "forkserver")]),
+                                cell("shards-prefix", "fork", early=True, resume=True),
+                                cell("map", "forkserver")]),
     "torchrun": ("fork", [cell("objects", "forkserver"), cell("shards", "spawn"),
-                          cell("shards-prefix", "forkserver"), cell("shards", "fork"),
+                          cell("shards-prefix", "forkserver", resume=True),
+                          cell("shards", "fork", resume=True),
                           cell("map", "default", group=True, workers=2),
                           cell("objects", "default", workers=2)]),
-    "slurm env": ("fork", [cell("objects", "spawn"), cell("shards", "default", workers=2),
+    "slurm env": ("fork", [cell("objects", "spawn"), cell("shards", "default", workers=2, resume=True),
                            cell("shards-prefix", "spawn"), cell("map", "fork")]),
 }
 
@@ -156,6 +170,9 @@ def test_each_rank_reads_its_own_share(style, data, tmp_path):
             twice = sum(1 for n in union.values() if n > 1)
             problems.append(f"{name}: {twice} samples read more than once, "
                             f"{len(expected - set(union))} missing")
+        if spec.get("resume") and [r["stopped"] for r in ranks] != [launching.RESUME_AFTER * launching.BATCH] * WORLD:
+            problems.append(f"{name}: stopped after {[r['stopped'] for r in ranks]} samples, not "
+                            f"{launching.RESUME_AFTER} batches, before resuming")
         if started != {want}:
             problems.append(f"{name}: workers were {sorted(started)}, not {want}")
     assert not problems, f"{style}: " + "; ".join(problems)
