@@ -111,7 +111,6 @@ def test_reads_wait_for_a_place_while_a_hedge_holds_one():
     async def main() -> None:
         with anyio.fail_after(5):
             await store.enter()  # a read's place
-            hedge = anyio.CancelScope()
             entered = anyio.Event()
 
             async def read() -> None:
@@ -119,16 +118,13 @@ def test_reads_wait_for_a_place_while_a_hedge_holds_one():
                 entered.set()
 
             await store.enter(hedge=True)
-            store.hedges_out += 1  # as ``_hedge`` counts it once in
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read)
                 await anyio.sleep(0.05)
-                assert not entered.is_set() and store.inflight == 2
-                store.hedges_out -= 1
-                store.leave()  # the hedge ends: its place goes to the read
+                assert not entered.is_set() and store.inflight == 2 and store.hedges_out == 1
+                store.leave(hedge=True)  # the hedge ends: its place goes to the read
                 await entered.wait()
-            hedge.cancel()
-        assert store.inflight == 2
+        assert store.inflight == 2 and store.hedges_out == 0
 
     anyio.run(main)
 

@@ -122,7 +122,7 @@ class _Pending:
         self.result: tuple[Any] | None = None  # the hedge's answer, if it won
 
 
-class HedgedStore(ReadWrapper):
+class HedgedStore(ReadWrapper[HedgeControl]):
     """An ``ObjectStore`` whose whole-body reads (``get``, ``get_range``, ``get_if_changed``) are
     hedged when they straggle; everything else passes through (streams are not hedged).
 
@@ -132,6 +132,8 @@ class HedgedStore(ReadWrapper):
     the reads in flight past ``max_requests`` (a user's concurrency is a bound on requests). No
     hedge goes while the ``ThrottledStore.congested(bucket)`` below says so.
     Counts its own engine's share (``hedged``, ``hedges_won``) for ``stats()``."""
+
+    shared = CONTROLS
 
     def __init__(self, inner: ObjectStore, endpoint: str | None = None, *,
                  max_requests: int | None = None) -> None:
@@ -150,12 +152,6 @@ class HedgedStore(ReadWrapper):
         self.controls: dict[str, HedgeControl] = {}
         self.hedged = 0
         self.hedges_won = 0
-
-    def control(self, bucket: str) -> HedgeControl:
-        control = self.controls.get(bucket)
-        if control is None:
-            control = self.controls[bucket] = control_for(self.endpoint, bucket)
-        return control
 
     def congested(self, bucket: str, hedge: bool = False) -> bool:
         """Whether a hedge now would add to a throttle (the store below says so)."""
@@ -181,10 +177,7 @@ class HedgedStore(ReadWrapper):
         place left free would wait for the epoch's end, and the straggler with it. While hedges
         are out, reads wait for a place as hedges do: a hedge takes a place, never one more."""
         limit = self.max_requests
-        if limit is None:
-            self.inflight += 1
-            return
-        if hedge:
+        if limit is not None and hedge:
             self.hedges_waiting += 1
             try:
                 while self.inflight >= limit:
@@ -192,18 +185,21 @@ class HedgedStore(ReadWrapper):
             finally:
                 self.hedges_waiting -= 1
                 self._wake()  # reads that gave way to it may go (it may have been cancelled)
-        else:
+        elif limit is not None:
             while (self.hedges_waiting or self.hedges_out) and self.inflight + self.hedges_waiting >= limit:
                 await self._wait_freed()
         self.inflight += 1
+        self.hedges_out += hedge
 
     async def _wait_freed(self) -> None:
         if self.freed is None:
             self.freed = anyio.Event()
         await self.freed.wait()
 
-    def leave(self) -> None:
+    def leave(self, hedge: bool = False) -> None:
+        """A read (or, ``hedge``, a hedge) in flight ended: its place frees up."""
         self.inflight -= 1
+        self.hedges_out -= hedge
         self._wake()
 
     def _wake(self) -> None:
@@ -291,7 +287,6 @@ class HedgedStore(ReadWrapper):
         try:
             with scope:
                 await self.enter(hedge=True)
-                self.hedges_out += 1
                 try:
                     if self.congested(pending.bucket, hedge=True):
                         return  # throttled since it was decided: a second request would add to the storm
@@ -305,8 +300,7 @@ class HedgedStore(ReadWrapper):
                 except Exception:  # noqa: BLE001 - the original request goes on and decides
                     return
                 finally:
-                    self.hedges_out -= 1
-                    self.leave()
+                    self.leave(hedge=True)
                 if pending in self.pending and pending.result is None:  # the first answer: it wins
                     pending.result = (data,)
                     pending.scope.cancel()

@@ -506,12 +506,23 @@ def endpoint_of(store: Any) -> str:
     return f"store:{type(store).__name__}"
 
 
-class ReadWrapper:
+class ReadWrapper(Generic[C]):
     """A store wrapper whose whole-body reads (``get``, ``get_range``, ``get_if_changed``) pass
     through ``_read(bucket, call)``; everything else goes to ``inner`` as it is. The throttle and
-    the hedging wrappers differ only in ``_read`` (and in how they stream)."""
+    the hedging wrappers differ only in ``_read`` (and in how they stream), and in the process's
+    ``shared`` controls each reads its bucket's ``control`` from."""
 
     inner: ObjectStore
+    endpoint: str
+    controls: dict[str, C]  # this wrapper's buckets' controls: a dict read, not the shared lock
+    shared: SharedControls[Any]
+
+    def control(self, bucket: str) -> C:
+        """The control this process shares for ``bucket`` at this wrapper's endpoint."""
+        control = self.controls.get(bucket)
+        if control is None:
+            control = self.controls[bucket] = self.shared.get(self.endpoint, bucket)
+        return control
 
     def __getattr__(self, name: str) -> Any:  # list_pages, multipart, hedged_by_engine, ...: the inner store's
         return getattr(self.inner, name)
@@ -544,22 +555,18 @@ class ReadWrapper:
         await self.inner.aclose()
 
 
-class ThrottledStore(ReadWrapper):
+class ThrottledStore(ReadWrapper[ThrottleControl]):
     """An ``ObjectStore`` whose reads (``get``, ``get_range``, ``get_if_changed``, ``stream``) wait
     for their turn under the shared ``ThrottleControl`` of their bucket and report how they were
     answered; everything else passes through. Counts its own SlowDowns (``throttled``) for ``stats()``."""
+
+    shared = CONTROLS
 
     def __init__(self, inner: ObjectStore, endpoint: str | None = None) -> None:
         self.inner = inner
         self.endpoint = endpoint or endpoint_of(inner)
         self.controls: dict[str, ThrottleControl] = {}
         self.throttled = 0
-
-    def control(self, bucket: str) -> ThrottleControl:
-        control = self.controls.get(bucket)
-        if control is None:
-            control = self.controls[bucket] = control_for(self.endpoint, bucket)
-        return control
 
     def congested(self, bucket: str, hedge: bool = False) -> bool:
         """Whether a second request for ``bucket`` would add to a throttle (``HedgedStore`` asks)."""
