@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import resource
 import signal
 import tempfile
 import threading
@@ -135,3 +137,47 @@ def forked_probes():
     one fresh interpreter runs ``setup`` (only what every case shares: their common imports),
     then each case's code in a child forked from it, one after the other."""
     return _run_forked_probes
+
+
+# ---------------------------------------------------------------- where the suite's CPU goes
+# The suite is bound by CPU on a 2-core machine (its wall time follows user + system seconds), so
+# every run ends with the files that spent the most: each test's CPU is its process's plus that
+# of the processes it started and waited for (spawned ranks and workers, CLIs, servers it
+# restarted), sent with the test's last report, so that xdist's workers report to the main
+# process. A server started once per worker is counted where it stops: in that worker's last test.
+_CPU_AT_START = pytest.StashKey[float]()
+_CPU_BY_FILE: collections.Counter[str] = collections.Counter()
+_CPU_SHOWN = 12
+
+
+def _cpu_seconds() -> float:
+    """User + system seconds of this process and of the children it has waited for."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        outcome.get_result().user_properties.append(("cpu_seconds", _cpu_seconds() - item.stash[_CPU_AT_START]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == "cpu_seconds":
+            _CPU_BY_FILE[report.nodeid.split("::", 1)[0]] += value
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    total = sum(_CPU_BY_FILE.values())
+    if total <= 0 or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.section(f"CPU: {total:,.0f} s (user + system), the {_CPU_SHOWN} files that spent the most")
+    for path, seconds in _CPU_BY_FILE.most_common(_CPU_SHOWN):
+        terminalreporter.write_line(f"{seconds:7.1f} s {seconds / total:6.1%}  {path}")
