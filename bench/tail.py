@@ -6,9 +6,10 @@
 fresh processes. Conditions: clean; 1 % of GETs answered 2 s late (stragglers); GETs beyond 300/s
 answered ``503 SlowDown`` (a throttled prefix) in each shape of limit the proxy has: a token bucket
 (half a second's worth) keeping the connection or closing it as S3 does, a sliding second, one
-limit shared by 2 ranks x 4 DataLoader workers (8 processes; one epoch, and four with persistent
-workers), and a limit that doubles after 20 s of load (12 epochs, persistent workers: the
-processes that met the limit are those that meet its rise). "of the limit": samples/s against
+limit shared by 2 ranks x 4 DataLoader workers (8 processes, the ranks told theirs by ``RANK``
+and ``WORLD_SIZE`` as torchrun tells them; one epoch, and four with persistent workers), and a
+limit that doubles after 20 s of load (12 epochs, persistent workers: the processes that met the
+limit are those that meet its rise). "of the limit": samples/s against
 the GET/s the limit allows; "rise found": seconds from the rise to the first second in which the
 proxy let through 0.8x the new limit. ``--before DIR`` runs the same in another copy of the
 package (a checkout of an earlier commit: its ``loader/`` is imported from there), alternating
@@ -92,17 +93,20 @@ print(json.dumps({"samples": samples, "seconds": seconds, "p50": pick(0.5), "p99
 
 
 def run_child(code_dir: Path, spec: dict, s3_env: dict[str, str], ranks: int = 1) -> dict:
-    """One run in fresh processes (``ranks`` of them at once, each reading its share of the keys),
-    pointed at the proxy by the environment (as a user would); counts summed, the slowest's time."""
+    """One run in fresh processes (``ranks`` of them at once, told their rank as torchrun tells
+    it: ``RANK`` and ``WORLD_SIZE``, each dataset reading its rank's share of the keys), pointed at
+    the proxy by the environment (as a user would); counts summed, the slowest's time."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "MINIO_", "LOADER_"))}
-    env.pop("PYTHONPATH", None)
+    for name in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
     env.update(s3_env)
     procs = [subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, cwd=code_dir, env=env, text=True)
-             for _ in range(ranks)]
-    for rank, proc in enumerate(procs):  # every rank has its keys before any is waited for: they run at once
+                              stderr=subprocess.PIPE, cwd=code_dir, text=True,
+                              env=env if ranks == 1 else {**env, "RANK": str(rank), "WORLD_SIZE": str(ranks)})
+             for rank in range(ranks)]
+    for proc in procs:  # every rank has its keys before any is waited for: they run at once
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps(dict(spec, keys=spec["keys"][rank::ranks])))
+        proc.stdin.write(json.dumps(spec))
         proc.stdin.close()
         proc.stdin = None  # written and closed: communicate() only reads
     outs = []

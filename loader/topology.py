@@ -141,6 +141,20 @@ def local_rank(environ: Mapping[str, str] | None = None) -> int:
     return 0 if value is None else _env_int("LOCAL_RANK", value, minimum=0)
 
 
+def readers(environ: Mapping[str, str] | None = None) -> int:
+    """How many of this job's processes read at once, as far as this process can tell: the world
+    size (the process group's, else ``WORLD_SIZE``) times this process's DataLoader workers; 1 in
+    a process without torch (the command line) or whose rank variables are wrong (they are
+    reported where the rank is needed)."""
+    if "torch" not in sys.modules:
+        return 1
+    try:
+        world_size = _live(environ)[1]
+    except ConfigError:
+        world_size = 1
+    return world_size * worker()[1]
+
+
 def worker() -> tuple[int, int]:
     """``(worker id, num_workers)`` inside a DataLoader worker, ``(0, 1)`` in the main process."""
     from torch.utils.data import get_worker_info

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from loader import AccessDeniedError, ConfigError, Limits, NoSuchKeyError, SampleError, Store
 from loader.datasets.mapped import THREAD_NAME, AsyncS3MapDataset, live_clients
 from loader.datasets.options import LoaderOptions
-from loader.s3.throttle import START_WINDOW
 
 from fakes import FakeStore, SharedFake, payloads, reusable
 from waiting import wait_until
@@ -95,13 +94,13 @@ def test_an_empty_batch_fetches_nothing_and_starts_nothing():
 
 
 def test_a_batch_of_64_is_64_concurrent_gets(closing):
-    """At 10 ms per GET, 64 sequential GETs take 640 ms; concurrently all 64 are in flight at once,
-    once the endpoint has answered: a new process's first batch opens with the start window
-    (``START_WINDOW`` GETs, then two more for each answer), its next batches go whole."""
+    """At 10 ms per GET, 64 sequential GETs take 640 ms; concurrently all 64 are in flight at once:
+    a process alone starts with the engine's requests (its share of the job's start window,
+    ``start_window``), and so do its next batches."""
     ds, objects, fake = dataset(200)
     closing(ds)
     first = ds.__getitems__(list(range(64)))
-    assert START_WINDOW <= fake.peak_inflight < 64, fake.peak_inflight
+    assert fake.peak_inflight == 64, fake.peak_inflight
     fake.reset_counters()
     batch = ds.__getitems__(list(range(64, 128)))
     assert fake.peak_inflight == 64

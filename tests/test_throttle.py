@@ -320,10 +320,60 @@ async def until(condition) -> None:
             await anyio.sleep(0.001)
 
 
-def test_before_any_limit_a_process_starts_with_start_window_in_flight():
-    """64 reads at once (the engine's requests in flight) before any limit is known: the store
-    sees ``START_WINDOW`` of them before the first answer, then two more for each good answer
-    (the window grows by one, and the answered place is free), and all 64 once they are answered."""
+@pytest.fixture
+def rank_of_eight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process is one rank of a job of 8 (as torchrun says it): 8 processes read."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+
+
+@pytest.mark.parametrize(("world_size", "window"), [(None, 64), ("2", 64), ("4", 32), ("8", 16), ("64", 16)])
+def test_a_jobs_processes_share_its_start_window(monkeypatch, world_size, window):
+    """Before any limit is known, the reads a process sends at once are its share of
+    ``JOB_START_WINDOW`` (at least ``START_WINDOW``): a process alone, or one of 2, sends the
+    engine's 64 at once (nothing to ramp up each epoch on a clean server); one of 8 or more, 16."""
+    from loader.s3.throttle import ThrottledStore
+    from loader.testing import MemoryStore
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if world_size is not None:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    gate = anyio.Event()
+    store = MemoryStore.with_objects("b", {f"k{i}": b"x" for i in range(64)}, gate=gate)
+    reads = ThrottledStore(store, endpoint=f"memory:share-{world_size}")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(reads.get, "b", f"k{i}")
+            await until(lambda: store.requests == window)
+            await anyio.sleep(0.05)
+            assert store.requests == window  # the rest wait for answers
+            gate.set()
+        assert store.requests == 64
+
+    anyio.run(main)
+
+
+@given(readers=st.integers(min_value=1, max_value=100_000))
+def test_the_start_window_is_a_share_of_the_jobs_with_a_floor(readers):
+    from loader.s3.throttle import JOB_START_WINDOW, START_WINDOW, start_window
+
+    window = start_window(readers)
+    assert window >= START_WINDOW  # however many processes
+    assert window * readers > JOB_START_WINDOW - readers  # the job's window, up to each share's rounding
+    if readers <= JOB_START_WINDOW // START_WINDOW:
+        assert window * readers <= JOB_START_WINDOW  # and no more, until the floor takes over
+    assert start_window(readers + 1) <= window  # more processes: no more each
+
+
+def test_before_any_limit_a_process_starts_with_start_window_in_flight(rank_of_eight):
+    """64 reads at once (the engine's requests in flight) before any limit is known, in a rank
+    of a job of 8: the store sees ``START_WINDOW`` of them before the first answer, then two
+    more for each good answer (the window grows by one, and the answered place is free), and
+    all 64 once they are answered."""
     from loader.s3.throttle import START_WINDOW, ThrottledStore
     from loader.testing import MemoryStore
 
@@ -375,7 +425,7 @@ def test_a_read_held_by_the_start_window_goes_after_rate_window_whatever_holds_t
     assert control.take(held) and control.inflight == START_WINDOW + 1
 
 
-def test_a_read_cancelled_or_failed_gives_its_place_in_the_start_window_back():
+def test_a_read_cancelled_or_failed_gives_its_place_in_the_start_window_back(rank_of_eight):
     """Reads cancelled while they wait at the store (a hedge that lost) and reads that fail free
     their places: the next reads go, none waits for an answer that never comes."""
     from loader.errors import NoSuchKeyError

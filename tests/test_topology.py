@@ -69,12 +69,22 @@ def test_bad_local_rank(monkeypatch):
 
 class _WhoAmI(IterableDataset):
     def __iter__(self):
-        yield topology.worker()
+        yield (*topology.worker(), topology.readers())
 
 
-def test_worker_inside_dataloader_workers():
+def test_worker_inside_dataloader_workers(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
     got = sorted(DataLoader(_WhoAmI(), batch_size=None, num_workers=2))
-    assert [tuple(int(x) for x in pair) for pair in got] == [(0, 2), (1, 2)]
+    # (worker id, num_workers, readers): the job's 3 ranks x 2 workers read at once
+    assert [tuple(int(x) for x in row) for row in got] == [(0, 2, 6), (1, 2, 6)]
+
+
+@pytest.mark.parametrize(("env", "readers"), [({}, 1), ({"RANK": "2", "WORLD_SIZE": "4"}, 4),
+                                               ({"RANK": "0"}, 1), ({"RANK": "5", "WORLD_SIZE": "4"}, 1)])
+def test_readers_in_the_main_process_is_the_world_size(env, readers):
+    """Wrong rank variables count as one process here: the dataset reports them where it needs the rank."""
+    assert topology.readers(env) == readers
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ import statistics
 from collections import deque
 
 from loader.retry import RetryPolicy, backoff_delay
-from loader.s3.throttle import RECHECK, ThrottleControl
+from loader.s3.throttle import RECHECK, ThrottleControl, start_window
 
 S3_PREFIX_RATE = 5500.0  # GET/s a prefix answers (AWS's documented figure)
 
@@ -150,7 +150,7 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
     rng = random.Random(seed)
     now = [0.0]
     n = job.processes
-    controls = [ThrottleControl(lambda: now[0]) for _ in range(n)]
+    controls = [ThrottleControl(lambda: now[0], start_window(n)) for _ in range(n)]  # one job's readers
     seen = [0] * n  # the schedule each process's waiting slots were last told of
     server = Server(prefix)
     policy = RetryPolicy()
