@@ -63,6 +63,8 @@ def world(environ: Mapping[str, str] | None = None, *, launch: Launch | None = N
     if unpickled_here:
         parent = parent_pid()
         if launch is not None and launch.pid == parent:
+            global _carried_world_size
+            _carried_world_size = launch.world_size  # for ``readers``: nothing else here knows it
             return launch.rank, launch.world_size
         if source == SINGLE:
             sender = "without a rank" if launch is None else f"by process {launch.pid}"
@@ -141,17 +143,25 @@ def local_rank(environ: Mapping[str, str] | None = None) -> int:
     return 0 if value is None else _env_int("LOCAL_RANK", value, minimum=0)
 
 
+# The world size a dataset carried into this spawned (or forkserver) DataLoader worker, as
+# ``world`` read it: a worker started so sees no process group and often no RANK/WORLD_SIZE.
+_carried_world_size: int | None = None
+
+
 def readers(environ: Mapping[str, str] | None = None) -> int:
     """How many of this job's processes read at once, as far as this process can tell: the world
-    size (the process group's, else ``WORLD_SIZE``) times this process's DataLoader workers; 1 in
+    size (the process group's, else ``WORLD_SIZE``, else the one a dataset carried into this
+    spawned worker) times this process's DataLoader workers; 1 in
     a process without torch (the command line) or whose rank variables are wrong (they are
     reported where the rank is needed)."""
     if "torch" not in sys.modules:
         return 1
     try:
-        world_size = _live(environ)[1]
+        _, world_size, source = _live(environ)
     except ConfigError:
-        world_size = 1
+        world_size, source = 1, SINGLE
+    if source == SINGLE and _carried_world_size is not None and in_worker():
+        world_size = _carried_world_size  # a spawned worker of a rank: the world its dataset carried
     return world_size * worker()[1]
 
 

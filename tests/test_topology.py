@@ -115,12 +115,16 @@ def in_worker(monkeypatch):
     parent = [os.getpid()]
     monkeypatch.setattr(topology, "in_worker", lambda: True)
     monkeypatch.setattr(topology, "parent_pid", lambda: parent[0])
+    monkeypatch.setattr(topology, "_carried_world_size", None)  # what world() carries here is undone after
     return parent
 
 
-def test_a_spawned_worker_takes_the_world_its_parent_saw(in_worker):
+def test_a_spawned_worker_takes_the_world_its_parent_saw(in_worker, monkeypatch):
+    monkeypatch.setattr(topology, "worker", lambda: (0, 4))
+    assert topology.readers() == 4  # nothing says there are other ranks yet
     launch = topology.Launch(pid=os.getpid(), rank=2, world_size=3, source=topology.GROUP)
     assert topology.world(launch=launch, unpickled_here=True) == (2, 3)
+    assert topology.readers() == 12  # its job: 3 ranks x 4 workers, from what the dataset carried
 
 
 def test_a_forked_worker_reads_what_it_inherited(in_worker, monkeypatch):
