@@ -323,6 +323,8 @@ async def until(condition) -> None:
 @pytest.fixture
 def rank_of_eight(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process is one rank of a job of 8 (as torchrun says it): 8 processes read."""
+    import torch  # noqa: F401 - a process counts ranks only where torch runs (``topology.readers``)
+
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
 
@@ -332,6 +334,8 @@ def test_a_jobs_processes_share_its_start_window(monkeypatch, world_size, window
     """Before any limit is known, the reads a process sends at once are its share of
     ``JOB_START_WINDOW`` (at least ``START_WINDOW``): a process alone, or one of 2, sends the
     engine's 64 at once (nothing to ramp up each epoch on a clean server); one of 8 or more, 16."""
+    import torch  # noqa: F401 - a process counts ranks only where torch runs (``topology.readers``)
+
     from loader.s3.throttle import ThrottledStore
     from loader.testing import MemoryStore
 

@@ -8,6 +8,7 @@ docs/design/throttle.md comes from ``python tests/throttle_sim.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -90,3 +91,27 @@ def test_eight_processes_start_into_a_sliding_second_with_fewer_slowdowns():
     first_second = [r.per_second[0][1] for r in runs]
     assert statistics.median(first_second) <= 300, first_second
     assert min(r.of_limit for r in runs) >= 0.65, [r.of_limit for r in runs]
+
+
+@pytest.mark.parametrize("shape", ["window", "bucket"])
+def test_the_next_epochs_workers_start_at_the_limit_the_last_ones_found(shape):
+    """The same 8 processes as a later epoch of a job whose DataLoader workers are new every
+    epoch (``persistent_workers=False``, the default): each starts at the share of the limit the
+    last epoch's workers held (``loader.s3.handoff``: 0.8 x 300 / 8 after a cut, up to 300 / 8),
+    not with its start window: 2-4 % of GETs answered SlowDown at 0.79-1.1x of the limit, where
+    starting cold sent 22-26 % (sliding second) and 14-16 % (bucket) into SlowDown every epoch. A
+    handed limit above the prefix's (the limit fell since) is cut as any other: 6 % / 11 %."""
+    prefix = Prefix(rate=300.0, shape=shape)
+    job = Job(processes=8, samples=125, starts=0.1, reconnect=0.005, lead=96, concurrency=64,
+              latency=0.01, jitter=0.01)
+    cold = statistics.median(simulate(job, prefix, seconds=60.0, seed=seed).slowdown_share for seed in range(5))
+    for handed in (0.8 * 300 / 8, 300 / 8, 1.5 * 300 / 8):
+        runs = [simulate(dataclasses.replace(job, handed=handed), prefix, seconds=60.0, seed=seed)
+                for seed in range(5)]
+        share = statistics.median(r.slowdown_share for r in runs)
+        assert min(r.of_limit for r in runs) >= 0.75, (handed, [r.of_limit for r in runs])
+        assert min(r.slowest_vs_mean for r in runs) >= 0.5, (handed, [r.slowest_vs_mean for r in runs])
+        if handed <= 300 / 8:  # what the last epoch's workers held
+            assert share <= 0.05 and share < cold / 2, (handed, share, cold)
+        else:
+            assert share < cold, (handed, share, cold)

@@ -95,6 +95,9 @@ class Job:
     # a DataLoader takes batches from its workers in turn: a process gets at most ``lead`` samples
     # ahead of the slowest (its prefetched batches), then waits for it (None: processes run apart)
     lead: int | None = None
+    # a limit handed over (requests/s each process starts at: the last epoch's DataLoader workers'
+    # share, ``loader.s3.handoff``); None: each starts knowing nothing
+    handed: float | None = None
 
 
 @dataclasses.dataclass
@@ -150,7 +153,8 @@ def simulate(job: Job, prefix: Prefix, seconds: float = 30.0, seed: int = 0) -> 
     rng = random.Random(seed)
     now = [0.0]
     n = job.processes
-    controls = [ThrottleControl(lambda: now[0], start_window(n)) for _ in range(n)]  # one job's readers
+    controls = [ThrottleControl(lambda: now[0], start_window(n), limit=job.handed)  # one job's readers
+                for _ in range(n)]
     seen = [0] * n  # the schedule each process's waiting slots were last told of
     server = Server(prefix)
     policy = RetryPolicy()

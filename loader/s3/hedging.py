@@ -96,7 +96,7 @@ class HedgeControl:
         return HedgeStats(self.requests, self.hedged, self.hedges_won, self.threshold)
 
 
-CONTROLS: SharedControls[HedgeControl] = SharedControls(HedgeControl)
+CONTROLS: SharedControls[HedgeControl] = SharedControls(lambda endpoint, bucket: HedgeControl())
 
 
 def control_for(endpoint: str, bucket: str) -> HedgeControl:

@@ -138,15 +138,17 @@ class ThrottleControl:
     docstring). A state machine driven by ``turn``, ``on_answer`` and ``on_throttled`` on
     ``clock`` (seconds, monotonic; a simulation passes its own)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, window: int = START_WINDOW) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window: int = START_WINDOW,
+                 limit: float | None = None) -> None:
         self.clock = clock
         self.lock = threading.Lock()
-        self.rate: float | None = None
-        self.known = 0.0  # requests/s known to get through: the limit grows back to it fast
-        self.grown_at = 0.0  # when the limit last grew
+        # None: no limit known yet (the start window holds); ``limit``: one handed over (``handoff``)
+        self.rate: float | None = None if limit is None else max(MIN_RATE, limit)
+        self.known = self.rate or 0.0  # requests/s known to get through: the limit grows back to it fast
+        self.grown_at = clock()  # when the limit last grew
         self.paused_until = -math.inf  # no request goes before
         self.next_free = 0.0  # when the next request may go, under the limit
-        self.booked_rate = 0.0  # the rate the current schedule spaces turns at
+        self.booked_rate = self.known  # the rate the current schedule spaces turns at
         self.booked: deque[Turn] = deque()  # turns booked ahead, in their order (some taken)
         self.last_due = -math.inf  # the latest turn that came due
         self.generation = 0  # bumped by every cut: answers to requests sent before stop counting
@@ -167,6 +169,7 @@ class ThrottleControl:
         self.requests = 0
         self.throttled = 0
         self.cuts = 0
+        self.handoff: Any = None  # where a DataLoader worker hands its limit on (``handoff.Handoff``)
 
     # ---------------------------------------------------------------- the state machine
 
@@ -481,9 +484,10 @@ class ThrottleControl:
 
 
 class SharedControls(Generic[C]):
-    """A process's controls by (endpoint, bucket), made by ``factory``; a forked child starts with none."""
+    """A process's controls by (endpoint, bucket), made by ``factory(endpoint, bucket)``; a forked
+    child starts with none."""
 
-    def __init__(self, factory: Callable[[], C]) -> None:
+    def __init__(self, factory: Callable[[str, str], C]) -> None:
         self.factory = factory
         self.pid = os.getpid()
         self.by_key: dict[tuple[str, str], C] = {}
@@ -495,13 +499,22 @@ class SharedControls(Generic[C]):
         control = self.by_key.get((endpoint, bucket))
         if control is None:
             with self.lock:
-                control = self.by_key.setdefault((endpoint, bucket), self.factory())
+                control = self.by_key.get((endpoint, bucket))
+                if control is None:
+                    control = self.by_key[(endpoint, bucket)] = self.factory(endpoint, bucket)
         return control
 
 
-def _job_control() -> ThrottleControl:
-    """A control whose start window is this process's share of its job's."""
-    return ThrottleControl(window=start_window(topology.readers()))
+def _job_control(endpoint: str, bucket: str) -> ThrottleControl:
+    """A control whose start window is this process's share of its job's; in a DataLoader worker,
+    one that starts at the limit the last epoch's workers found, if they found one (``handoff``)."""
+    from .handoff import for_this_process
+
+    handoff = for_this_process(endpoint, bucket, every=RATE_WINDOW)
+    control = ThrottleControl(window=start_window(topology.readers()),
+                              limit=None if handoff is None else handoff.read())
+    control.handoff = handoff
+    return control
 
 
 CONTROLS: SharedControls[ThrottleControl] = SharedControls(_job_control)
@@ -603,12 +616,14 @@ class ThrottledStore(ReadWrapper[ThrottleControl]):
                 if first:
                     control.on_answer(generation)
                     first = False
+                    _hand_on(control)
                 yield chunk
         except ThrottledError:
             if first:
                 first = False
                 self.throttled += 1
                 control.on_throttled(generation)
+                _hand_on(control)
             raise
         finally:
             if first:  # ended before an answer (an error, cancelled, no body)
@@ -626,9 +641,18 @@ class ThrottledStore(ReadWrapper[ThrottleControl]):
         except ThrottledError:
             self.throttled += 1
             control.on_throttled(generation)
+            _hand_on(control)
             raise
         except BaseException:
             control.on_failed()
             raise
         control.on_answer(generation)
+        _hand_on(control)
         return result
+
+
+def _hand_on(control: ThrottleControl) -> None:
+    """Give the limit ``control`` holds to the next epoch's DataLoader workers (``handoff``)."""
+    handoff = control.handoff
+    if handoff is not None:
+        handoff.note(control.rate)
