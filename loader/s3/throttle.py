@@ -6,8 +6,10 @@ by all of that process's engines (each runs its own loop thread, hence the lock)
 throttles per prefix whoever sends. Retrying alone turns a throttle into a storm (measured: 54 %
 of GETs answered SlowDown), so the control sends less, by what it measures, whatever the shape of
 the limit (token bucket, sliding second, one limit shared by many processes, a limit that rises).
-Each process sees only its own answers. ``ThrottleControl`` is a state machine driven by three
-events on an injected clock (a turn booked, an answer, a SlowDown); tests/throttle_sim.py runs
+Each process sees only its own answers; a DataLoader's workers hand the limit they found on to its
+next epoch's workers, which are new unless ``persistent_workers`` (``handoff``). ``ThrottleControl``
+is a state machine driven by three events on an injected clock (a turn booked, an answer, a
+SlowDown); tests/throttle_sim.py runs
 the same class for a job of many processes against a simulated prefix. The rules:
 
 * **Start small**: before any limit is known, a job of many processes sends ``JOB_START_WINDOW``
