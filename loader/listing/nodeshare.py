@@ -1,5 +1,6 @@
 """Key lists the processes of one machine share: one file per listing, found by name, mapped
-read-only by each process, removed when the last process that may need it has gone.
+read-only by each process, removed when the last process that may need it has gone. The same
+files hold the rate limit a DataLoader's workers hand on to its next epoch's (``rate_handoff``).
 
 * **Where**: ``$LOADER_SHARE_DIR``, else ``/dev/shm`` (memory: mapping it reads no disk), else
   the temporary directory; a file that does not fit in the first goes to the next.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import tempfile
@@ -31,6 +33,9 @@ from multiprocessing.context import get_spawning_popen
 from pathlib import Path
 from typing import Any
 
+from .. import topology
+from ..s3 import handoff
+from ..s3.handoff import Handoff
 from . import keylist
 from .keyfile import KeyFile, open_keys, parse_keys, write_keys
 from .keylist import KeyList
@@ -274,6 +279,29 @@ def reduce_keys(keys: KeyList) -> tuple[Any, ...] | None:
 
 
 keylist.SPAWN_REDUCER = reduce_keys
+
+
+# ---------------------------------------------------------------------------- a DataLoader's rate limit
+
+
+def rate_handoff(endpoint: str, bucket: str, every: float) -> Handoff | None:
+    """Where this DataLoader worker hands the rate limit of ``bucket`` at ``endpoint`` on to the
+    next epoch's workers (``s3.handoff``): files held for the process that runs its DataLoader;
+    None outside a worker, or where the machine cannot share files."""
+    anchor = topology.parent_pid() if topology.in_worker() else None
+    if anchor is None or not supported():
+        return None
+    which = hashlib.sha256(f"{endpoint}\0{bucket}".encode()).hexdigest()[:16]
+    node = NodeFile(f"r{process_ident(anchor)}-{which}")
+    try:
+        node.hold(anchor)
+    except OSError:
+        return None
+    worker, workers = topology.worker()
+    return Handoff(node.dirs[0] / node.name, worker, workers, every, sweep=sweep)
+
+
+handoff.PLACE = rate_handoff
 
 
 def spill(keys: KeyList) -> KeyFile:

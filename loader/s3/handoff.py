@@ -21,7 +21,6 @@ the next sweep (the first write of each process sweeps).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import time
@@ -29,19 +28,18 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import topology
-
 
 class Handoff:
     """The handed-over limits of one endpoint and bucket for the workers of one DataLoader: a file
     per worker, ``<base>.w<id>.rate``, holding the requests/s its control allowed."""
 
     def __init__(self, base: Path, worker: int, workers: int, every: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 sweep: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
         self.base = base
         self.worker = worker
         self.workers = max(1, workers)
         self.every = every  # seconds between writes (the control's RATE_WINDOW: a limit is judged over one)
+        self.sweep = sweep  # removes the files of processes gone (called before the first write)
         self.clock = clock
         self.written: float | None = None  # the limit last written
         self.written_at = -math.inf
@@ -74,7 +72,8 @@ class Handoff:
         self.written, self.written_at = rate, now
         if not self.swept:
             self.swept = True
-            _sweep()
+            with contextlib.suppress(OSError):
+                self.sweep()
         path = self.path(self.worker)
         temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -85,26 +84,12 @@ class Handoff:
                 temporary.unlink()
 
 
+# Where a DataLoader worker's handoff lives: set by ``listing.nodeshare``, which keeps the
+# machine's shared files (this layer knows stores, not machines; every dataset imports it)
+PLACE: Callable[[str, str, float], Handoff | None] | None = None
+
+
 def for_this_process(endpoint: str, bucket: str, every: float) -> Handoff | None:
-    """The handoff of ``bucket`` at ``endpoint`` for this DataLoader worker, held for the process
-    that runs its DataLoader; None outside a worker, or where the machine cannot share files."""
-    from ..listing import nodeshare
-
-    anchor = topology.parent_pid() if topology.in_worker() else None
-    if anchor is None or not nodeshare.supported():
-        return None
-    which = hashlib.sha256(f"{endpoint}\0{bucket}".encode()).hexdigest()[:16]
-    node = nodeshare.NodeFile(f"r{nodeshare.process_ident(anchor)}-{which}")
-    try:
-        node.hold(anchor)
-    except OSError:
-        return None
-    worker, workers = topology.worker()
-    return Handoff(node.dirs[0] / node.name, worker, workers, every)
-
-
-def _sweep() -> None:
-    from ..listing import nodeshare
-
-    with contextlib.suppress(OSError):
-        nodeshare.sweep()
+    """The handoff of ``bucket`` at ``endpoint`` for this DataLoader worker (``PLACE``); None
+    outside a worker, or where the machine cannot share files."""
+    return None if PLACE is None else PLACE(endpoint, bucket, every)
