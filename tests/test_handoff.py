@@ -126,3 +126,12 @@ def test_the_store_wrapper_hands_on_what_its_control_holds(worker):
     written = float(path.read_text())
     assert path.name.endswith(".w0.rate") and written == control.handoff.written
     assert math.isfinite(written) and written >= throttle.MIN_RATE
+
+
+def test_a_limit_growing_back_after_a_full_one_is_handed_on_as_what_gets_through(worker):
+    """Just after a full limit's cut the rate is near nothing while the control grows back fast
+    to what it knows gets through: the next epoch starts at the latter."""
+    control = throttle.control_for("http://s3", "bucket")
+    control.rate, control.known = 1.0, 40.0
+    throttle._hand_on(control)
+    assert control.handoff.written == 40.0

@@ -654,7 +654,10 @@ class ThrottledStore(ReadWrapper[ThrottleControl]):
 
 
 def _hand_on(control: ThrottleControl) -> None:
-    """Give the limit ``control`` holds to the next epoch's DataLoader workers (``handoff``)."""
+    """Give the limit ``control`` holds to the next epoch's DataLoader workers (``handoff``): the
+    rate it allows, or what it knows gets through while it grows back to that after a full limit
+    (a moment in which the rate is near nothing must not start the next epoch there)."""
     handoff = control.handoff
     if handoff is not None:
-        handoff.note(control.rate)
+        rate = control.rate
+        handoff.note(None if rate is None else max(rate, control.known))
