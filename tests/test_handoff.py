@@ -62,6 +62,8 @@ def test_a_file_that_says_no_usable_limit_hands_none(tmp_path, text):
 def test_a_workers_control_starts_at_the_limit_the_last_epochs_workers_wrote(worker):
     first = throttle.control_for("http://s3", "bucket")
     assert first.rate is None and first.handoff is not None  # the first epoch: nothing known
+    first.handoff.note(None)
+    assert not os.listdir(worker)  # a worker never limited leaves nothing on the machine
     first.handoff.note(100.0)  # worker 0 of 4 found 100/s
     throttle.CONTROLS.by_key = {}  # the next epoch's worker: a new process
     second = throttle.control_for("http://s3", "bucket")

@@ -293,12 +293,13 @@ def rate_handoff(endpoint: str, bucket: str, every: float) -> Handoff | None:
         return None
     which = hashlib.sha256(f"{endpoint}\0{bucket}".encode()).hexdigest()[:16]
     node = NodeFile(f"r{process_ident(anchor)}-{which}")
-    try:
+
+    def first_write() -> None:
+        sweep()
         node.hold(anchor)
-    except OSError:
-        return None
+
     worker, workers = topology.worker()
-    return Handoff(node.dirs[0] / node.name, worker, workers, every, sweep=sweep)
+    return Handoff(node.dirs[0] / node.name, worker, workers, every, first_write=first_write)
 
 
 handoff.PLACE = rate_handoff

@@ -14,8 +14,9 @@ its share of what the others found so far the same way.
 Summed, not scaled: a worker that ran alone for a while held the whole limit, and its limit
 times the number of workers had handed the next epoch twice the limit (through the proxy: 113
 SlowDowns of 500 GETs in that epoch). Files live where ``nodeshare`` keeps the machine's shared
-key lists, held for the DataLoader's process: they go when it exits, or, if it was killed, at
-the next sweep (the first write of each process sweeps).
+key lists, held for the DataLoader's process from a worker's first write: they go when it exits,
+or, if it was killed, at the next sweep (each worker's first write sweeps). A worker never
+limited writes, holds and sweeps nothing.
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ class Handoff:
     per worker, ``<base>.w<id>.rate``, holding the requests/s its control allowed."""
 
     def __init__(self, base: Path, worker: int, workers: int, every: float,
-                 sweep: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
+                 first_write: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.base = base
         self.worker = worker
         self.workers = max(1, workers)
         self.every = every  # seconds between writes (the control's RATE_WINDOW: a limit is judged over one)
-        self.sweep = sweep  # removes the files of processes gone (called before the first write)
+        # called before this worker's first write (holds the files for the DataLoader's process,
+        # sweeps those of processes gone): a worker never limited leaves nothing on the machine
+        self.first_write: Callable[[], None] | None = first_write
         self.clock = clock
         self.written: float | None = None  # the limit last written
         self.written_at = -math.inf
-        self.swept = False
 
     def path(self, worker: int) -> Path:
         return self.base.with_name(f"{self.base.name}.w{worker}.rate")
@@ -70,10 +73,12 @@ class Handoff:
         if now - self.written_at < self.every or rate == self.written:
             return
         self.written, self.written_at = rate, now
-        if not self.swept:
-            self.swept = True
-            with contextlib.suppress(OSError):
-                self.sweep()
+        if self.first_write is not None:
+            prepare, self.first_write = self.first_write, None
+            try:
+                prepare()
+            except OSError:  # the folder is not writable: the next epoch starts from the window
+                return
         path = self.path(self.worker)
         temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:

@@ -69,6 +69,7 @@ import anyio
 
 from .. import topology
 from ..errors import ThrottledError
+from .handoff import for_this_process
 from .protocol import DEFAULT_CHUNK_SIZE, ObjectInfo, ObjectStore, Pin
 
 T = TypeVar("T")
@@ -510,8 +511,6 @@ class SharedControls(Generic[C]):
 def _job_control(endpoint: str, bucket: str) -> ThrottleControl:
     """A control whose start window is this process's share of its job's; in a DataLoader worker,
     one that starts at the limit the last epoch's workers found, if they found one (``handoff``)."""
-    from .handoff import for_this_process
-
     handoff = for_this_process(endpoint, bucket, every=RATE_WINDOW)
     control = ThrottleControl(window=start_window(topology.readers()),
                               limit=None if handoff is None else handoff.read())
