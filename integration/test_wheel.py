@@ -3,18 +3,19 @@
 The development environment installs the project editable, where every module of the source
 tree imports whether or not the wheel would carry it, and every package of the environment
 imports whether or not it is declared. This test builds the wheel from a copy of the tree (so no
-build output lands in it), installs it into a new venv without system site-packages (torch first,
-from the pinned wheel, as ``make install`` does; the rest resolved from ``pyproject.toml``'s
-dependencies under ``constraints.txt``), and there imports every public name and module, runs
+build output lands in it), installs it into a new venv without system site-packages (torch
+linked from this environment, the rest resolved from ``pyproject.toml``'s dependencies under
+``constraints.txt``), and there imports every public name and module, runs
 ``loader --version``, and checks the metadata: name, SPDX license, ``py.typed``.
 
-Slow (about a minute: torch's wheel is large), so it lives with the integration tests; run it
-alone with ``pytest integration/test_wheel.py``. Without network it needs the wheels in pip's
+Slow (half a minute: pip resolves and unpacks every dependency), so it lives with the
+integration tests; run it alone with ``pytest integration/test_wheel.py``. Without network it needs the wheels in pip's
 cache or a local index, as ``make install`` does.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -80,10 +81,23 @@ def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("venv") / "env"
     run(sys.executable, "-m", "venv", "--without-pip", venv)  # pip of this environment installs
     python = venv / "bin" / "python"
+    link_torch(python, tmp_path_factory.mktemp("torch"))
     pip = (sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-compile")
-    run(*pip, TORCH_PIN)
     run(*pip, "--constraint", ROOT / "constraints.txt", wheel)
     return python
+
+
+def link_torch(python: Path, folder: Path) -> None:
+    """This environment's torch (the pinned wheel, as ``make install`` puts it) on the new venv's
+    path through a ``.pth`` file, rather than unpacked from its wheel again: that took a minute
+    of the suite's CPU, and torch is the one package this test does not check. pip sees it
+    installed and resolves its dependencies, and the rest, into the venv as from any wheel."""
+    dist = importlib.metadata.distribution("torch")
+    assert TORCH_PIN.split("==")[1] in dist.version, (TORCH_PIN, dist.version)
+    for top in {Path(str(f)).parts[0] for f in dist.files or ()} - {".."}:  # (".." : its scripts)
+        (folder / top).symlink_to(Path(str(dist.locate_file(top))))
+    site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    (Path(site) / "torch-of-the-suite.pth").write_text(f"{folder}\n")
 
 
 def test_the_wheel_carries_every_module_and_py_typed(wheel):
