@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from os_threads import HAS_TASKS, alive, linger_at_exit
+
 from loader.listing.inputs import list_prefix
 from loader.listing.keylist import ListOptions
 from loader.listing.snapshots import Snapshot
@@ -44,7 +46,7 @@ def test_the_first_page_is_asked_for_where_the_listing_runs_and_only_there(tmp_p
 def test_the_first_pages_thread_is_joined_when_the_lister_closes(monkeypatch):
     """A short-lived listing thread still ending when the DataLoader forks right after the
     listing once hung a forked worker: the thread that fetched the first page is joined by the
-    lister's close, not left to end on its own."""
+    lister's close, to its end at the OS level, not left to end on its own."""
     import asyncio
     import concurrent.futures
     import http.server
@@ -71,11 +73,17 @@ def test_the_first_pages_thread_is_joined_when_the_lister_closes(monkeypatch):
         def log_message(self, *args):
             pass
 
+    fetched_in: list[int] = []
+
     class SlowToEnd(concurrent.futures.Future):
-        """The answer handed over, then the thread lingers: what a thread ending looks like."""
+        """The answer handed over, then the thread lingers, in Python and after it at the OS
+        level: what a thread ending looks like (its C-level exit handlers, OpenSSL's among them)."""
 
         def set_result(self, result):
             super().set_result(result)
+            fetched_in.append(threading.get_native_id())
+            if HAS_TASKS:
+                linger_at_exit(0.3)
             time.sleep(0.3)
 
     monkeypatch.setattr(http_lister.concurrent.futures, "Future", SlowToEnd)
@@ -94,5 +102,6 @@ def test_the_first_pages_thread_is_joined_when_the_lister_closes(monkeypatch):
 
             assert asyncio.run(listing()) == ["p/a"]
             assert not [t for t in threading.enumerate() if t.name == "loader-first-page"]
+            assert fetched_in and not alive(fetched_in[0]), "the OS thread outlived the lister's close"
         finally:
             server.shutdown()

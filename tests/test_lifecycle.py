@@ -1,11 +1,16 @@
-"""``LiveObjects``: what a forked child disowns and what exit closes, registered on first use."""
+"""``LiveObjects``: what a forked child disowns and what exit closes, registered on first use;
+``join_thread``: a thread joined until the OS has it gone (a fork may follow)."""
 
 from __future__ import annotations
 
 import gc
 import os
+import threading
 
-from loader.lifecycle import LiveObjects
+import pytest
+from os_threads import HAS_TASKS, WHY_NOT, alive, linger_at_exit
+
+from loader.lifecycle import LiveObjects, join_thread
 
 
 class Thing:
@@ -63,3 +68,25 @@ def test_a_real_fork_runs_the_hooks_registered_on_first_add():
     os.waitpid(pid, 0)
     assert report == "['disowned']|0"
     assert thing.events == [] and len(live) == 1  # the parent keeps its objects untouched
+
+
+@pytest.mark.skipif(not HAS_TASKS, reason=WHY_NOT)
+def test_join_thread_returns_once_the_os_has_the_thread_gone_not_only_python():
+    """A fork right after a plain ``join`` can catch the thread in its C-level exit (OpenSSL's
+    handlers hold a lock of the whole process there): ``join_thread`` waits that out."""
+    plain = threading.Thread(target=linger_at_exit, args=(0.3,))
+    plain.start()
+    plain.join()
+    assert alive(plain.native_id), "the lingering end this test relies on did not happen"
+
+    ours = threading.Thread(target=linger_at_exit, args=(0.3,))
+    ours.start()
+    join_thread(ours)
+    assert not alive(ours.native_id)
+
+
+def test_join_thread_gives_up_on_an_os_thread_that_does_not_end_within_its_bound():
+    stuck = threading.Thread(target=linger_at_exit, args=(2.0,))
+    stuck.start()
+    join_thread(stuck, most=0.05)  # returns (a close must not hang on it)
+    assert not stuck.is_alive()

@@ -7,6 +7,7 @@ import threading
 
 import anyio
 import pytest
+from os_threads import HAS_TASKS, WHY_NOT, alive, linger_at_exit
 
 from loader.engine.loopthread import LoopThread
 
@@ -45,3 +46,19 @@ def test_a_call_still_waiting_when_the_loop_stops_is_cancelled_not_left_hanging(
         with pytest.raises(concurrent.futures.CancelledError):
             pending.result(timeout=10)
     assert not loop.thread.is_alive()
+
+
+@pytest.mark.skipif(not HAS_TASKS, reason=WHY_NOT)
+def test_stop_returns_once_the_os_has_the_loop_thread_gone():
+    """The engine stops its loop at the end of an epoch, and a DataLoader may fork its workers
+    right after: a loop thread still in its C-level exit then (OpenSSL's handlers, after TLS
+    reads) left a forked worker's first TLS handshake waiting for good."""
+    loop = LoopThread.start("test-loop")
+
+    async def lingers() -> int:
+        linger_at_exit(0.3)
+        return threading.get_native_id()
+
+    native_id = loop.call(lingers)
+    loop.stop()
+    assert not alive(native_id)

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from ..lifecycle import join_thread
+
 T = TypeVar("T")
 
 
@@ -67,4 +69,4 @@ class LoopThread:
         """Cancel whatever still runs in the loop, stop it and join the thread (idempotent)."""
         with contextlib.suppress(RuntimeError):  # already stopped
             self.portal.call(self.portal.stop, True)
-        self.thread.join()
+        join_thread(self.thread)  # until the OS has it gone: a fork may come next

@@ -31,6 +31,7 @@ import anyio.to_thread
 
 from ..config import S3Config
 from ..errors import BadAnswerError, StoreError
+from ..lifecycle import join_thread
 from ..retry import RetryPolicy, answered
 from .addressing import NotServed, Origin, Proxy, bucket_address, proxy_for, redirected, unserved
 from .answer_checks import asked_for, check_codings, check_head, check_length
@@ -437,11 +438,11 @@ class HttpLister:
                 connection.close()
         fetch, self._first_fetch = self._first_fetch, None
         if fetch is not None and fetch[1].done():
-            # Its answer is in: the thread is ending (microseconds). Joined, it cannot still be
-            # tearing down when the DataLoader forks its workers right after the listing (a
-            # short-lived listing thread ending during fork() once hung a forked worker). One
-            # still waiting for its answer (the listing failed first) closes its own connection.
-            fetch[0].join()
+            # Its answer is in: the thread is ending (microseconds). Joined to its OS-level end,
+            # it cannot still be tearing down when the DataLoader forks its workers right after
+            # the listing (lifecycle.join_thread). One still waiting for its answer (the listing
+            # failed first) closes its own connection.
+            join_thread(fetch[0])
 
     # Reads: whole objects and ranges (a shard index found beside the shards); not streams or
     # conditional reads, which the data path makes through the backends.
