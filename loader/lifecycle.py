@@ -28,7 +28,7 @@ def join_thread(thread: threading.Thread, most: float = GONE_WITHIN) -> None:
     """Join ``thread``, then wait until the OS has finished it too (Linux: its entry in
     ``/proc/self/task`` is gone), at most ``most`` seconds more.
 
-    ``Thread.join`` returns once the thread's Python state is gone, before the OS thread has run
+    ``threading.Thread.join`` returns once the thread's Python state is gone, before the OS thread has run
     its C-level exit handlers; OpenSSL's free the thread's random generators under a lock of the
     whole process. A fork in that moment (a DataLoader starting its workers right after an epoch
     or a listing read over https in this process) gives the child that lock held by a thread it
