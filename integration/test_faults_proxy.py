@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -71,7 +72,10 @@ class Upstream:
 
     def __enter__(self) -> Upstream:
         self._thread.start()
-        assert self._ready.wait(10), "upstream did not start"
+        if not self._ready.wait(10):  # where its thread stands says why (seen once, not explained)
+            frame = sys._current_frames().get(self._thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "its thread has ended"
+            raise AssertionError(f"upstream did not start within 10 s; its thread:\n{where}")
         return self
 
     def __exit__(self, *exc_info) -> None:
