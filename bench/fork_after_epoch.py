@@ -29,7 +29,6 @@ import datetime
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,24 +43,13 @@ OBJECTS = 40
 CONDITIONS = ("joined to the OS", "plain join")
 
 
-def resolve_lab_names() -> None:
-    """``*.s3.lab.test`` -> 127.0.0.1 in this process and its forks."""
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host, *args, **kwargs):  # type: ignore[no-untyped-def]
-        name = host.decode() if isinstance(host, bytes) else host
-        if isinstance(name, str) and (name == DOMAIN or name.endswith("." + DOMAIN)):
-            host = "127.0.0.1"
-        return real(host, *args, **kwargs)
-
-    socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
-
-
 def child(condition: str, epochs: int, timeout: float, spec: dict) -> dict:
     """``epochs`` times: an epoch in this process, then one through 2 forked workers."""
     from torch.utils.data import DataLoader
 
     from loader import AsyncS3Dataset, S3Config
+
+    from .aws_child import resolve_to_loopback
 
     if condition == "plain join":
         from loader.engine import loopthread
@@ -72,7 +60,7 @@ def child(condition: str, epochs: int, timeout: float, spec: dict) -> dict:
 
         loopthread.join_thread = join  # type: ignore[assignment]
         http_lister.join_thread = join  # type: ignore[assignment]
-    resolve_lab_names()
+    resolve_to_loopback(DOMAIN)
     config = S3Config(**spec)
     hangs = samples = 0
     started = time.monotonic()
