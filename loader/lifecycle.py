@@ -28,17 +28,17 @@ def join_thread(thread: threading.Thread, most: float = GONE_WITHIN) -> None:
     """Join ``thread``, then wait until the OS has finished it too (Linux: its entry in
     ``/proc/self/task`` is gone), at most ``most`` seconds more.
 
-    ``threading.Thread.join`` returns once the thread's Python state is gone, before the OS thread has run
-    its C-level exit handlers; OpenSSL's free the thread's random generators under a lock of the
-    whole process. A fork in that moment (a DataLoader starting its workers right after an epoch
+    ``threading.Thread.join`` returns once the thread's Python state is gone, before the OS
+    thread has run its C-level exit handlers; OpenSSL's free the thread's random generators
+    under a lock of the whole process. A fork in that moment (a DataLoader starting its workers right after an epoch
     or a listing read over https in this process) gives the child that lock held by a thread it
     does not have: its first TLS handshake waits for good (openssl/openssl#19066). Every thread
     of the package that may have entered OpenSSL is joined through this.
     """
     thread.join()
-    task = f"/proc/self/task/{thread.native_id}"
     if thread.native_id is None or not os.path.isdir("/proc/self/task"):
         return  # never started, or no procfs (macOS: workers are spawned there by default)
+    task = f"/proc/self/task/{thread.native_id}"
     deadline = time.monotonic() + most
     while os.path.exists(task) and time.monotonic() < deadline:
         time.sleep(0.0002)
