@@ -8,7 +8,7 @@ answered ``503 SlowDown`` (a throttled prefix) in each shape of limit the proxy 
 (half a second's worth) keeping the connection or closing it as S3 does, a sliding second, one
 limit shared by 2 ranks x 4 DataLoader workers (8 processes, the ranks told theirs by ``RANK``
 and ``WORLD_SIZE`` as torchrun tells them; one epoch, four with persistent workers, and four with
-workers started anew each epoch, DataLoader's default), and a
+workers started anew each epoch, DataLoader's default, forked or spawned), and a
 limit that doubles after 20 s of load (12 epochs, persistent workers: the processes that met the
 limit are those that meet its rise). "of the limit": samples/s against
 the GET/s the limit allows; "rise found": seconds from the rise to the first second in which the
@@ -48,19 +48,26 @@ CONDITIONS: dict[str, dict[str, Any]] = {
     "throttle: sliding second 300/s, 2 ranks x 4 workers": {"get_rate": 300.0, "throttle": "window"},
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs": {"get_rate": 300.0, "throttle": "window"},
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch": {"get_rate": 300.0, "throttle": "window"},
+    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch": {"get_rate": 300.0, "throttle": "window"},
+    "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch": {"get_rate": 300.0, "throttle": "window"},
     "throttle: bucket 300/s doubling after 20 s, 12 epochs": {"get_rate": 300.0, "get_rate_rises_after": 20.0},
 }
 RANKS = {  # processes sharing the limit: ranks x DataLoader workers
     "throttle: sliding second 300/s, 2 ranks x 4 workers": (2, 4),
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs": (2, 4),
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch": (2, 4),
+    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch": (2, 4),
 }
 EPOCHS = {  # with persistent workers (the processes that learned the limit read every epoch) unless new
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs": 4,
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch": 4,
+    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch": 4,
+    "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch": 4,
     "throttle: bucket 300/s doubling after 20 s, 12 epochs": 12,
 }
-NEW_WORKERS = {"throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch"}  # DataLoader's default: workers started anew every epoch
+NEW_WORKERS = {"throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch",  # DataLoader's default: workers started anew every epoch
+               "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch", "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch"}
+SPAWNED = {"throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch", "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch"}  # workers spawned (macOS's default, Python 3.14's forkserver alike): they start seconds apart
 RISE_FOUND_SHARE = 0.8  # the rise counts as found in the first second let through this share of the new limit
 
 
@@ -73,7 +80,8 @@ from loader import AsyncS3Dataset
 spec = json.loads(sys.stdin.read())
 ds = AsyncS3Dataset.from_keys(spec["bucket"], spec["keys"], shuffle=True, seed=spec["seed"])
 loader = DataLoader(ds, batch_size=32, num_workers=spec.get("workers", 2), collate_fn=len,
-                    persistent_workers=spec.get("persistent", False))
+                    persistent_workers=spec.get("persistent", False),
+                    multiprocessing_context=spec.get("start"))
 waits, samples = [], 0
 started = asked = time.perf_counter()
 for epoch in range(spec.get("epochs", 1)):
@@ -176,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                         ranks, workers = RANKS.get(condition, (1, 2))
                         spec: dict[str, Any] = {"bucket": BUCKET, "keys": keys, "seed": round_, "workers": workers,
                                 "epochs": EPOCHS.get(condition, 1),
-                                "persistent": EPOCHS.get(condition, 1) > 1 and condition not in NEW_WORKERS}
+                                "persistent": EPOCHS.get(condition, 1) > 1 and condition not in NEW_WORKERS,
+                                "start": "spawn" if condition in SPAWNED else None}
                         out = run_child(tree, spec, s3_env, ranks)
                         counts = proxy.counts
                         out["rose_after"], out["passed"] = proxy.throttle_timeline()
