@@ -173,16 +173,6 @@ def worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def worker_start() -> int:
-    """Which start of its DataLoader's workers this worker belongs to (the same for the workers
-    of one epoch, another the next epoch unless ``persistent_workers``): its seed less its id,
-    the base seed the DataLoader drew for the iterator that started them; 0 outside a worker."""
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    return 0 if info is None else info.seed - info.id
-
-
 class SharedEpoch:
     """The epoch, in shared memory that DataLoader workers keep reading.
 

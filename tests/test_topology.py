@@ -80,23 +80,6 @@ def test_worker_inside_dataloader_workers(monkeypatch):
     assert [tuple(int(x) for x in row) for row in got] == [(0, 2, 6), (1, 2, 6)]
 
 
-class _WhichStart(IterableDataset):
-    def __iter__(self):
-        yield topology.worker_start()
-
-
-@pytest.mark.parametrize("persistent", [False, True])
-def test_the_workers_of_one_epoch_share_their_start(persistent):
-    """What a DataLoader worker's rate handoff tells its siblings from the last epoch's workers
-    by: the same for the workers of an epoch, another for the next epoch's new workers, the
-    same again where workers persist; 0 outside a worker."""
-    loader = DataLoader(_WhichStart(), batch_size=None, num_workers=2, persistent_workers=persistent)
-    epochs = [[int(start) for start in loader] for _ in range(2)]
-    assert all(len(epoch) == 2 and len(set(epoch)) == 1 for epoch in epochs), epochs
-    assert (epochs[0] == epochs[1]) == persistent, epochs
-    assert topology.worker_start() == 0
-
-
 @pytest.mark.parametrize(("env", "readers"), [({}, 1), ({"RANK": "2", "WORLD_SIZE": "4"}, 4),
                                                ({"RANK": "0"}, 1), ({"RANK": "5", "WORLD_SIZE": "4"}, 1)])
 def test_readers_in_the_main_process_is_the_world_size(env, readers):

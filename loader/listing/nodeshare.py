@@ -299,8 +299,7 @@ def rate_handoff(endpoint: str, bucket: str, every: float) -> Handoff | None:
         node.hold(anchor)
 
     worker, workers = topology.worker()
-    return Handoff(node.dirs[0] / node.name, worker, workers, every, first_write=first_write,
-                   start=topology.worker_start())
+    return Handoff(node.dirs[0] / node.name, worker, workers, every, first_write=first_write)
 
 
 handoff.PLACE = rate_handoff
