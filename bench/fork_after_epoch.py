@@ -80,16 +80,14 @@ def child(condition: str, epochs: int, timeout: float, spec: dict) -> dict:
 
 
 def upload(server, count: int) -> None:  # type: ignore[no-untyped-def]
-    import obstore
-    from obstore.store import S3Store
-
-    c = server.config
-    store = S3Store(BUCKET, endpoint=f"http://127.0.0.1:{server.ports.s3}", region=c.region, access_key_id=c.access_key_id,
-                    secret_access_key=c.secret_access_key, virtual_hosted_style_request=False,
-                    client_options={"allow_http": True})
-    rng = random.Random(5)
-    for i in range(count):
-        obstore.put(store, f"train/{i:04d}.bin", rng.randbytes(rng.randint(4_000, 60_000)))
+    """``count`` objects of 4-60 KB under ``train/``, through the server's own setup client."""
+    client = server.client()
+    try:
+        rng = random.Random(5)
+        for i in range(count):
+            client.put_object(Bucket=BUCKET, Key=f"train/{i:04d}.bin", Body=rng.randbytes(rng.randint(4_000, 60_000)))
+    finally:
+        client.close()
 
 
 def main() -> None:

@@ -39,6 +39,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 BUCKET = "tailbench"
+# the conditions of workers started anew each epoch (DataLoader's default), forked or spawned
+NEW_FORKED = "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch"
+NEW_SPAWNED = "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch"
+NEW_SPAWNED_ONE = "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch"
 CONDITIONS: dict[str, dict[str, Any]] = {
     "clean": {},
     "stragglers: 1 % of GETs 2 s late": {"straggle": 0.01, "straggle_seconds": 2.0},
@@ -47,27 +51,27 @@ CONDITIONS: dict[str, dict[str, Any]] = {
     "throttle: sliding second 300/s, closing": {"get_rate": 300.0, "throttle": "window"},
     "throttle: sliding second 300/s, 2 ranks x 4 workers": {"get_rate": 300.0, "throttle": "window"},
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs": {"get_rate": 300.0, "throttle": "window"},
-    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch": {"get_rate": 300.0, "throttle": "window"},
-    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch": {"get_rate": 300.0, "throttle": "window"},
-    "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch": {"get_rate": 300.0, "throttle": "window"},
+    NEW_FORKED: {"get_rate": 300.0, "throttle": "window"},
+    NEW_SPAWNED: {"get_rate": 300.0, "throttle": "window"},
+    NEW_SPAWNED_ONE: {"get_rate": 300.0, "throttle": "window"},
     "throttle: bucket 300/s doubling after 20 s, 12 epochs": {"get_rate": 300.0, "get_rate_rises_after": 20.0},
 }
 RANKS = {  # processes sharing the limit: ranks x DataLoader workers
     "throttle: sliding second 300/s, 2 ranks x 4 workers": (2, 4),
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs": (2, 4),
-    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch": (2, 4),
-    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch": (2, 4),
+    NEW_FORKED: (2, 4),
+    NEW_SPAWNED: (2, 4),
 }
 EPOCHS = {  # with persistent workers (the processes that learned the limit read every epoch) unless new
     "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs": 4,
-    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch": 4,
-    "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch": 4,
-    "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch": 4,
+    NEW_FORKED: 4,
+    NEW_SPAWNED: 4,
+    NEW_SPAWNED_ONE: 4,
     "throttle: bucket 300/s doubling after 20 s, 12 epochs": 12,
 }
-NEW_WORKERS = {"throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new workers each epoch",  # DataLoader's default: workers started anew every epoch
-               "throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch", "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch"}
-SPAWNED = {"throttle: sliding second 300/s, 2 ranks x 4 workers, 4 epochs, new spawned workers each epoch", "throttle: sliding second 300/s, 4 epochs, new spawned workers each epoch"}  # workers spawned (macOS's default, Python 3.14's forkserver alike): they start seconds apart
+NEW_WORKERS = {NEW_FORKED, NEW_SPAWNED, NEW_SPAWNED_ONE}  # not persistent: workers started anew every epoch
+# spawned (macOS's default; Python 3.14's forkserver alike): a DataLoader's workers start seconds apart
+SPAWNED = {NEW_SPAWNED, NEW_SPAWNED_ONE}
 RISE_FOUND_SHARE = 0.8  # the rise counts as found in the first second let through this share of the new limit
 
 

@@ -74,7 +74,9 @@ def test_a_real_fork_runs_the_hooks_registered_on_first_add():
 def test_join_thread_returns_once_the_os_has_the_thread_gone_not_only_python():
     """A fork right after a plain ``join`` can catch the thread in its C-level exit (OpenSSL's
     handlers hold a lock of the whole process there): ``join_thread`` waits that out."""
-    plain = threading.Thread(target=linger_at_exit, args=(0.3,))
+    # lingers long: nothing waits for it, and a loaded machine's pause before the check below
+    # must not outlast it (the precondition, not the package, would then fail)
+    plain = threading.Thread(target=linger_at_exit, args=(5.0,))
     plain.start()
     plain.join()
     assert alive(plain.native_id), "the lingering end this test relies on did not happen"
