@@ -339,6 +339,37 @@ def test_a_dataloader_over_a_dead_endpoint_fails_with_the_listings_error():
     assert "no worker listed again" in str(info.value) and fake.list_requests == 1
 
 
+def test_a_dataset_whose_listing_failed_before_the_fork_is_freed_with_its_workers():
+    """The error kept for the forked workers holds no frame: once the user drops the DataLoader
+    and the dataset, the garbage collector frees both and the workers end. (Its traceback's
+    frames held the iterator that was forking, its workers and the dataset the error is kept
+    under: none of them was ever freed.)"""
+    import gc
+    import multiprocessing
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from loader import AsyncS3Dataset, EndpointUnreachableError, RetryPolicy
+
+    from fakes import reusable
+
+    before = set(multiprocessing.active_children())
+    ds = AsyncS3Dataset.from_prefix("s3://bucket/train/", store=Store(backend=reusable(_dead_endpoint_store()),
+                                                                      retry=RetryPolicy(max_attempts=1)))
+    try:
+        next(iter(DataLoader(ds, batch_size=None, num_workers=2)))
+    except EndpointUnreachableError:
+        pass
+    else:
+        raise AssertionError("the DataLoader read a dead endpoint")
+    dataset = weakref.ref(ds)
+    del ds
+    gc.collect()
+    assert dataset() is None, "the dataset outlived every reference of the user's"
+    assert not set(multiprocessing.active_children()) - before, "the workers still run"
+
+
 def test_pickling_a_dataset_lists_nothing_unless_it_starts_a_process():
     """``pickle.dumps(ds)`` does no I/O (a dead endpoint cannot make it hang); pickling that
     starts a spawned or forkserver worker is where a rank lists for such workers."""

@@ -171,13 +171,28 @@ def _before_fork() -> None:
             resolve = getattr(dataset, "resolve", None)
             resolve() if resolve is not None else dataset.samples()
         except Exception as exc:  # noqa: BLE001 - a fork hook cannot raise: the workers will
-            _failed[dataset] = (os.getpid(), exc)
+            _failed[dataset] = (os.getpid(), _without_frames(exc))
             if _FAILED_NOTE not in getattr(exc, "__notes__", ()):
                 exc.add_note(_FAILED_NOTE)
             log.warning("listing before the DataLoader forked its workers failed, so each worker "
                         "raises this error (none lists again): %s", exc)
         else:
             _failed.pop(dataset, None)
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` and the errors under it, their tracebacks dropped: a traceback's frames hold their
+    callers' too, up to the DataLoader iterator that was forking, with its workers and the
+    dataset this error is kept for (its weak key): kept, none of them would ever be freed. The
+    workers raise it without the parent's traceback anyway."""
+    stack, seen = [exc], set()
+    while stack:
+        error = stack.pop()
+        if id(error) not in seen:
+            seen.add(id(error))
+            error.__traceback__ = None
+            stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+    return exc
 
 
 def _process_being_started() -> Any:
