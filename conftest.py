@@ -39,6 +39,36 @@ def aws_profiles_of_our_own() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True)
+def processes_end_with_their_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Processes a test started through ``multiprocessing`` (DataLoader workers, ranks) end in that
+    test's teardown; a test whose processes outlive every reference it dropped is named.
+
+    A DataLoader iterator dropped unfinished (a ``pytest.raises`` keeps one in a reference cycle
+    through the error's traceback) runs its workers until a garbage collection finalizes it,
+    wherever that collection happens to run: once it ran in a later test's server thread, whose
+    start then waited on torch ending the workers (5 s each after a worker's error) and failed
+    its own 10 s bound. So the collection runs here.
+    """
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    yield
+    if not set(multiprocessing.active_children()) - before:
+        return
+    import gc
+    import warnings
+
+    gc.collect()
+    left = set(multiprocessing.active_children()) - before
+    for process in left:  # the collection may have just signalled them (torch ends its workers so)
+        process.join(timeout=2)
+    left = {process.name for process in left if process.is_alive()}
+    if left:
+        warnings.warn(f"{request.node.nodeid} left processes running after a garbage collection: "
+                      f"{sorted(left)}", stacklevel=1)
+
+
 @pytest.fixture
 def sigint_raises() -> Iterator[None]:
     """SIGINT raises ``KeyboardInterrupt`` in the main thread during the test.
