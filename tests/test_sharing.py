@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import pickle
+import sys
 import threading
 import time
 
@@ -368,6 +369,33 @@ def test_a_dataset_whose_listing_failed_before_the_fork_is_freed_with_its_worker
     gc.collect()
     assert dataset() is None, "the dataset outlived every reference of the user's"
     assert not set(multiprocessing.active_children()) - before, "the workers still run"
+
+
+def test_the_kept_error_drops_every_traceback_under_it_and_keeps_its_message():
+    """Its cause, its context and an exception group's members lose their tracebacks too (each
+    one's frames hold the stack it was raised on); the error still reads and types the same."""
+    def raised(error: BaseException, cause: BaseException | None = None) -> BaseException:
+        try:
+            raise error from cause
+        except BaseException as exc:
+            return exc
+
+    if sys.version_info >= (3, 11):
+        from builtins import ExceptionGroup
+    else:  # anyio's dependency there
+        from exceptiongroup import ExceptionGroup
+
+    member = raised(ConnectionRefusedError("refused"))
+    group = raised(ExceptionGroup("listing tasks", [member]))
+    context = raised(TimeoutError("slow"))
+    outer = raised(OSError("cannot list s3://bucket/train/"), cause=group)
+    outer.__context__ = context
+    assert all(e.__traceback__ is not None for e in (member, group, context, outer))
+
+    kept = sharing._without_frames(outer)
+    assert kept is outer and str(kept) == "cannot list s3://bucket/train/" and type(kept) is OSError
+    assert [e.__traceback__ for e in (member, group, context, outer)] == [None] * 4
+    assert kept.__cause__ is group and group.exceptions == (member,)
 
 
 def test_pickling_a_dataset_lists_nothing_unless_it_starts_a_process():

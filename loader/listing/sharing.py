@@ -192,6 +192,7 @@ def _without_frames(exc: BaseException) -> BaseException:
             seen.add(id(error))
             error.__traceback__ = None
             stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+            stack.extend(getattr(error, "exceptions", ()))  # an ExceptionGroup's
     return exc
 
 
