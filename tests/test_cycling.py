@@ -160,6 +160,37 @@ def test_state_dict_resume_yields_the_rest_of_the_quota_without_repeats():
     assert not set(first) & set(rest), "70 < 90 samples: nothing repeats within the epoch"
 
 
+def test_a_dataloader_dropped_mid_epoch_is_freed_at_once_where_no_shard_index_was_found():
+    """Shards without an index: the fork hook's look for ``index.json`` ended in NoSuchKey. That
+    error's traceback went through anyio's portal, whose frame holds the future the error was
+    set on (a cycle), and every frame of it held its callers: the DataLoader iterator that was
+    forking. Dropped mid-epoch, the iterator waited for a garbage collection, where torch's
+    finalizer waits 5 s for each worker (10 s in this test's teardown). Now it is freed, and
+    its workers ended, when the last reference goes."""
+    import gc
+    import multiprocessing
+    import weakref
+
+    fake, _ = store_with_index(index=False)
+    gc.disable()  # no collection may end the iterator early, as one would now and then
+    try:
+        ds = ds_of(fake, split=Split(samples_per_epoch=70), shuffle=True, seed=2, batch_size=5)
+        loader = StatefulDataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context="fork")
+        before = set(multiprocessing.active_children())
+        iterator = iter(loader)
+        next(iterator)
+        dropped = weakref.ref(iterator)
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 2
+        del iterator, loader
+        assert dropped() is None, "the iterator outlived its last reference"
+    finally:
+        gc.enable()
+    for worker in workers:
+        worker.join(timeout=5)
+    assert not [w for w in workers if w.is_alive()]
+
+
 def test_resume_counts_samples_seen_per_rank_on_any_topology():
     fake, _ = store_with_index(index=False)
     ds = ds_of(fake, split=Split(samples_per_epoch=50, rank=0, world_size=2), batch_size=4, shuffle=True)

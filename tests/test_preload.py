@@ -120,3 +120,35 @@ def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch
         with pytest.raises(ConfigError, match=r"store='obstore' needs the optional extra: "
                                               r"pip install 's3stream-loader\[obstore\]'"):
             build()
+
+
+def test_an_error_through_run_async_frees_its_callers_frames_once_caught():
+    """An error a one-shot loop raised reaches the caller through anyio's portal, whose frame
+    holds the future the error was set on, inside the error's own traceback: a cycle. Caught and
+    dropped, it must not keep the frames above it (their locals: a DataLoader iterator, a
+    listing's pages) until a garbage collection."""
+    import gc
+    import weakref
+
+    from loader.errors import NoSuchKeyError
+    from loader.s3.blocking import run_async
+
+    class Held:
+        pass
+
+    async def missing() -> None:
+        raise NoSuchKeyError("no object 'index.json' in bucket 'b'")
+
+    def caller() -> weakref.ref:
+        held = Held()  # a local of a frame the error passed through
+        try:
+            run_async(missing)
+        except NoSuchKeyError:
+            pass
+        return weakref.ref(held)
+
+    gc.disable()
+    try:
+        assert caller()() is None, "the caller's frame outlived the call"
+    finally:
+        gc.enable()

@@ -7,6 +7,7 @@ DataLoader workers alike, and leaves no thread behind.
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -27,12 +28,22 @@ def run_async(fn: Callable[[], Awaitable[T]], meanwhile: Callable[[], object] | 
     ``meanwhile``: work for the calling thread while the loop runs ``fn`` (a listing's pages
     are mostly waits on the server); an error it raises cancels ``fn``.
     """
-    with start_blocking_portal(name="loader-oneshot") as portal:
-        if meanwhile is None:
-            return portal.call(fn)
-        running = portal.start_task_soon(fn)
-        meanwhile()
-        return running.result()
+    try:
+        with start_blocking_portal(name="loader-oneshot") as portal:
+            if meanwhile is None:
+                return portal.call(fn)
+            running = portal.start_task_soon(fn)
+            meanwhile()
+            return running.result()
+    except BaseException as exc:
+        # The portal's frame that set the error on its future still holds that future, and is in
+        # the error's traceback: a cycle, which kept every frame the error then passed through,
+        # and their callers, until a garbage collection (a caller that catches it, as the shard
+        # index lookup does a NoSuchKey, in a DataLoader's fork hook: the iterator that was
+        # forking, whose finalizer torch then runs in that collection, 5 s a worker). The frames
+        # below this one are done: their locals go, their lines stay in the traceback.
+        traceback.clear_frames(exc.__traceback__)
+        raise
 
 
 async def with_store(
