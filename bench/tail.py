@@ -162,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=Path, help="a copy of an earlier tree (its loader/ is imported)")
     p.add_argument("--before-label", default="before")
     p.add_argument("--only", action="append",
-                   help="run only conditions whose name starts with this (repeatable; default: all)")
+                   help="run only conditions whose name starts with this, or is this where it ends "
+                        "with $ (repeatable; default: all)")
     p.add_argument("--out", type=Path, help="where to write the table (default: bench/results/tail-<date>.md)")
     args = p.parse_args(argv)
     conditions = {name: plan for name, plan in CONDITIONS.items()
-                  if not args.only or any(name.startswith(only) for only in args.only)}
+                  if not args.only or any(name == only[:-1] if only.endswith("$") else name.startswith(only)
+                                          for only in args.only)}
     sys.path.insert(0, str(ROOT / "integration"))
     from faults import FaultPlan, FaultProxy
 
