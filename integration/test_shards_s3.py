@@ -173,3 +173,34 @@ def test_shards_listed_from_a_prefix_import_the_backend_while_listing_and_worker
     """As per-object mode: the import waits for the listing, which the workers start after."""
     _, expected, _ = shards
     assert listed_imports[store] == (False, True, len(expected))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_epoch_left_early_frees_its_dataloader_and_workers_at_once(s3_server, shards, num_workers):
+    """Shards without an index, an epoch left after a few batches (a validation pass of N
+    batches, a test loop's ``break``): the iterator and its workers go with the last reference.
+    The index lookup's NoSuchKey, caught, had kept the frames it passed through, back to the
+    DataLoader that was forking, until a garbage collection; there torch's finalizer waited 5 s
+    for each worker, a 10 s stall at whatever step of training the collection came."""
+    import gc
+    import multiprocessing
+    import weakref
+
+    bucket, _, _ = shards
+    gc.collect()
+    gc.disable()  # a collection now and then would free it anyway: none may hide the cycle
+    try:
+        dataset = AsyncS3Dataset.from_shards(f"s3://{bucket}/train/", config=s3_server.config)
+        before = set(multiprocessing.active_children())
+        iterator = iter(DataLoader(dataset, batch_size=8, num_workers=num_workers, timeout=120 if num_workers else 0))
+        next(iterator)
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == num_workers
+        left = weakref.ref(iterator), weakref.ref(dataset)
+        del iterator, dataset
+        assert [ref() for ref in left] == [None, None], "the iterator or its dataset outlived its last reference"
+    finally:
+        gc.enable()
+    for worker in workers:
+        worker.join(timeout=5)
+    assert not [worker for worker in workers if worker.is_alive()]
