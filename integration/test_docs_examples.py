@@ -137,6 +137,10 @@ def test_page_examples_run_as_written(page: Path, page_bucket: Path):
         for pidfile in page_bucket.glob("*.pid"):
             subprocess.run([sys.executable, "-m", "loader", "serve", "--stop", str(pidfile)],
                            capture_output=True, timeout=60)
+        # what the page made goes now, as a script's globals do at its exit: the page's functions
+        # hold the namespace that holds them (a cycle), so a DataLoader it left mid-epoch would
+        # otherwise end its workers in a later garbage collection, 5 s a worker in torch's finalizer
+        namespace.clear()
     assert ran, f"{page.name}: no block ran"
 
 
