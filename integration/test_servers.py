@@ -30,7 +30,7 @@ from moto_main import canonical_query
 from loader.config import S3Config
 from loader.errors import ConfigError
 from loader.tools import cli
-from loader.tools.devserver import DevServer, find_weed
+from loader.tools.devserver import DevServer, DevServerError, find_weed
 
 from datasets import jpeg_dataset, make_jpeg, sha256
 from s3servers import S3_VARS, SERVERS_VAR, choose_server, chosen_servers, restart_container
@@ -217,6 +217,50 @@ def test_restart_on_the_same_data_dir_keeps_objects(tmp_path, s3client):
         client.put_object(Bucket=server.create_bucket("after"), Key="new", Body=b"new")
         assert client.get_object(Bucket="after", Key="new")["Body"].read() == b"new"
     assert (tmp_path / "s3" / "data").is_dir()
+
+
+def test_ports_are_picked_outside_the_range_the_kernel_gives_outgoing_connections(devserver):
+    """A port of that range, freed while the server restarts, can be taken by any client's connect
+    as its local port (a restart then failed on 'bind: address already in use')."""
+    from loader.tools.devserver import _free_ports, _outgoing_port_range
+
+    low, high = _outgoing_port_range()
+    for ports in (devserver.ports, _free_ports(50)):
+        assert all(not low <= p <= high for p in ports if p is not None), (ports, low, high)
+    assert len(set(_free_ports(50))) == 50
+
+
+@pytest.mark.parametrize("found", ["before the launch", "in weed's log"])
+def test_an_internal_port_taken_while_the_server_is_down_moves_at_the_restart(found, tmp_path, s3client,
+                                                                               monkeypatch):
+    """Only the S3 endpoint must stay where clients know it: weed's other ports may move, the data
+    dir does not depend on them. Taken while weed was down (seen by the check before the launch, or
+    between the check and weed's bind, where only weed's log says so), the restart picks new ones."""
+    from loader.tools import devserver as module
+
+    with DevServer(data_dir=tmp_path / "s3", buckets=["moves"]) as server:
+        s3client(server).put_object(Bucket="moves", Key="k", Body=b"kept")
+        before = server.ports
+        server._stop_process(graceful=True)  # down, then taken (as a restart once met), then restarted
+        taken = socket.create_server(("127.0.0.1", before.filer_grpc))
+        try:
+            if found == "in weed's log":
+                monkeypatch.setattr(module, "_port_is_free", lambda port: True)
+            server.restart()
+        finally:
+            taken.close()
+        assert server.ports.s3 == before.s3 and server.ports.filer_grpc != before.filer_grpc
+        assert (b"address already in use" in server.log_path.read_bytes()) == (found == "in weed's log")
+        client = s3client(server)
+        assert client.get_object(Bucket="moves", Key="k")["Body"].read() == b"kept"
+
+
+def test_a_restart_whose_s3_port_was_taken_says_so(tmp_path):
+    with DevServer(data_dir=tmp_path / "s3") as server:
+        server._stop_process(graceful=True)
+        with socket.create_server(("127.0.0.1", server.ports.s3)), pytest.raises(
+                DevServerError, match=rf"S3 port {server.ports.s3} .* taken while the server was down"):
+            server.restart()
 
 
 def test_a_forked_child_cannot_stop_the_server(devserver, s3client):

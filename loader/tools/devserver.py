@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -48,6 +49,8 @@ IDENTITIES_NAME = "s3-identities.json"
 DATA_SUBDIR = "data"
 _LOG_TAIL_LINES = 30
 _LAUNCH_TRIES = 3  # launches with freshly picked ports when one was taken before weed bound it
+_FIRST_UNPRIVILEGED = 1024
+_MIN_POOL = 1000  # fewer ports outside the outgoing range than this: let the kernel pick (bind(0))
 # Environment the server gets: nothing of ours (no AWS_*/WEED_* credentials or overrides) leaks in.
 _CHILD_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ")
 _CHILD_ENV_FIXED = {
@@ -80,6 +83,11 @@ class Ports(NamedTuple):
     filer: int
     filer_grpc: int
     s3_https: int | None = None  # only with TLS
+
+    def internal(self) -> tuple[int, ...]:
+        """The ports only weed's own components use (free to move at a restart)."""
+        return (self.s3_grpc, self.master, self.master_grpc, self.volume, self.volume_grpc,
+                self.filer, self.filer_grpc)
 
     def grpc(self) -> dict[str, int]:
         """Component name -> gRPC port, as used in SeaweedFS's Unix socket names."""
@@ -274,8 +282,26 @@ class DevServer:
             time.sleep(downtime)
         began = time.monotonic()
         try:
-            self._launch()
-            self._wait_ready(began + self.start_timeout)
+            for attempt in range(1, _LAUNCH_TRIES + 1):
+                ports = self.ports
+                if not _port_is_free(ports.s3) or (ports.s3_https is not None and not _port_is_free(ports.s3_https)):
+                    raise DevServerError(
+                        f"the S3 port {ports.s3} (or its https port) on {HOST} was taken while the "
+                        "server was down; clients know the endpoint, so it cannot move")
+                if not all(_port_is_free(p) for p in ports.internal()):
+                    self._ports = self._pick_internal_ports()
+                logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+                self._launch()
+                try:
+                    self._wait_ready(began + self.start_timeout)
+                    break
+                except DevServerError:
+                    # an internal port was taken while weed was down (the data dir does not
+                    # depend on them: only the S3 endpoint must stay where clients know it)
+                    if attempt == _LAUNCH_TRIES or not self._lost_a_port(logged):
+                        raise
+                    self._stop_process(graceful=False)
+                    self._ports = self._pick_internal_ports()
         except BaseException:
             self._stop_process(graceful=False)
             raise
@@ -350,6 +376,12 @@ class DevServer:
         free = _free_ports(wanted if self._want_port is None else wanted - 1, avoid={self._want_port})
         s3 = self._want_port if self._want_port is not None else free.pop()
         return Ports._make([s3, *free[:7], free[7] if self._tls else None])
+
+    def _pick_internal_ports(self) -> Ports:
+        """Free ports for everything but the S3 endpoint (and its https port), which stay."""
+        ports = self.ports
+        free = _free_ports(7, avoid={ports.s3, ports.s3_https})
+        return Ports._make([ports.s3, *free, ports.s3_https])
 
     def _launch(self) -> None:
         """Spawn ``weed`` in its own session, logging to ``root/weed.log``, in a private run dir."""
@@ -494,21 +526,44 @@ def _load_or_create_identities(path: Path) -> tuple[str, str]:
 
 
 def _free_ports(n: int, avoid: Iterable[int | None] = ()) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (all held open together while choosing)."""
+    """``n`` distinct free TCP ports on 127.0.0.1 outside the kernel's range for outgoing connections.
+
+    ``bind(0)`` hands out a port of that range: once weed stops for a restart, any client's
+    ``connect`` may take it as its local port, and weed cannot listen there again. Ports below
+    (or above) the range are only ever taken by a bind, so they stay free while a server is down.
+    All are held open together while choosing."""
+    low, high = _outgoing_port_range()
+    pool = [*range(_FIRST_UNPRIVILEGED, low), *range(high + 1, 65536)]
+    rng = random.SystemRandom()  # independent in every test worker and forked child
     held: list[socket.socket] = []
     skip = set(avoid)
     try:
         while len(held) < n:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
+            try:
+                sock.bind((HOST, rng.choice(pool) if len(pool) >= _MIN_POOL else 0))
+            except OSError:  # in use: try another
+                sock.close()
+                continue
             if sock.getsockname()[1] in skip:
                 sock.close()
                 continue
+            skip.add(sock.getsockname()[1])
             held.append(sock)
         return [s.getsockname()[1] for s in held]
     finally:
         for sock in held:
             sock.close()
+
+
+def _outgoing_port_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections: Linux's setting, else IANA's dynamic range
+    (the default of macOS and Windows)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 49152, 65535
+    return low, high
 
 
 def _port_is_free(port: int) -> bool:
