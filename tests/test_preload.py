@@ -122,6 +122,35 @@ def test_obstore_without_its_extra_fails_at_construction_with_advice(monkeypatch
             build()
 
 
+def test_first_error_is_the_first_leaf_that_is_not_a_cancellation_and_makes_no_cycle():
+    """The engine's fatal error comes through ``first_error``: a recursive inner function there
+    was a cycle (the function in its own closure) that held the leaves, and through their
+    tracebacks every frame they passed, until a garbage collection."""
+    import gc
+
+    import anyio
+
+    from loader.s3.blocking import first_error
+
+    async def check() -> None:  # first_error asks anyio for the running loop's cancellation class
+        cancelled = anyio.get_cancelled_exc_class()
+        first, second = ValueError("first"), KeyError("second")
+        group = BaseExceptionGroup("outer", [
+            BaseExceptionGroup("inner", [cancelled(), ExceptionGroup("deep", [first])]), second])
+        assert first_error(group) is first
+        assert type(first_error(BaseExceptionGroup("only", [cancelled()]))) is cancelled
+        assert first_error(second) is second
+        gc.collect()
+        gc.disable()
+        try:
+            first_error(group)
+            assert gc.collect() == 0, "first_error left a reference cycle behind"
+        finally:
+            gc.enable()
+
+    anyio.run(check)
+
+
 def test_an_error_through_run_async_frees_its_callers_frames_once_caught():
     """An error a one-shot loop raised reaches the caller through anyio's portal, whose frame
     holds the future the error was set on, inside the error's own traceback: a cycle. Caught and

@@ -64,15 +64,15 @@ async def with_store(
 def first_error(group: BaseException) -> BaseException:
     """The error that made a task group fail: its first leaf that is not a cancellation (the
     others are mostly the cancellations it caused); its own traceback stays attached."""
+    # a loop, not a recursive inner function: that would be a cycle (the function in its own
+    # closure) holding the leaves, and through their tracebacks every frame they passed
     leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
+    pending = [group]
+    while pending:
+        exc = pending.pop()
         if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
+            pending.extend(reversed(exc.exceptions))
         else:
             leaves.append(exc)
-
-    walk(group)
     cancelled = anyio.get_cancelled_exc_class()
     return next((leaf for leaf in leaves if not isinstance(leaf, cancelled)), leaves[0] if leaves else group)
