@@ -66,6 +66,11 @@ from .protocol import (
 )
 from .signed_get import SignedGetter
 
+# _OURS_AS_THEY_ARE: where a try block runs our own checks (the direct path, a body's length),
+# their StoreError is raised as it is, never through ``raise self._translate(exc) from exc``: the
+# translation returns it unchanged, and an error that is its own cause is a reference cycle
+# through its traceback, keeping every frame it passed (up to the user's DataLoader iterator)
+# until a garbage collection.
 _STREAM_ERRORS = (asyncio.TimeoutError, ConnectionError)  # http1's ResponseBroken too; botocore's: _botocore
 
 
@@ -307,6 +312,8 @@ class Aioboto3Store:
                     except NotServed as exc:
                         self._leave_to_botocore(bucket, exc.reason)
                 return await self._botocore_page(bucket, prefix, token, delimiter, page_size, after)
+            except StoreError:
+                raise  # ours already (see _OURS_AS_THEY_ARE)
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
 
@@ -370,6 +377,8 @@ class Aioboto3Store:
                 data, etag = await getter.get(bucket, key, byte_range, conditions)
             except NotServed as exc:
                 self._leave_to_botocore(bucket, exc.reason)
+            except StoreError:
+                raise  # ours already (see _OURS_AS_THEY_ARE)
             except Exception as exc:
                 raise self._translate(exc, bucket, key) from exc
             else:
@@ -394,6 +403,8 @@ class Aioboto3Store:
                 expected = _checked_head(response, asked, bucket, key)
                 data = await _paced_body(body, expected, read_timeout)  # short bodies raise
                 check_length(len(data), expected, asked, bucket, key)
+        except StoreError:
+            raise  # ours already (see _OURS_AS_THEY_ARE)
         except Exception as exc:
             if conditions and "If-None-Match" in conditions and _error_code(exc) in _NOT_MODIFIED:
                 return None
@@ -461,8 +472,8 @@ class Aioboto3Store:
         try:
             async for chunk, length, etag in pieces:
                 yield chunk, -1 if length is None else length, etag
-        except NotServed:
-            raise
+        except (NotServed, StoreError):
+            raise  # ours already (see _OURS_AS_THEY_ARE)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         finally:

@@ -470,8 +470,9 @@ class ObstoreStore:
     async def _past_the_end(self, bucket: str, key: str, start: int, end: int | None) -> None:
         """After a 416: return if ``start`` is exactly the object's size (an empty range, as
         with a slice), else raise ``InvalidRangeError``. Costs a HEAD, on this path only."""
+        store = self._store(bucket)  # its ConfigError as it is (a translation would be its own cause)
         try:
-            meta = await obstore.head_async(self._store(bucket), key)
+            meta = await obstore.head_async(store, key)
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         size = int(meta["size"])
