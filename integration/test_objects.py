@@ -179,6 +179,37 @@ def test_key_that_does_not_exist(s3_server, jpegs):
     assert err.key == "train/missing.jpg" and err.bucket == bucket
 
 
+@pytest.mark.parametrize("backend", ["aioboto3", "obstore"])
+def test_a_missing_key_caught_in_the_loop_keeps_nothing_of_the_epoch(s3_server, jpegs, backend):
+    """In the main process (no workers) the error of a missing key, caught by the user's loop and
+    dropped, frees the DataLoader iterator and the dataset at once. Three cycles through its
+    traceback had kept them (with the engine's buffer) until a garbage collection: the engine's
+    slot holding the error it raised, the store's own error raised ``from`` itself, and a
+    recursive helper's closure."""
+    import gc
+    import weakref
+
+    bucket, expected = jpegs
+    keys = sorted(expected)[:20] + ["train/missing.jpg"]
+    gc.collect()
+    gc.disable()  # a collection now and then would free it anyway: none may hide a cycle
+    try:
+        dataset = AsyncS3Dataset.from_keys(bucket, keys, config=s3_server.config, store=Store(backend=backend))
+        iterator = iter(DataLoader(dataset, batch_size=4, collate_fn=list))
+        try:
+            for _ in iterator:
+                pass
+        except NoSuchKeyError as exc:
+            assert exc.__cause__ is not exc and exc.key == "train/missing.jpg"
+        else:
+            raise AssertionError("the missing key was not raised")
+        left = weakref.ref(iterator), weakref.ref(dataset)
+        del iterator, dataset
+        assert [ref() for ref in left] == [None, None], "the iterator or its dataset outlived its last reference"
+    finally:
+        gc.enable()
+
+
 def test_wrong_credentials(s3_server, jpegs):
     bucket, expected = jpegs
     secret = "wrong-secret-" + hashlib.sha256(b"x").hexdigest()[:12]

@@ -162,6 +162,43 @@ def test_a_missing_key_fails_fast_in_as_completed_mode(no_leaked_threads):
         list(FetchEngine(fetch_jobs(keys), reusable(fake), limits=EngineLimits(delivery="completed")))
 
 
+@pytest.mark.parametrize("delivery", ["ordered", "interleave", "completed", "scheduled", "store fails"])
+def test_an_error_the_consumer_caught_keeps_no_engine_alive(delivery, no_leaked_threads):
+    """The engine kept a job's error on its slot (a store's, on the engine's core): the error's
+    traceback holds every frame that held them, up to the consumer's iterator, a cycle that
+    kept the engine, its buffer and the user's DataLoader iterator until a garbage collection.
+    Raised once, it is let go: caught and dropped, nothing of the engine outlives its last
+    reference."""
+    import weakref
+
+    objects, fake = make(20, fail={"train/000012.bin": NoSuchKeyError("gone", bucket=BUCKET, key="train/000012.bin")})
+    keys = sorted(objects)
+    limits = EngineLimits(max_inflight=4, delivery="ordered" if delivery == "store fails" else delivery)
+    schedule = range(len(keys)) if delivery == "scheduled" else None
+
+    async def broken():
+        raise ConfigError("no credentials")
+
+    gc.collect()
+    gc.disable()  # only references may free it
+    try:
+        engine = FetchEngine(fetch_jobs(keys), broken if delivery == "store fails" else reusable(fake),
+                             limits=limits, schedule=schedule)
+        core = weakref.ref(engine._core)
+        got = []
+        try:
+            for item in engine:
+                got.append(item)
+        except (NoSuchKeyError, ConfigError) as exc:
+            error = type(exc)
+        assert error is (ConfigError if delivery == "store fails" else NoSuchKeyError)
+        freed = weakref.ref(engine)
+        del engine
+        assert freed() is None and core() is None, "the caught error kept the engine"
+    finally:
+        gc.enable()
+
+
 def test_a_store_that_cannot_open_reports_why(no_leaked_threads):
     async def broken():
         raise ConfigError("no credentials for endpoint 'http://127.0.0.1:1'")

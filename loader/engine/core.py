@@ -339,8 +339,12 @@ class EngineCore:
         self.taken = [0, 0]
         delivery, waited = self.delivery, False
         while True:
-            if self.fatal is not None:
-                raise self.fatal
+            if self.fatal is not None:  # raised once: the consumer then closes the engine
+                fatal, self.fatal = self.fatal, None  # kept, its traceback would keep the frames
+                try:  # that hold this core, up to the consumer's iterator (see raise_error)
+                    raise fatal
+                finally:
+                    del fatal
             if waited and self.counts.delivered_items and delivery.gathers:
                 await self.gather(max_items)
             out = delivery.pop(max_items)

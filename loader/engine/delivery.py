@@ -8,9 +8,10 @@ and ``take_more`` for the batch's bounds. Runs only in the engine's loop thread.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 from .limits import Counts, EngineLimits
 from .tuning import Tuning
@@ -30,6 +31,18 @@ class Slot:
         self.done = False
         self.error: BaseException | None = None
         self.reserved = 0  # bytes of ``inflight_bytes`` this job holds while it runs
+
+
+def raise_error(slot: Slot) -> NoReturn:
+    """Raise the job's error, which the slot no longer holds from then on: the error's traceback
+    holds every frame that held the slot (the job's, the consumer's up to its DataLoader
+    iterator), so a slot keeping it would keep them all until a garbage collection."""
+    error, slot.error = slot.error, None
+    assert error is not None
+    try:
+        raise error
+    finally:
+        del error  # nor this frame, which the traceback holds too
 
 
 class Core(Protocol):
@@ -58,7 +71,9 @@ class DeliveryPolicy:
     gathers = True  # a waiting consumer may let a few items gather (``Tuning.gather_s``)
 
     def __init__(self, core: Core) -> None:
-        self.core = core
+        # a proxy: the core holds its policy, and a cycle would keep the core (its buffer, up to
+        # ``queue_bytes``) until a full garbage collection once a consumer drops its iterator
+        self.core = weakref.proxy(core)
         self.wanted = 0  # the job whose next item the consumer is waiting for
 
     def places(self, ahead: bool = False) -> int:
@@ -130,7 +145,7 @@ class Ordered(DeliveryPolicy):
             del core.slots[self.head]
             self.head += 1
             if slot.error is not None:
-                raise slot.error
+                raise_error(slot)
         return out
 
 
@@ -182,7 +197,7 @@ class Interleaved(DeliveryPolicy):
                 break
             del core.slots[index]
             if slot.error is not None:
-                raise slot.error
+                raise_error(slot)
             self.lanes[self.cursor] = self.next_index  # the lane takes the next job
             self.next_index += 1
             core.notify()  # the launcher may be waiting for that
@@ -204,7 +219,7 @@ class Completed(DeliveryPolicy):
         self.ready.append(entry)
 
     def failed(self, slot: Slot, exc: BaseException) -> None:
-        self.ready.append((_Failure(exc), 0))
+        self.ready.append((_Failure(slot), 0))
 
     def ended(self, slot: Slot) -> None:
         del self.core.slots[slot.index]
@@ -218,7 +233,7 @@ class Completed(DeliveryPolicy):
                 if out:
                     break
                 self.ready.popleft()
-                raise item.error
+                raise_error(item.slot)
             out.append(core.account(self.ready.popleft()))
         return out
 
@@ -270,7 +285,7 @@ class Scheduled(DeliveryPolicy):
             del core.slots[index]
             self.entry = None
             if slot.error is not None:
-                raise slot.error
+                raise_error(slot)
         return out
 
     def end(self) -> None:
@@ -295,6 +310,6 @@ def delivery_for(core: Core, schedule: Iterable[int] | None) -> DeliveryPolicy:
 
 
 class _Failure(NamedTuple):
-    """A job error queued in completion order."""
+    """A job's error queued in completion order (on its slot)."""
 
-    error: BaseException
+    slot: Slot
