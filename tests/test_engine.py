@@ -199,6 +199,43 @@ def test_an_error_the_consumer_caught_keeps_no_engine_alive(delivery, no_leaked_
         gc.enable()
 
 
+@pytest.mark.parametrize("delivery", ["ordered", "interleave", "completed"])
+def test_an_iteration_left_early_frees_the_items_it_never_delivered(delivery, no_leaked_threads):
+    """A consumer that leaves mid-epoch (a ``break``, a validation pass of N batches) drops the
+    buffer with its iterator: the items fetched and never delivered (up to ``queue_bytes``), and
+    those the jobs cancelled mid-flight were emitting, do not wait for a garbage collection
+    (anyio keeps a cancelled task's error in a cycle with its traceback, and so its frames)."""
+    import weakref
+
+    class Item:
+        pass
+
+    made: list[weakref.ref] = []
+
+    def jobs():
+        for _ in range(40):
+            async def job(ctx):
+                for _ in range(5):
+                    item = Item()
+                    made.append(weakref.ref(item))
+                    await ctx.emit(item, 1000)
+            yield job
+
+    gc.collect()
+    gc.disable()  # only references may free them
+    try:
+        iterator = iter(FetchEngine(jobs(), reusable(FakeStore()),
+                                    limits=EngineLimits(max_inflight=8, queue_items=64, delivery=delivery)))
+        first = next(iterator)
+        wait_until(lambda: len(made) >= 40, "the buffer to fill behind the consumer", timeout=30)
+        del iterator
+        alive = sum(ref() is not None for ref in made)
+        assert alive == 1, f"{alive - 1} items never delivered outlived the iterator"
+        del first
+    finally:
+        gc.enable()
+
+
 def test_a_store_that_cannot_open_reports_why(no_leaked_threads):
     async def broken():
         raise ConfigError("no credentials for endpoint 'http://127.0.0.1:1'")

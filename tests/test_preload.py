@@ -132,6 +132,11 @@ def test_first_error_is_the_first_leaf_that_is_not_a_cancellation_and_makes_no_c
 
     from loader.s3.blocking import first_error
 
+    if sys.version_info >= (3, 11):
+        from builtins import BaseExceptionGroup, ExceptionGroup
+    else:  # anyio's dependency there
+        from exceptiongroup import BaseExceptionGroup, ExceptionGroup
+
     async def check() -> None:  # first_error asks anyio for the running loop's cancellation class
         cancelled = anyio.get_cancelled_exc_class()
         first, second = ValueError("first"), KeyError("second")

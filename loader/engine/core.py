@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import traceback
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
 from typing import Any
@@ -304,6 +305,11 @@ class EngineCore:
             slot.error = exc
             self.failed = True
             self.delivery.failed(slot, exc)
+        except BaseException as exc:  # cancelled (the engine closing): anyio keeps a cancelled
+            # task's error in a cycle with its traceback, whose frames (the item a job was
+            # emitting, its buffers) would wait for a garbage collection; their locals go now
+            traceback.clear_frames(exc.__traceback__)
+            raise
         finally:
             counts.inflight -= 1
             counts.jobs_done += 1
@@ -314,6 +320,15 @@ class EngineCore:
             self.notify()  # a place is free: the launcher may be waiting for one
 
     # ------------------------------------------------------------------ the buffer
+
+    def discard(self) -> None:
+        """Once nothing runs this core any more (its loop stopped): drop the items never delivered
+        and end the cycle with the delivery policy, so that neither waits for a garbage
+        collection (the jobs cancelled mid-flight have let go of theirs, see ``run_job``)."""
+        for slot in self.slots.values():  # a cancelled job's context holds its slot
+            slot.items.clear()
+        self.slots.clear()
+        self.delivery.detach()
 
     def full(self) -> bool:
         counts = self.counts

@@ -8,7 +8,6 @@ and ``take_more`` for the batch's bounds. Runs only in the engine's loop thread.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, NamedTuple, NoReturn, Protocol
@@ -71,9 +70,7 @@ class DeliveryPolicy:
     gathers = True  # a waiting consumer may let a few items gather (``Tuning.gather_s``)
 
     def __init__(self, core: Core) -> None:
-        # a proxy: the core holds its policy, and a cycle would keep the core (its buffer, up to
-        # ``queue_bytes``) until a full garbage collection once a consumer drops its iterator
-        self.core = weakref.proxy(core)
+        self.core = core  # which holds this policy: ``detach`` ends the cycle once the engine closes
         self.wanted = 0  # the job whose next item the consumer is waiting for
 
     def places(self, ahead: bool = False) -> int:
@@ -112,6 +109,11 @@ class DeliveryPolicy:
     def finished(self) -> bool:
         core = self.core
         return core.launch_done and core.counts.jobs_done == core.counts.launched and not core.slots
+
+    def detach(self) -> None:
+        """The engine is closed: let go of the core (a weak reference here would cost every item
+        its indirection) and of any item never delivered."""
+        del self.core
 
 
 class Ordered(DeliveryPolicy):
@@ -239,6 +241,10 @@ class Completed(DeliveryPolicy):
 
     def finished(self) -> bool:
         return super().finished() and not self.ready
+
+    def detach(self) -> None:
+        self.ready.clear()
+        super().detach()
 
 
 class Scheduled(DeliveryPolicy):

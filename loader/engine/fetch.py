@@ -112,11 +112,12 @@ class FetchEngine:
             return
         self._closed = True
         loop, self._loop = self._loop, None
-        if loop is None or os.getpid() != self._pid:
-            return  # never started, or inherited through fork: that thread is not ours
-        if threading.current_thread() is loop.thread:
-            raise RuntimeError("FetchEngine.close() called from its own event-loop thread")
-        loop.stop()
+        if loop is not None and os.getpid() == self._pid:  # else never started, or inherited
+            # through fork: that thread is not ours (nor is it running in this process)
+            if threading.current_thread() is loop.thread:
+                raise RuntimeError("FetchEngine.close() called from its own event-loop thread")
+            loop.stop()
+        self._core.discard()  # nothing runs it now: the buffer goes with the iterator
 
     def __enter__(self) -> FetchEngine:
         return self
