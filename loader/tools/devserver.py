@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -234,21 +234,9 @@ class DevServer:
         began = time.monotonic()
         self._prepare_root()
         try:
-            for attempt in range(1, _LAUNCH_TRIES + 1):
-                if self._ports is None or not all(_port_is_free(p) for p in self._ports if p is not None):
-                    self._ports = self._pick_ports()
-                logged = self.log_path.stat().st_size if self.log_path.exists() else 0
-                self._launch()
-                try:
-                    self._wait_ready(began + self.start_timeout)
-                    break
-                except DevServerError:
-                    # The ports were free when picked, then closed for weed to bind: another
-                    # process (a test worker starting its own server) may take one meanwhile.
-                    if attempt == _LAUNCH_TRIES or not self._lost_a_port(logged):
-                        raise
-                    self._stop_process(graceful=False)
-                    self._ports = None  # pick free ones again
+            if self._ports is None or not all(_port_is_free(p) for p in self._ports if p is not None):
+                self._ports = self._pick_ports()
+            self._launch_until_ready(began, moving=self._pick_ports)
             for name in self._buckets:
                 self.create_bucket(name)
         except BaseException:
@@ -282,26 +270,15 @@ class DevServer:
             time.sleep(downtime)
         began = time.monotonic()
         try:
-            for attempt in range(1, _LAUNCH_TRIES + 1):
-                ports = self.ports
-                if not _port_is_free(ports.s3) or (ports.s3_https is not None and not _port_is_free(ports.s3_https)):
-                    raise DevServerError(
-                        f"the S3 port {ports.s3} (or its https port) on {HOST} was taken while the "
-                        "server was down; clients know the endpoint, so it cannot move")
-                if not all(_port_is_free(p) for p in ports.internal()):
-                    self._ports = self._pick_internal_ports()
-                logged = self.log_path.stat().st_size if self.log_path.exists() else 0
-                self._launch()
-                try:
-                    self._wait_ready(began + self.start_timeout)
-                    break
-                except DevServerError:
-                    # an internal port was taken while weed was down (the data dir does not
-                    # depend on them: only the S3 endpoint must stay where clients know it)
-                    if attempt == _LAUNCH_TRIES or not self._lost_a_port(logged):
-                        raise
-                    self._stop_process(graceful=False)
-                    self._ports = self._pick_internal_ports()
+            ports = self.ports
+            if not _port_is_free(ports.s3) or (ports.s3_https is not None and not _port_is_free(ports.s3_https)):
+                raise DevServerError(
+                    f"the S3 port {ports.s3} (or its https port) on {HOST} was taken while the "
+                    "server was down; clients know the endpoint, so it cannot move")
+            # weed's other ports may move (the data dir does not depend on them)
+            if not all(_port_is_free(p) for p in ports.internal()):
+                self._ports = self._pick_internal_ports()
+            self._launch_until_ready(began, moving=self._pick_internal_ports)
         except BaseException:
             self._stop_process(graceful=False)
             raise
@@ -406,6 +383,23 @@ class DevServer:
         ).result()
         self._owner_pid = os.getpid()
         _LIVE.add(self)  # stopped at exit even without stop()
+
+    def _launch_until_ready(self, began: float, *, moving: Callable[[], Ports]) -> None:
+        """Launch weed on ``self.ports`` and wait until it answers; where its log says a port
+        was taken before weed bound it (free when picked, then released for weed: another
+        process, a test worker starting its own server, may take it meanwhile), launch again on
+        the ports ``moving`` picks, a few times."""
+        for attempt in range(1, _LAUNCH_TRIES + 1):
+            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            self._launch()
+            try:
+                self._wait_ready(began + self.start_timeout)
+                return
+            except DevServerError:
+                if attempt == _LAUNCH_TRIES or not self._lost_a_port(logged):
+                    raise
+                self._stop_process(graceful=False)
+                self._ports = moving()
 
     def _wait_ready(self, deadline: float) -> None:
         """Poll with signed requests until S3 answers and a volume server has joined."""
