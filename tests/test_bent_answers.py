@@ -114,6 +114,7 @@ async def test_an_answer_not_what_was_asked_is_an_error_naming_both(transport, c
     assert isinstance(error, BadAnswerError), f"{case} through {transport}: {error!r}"
     assert "s3://bkt/key" in str(error) and "GET" in str(error), str(error)
     assert len(str(error)) < 600
+    assert error.endpoint == endpoint, "retried, then given up on: the final error names the endpoint"
 
 
 GOOD = {
@@ -344,6 +345,22 @@ async def test_a_slowloris_answer_fails_like_a_stall(transport, how, part):
 
 
 SLOW_WORDS = ("not whole", "bytes/s", "timed out")  # ours (answer_pace, http1), or obstore's own
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("how", ["get", "stream"])
+async def test_a_body_cut_short_is_transient_and_names_the_endpoint(transport, how):
+    """A connection that ends inside the body is worth another attempt, and the error that
+    reaches the user once the retries give up names the endpoint that answered so: our own
+    check's error as well as a library's (the store marks both)."""
+    if _skip_unasked(transport, (how,)):
+        return
+    cut = head("200 OK", {"Content-Length": str(len(OBJECT)), "ETag": '"e"'}) + OBJECT[:500]
+    async with bent_server(lambda r: [cut, CLOSE]) as (endpoint, _), store_at(transport, endpoint) as store:
+        with pytest.raises(TransientStoreError) as info:
+            await ask(store, (how,))
+    assert not isinstance(info.value, BadAnswerError), str(info.value)
+    assert info.value.endpoint == endpoint, f"{info.value!r} names {info.value.endpoint!r}"
 
 
 # ---------------------------------------------------------------- error answers

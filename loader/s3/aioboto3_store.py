@@ -67,7 +67,8 @@ from .protocol import (
 from .signed_get import SignedGetter
 
 # _OURS_AS_THEY_ARE: where a try block runs our own checks (the direct path, a body's length),
-# their StoreError is raised as it is, never through ``raise self._translate(exc) from exc``: the
+# their StoreError is raised as it is (a transient one marked with the endpoint, as
+# ``translate_error`` would), never through ``raise self._translate(exc) from exc``: the
 # translation returns it unchanged, and an error that is its own cause is a reference cycle
 # through its traceback, keeping every frame it passed (up to the user's DataLoader iterator)
 # until a garbage collection.
@@ -312,8 +313,9 @@ class Aioboto3Store:
                     except NotServed as exc:
                         self._leave_to_botocore(bucket, exc.reason)
                 return await self._botocore_page(bucket, prefix, token, delimiter, page_size, after)
-            except StoreError:
-                raise  # ours already (see _OURS_AS_THEY_ARE)
+            except StoreError as exc:  # ours already (see _OURS_AS_THEY_ARE)
+                at_endpoint(exc, self._endpoint)
+                raise
             except Exception as exc:
                 raise self._translate(exc, bucket, prefix, listing=True) from exc
 
@@ -377,8 +379,9 @@ class Aioboto3Store:
                 data, etag = await getter.get(bucket, key, byte_range, conditions)
             except NotServed as exc:
                 self._leave_to_botocore(bucket, exc.reason)
-            except StoreError:
-                raise  # ours already (see _OURS_AS_THEY_ARE)
+            except StoreError as exc:  # ours already (see _OURS_AS_THEY_ARE)
+                at_endpoint(exc, self._endpoint)
+                raise
             except Exception as exc:
                 raise self._translate(exc, bucket, key) from exc
             else:
@@ -403,8 +406,9 @@ class Aioboto3Store:
                 expected = _checked_head(response, asked, bucket, key)
                 data = await _paced_body(body, expected, read_timeout)  # short bodies raise
                 check_length(len(data), expected, asked, bucket, key)
-        except StoreError:
-            raise  # ours already (see _OURS_AS_THEY_ARE)
+        except StoreError as exc:  # ours already (see _OURS_AS_THEY_ARE)
+            at_endpoint(exc, self._endpoint)
+            raise
         except Exception as exc:
             if conditions and "If-None-Match" in conditions and _error_code(exc) in _NOT_MODIFIED:
                 return None
@@ -472,8 +476,11 @@ class Aioboto3Store:
         try:
             async for chunk, length, etag in pieces:
                 yield chunk, -1 if length is None else length, etag
-        except (NotServed, StoreError):
-            raise  # ours already (see _OURS_AS_THEY_ARE)
+        except NotServed:
+            raise
+        except StoreError as exc:  # ours already (see _OURS_AS_THEY_ARE)
+            at_endpoint(exc, self._endpoint)
+            raise
         except Exception as exc:
             raise self._translate(exc, bucket, key) from exc
         finally:
@@ -499,7 +506,11 @@ class Aioboto3Store:
         body = response["Body"]
         async with body:
             asked = asked_for(kwargs.get("Range"), None if if_match is None else {"If-Match": if_match})
-            due = _checked_head(response, asked, bucket, key)
+            try:
+                due = _checked_head(response, asked, bucket, key)
+            except StoreError as exc:  # ours (see _OURS_AS_THEY_ARE)
+                at_endpoint(exc, self._endpoint)
+                raise
             expected = -1 if due is None else due
             pace = Pace(read_timeout)  # the consumer's own time between pieces is not counted
             while True:
