@@ -51,6 +51,7 @@ _LOG_TAIL_LINES = 30
 _LAUNCH_TRIES = 3  # launches with freshly picked ports when one was taken before weed bound it
 _FIRST_UNPRIVILEGED = 1024
 _MIN_POOL = 1000  # fewer ports outside the outgoing range than this: let the kernel pick (bind(0))
+_MAX_MISSES = 1000  # ports found in use while picking: beyond, something else is wrong (said by bind)
 # Environment the server gets: nothing of ours (no AWS_*/WEED_* credentials or overrides) leaks in.
 _CHILD_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ")
 _CHILD_ENV_FIXED = {
@@ -531,13 +532,18 @@ def _free_ports(n: int, avoid: Iterable[int | None] = ()) -> list[int]:
     rng = random.SystemRandom()  # independent in every test worker and forked child
     held: list[socket.socket] = []
     skip = set(avoid)
+    misses = 0
     try:
         while len(held) < n:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            port = rng.choice(pool) if len(pool) >= _MIN_POOL else 0
             try:
-                sock.bind((HOST, rng.choice(pool) if len(pool) >= _MIN_POOL else 0))
-            except OSError:  # in use: try another
+                sock.bind((HOST, port))
+            except OSError:  # in use: try another, unless nothing can be bound
                 sock.close()
+                misses += 1
+                if not port or misses > _MAX_MISSES:
+                    raise
                 continue
             if sock.getsockname()[1] in skip:
                 sock.close()
