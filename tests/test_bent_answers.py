@@ -115,6 +115,9 @@ async def test_an_answer_not_what_was_asked_is_an_error_naming_both(transport, c
     assert "s3://bkt/key" in str(error) and "GET" in str(error), str(error)
     assert len(str(error)) < 600
     assert error.endpoint == endpoint, "retried, then given up on: the final error names the endpoint"
+    # our own check's error, let through as it is, never raised ``from`` itself: that cycle
+    # through its traceback keeps every frame it passed until a garbage collection
+    assert error.__cause__ is not error, "the error is its own cause"
 
 
 GOOD = {
@@ -361,6 +364,7 @@ async def test_a_body_cut_short_is_transient_and_names_the_endpoint(transport, h
             await ask(store, (how,))
     assert not isinstance(info.value, BadAnswerError), str(info.value)
     assert info.value.endpoint == endpoint, f"{info.value!r} names {info.value.endpoint!r}"
+    assert info.value.__cause__ is not info.value, "the error is its own cause"
 
 
 # ---------------------------------------------------------------- error answers
